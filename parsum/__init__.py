@@ -1,0 +1,20 @@
+"""parsum: parallel, compensated and deterministic sums of PyTorch models."""
+
+from ._api import sum_models
+from ._config import config
+from ._errors import ParsumError
+from ._function import ParallelSum
+from ._summation import compensated_sum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # the normal door
+    "sum_models",
+    "config",
+    # lower level
+    "ParallelSum",
+    "compensated_sum",
+    # errors
+    "ParsumError",
+]

@@ -1,0 +1,126 @@
+"""Thread-local configuration and ``n_jobs`` resolution (joblib's conventions)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import joblib
+from joblib.parallel import get_active_backend
+
+from ._errors import ParsumError
+
+ENGINES = ("auto", "autograd", "vjp")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    n_jobs: int | None = None
+    engine: str | None = None
+    chunk_size: int | None = None
+
+
+class _Local(threading.local):
+    settings = _Settings()
+
+
+_local = _Local()
+
+
+def current_settings() -> _Settings:
+    return _local.settings
+
+
+@contextlib.contextmanager
+def config(
+    n_jobs: int | None = None, engine: str | None = None, chunk_size: int | None = None
+) -> Iterator[None]:
+    """Set parsum's defaults for the current thread inside a ``with`` block.
+
+    Values left as ``None`` keep what the enclosing configuration says; the previous values are
+    restored on exit, also when the block raises. An explicit argument to ``sum_models`` wins
+    over the configuration, and the configuration wins over ``joblib.parallel_config``.
+
+    >>> import torch, parsum
+    >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+    >>> with parsum.config(n_jobs=1):
+    ...     y = parsum.sum_models(models, torch.ones(5, 3))
+    >>> y.shape
+    torch.Size([5, 2])
+
+    Args:
+        n_jobs: default number of workers (joblib's convention, see ``sum_models``).
+        engine: default engine, one of ``"auto"``, ``"autograd"``, ``"vjp"``.
+        chunk_size: default number of models per task.
+
+    Raises:
+        ParsumError: for an invalid value, before anything is changed.
+    """
+    if n_jobs is not None:
+        check_n_jobs(n_jobs, "parsum.config")
+    if engine is not None:
+        check_engine(engine, "parsum.config")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size, "parsum.config")
+    old = _local.settings
+    changes = {"n_jobs": n_jobs, "engine": engine, "chunk_size": chunk_size}
+    _local.settings = replace(old, **{k: v for k, v in changes.items() if v is not None})
+    try:
+        yield
+    finally:
+        _local.settings = old
+
+
+def check_n_jobs(n_jobs: object, where: str) -> int | None:
+    if n_jobs is None:
+        return None
+    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0:
+        raise ParsumError(
+            f"{where}: invalid n_jobs={n_jobs!r}; expected None, a positive int, or a negative "
+            "int (-1 = all cores, -2 = all but one, ...)"
+        )
+    return n_jobs
+
+
+def check_engine(engine: object, where: str) -> str:
+    if engine not in ENGINES:
+        raise ParsumError(
+            f"{where}: invalid engine={engine!r}; expected one of {', '.join(map(repr, ENGINES))}"
+        )
+    return str(engine)
+
+
+def check_chunk_size(chunk_size: object, where: str) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ParsumError(
+            f"{where}: invalid chunk_size={chunk_size!r}; expected None or a positive int"
+        )
+    return chunk_size
+
+
+def usable_cores() -> int:
+    """Cores this process may use (affinity and cgroup quotas included, through joblib)."""
+    return max(1, int(joblib.cpu_count()))
+
+
+def resolve_n_jobs(n_jobs: int | None, where: str) -> int:
+    """Turn ``n_jobs`` into a positive worker count, following joblib's conventions.
+
+    ``None`` falls back to ``parsum.config``, then ``joblib.parallel_config``, then all usable
+    cores. Negative values count back from the number of cores (-1 = all, -2 = all but one).
+    """
+    check_n_jobs(n_jobs, where)
+    if n_jobs is None:
+        n_jobs = _local.settings.n_jobs
+    if n_jobs is None:
+        n_jobs = check_n_jobs(get_active_backend()[1], "joblib.parallel_config")
+    cores = usable_cores()
+    if n_jobs is None:
+        return cores
+    if n_jobs < 0:
+        return max(1, cores + 1 + n_jobs)
+    return n_jobs

@@ -1,0 +1,12 @@
+"""The one exception type parsum raises for bad input and failed models."""
+
+from __future__ import annotations
+
+
+class ParsumError(RuntimeError):
+    """Bad input to parsum, or a model that failed inside a parsum call.
+
+    Messages start with the public function's name, name the argument and the bad value
+    (for a model: its index and type) and say what is allowed. When a model raised, the
+    original exception is chained as ``__cause__``.
+    """

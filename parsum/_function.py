@@ -1,0 +1,344 @@
+"""ParallelSum: forward fans out the models, backward fans out their pullbacks.
+
+# NOTE [ Data flow ]
+# forward: the pool maps fixed chunks of models; in a chunk each model runs through its engine
+# (``_engines``), giving an output and a pullback; the weighted output is added into the
+# chunk's compensated accumulator; chunk partials are combined in chunk order
+# (NOTE [ Determinism ] in ``_summation``). Pullbacks are kept on ``ctx``.
+# backward: the same chunks again; each pullback gives argument and parameter gradients;
+# argument gradients and the gradients of parameters used by several models go into the chunk's
+# accumulators (never all M held at once); every other parameter gradient is that model's
+# alone and is returned as it is. A pullback is dropped as soon as it ran, so each model's graph
+# is freed during backward, as in plain PyTorch.
+#
+# NOTE [ Failed calls change nothing ]
+# backward raises before returning any gradient, so autograd accumulates nothing from this node
+# into any ``.grad``. forward restores the buffers of modules in training mode (BatchNorm running
+# statistics) to what they were before the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from . import _pool
+from ._engines import ENGINE_FORWARDS, CallArgs, ModelParams, Pullback, plain_forward
+from ._errors import ParsumError
+from ._summation import CompensatedAccumulator
+
+# (structure, ((shape, dtype, device) per leaf)) of one model's output.
+Signature = tuple[pytree.TreeSpec, tuple[tuple[torch.Size, torch.dtype, torch.device], ...]]
+
+
+@dataclass
+class SumPlan:
+    """Everything a ``ParallelSum`` call needs besides its tensors; built by ``sum_models``.
+
+    Attributes:
+        models: the models, in order.
+        call: the call's arguments flattened; its tensor leaves are ``ParallelSum`` inputs.
+        weights: python-float weights, or None (no weights, or a weight tensor input).
+        has_weight_tensor: whether a 1-D weight tensor follows the argument tensors.
+        params: every trainable parameter of every model, once each; the last inputs.
+        model_params: per model, its trainable parameters (what its pullback differentiates).
+        param_slots: per model, the index in ``params`` of each of its parameters.
+        shared: per entry of ``params``, whether more than one model entry uses it.
+        engine: "autograd" or "vjp".
+        chunks: the models of each task; only ``chunk_size`` decides them.
+        n_workers: threads for the call; ``forward_workers`` for forward (1 when models share
+            buffers, which must then be updated in model order as in the plain loop).
+        where: the public name to start error messages with.
+    """
+
+    models: list[Callable[..., Any]]
+    call: CallArgs
+    weights: list[float] | None
+    has_weight_tensor: bool
+    params: list[Tensor]
+    model_params: list[ModelParams]
+    param_slots: list[list[int]]
+    shared: list[bool]
+    engine: str
+    chunks: list[range]
+    n_workers: int
+    forward_workers: int
+    where: str = "sum_models"
+    out_spec: pytree.TreeSpec | None = None
+
+    def model_error(self, i: int, phase: str, exc: BaseException) -> ParsumError:
+        model = self.models[i]
+        hint = ""
+        if self.engine == "vjp" and "mutate" in str(exc):
+            hint = (
+                "; engine='vjp' cannot run a model that updates buffers in forward (BatchNorm "
+                "in training mode): use engine='autograd' or 'auto'"
+            )
+        err = ParsumError(
+            f"{self.where}: model {i} ({type(model).__name__}) raised "
+            f"{type(exc).__name__} in {phase}: {exc}{hint}"
+        )
+        err.__cause__ = exc
+        return err
+
+    def weight(self, i: int, weight_tensor: Tensor | None) -> float | Tensor | None:
+        if weight_tensor is not None:
+            return weight_tensor[i].detach()
+        return None if self.weights is None else self.weights[i]
+
+
+def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
+    leaves, spec = pytree.tree_flatten(out)
+    if not leaves:
+        raise ParsumError(f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned "
+                          f"no tensor ({type(out).__name__}); expected a tensor or a pytree of "
+                          "tensors")
+    for j, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            raise ParsumError(
+                f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned a "
+                f"{type(leaf).__name__} as output leaf {j}; expected tensors only"
+            )
+    return leaves, (spec, tuple((t.shape, t.dtype, t.device) for t in leaves))
+
+
+def _describe_mismatch(plan: SumPlan, i: int, sig: Signature, ref: Signature) -> ParsumError:
+    head = f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned"
+    if sig[0] != ref[0]:
+        return ParsumError(f"{head} an output of structure {sig[0]}, model 0 one of "
+                           f"structure {ref[0]}; every model must return the same structure")
+    for j, ((shape, dtype, device), (rshape, rdtype, rdevice)) in enumerate(zip(sig[1], ref[1])):
+        for what, mine, theirs in (("shape", tuple(shape), tuple(rshape)),
+                                   ("dtype", dtype, rdtype), ("device", device, rdevice)):
+            if mine != theirs:
+                return ParsumError(f"{head} output leaf {j} with {what} {mine}, model 0 with "
+                                   f"{what} {theirs}; every model must return the same {what}")
+    raise AssertionError("signatures differ but no difference was found")
+
+
+class _ChunkMismatch(Exception):
+    """Raised inside a chunk whose models disagree; resolved against model 0 by the caller."""
+
+
+@dataclass
+class _Forward:
+    leaves: list[Tensor]
+    pullbacks: list[Pullback | None]
+    outputs: list[list[Tensor] | None]
+
+
+def run_forward(
+    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None, build_graph: bool,
+    keep_outputs: bool = False,
+) -> _Forward:
+    """Run every model, sum the weighted outputs; see NOTE [ Data flow ]."""
+    n = len(plan.models)
+    signatures: list[Signature | None] = [None] * n
+    pullbacks: list[Pullback | None] = [None] * n
+    outputs: list[list[Tensor] | None] = [None] * n
+    totals: list[CompensatedAccumulator] = []
+    engine_forward = ENGINE_FORWARDS[plan.engine]
+
+    def first_mismatch(models: range) -> ParsumError | None:
+        ref = signatures[0]
+        for i in models:
+            sig = signatures[i]
+            if ref is not None and sig is not None and sig != ref:
+                return _describe_mismatch(plan, i, sig, ref)
+        return None
+
+    failed_chunks: list[int] = []
+
+    def forward_chunk(k: int) -> list[CompensatedAccumulator]:
+        try:
+            return sum_chunk(k)
+        except BaseException:
+            failed_chunks.append(k)
+            raise
+
+    def sum_chunk(k: int) -> list[CompensatedAccumulator]:
+        accs: list[CompensatedAccumulator] = []
+        for i in plan.chunks[k]:
+            model = plan.models[i]
+            try:
+                if build_graph:
+                    out, pullbacks[i] = engine_forward(model, call, plan.model_params[i])
+                else:
+                    out = plain_forward(model, call)
+            except Exception as exc:
+                raise plan.model_error(i, "forward", exc) from exc
+            leaves, signatures[i] = _signature(plan, i, out)
+            if not accs:
+                accs = [CompensatedAccumulator() for _ in leaves]
+            elif signatures[i] != signatures[plan.chunks[k][0]]:
+                raise _ChunkMismatch
+            w = plan.weight(i, weight_tensor)
+            with torch.no_grad():
+                values = [leaf.detach() for leaf in leaves]
+                if keep_outputs:
+                    outputs[i] = values
+                if w is not None:
+                    values = [v * w for v in values]
+                for acc, v in zip(accs, values):
+                    acc.add(v)
+        return accs
+
+    def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
+        error = first_mismatch(plan.chunks[k])
+        if error is not None:
+            raise error
+        if not totals:
+            totals.extend(CompensatedAccumulator() for _ in accs)
+        for total, acc in zip(totals, accs):
+            total.merge(acc)
+
+    snapshot = _BufferSnapshot(plan.models)
+    try:
+        _pool.run_ordered(forward_chunk, len(plan.chunks), plan.forward_workers, consume)
+    except BaseException:
+        snapshot.restore()
+        # The chunks before the first failed one all ran; an output mismatch among them or in
+        # that chunk comes before the failure in model order, so it is the error to report.
+        last = plan.chunks[min(failed_chunks)].stop if failed_chunks else n
+        error = first_mismatch(range(1, last))
+        if error is not None:
+            raise error from None
+        raise
+    assert signatures[0] is not None
+    plan.out_spec = signatures[0][0]
+    return _Forward([t.result() for t in totals], pullbacks, outputs)
+
+
+class _BufferSnapshot:
+    """Copies of the buffers of modules in training mode, to undo a failed forward."""
+
+    def __init__(self, models: Sequence[Callable[..., Any]]) -> None:
+        seen: dict[int, Tensor] = {}
+        for model in models:
+            if isinstance(model, torch.nn.Module):
+                for module in model.modules():
+                    if module.training:
+                        for b in module.buffers(recurse=False):
+                            seen.setdefault(id(b), b)
+        with torch.no_grad():
+            self._saved = [(b, b.clone()) for b in seen.values()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self._saved:
+                buffer.copy_(saved)
+
+
+class ParallelSum(torch.autograd.Function):
+    """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
+
+    The ``torch.autograd.Function`` under :func:`parsum.sum_models`, documented for those who
+    build their own front end; ``sum_models`` is the normal door, since it checks the arguments
+    and builds the ``SumPlan``. Inputs: ``(plan, *argument_tensors, [weight_tensor], *params)``
+    in the order the plan describes; outputs: the summed output leaves (``plan.out_spec`` gives
+    their structure). backward is ``once_differentiable``, and may run once per forward.
+
+    >>> import torch, parsum
+    >>> models = [torch.nn.Linear(3, 1) for _ in range(3)]
+    >>> x = torch.ones(2, 3, requires_grad=True)
+    >>> parsum.sum_models(models, x).sum().backward()  # runs ParallelSum.apply
+    >>> x.grad.shape
+    torch.Size([2, 3])
+    """
+
+    @staticmethod
+    def forward(ctx: Any, plan: SumPlan, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        n_args = len(plan.call.tensor_positions)
+        arg_tensors = tensors[:n_args]
+        weight_tensor = tensors[n_args] if plan.has_weight_tensor else None
+        call = plan.call.with_tensors(arg_tensors, ctx.needs_input_grad[1 : 1 + n_args])
+        weight_needs_grad = plan.has_weight_tensor and ctx.needs_input_grad[1 + n_args]
+        result = run_forward(plan, call, weight_tensor, True, keep_outputs=weight_needs_grad)
+        ctx.plan = plan
+        ctx.call = call
+        ctx.pullbacks = result.pullbacks
+        ctx.outputs = result.outputs
+        ctx.weight_needs_grad = weight_needs_grad
+        if weight_tensor is not None:
+            ctx.save_for_backward(weight_tensor)
+        return tuple(result.leaves)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        plan: SumPlan = ctx.plan
+        pullbacks: list[Pullback | None] | None = ctx.pullbacks
+        outputs: list[list[Tensor] | None] = ctx.outputs
+        if pullbacks is None:
+            raise ParsumError(
+                f"{plan.where}: backward ran a second time through the same result; parsum "
+                "frees each model's graph in the first backward (retain_graph is not "
+                "supported): call sum_models again"
+            )
+        ctx.pullbacks = ctx.outputs = None
+        weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
+        n_arg_grads = len(ctx.call.grad_positions)
+        param_grads: list[Tensor | None] = [None] * len(plan.params)
+        weight_grads: list[Tensor | None] = [None] * len(plan.models)
+        arg_totals = [CompensatedAccumulator() for _ in range(n_arg_grads)]
+        shared_totals: dict[int, CompensatedAccumulator] = {}
+
+        def backward_chunk(k: int) -> tuple[list[CompensatedAccumulator], dict]:
+            arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
+            shared_accs: dict[int, CompensatedAccumulator] = {}
+            for i in plan.chunks[k]:
+                pullback, pullbacks[i] = pullbacks[i], None
+                assert pullback is not None
+                w = plan.weight(i, weight_tensor)
+                cotangents = grad_outputs if w is None else [g * w for g in grad_outputs]
+                try:
+                    arg_grads, grads = pullback(cotangents)
+                except Exception as exc:
+                    raise plan.model_error(i, "backward", exc) from exc
+                del pullback
+                for acc, g in zip(arg_accs, arg_grads):
+                    if g is not None:
+                        acc.add(g)
+                for slot, g in zip(plan.param_slots[i], grads):
+                    if g is None:
+                        continue
+                    if plan.shared[slot]:
+                        shared_accs.setdefault(slot, CompensatedAccumulator()).add(g)
+                    else:
+                        param_grads[slot] = g
+                if ctx.weight_needs_grad:
+                    out, outputs[i] = outputs[i], None
+                    assert out is not None
+                    weight_grads[i] = sum(  # type: ignore[assignment]
+                        (g * o).sum() for g, o in zip(grad_outputs, out))
+            return arg_accs, shared_accs
+
+        def consume(k: int, partial: tuple[list[CompensatedAccumulator], dict]) -> None:
+            arg_accs, shared_accs = partial
+            for total, acc in zip(arg_totals, arg_accs):
+                total.merge(acc)
+            for slot, acc in shared_accs.items():
+                shared_totals.setdefault(slot, CompensatedAccumulator()).merge(acc)
+
+        with torch.no_grad():
+            _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
+        for slot, acc in shared_totals.items():
+            param_grads[slot] = acc.result()
+        arg_results = iter([None if t.empty else t.result() for t in arg_totals])
+        needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
+        grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]
+        if plan.has_weight_tensor:
+            weight_grad = None
+            if ctx.weight_needs_grad:
+                assert weight_tensor is not None
+                weight_grad = torch.stack(
+                    [torch.zeros((), dtype=weight_tensor.dtype) if g is None else g
+                     for g in weight_grads]).to(weight_tensor.dtype)
+            grads_in.append(weight_grad)
+        return (None, *grads_in, *param_grads)
