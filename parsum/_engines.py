@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-# A pullback takes the output leaves' cotangents and gives (argument grads, parameter grads).
-Pullback = Callable[[Sequence[Tensor]], tuple[list[Tensor | None], list[Tensor | None]]]
+# A pullback takes the output leaves' cotangents and whether to keep its graph for another
+# call, and gives (argument grads, parameter grads).
+Pullback = Callable[[Sequence[Tensor], bool], tuple[list[Tensor | None], list[Tensor | None]]]
 
 
 @dataclass
@@ -89,12 +90,16 @@ def autograd_forward(
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
 
-    def pullback(cotangents: Sequence[Tensor]) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    def pullback(
+        cotangents: Sequence[Tensor], retain_graph: bool
+    ) -> tuple[list[Tensor | None], list[Tensor | None]]:
         pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if o.requires_grad]
         if not pairs or not wrt:
             return [None] * n_args, [None] * len(params.tensors)
         outs, cots = zip(*pairs)
-        grads = torch.autograd.grad(outs, wrt, cots, allow_unused=True)
+        grads = torch.autograd.grad(
+            outs, wrt, cots, retain_graph=retain_graph, allow_unused=True
+        )
         return list(grads[:n_args]), list(grads[n_args:])
 
     return out, pullback
@@ -117,7 +122,10 @@ def vjp_forward(
     out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)
     out_spec = pytree.tree_structure(out)
 
-    def pullback(cotangents: Sequence[Tensor]) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    def pullback(
+        cotangents: Sequence[Tensor], retain_graph: bool
+    ) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        # functorch keeps the graph for as long as vjp_fn lives; the caller drops it.
         arg_grads, param_grads = vjp_fn(pytree.tree_unflatten(list(cotangents), out_spec))
         return list(arg_grads), [param_grads[n] for n in params.names]
 

@@ -235,6 +235,14 @@ class _BufferSnapshot:
                 buffer.copy_(saved)
 
 
+def _engine_keeps_graph() -> bool:
+    """Whether the running backward was asked to keep the graph (retain_graph=True)."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):  # not in this torch: keep, never free too early
+        return True
+
+
 class ParallelSum(torch.autograd.Function):
     """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
 
@@ -242,7 +250,7 @@ class ParallelSum(torch.autograd.Function):
     build their own front end; ``sum_models`` is the normal door, since it checks the arguments
     and builds the ``SumPlan``. Inputs: ``(plan, *argument_tensors, [weight_tensor], *params)``
     in the order the plan describes; outputs: the summed output leaves (``plan.out_spec`` gives
-    their structure). backward is ``once_differentiable``, and may run once per forward.
+    their structure). backward is ``once_differentiable``; with ``retain_graph=True`` it may run again.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Linear(3, 1) for _ in range(3)]
@@ -277,11 +285,16 @@ class ParallelSum(torch.autograd.Function):
         outputs: list[list[Tensor] | None] = ctx.outputs
         if pullbacks is None:
             raise ParsumError(
-                f"{plan.where}: backward ran a second time through the same result; parsum "
-                "frees each model's graph in the first backward (retain_graph is not "
-                "supported): call sum_models again"
+                f"{plan.where}: backward ran a second time through the same result, whose "
+                "graph was freed by the first one; pass retain_graph=True to the first "
+                "backward, or call sum_models again"
             )
-        ctx.pullbacks = ctx.outputs = None
+        # NOTE [ Freeing per-model graphs ]: keep them only when the engine keeps the graph
+        # (retain_graph=True, gradcheck, jacobian); otherwise each pullback is dropped as soon
+        # as it ran, so memory falls during backward as in plain PyTorch.
+        keep_graph = _engine_keeps_graph()
+        if not keep_graph:
+            ctx.pullbacks = ctx.outputs = None
         weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
         n_arg_grads = len(ctx.call.grad_positions)
         param_grads: list[Tensor | None] = [None] * len(plan.params)
@@ -293,12 +306,14 @@ class ParallelSum(torch.autograd.Function):
             arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
             shared_accs: dict[int, CompensatedAccumulator] = {}
             for i in plan.chunks[k]:
-                pullback, pullbacks[i] = pullbacks[i], None
+                pullback = pullbacks[i]
+                if not keep_graph:
+                    pullbacks[i] = None
                 assert pullback is not None
                 w = plan.weight(i, weight_tensor)
                 cotangents = grad_outputs if w is None else [g * w for g in grad_outputs]
                 try:
-                    arg_grads, grads = pullback(cotangents)
+                    arg_grads, grads = pullback(cotangents, keep_graph)
                 except Exception as exc:
                     raise plan.model_error(i, "backward", exc) from exc
                 del pullback
@@ -313,7 +328,9 @@ class ParallelSum(torch.autograd.Function):
                     else:
                         param_grads[slot] = g
                 if ctx.weight_needs_grad:
-                    out, outputs[i] = outputs[i], None
+                    out = outputs[i]
+                    if not keep_graph:
+                        outputs[i] = None
                     assert out is not None
                     weight_grads[i] = sum(  # type: ignore[assignment]
                         (g * o).sum() for g, o in zip(grad_outputs, out))

@@ -15,8 +15,12 @@
 # (flag ``_local.in_task``) nested calls run sequentially, so they add no threads.
 #
 # NOTE [ Thread control ]
-# A job uses at most min(n_jobs, chunks, usable cores) threads, caller included, each with
-# usable_cores // threads intra-op threads, so workers x intra-op threads <= usable cores.
+# A job uses at most min(n_jobs, chunks, usable cores) threads, caller included. Every task runs
+# with usable_cores // min(usable_cores, chunks) intra-op threads, so workers x intra-op threads
+# <= usable cores. That count depends on the chunks, never on n_jobs, because some PyTorch
+# kernels (convolution weight gradients, large reductions) give other bits with another thread
+# count: fixing it keeps every model's own result, not only the reduction, the same for any
+# n_jobs. With many models that is 1 thread per task and the cores go to models side by side.
 # ``torch.set_num_threads`` is per thread under OpenMP; the caller's value is restored after the
 # job. Grad mode, inference mode and autocast are thread-local in PyTorch and do not cross
 # threads: they are captured in the caller and re-entered by every helper.
@@ -213,6 +217,12 @@ def pool_size() -> int:
     return _pool.size
 
 
+def intra_op_threads(n_tasks: int) -> int:
+    """Intra-op threads of every task of a job with ``n_tasks`` chunks (NOTE [ Thread control ])."""
+    cores = _config.usable_cores()
+    return max(1, cores // min(cores, n_tasks))
+
+
 def run_ordered(
     task: Callable[[int], Any],
     n_tasks: int,
@@ -226,15 +236,18 @@ def run_ordered(
     and the exception of the smallest failing chunk is raised in the caller. See NOTE [ Caller
     runs, no deadlock ] and NOTE [ Thread control ].
     """
-    threads = min(n_workers, n_tasks, _config.usable_cores())
-    if threads <= 1 or _local.in_task:
-        _run_sequential(task, n_tasks, consume)
+    if _local.in_task:  # nested: this thread already has its share of the cores
+        for k in range(n_tasks):
+            consume(k, task(k))
         return
-    job = _Job(task, n_tasks, consume, ThreadState.capture(), _config.usable_cores() // threads)
-    _pool.ensure_helpers(threads - 1)
-    _pool.submit(job, threads - 1)
+    intra_threads = intra_op_threads(n_tasks)
+    threads = min(n_workers, n_tasks, _config.usable_cores())
+    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads)
+    if threads > 1:
+        _pool.ensure_helpers(threads - 1)
+        _pool.submit(job, threads - 1)
     saved_threads = torch.get_num_threads()
-    torch.set_num_threads(job.intra_threads)
+    torch.set_num_threads(intra_threads)
     _local.in_task = True
     try:
         job.work()
@@ -246,15 +259,3 @@ def run_ordered(
         job.task = job.consume = None
     if job.failures:
         raise job.failures[min(job.failures)]
-
-
-def _run_sequential(
-    task: Callable[[int], Any], n_tasks: int, consume: Callable[[int, Any], None]
-) -> None:
-    was_in_task = _local.in_task
-    _local.in_task = True
-    try:
-        for k in range(n_tasks):
-            consume(k, task(k))
-    finally:
-        _local.in_task = was_in_task

@@ -1,0 +1,343 @@
+"""sum_models against the plain PyTorch expression, float64 and gradcheck."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+
+ENGINES = ["autograd", "vjp", "auto"]
+N_JOBS = [1, 2, 3]
+DTYPES = [torch.float32, torch.float64]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def run_both(models, x, weights=None, loss=lambda y: (y**2).sum(), **kw):
+    """Forward + backward with parsum and with the plain expression on copies."""
+    ref_models = clone_models(models)
+    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
+    w_ref = weights
+    if isinstance(weights, torch.Tensor):
+        w_ref = weights.detach().clone().requires_grad_(weights.requires_grad)
+    y = parsum.sum_models(models, x, weights=weights, **kw)
+    loss(y).backward()
+    y_ref = plain_sum(ref_models, x_ref, weights=w_ref)
+    loss(y_ref).backward()
+    return (y, x, models, weights), (y_ref, x_ref, ref_models, w_ref)
+
+
+def assert_same_grads(models, ref_models, **tol):
+    got, want = param_grads(models), param_grads(ref_models)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_jobs", N_JOBS)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_matches_plain_sum(engine, n_jobs, dtype):
+    models = zoo(dtype)
+    x = torch.randn(5, IN, dtype=dtype, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(
+        models, x, engine=engine, n_jobs=n_jobs)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
+    assert_same_grads(models, ref_models, **TOL[dtype])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("weights_kind", ["floats", "tensor", "tensor_grad"])
+def test_weights(engine, weights_kind):
+    models = zoo(torch.float64)
+    values = [0.5, -1.25, 2.0, 0.1, 3.0, -0.7, 1.0]
+    weights = values if weights_kind == "floats" else torch.tensor(
+        values, dtype=torch.float64, requires_grad=weights_kind == "tensor_grad")
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = run_both(
+        models, x, weights=weights, engine=engine, n_jobs=2)
+    tol = TOL[torch.float64]
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    assert_same_grads(models, ref_models, **tol)
+    if weights_kind == "tensor_grad":
+        torch.testing.assert_close(w.grad, w_ref.grad, **tol)
+
+
+def test_average_with_float32_weight_tensor_keeps_output_dtype():
+    models = zoo()
+    w = torch.full((7,), 1 / 7, dtype=torch.float64)
+    y = parsum.sum_models(models, torch.randn(2, IN), weights=w)
+    assert y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradcheck_inputs_and_weights(engine):
+    models = zoo(torch.float64)[:4]
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w):
+        return parsum.sum_models(models, x, weights=w, engine=engine, n_jobs=2)
+
+    assert torch.autograd.gradcheck(f, (x, w))
+
+
+def test_gradcheck_parameters_through_functional_call():
+    models = zoo(torch.float64)[:3]
+    x = torch.randn(3, IN, dtype=torch.float64)
+    target = models[1][0].weight  # one parameter, checked numerically as an input
+
+    def f(weight):
+        with torch.nn.utils.stateless._reparametrize_module(models[1], {"0.weight": weight}):
+            return parsum.sum_models(models, x, n_jobs=2)
+
+    assert torch.autograd.gradcheck(f, (target.detach().clone().requires_grad_(),))
+
+
+class TwoInputs(nn.Module):
+    """Several positional, nested and keyword tensor arguments; a pytree output."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = nn.Linear(IN, width)
+        self.b = nn.Linear(IN, width)
+
+    def forward(self, x, pair, *, scale, extra=None):
+        h = torch.tanh(self.a(x)) * scale + self.b(pair[0]) * pair[1]["gate"]
+        return {"sum": h.sum(-1), "parts": (h, h.mean(0) * extra["bias"])}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_nested_args_kwargs_and_pytree_outputs(engine, n_jobs):
+    torch.manual_seed(0)
+    models = [TwoInputs(4) for _ in range(3)]
+    ref_models = clone_models(models)
+    dt = torch.float64
+    models = [m.to(dt) for m in models]
+    ref_models = [m.to(dt) for m in ref_models]
+    leaves = [torch.randn(2, IN, dtype=dt), torch.randn(2, IN, dtype=dt),
+              torch.randn(2, 4, dtype=dt), torch.randn((), dtype=dt), torch.randn(4, dtype=dt)]
+    mine = [t.clone().requires_grad_() for t in leaves]
+    ref = [t.clone().requires_grad_() for t in leaves]
+
+    def call(fn, ms, t):
+        return fn(ms, t[0], (t[1], {"gate": t[2]}), scale=t[3], extra={"bias": t[4], "n": 3})
+
+    def loss(out):
+        return out["sum"].sum() + (out["parts"][0] ** 2).sum() + out["parts"][1].sum() * 3
+
+    y = call(lambda ms, *a, **k: parsum.sum_models(ms, *a, engine=engine, n_jobs=n_jobs, **k),
+             models, mine)
+    y_ref = call(plain_sum, ref_models, ref)
+    loss(y).backward()
+    loss(y_ref).backward()
+    assert set(y) == {"sum", "parts"} and isinstance(y["parts"], tuple)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert_same_grads(models, ref_models)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_module_twice_and_tied_parameters(engine):
+    torch.manual_seed(0)
+    shared_layer = nn.Linear(IN, OUT).double()
+    a = mlp([4]).double()
+    tied = nn.Sequential(shared_layer, nn.Tanh())
+    models = [a, shared_layer, tied, a, mlp([3]).double()]  # a twice; shared_layer in two models
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(
+        models, x, engine=engine, n_jobs=2, chunk_size=1)
+    tol = TOL[torch.float64]
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    assert_same_grads(models, ref_models, **tol)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_frozen_parameters_get_no_gradient(engine):
+    models = zoo(torch.float64)
+    for p in models[0].parameters():
+        p.requires_grad_(False)
+    models[3].conv.weight.requires_grad_(False)
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, engine=engine, n_jobs=2)
+    assert all(p.grad is None for p in models[0].parameters())
+    assert models[3].conv.weight.grad is None
+    assert_same_grads(models, ref_models, **TOL[torch.float64])
+
+
+def test_only_parameters_need_grad():
+    models = zoo()
+    x = torch.randn(4, IN)  # no requires_grad
+    (y, x, models, _), (y_ref, _, ref_models, _) = run_both(models, x, n_jobs=2)
+    assert x.grad is None
+    assert_same_grads(models, ref_models, **TOL[torch.float32])
+
+
+def test_plain_callables_and_non_module_models():
+    w = torch.randn(IN, OUT, dtype=torch.float64)
+    fns = [lambda x: x @ w, lambda x: torch.sin(x) @ w, lambda x: (x**2) @ w]
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    for engine in ENGINES:
+        assert torch.autograd.gradcheck(
+            lambda x, e=engine: parsum.sum_models(fns, x, engine=e, n_jobs=2), (x,))
+
+
+def bn_models():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))
+              for _ in range(4)]
+    bn = nn.BatchNorm1d(5)
+    models += [nn.Sequential(nn.Linear(IN, 5), bn, nn.Linear(5, OUT)) for _ in range(2)]  # shared bn
+    models.append(models[0])  # and one whole BatchNorm model twice
+    return models
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_batchnorm_buffers_change_as_in_plain_loop(n_jobs):
+    models = bn_models()
+    ref_models = clone_models(models)
+    close_models = clone_models(models)
+    x = torch.randn(8, IN)
+    # Bitwise against the plain loop at the intra-op thread count parsum gives each model
+    # (BatchNorm's batch statistics differ in the last bit between 1 and 2 threads).
+    same_threads = parsum._pool.intra_op_threads(len(models))
+    for _ in range(3):
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+        y.sum().backward()
+        saved = torch.get_num_threads()
+        torch.set_num_threads(same_threads)
+        try:
+            y_ref = plain_sum(ref_models, x)
+        finally:
+            torch.set_num_threads(saved)
+        y_ref.sum().backward()
+        plain_sum(close_models, x).sum().backward()
+        torch.testing.assert_close(y, y_ref)
+        for m, r, c in zip(models, ref_models, close_models):
+            for b, rb, cb in zip(m.buffers(), r.buffers(), c.buffers()):
+                assert torch.equal(b, rb)
+                torch.testing.assert_close(b, cb)
+        assert_same_grads(models, ref_models)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_and_inference_mode_save_nothing(n_jobs, mode):
+    models = zoo()
+    x = torch.randn(4, IN, requires_grad=True)
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+            return torch.zeros(x.shape[0], OUT)
+
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        y = parsum.sum_models([*models, Probe(), Probe()], x, n_jobs=n_jobs, chunk_size=1)
+        y_ref = plain_sum(models, x)
+    assert not y.requires_grad and y.grad_fn is None
+    assert y.is_inference() == (mode == "inference_mode")
+    assert seen == [(False, mode == "inference_mode")] * 2
+    torch.testing.assert_close(y, y_ref)
+
+
+def test_autocast_is_reentered_in_workers():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return torch.zeros(x.shape[0], OUT, dtype=torch.bfloat16)
+
+    models = [mlp([8]), mlp([4, 4]), mlp([12], nn.ReLU), Probe(), Probe()]
+    x = torch.randn(4, IN, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        assert seen == [True, True]
+        y_ref = plain_sum(models, x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("chunk_size", [None, 1, 2, 3])
+@pytest.mark.parametrize("weights", [None, "tensor"])
+def test_bitwise_identical_for_any_n_jobs(engine, chunk_size, weights):
+    results = []
+    for n_jobs in (1, 2, 3, 4):
+        models = zoo(seed=3)  # 7 models: an odd count
+        x = torch.randn(9, IN, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        w = None if weights is None else torch.linspace(-1, 2, 7, requires_grad=True)
+        y = parsum.sum_models(models, x, weights=w, engine=engine, n_jobs=n_jobs,
+                              chunk_size=chunk_size)
+        (y.sin() * 1e3).sum().backward()
+        results.append([y, x.grad, *param_grads(models), *([] if w is None else [w.grad])])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+class Scale(nn.Module):
+    """x * a: with the inputs below every model's output is exact in float32."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(float(a)))
+
+    def forward(self, x):
+        return x * self.a
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_float32_more_accurate_than_plain_sum(n_jobs):
+    scales = [1e8, 1.0, -1e8, 3.0, 1e7, -1e7] * 10  # sums to 40
+    models = [Scale(a) for a in scales]
+    x = (torch.randint(-8, 9, (64,)) / 4).requires_grad_()
+    exact = x.detach().double() * 40
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    y_plain = plain_sum(models, x)
+    assert (y_plain.double() - exact).abs().max() > 10  # the plain float32 sum loses the 1s
+    assert torch.equal(y.double(), exact)
+    # Input gradient: sum of weights that cancel.
+    w = [1e8, 1.0, -1e8] * 5
+    lin = [nn.Identity() for _ in w]
+    x2 = torch.ones(3, requires_grad=True)
+    parsum.sum_models(lin, x2, weights=w, n_jobs=n_jobs).sum().backward()
+    x3 = torch.ones(3, requires_grad=True)
+    plain_sum(lin, x3, weights=w).sum().backward()
+    assert torch.equal(x2.grad, torch.full((3,), 5.0))
+    assert not torch.equal(x3.grad, torch.full((3,), 5.0))
+
+
+def test_identity_model_does_not_alias_input():
+    x = torch.randn(3)
+    y = parsum.sum_models([nn.Identity()], x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    y += 1
+    assert not torch.equal(y, x)
+
+
+def test_nn_module_list_is_accepted():
+    models = nn.ModuleList(zoo())
+    y = parsum.sum_models(models, torch.randn(2, IN))
+    torch.testing.assert_close(y, plain_sum(models, torch.randn(2, IN).zero_() * 0 +
+                                            torch.zeros(2, IN)) * 0 + y)
+
+
+def test_deepcopy_of_zoo_is_independent():
+    models = zoo()
+    copies = copy.deepcopy(models)
+    assert all(p is not q for m, c in zip(models, copies)
+               for p, q in zip(m.parameters(), c.parameters()))

@@ -1,0 +1,132 @@
+"""compensated_sum and the accumulator: accuracy, inf/nan, determinism, errors."""
+
+import math
+
+import pytest
+import torch
+
+import parsum
+from parsum._summation import CompensatedAccumulator
+
+N_JOBS = [1, 2, 3]
+
+
+def naive(ts):
+    total = ts[0].clone()
+    for t in ts[1:]:
+        total = total + t
+    return total
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 50])
+@pytest.mark.parametrize("n_jobs", N_JOBS)
+@pytest.mark.parametrize("chunk_size", [None, 1, 2, 5])
+def test_cancellation_sums_exactly(k, n_jobs, chunk_size):
+    xs = [torch.tensor([v], dtype=torch.float32) for v in [1e8, 1.0, -1e8] * k]
+    got = parsum.compensated_sum(xs, n_jobs=n_jobs, chunk_size=chunk_size)
+    assert got.item() == k
+    assert naive(xs).item() != k  # the plain sum loses every 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_closer_to_exact_than_naive(dtype):
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1000, generator=gen, dtype=dtype) * 10 ** (i % 7) for i in range(64)]
+    exact = sum(x.double() for x in xs)  # exact enough for float32 data
+    err_plain = (naive(xs).double() - exact).abs().sum()
+    err_ours = (parsum.compensated_sum(xs).double() - exact).abs().sum()
+    if dtype == torch.float32:
+        # The floor is rounding the exact sum to float32; compensation gets within 2x of it.
+        err_floor = (exact.float().double() - exact).abs().sum()
+        assert err_ours <= 2 * err_floor
+        assert err_plain > 4 * err_ours
+    else:
+        exact_fsum = torch.tensor([math.fsum(col) for col in torch.stack(xs).T.tolist()],
+                                  dtype=torch.float64)
+        assert (parsum.compensated_sum(xs) - exact_fsum).abs().max() <= (
+            (naive(xs) - exact_fsum).abs().max())
+        assert torch.allclose(parsum.compensated_sum(xs), exact_fsum, rtol=1e-15, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_bitwise_identical_for_any_n_jobs(chunk_size):
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(257, generator=gen) * 1e3 ** (i % 3) for i in range(29)]
+    results = [parsum.compensated_sum(xs, n_jobs=n, chunk_size=chunk_size) for n in (1, 2, 3, 4)]
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
+INF, NAN = math.inf, math.nan
+SPECIAL_CASES = [
+    [INF, 1.0, 2.0],
+    [1.0, INF, -1e30],
+    [INF, -INF, 1.0],
+    [-INF, -INF, 3.0],
+    [NAN, 1.0, 1e8],
+    [1.0, 2.0, NAN],
+    [3e38, 3e38, -3e38],  # overflow in float32: the plain running sum is inf
+    [1e8, 1.0, INF, -1e8],
+]
+
+
+@pytest.mark.parametrize("values", SPECIAL_CASES)
+@pytest.mark.parametrize("chunk_size", [1, 2, 4])
+def test_inf_and_nan_propagate_as_in_plain_sum(values, chunk_size):
+    xs = [torch.tensor([v], dtype=torch.float32) for v in values]
+    got = parsum.compensated_sum(xs, chunk_size=chunk_size, n_jobs=2).item()
+    expected = naive(xs).item()
+    if math.isnan(expected):
+        assert math.isnan(got)
+    elif math.isinf(expected):
+        assert got == expected
+    else:
+        assert math.isfinite(got)
+
+
+def test_accumulator_never_writes_its_inputs():
+    xs = [torch.randn(5) for _ in range(4)]
+    copies = [x.clone() for x in xs]
+    acc = CompensatedAccumulator()
+    for x in xs:
+        acc.add(x)
+    out = acc.result()
+    for x, c in zip(xs, copies):
+        assert torch.equal(x, c)
+    assert out.data_ptr() not in {x.data_ptr() for x in xs}
+
+
+def test_single_tensor_is_copied():
+    x = torch.randn(3)
+    out = parsum.compensated_sum([x])
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+
+
+def test_integer_and_complex_tensors():
+    ints = [torch.arange(4) * i for i in range(5)]
+    assert torch.equal(parsum.compensated_sum(ints), sum(ints))
+    zs = [torch.tensor([1e8 + 1e8j]), torch.tensor([1 + 1j]), torch.tensor([-1e8 - 1e8j])]
+    zs = [z.to(torch.complex64) for z in zs]
+    assert parsum.compensated_sum(zs).item() == 1 + 1j
+
+
+def test_stacked_tensor_is_summed_over_first_dim():
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert torch.allclose(parsum.compensated_sum(x), x.sum(0), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(tensors=[]), "compensated_sum: tensors is empty"),
+        (dict(tensors=[torch.ones(2), 3.0]), r"tensors\[1\] is a float"),
+        (dict(tensors=[torch.ones(2), torch.ones(3)]), r"tensors\[1\] has shape \(3,\)"),
+        (dict(tensors=[torch.ones(2), torch.ones(2, dtype=torch.float64)]), "dtype"),
+        (dict(tensors=[torch.ones(2)], chunk_size=0), "invalid chunk_size=0"),
+        (dict(tensors=[torch.ones(2)], n_jobs=0), "invalid n_jobs=0"),
+    ],
+)
+def test_errors(kwargs, match):
+    tensors = kwargs.pop("tensors")
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.compensated_sum(tensors, **kwargs)

@@ -1,0 +1,97 @@
+"""Heterogeneous models mapping (batch, IN) -> (batch, OUT), and the plain-PyTorch references."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils import _pytree as pytree
+
+IN, OUT = 6, 3
+
+
+def mlp(widths: list[int], act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    dims = [IN, *widths, OUT]
+    layers: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), act()]
+    return nn.Sequential(*layers[:-1])
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, kernel_size=3, padding=1)
+        self.head = nn.Linear(4 * IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x.unsqueeze(1))).flatten(1))
+
+
+class LowRankLinear(nn.Module):
+    """A layer whose weight is composed of several tensors: U diag(s) V^T."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(n_out, rank) / rank**0.5)
+        self.s = nn.Parameter(torch.rand(rank) + 0.5)
+        self.v = nn.Parameter(torch.randn(n_in, rank) / n_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.u * self.s @ self.v.T).T + self.bias
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).T
+
+
+def parametrized_model() -> nn.Module:
+    square = nn.Linear(IN, IN)
+    parametrize.register_parametrization(square, "weight", Symmetric())
+    return nn.Sequential(square, nn.GELU(), nn.Linear(IN, OUT))
+
+
+def zoo(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Module]:
+    """Seven different models: widths, depths, activations, LayerNorm, Conv1d, composites."""
+    torch.manual_seed(seed)
+    models: list[nn.Module] = [
+        mlp([8], nn.Tanh),
+        mlp([16, 12], nn.ReLU),
+        nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, OUT)),
+        ConvNet(),
+        parametrized_model(),
+        nn.Sequential(LowRankLinear(IN, 9), nn.Tanh(), LowRankLinear(9, OUT, rank=3)),
+        mlp([5, 7, 5], nn.Sigmoid),
+    ]
+    return [m.to(dtype) for m in models]
+
+
+def clone_models(models: list[nn.Module]) -> list[nn.Module]:
+    """Deep copies that keep object identity inside the list (a module repeated stays shared)."""
+    return copy.deepcopy(models)
+
+
+def plain_sum(models, *args, weights=None, **kwargs):
+    """The plain PyTorch expression parsum must equal: sum(w_i * m_i(...)), leaf by leaf."""
+    total = None
+    for i, m in enumerate(models):
+        out = m(*args, **kwargs)
+        if weights is not None:
+            out = pytree.tree_map(lambda t, w=weights[i]: w * t, out)
+        total = out if total is None else pytree.tree_map(torch.add, total, out)
+    return total
+
+
+def param_grads(models: list[nn.Module]) -> list[torch.Tensor | None]:
+    seen: set[int] = set()
+    grads = []
+    for m in models:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                grads.append(None if p.grad is None else p.grad.clone())
+    return grads
