@@ -136,9 +136,7 @@ def _check_models(models: Any) -> list[Callable[..., Any]]:
     return models
 
 
-def _check_weights(
-    weights: Any, n_models: int
-) -> tuple[list[float] | None, Tensor | None]:
+def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Tensor | None]:
     if weights is None:
         return None, None
     if isinstance(weights, Tensor):

@@ -65,8 +65,12 @@ def config(
     if chunk_size is not None:
         check_chunk_size(chunk_size, "parsum.config")
     old = _local.settings
-    changes = {"n_jobs": n_jobs, "engine": engine, "chunk_size": chunk_size}
-    _local.settings = replace(old, **{k: v for k, v in changes.items() if v is not None})
+    _local.settings = replace(
+        old,
+        n_jobs=old.n_jobs if n_jobs is None else n_jobs,
+        engine=old.engine if engine is None else engine,
+        chunk_size=old.chunk_size if chunk_size is None else chunk_size,
+    )
     try:
         yield
     finally:

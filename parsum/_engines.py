@@ -97,9 +97,7 @@ def autograd_forward(
         if not pairs or not wrt:
             return [None] * n_args, [None] * len(params.tensors)
         outs, cots = zip(*pairs)
-        grads = torch.autograd.grad(
-            outs, wrt, cots, retain_graph=retain_graph, allow_unused=True
-        )
+        grads = torch.autograd.grad(outs, wrt, cots, retain_graph=retain_graph, allow_unused=True)
         return list(grads[:n_args]), list(grads[n_args:])
 
     return out, pullback
@@ -119,7 +117,7 @@ def vjp_forward(
             return torch.func.functional_call(model, param_tensors, args, kwargs)
         return model(*args, **kwargs)
 
-    out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)
+    out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)  # type: ignore[misc]
     out_spec = pytree.tree_structure(out)
 
     def pullback(

@@ -96,9 +96,11 @@ class SumPlan:
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
-        raise ParsumError(f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned "
-                          f"no tensor ({type(out).__name__}); expected a tensor or a pytree of "
-                          "tensors")
+        raise ParsumError(
+            f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned "
+            f"no tensor ({type(out).__name__}); expected a tensor or a pytree of "
+            "tensors"
+        )
     for j, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
             raise ParsumError(
@@ -111,14 +113,21 @@ def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature
 def _describe_mismatch(plan: SumPlan, i: int, sig: Signature, ref: Signature) -> ParsumError:
     head = f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned"
     if sig[0] != ref[0]:
-        return ParsumError(f"{head} an output of structure {sig[0]}, model 0 one of "
-                           f"structure {ref[0]}; every model must return the same structure")
+        return ParsumError(
+            f"{head} an output of structure {sig[0]}, model 0 one of "
+            f"structure {ref[0]}; every model must return the same structure"
+        )
     for j, ((shape, dtype, device), (rshape, rdtype, rdevice)) in enumerate(zip(sig[1], ref[1])):
-        for what, mine, theirs in (("shape", tuple(shape), tuple(rshape)),
-                                   ("dtype", dtype, rdtype), ("device", device, rdevice)):
+        for what, mine, theirs in (
+            ("shape", tuple(shape), tuple(rshape)),
+            ("dtype", dtype, rdtype),
+            ("device", device, rdevice),
+        ):
             if mine != theirs:
-                return ParsumError(f"{head} output leaf {j} with {what} {mine}, model 0 with "
-                                   f"{what} {theirs}; every model must return the same {what}")
+                return ParsumError(
+                    f"{head} output leaf {j} with {what} {mine}, model 0 with "
+                    f"{what} {theirs}; every model must return the same {what}"
+                )
     raise AssertionError("signatures differ but no difference was found")
 
 
@@ -134,7 +143,10 @@ class _Forward:
 
 
 def run_forward(
-    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None, build_graph: bool,
+    plan: SumPlan,
+    call: CallArgs,
+    weight_tensor: Tensor | None,
+    build_graph: bool,
     keep_outputs: bool = False,
 ) -> _Forward:
     """Run every model, sum the weighted outputs; see NOTE [ Data flow ]."""
@@ -250,7 +262,8 @@ class ParallelSum(torch.autograd.Function):
     build their own front end; ``sum_models`` is the normal door, since it checks the arguments
     and builds the ``SumPlan``. Inputs: ``(plan, *argument_tensors, [weight_tensor], *params)``
     in the order the plan describes; outputs: the summed output leaves (``plan.out_spec`` gives
-    their structure). backward is ``once_differentiable``; with ``retain_graph=True`` it may run again.
+    their structure). backward is ``once_differentiable``; after a backward with
+    ``retain_graph=True`` it may run again.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Linear(3, 1) for _ in range(3)]
@@ -261,7 +274,7 @@ class ParallelSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, plan: SumPlan, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, plan: SumPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
         n_args = len(plan.call.tensor_positions)
         arg_tensors = tensors[:n_args]
         weight_tensor = tensors[n_args] if plan.has_weight_tensor else None
@@ -333,7 +346,8 @@ class ParallelSum(torch.autograd.Function):
                         outputs[i] = None
                     assert out is not None
                     weight_grads[i] = sum(  # type: ignore[assignment]
-                        (g * o).sum() for g, o in zip(grad_outputs, out))
+                        (g * o).sum() for g, o in zip(grad_outputs, out)
+                    )
             return arg_accs, shared_accs
 
         def consume(k: int, partial: tuple[list[CompensatedAccumulator], dict]) -> None:
@@ -355,7 +369,10 @@ class ParallelSum(torch.autograd.Function):
             if ctx.weight_needs_grad:
                 assert weight_tensor is not None
                 weight_grad = torch.stack(
-                    [torch.zeros((), dtype=weight_tensor.dtype) if g is None else g
-                     for g in weight_grads]).to(weight_tensor.dtype)
+                    [
+                        torch.zeros((), dtype=weight_tensor.dtype) if g is None else g
+                        for g in weight_grads
+                    ]
+                ).to(weight_tensor.dtype)
             grads_in.append(weight_grad)
         return (None, *grads_in, *param_grads)

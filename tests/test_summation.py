@@ -41,10 +41,12 @@ def test_closer_to_exact_than_naive(dtype):
         assert err_ours <= 2 * err_floor
         assert err_plain > 4 * err_ours
     else:
-        exact_fsum = torch.tensor([math.fsum(col) for col in torch.stack(xs).T.tolist()],
-                                  dtype=torch.float64)
+        exact_fsum = torch.tensor(
+            [math.fsum(col) for col in torch.stack(xs).T.tolist()], dtype=torch.float64
+        )
         assert (parsum.compensated_sum(xs) - exact_fsum).abs().max() <= (
-            (naive(xs) - exact_fsum).abs().max())
+            (naive(xs) - exact_fsum).abs().max()
+        )
         assert torch.allclose(parsum.compensated_sum(xs), exact_fsum, rtol=1e-15, atol=1e-12)
 
 

@@ -1,0 +1,225 @@
+"""Nested calls, concurrent callers, repeated calls, thread control and configuration.
+
+Every test here runs under a short timeout: a deadlock fails fast instead of hanging CI.
+"""
+
+import gc
+import threading
+import warnings
+import weakref
+
+import joblib
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum import _config, _pool
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Nested(nn.Module):
+    """A model that is itself a parsum sum of inner models."""
+
+    def __init__(self, n_inner, n_jobs):
+        super().__init__()
+        self.inner = nn.ModuleList(mlp([w]) for w in range(2, 2 + n_inner))
+        self.n_jobs = n_jobs
+
+    def forward(self, x):
+        return parsum.sum_models(list(self.inner), x, n_jobs=self.n_jobs)
+
+
+class PlainNested(nn.Module):
+    def __init__(self, nested):
+        super().__init__()
+        self.inner = nested.inner
+
+    def forward(self, x):
+        return sum(m(x) for m in self.inner)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, -1])
+def test_nested_calls_do_not_deadlock(n_jobs):
+    torch.manual_seed(0)
+    models = [Nested(3, n_jobs=n_jobs) for _ in range(5)]
+    ref = [PlainNested(m) for m in clone_models(models)]
+    x = torch.randn(4, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+    y.pow(2).sum().backward()
+    y_ref = plain_sum(ref, x_ref)
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_concurrent_callers():
+    n_threads, rounds = 4, 5
+    torch.manual_seed(0)
+    sets = [zoo(torch.float64, seed=s) for s in range(n_threads)]
+    inputs = [torch.randn(6, IN, dtype=torch.float64) for _ in range(n_threads)]
+    expected = []
+    for models, x in zip(clone_models(sets), inputs):  # sequential reference, same code path
+        xr = x.clone().requires_grad_()
+        y = parsum.sum_models(models, xr, n_jobs=1)
+        y.sum().backward()
+        expected.append((y.detach(), xr.grad))
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n_threads)
+
+    def caller(t):
+        try:
+            barrier.wait()
+            out = []
+            for _ in range(rounds):
+                xr = inputs[t].clone().requires_grad_()
+                y = parsum.sum_models(sets[t], xr, n_jobs=2, chunk_size=1)
+                y.sum().backward()
+                out.append((y.detach(), xr.grad))
+            results[t] = out
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=50)
+    assert not any(th.is_alive() for th in threads), "concurrent callers deadlocked"
+    assert not errors, errors
+    for t in range(n_threads):
+        for y, g in results[t]:
+            assert torch.equal(y, expected[t][0]) and torch.equal(g, expected[t][1])
+
+
+def test_repeated_calls_free_graphs_and_grow_nothing():
+    saved_activation = []
+
+    class Recorder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))  # saved by tanh's backward
+            saved_activation.append(weakref.ref(h))
+            return h
+
+    models = [Recorder() for _ in range(6)]
+    x = torch.randn(3, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert all(r() is not None for r in saved_activation)
+    y.sum().backward()
+    gc.collect()
+    assert all(r() is None for r in saved_activation), "per-model graphs outlive backward"
+    del y
+
+    def live_tensors():
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance probes deprecated torch module attributes
+            warnings.simplefilter("ignore")
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    for _ in range(3):  # warm up: lazily created state
+        parsum.sum_models(models, x, n_jobs=2).sum().backward()
+    helpers, before = _pool.pool_size(), live_tensors()
+    for _ in range(50):
+        parsum.sum_models(models, x, n_jobs=2).sum().backward()
+        with torch.no_grad():
+            parsum.sum_models(models, x, n_jobs=2)
+    assert _pool.pool_size() == helpers
+    assert live_tensors() <= before + 2
+
+
+def test_thread_counts_inside_and_after():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return torch.zeros(x.shape[0], OUT)
+
+    cores = _config.usable_cores()
+    for n_models in (1, 2, 5):
+        seen.clear()
+        torch.set_num_threads(cores)
+        parsum.sum_models(
+            [Probe() for _ in range(n_models)], torch.randn(2, IN), n_jobs=-1, chunk_size=1
+        )
+        workers = len({name for name, _ in seen})
+        intra = {n for _, n in seen}
+        assert intra == {_pool.intra_op_threads(n_models)}
+        assert workers * max(intra) <= cores
+        assert torch.get_num_threads() == cores
+    torch.set_num_threads(1)
+    parsum.sum_models([Probe(), Probe()], torch.randn(2, IN), n_jobs=2)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(cores)
+
+
+def test_grad_mode_crosses_into_workers():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            return self.lin(x)
+
+    parsum.sum_models([Probe() for _ in range(4)], torch.randn(2, IN), n_jobs=2, chunk_size=1)
+    assert seen == [True] * 4  # graphs are built in the workers
+    seen.clear()
+    with torch.no_grad():
+        parsum.sum_models([Probe() for _ in range(4)], torch.randn(2, IN), n_jobs=2, chunk_size=1)
+    assert seen == [False] * 4
+
+
+def test_n_jobs_resolution_follows_joblib():
+    cores = _config.usable_cores()
+    assert _config.resolve_n_jobs(None, "t") == cores
+    assert _config.resolve_n_jobs(-1, "t") == cores
+    assert _config.resolve_n_jobs(-2, "t") == max(1, cores - 1)
+    assert _config.resolve_n_jobs(-1000, "t") == 1
+    assert _config.resolve_n_jobs(3, "t") == 3
+    with joblib.parallel_config(n_jobs=1):
+        assert _config.resolve_n_jobs(None, "t") == 1
+        with parsum.config(n_jobs=2):
+            assert _config.resolve_n_jobs(None, "t") == 2  # parsum.config wins over joblib
+            assert _config.resolve_n_jobs(5, "t") == 5  # an explicit argument wins over both
+
+
+def test_config_is_thread_local_and_restored():
+    seen = {}
+    with parsum.config(n_jobs=1, engine="vjp", chunk_size=3):
+        t = threading.Thread(target=lambda: seen.update(other=_config.current_settings()))
+        t.start()
+        t.join()
+        seen["here"] = _config.current_settings()
+        with parsum.config(engine="autograd"):
+            seen["inner"] = _config.current_settings()
+        seen["after_inner"] = _config.current_settings()
+    assert seen["other"] == _config._Settings()
+    assert seen["here"] == _config._Settings(1, "vjp", 3)
+    assert seen["inner"] == _config._Settings(1, "autograd", 3)
+    assert seen["after_inner"] == seen["here"]
+    assert _config.current_settings() == _config._Settings()
+    with pytest.raises(KeyError), parsum.config(n_jobs=2):
+        raise KeyError
+    assert _config.current_settings() == _config._Settings()
+
+
+def test_config_engine_applies_to_auto():
+    models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))]
+    x = torch.randn(8, IN, requires_grad=True)
+    with parsum.config(engine="vjp"), pytest.raises(parsum.ParsumError, match="engine='vjp'"):
+        parsum.sum_models(models, x)
+    parsum.sum_models(models, x, engine="autograd")  # an explicit engine wins

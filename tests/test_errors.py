@@ -1,0 +1,204 @@
+"""Bad input and failing models: ParsumError naming the argument, value, index and type;
+a failed call changes nothing and the pool stays usable."""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, zoo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        raise ValueError("boom in forward")
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
+class BoomBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return _FailingBackward.apply(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    ("models", "kwargs", "match"),
+    [
+        ([], {}, "sum_models: models is empty"),
+        (nn.Linear(IN, OUT), {}, "models is a single Linear; expected a sequence"),
+        ("abc", {}, "models is a str"),
+        ([mlp([3]), 42], {}, r"models\[1\] is a int \(42\), which is not callable"),
+        ([mlp([3])] * 2, dict(weights=[1.0]), "weights has length 1; expected len.models. = 2"),
+        ([mlp([3])] * 2, dict(weights=torch.ones(2, 1)), r"weights has shape \(2, 1\)"),
+        ([mlp([3])] * 2, dict(weights=[1.0, "a"]), r"weights\[1\] is 'a' \(str\)"),
+        ([mlp([3])] * 2, dict(weights=0.5), "weights is a float"),
+        ([mlp([3])], dict(n_jobs=0), "sum_models: invalid n_jobs=0"),
+        ([mlp([3])], dict(n_jobs="2"), "invalid n_jobs='2'"),
+        ([mlp([3])], dict(n_jobs=True), "invalid n_jobs=True"),
+        ([mlp([3])], dict(engine="fast"), "invalid engine='fast'; expected one of 'auto'"),
+        ([mlp([3])], dict(chunk_size=0), "invalid chunk_size=0"),
+        ([mlp([3])], dict(chunk_size=1.5), "invalid chunk_size=1.5"),
+    ],
+)
+def test_bad_arguments(models, kwargs, match):
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, torch.randn(2, IN), **kwargs)
+
+
+class Returns(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.fn(self.lin(x))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (
+            lambda y: y[:, :2],
+            r"model 4 \(Returns\) returned output leaf 0 with shape \(2, 2\), "
+            r"model 0 with shape \(2, 3\)",
+        ),
+        (lambda y: y.double(), "model 4 .Returns. returned output leaf 0 with dtype torch.float64"),
+        (lambda y: (y, y), "model 4 .Returns. returned an output of structure"),
+        (lambda y: 3.0, r"model 4 \(Returns\) returned a float as output leaf 0"),
+        (lambda y: None, r"model 4 \(Returns\) returned a NoneType as output leaf 0"),
+        (lambda y: (), r"model 4 \(Returns\) returned no tensor \(tuple\)"),
+    ],
+)
+def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match):
+    models = [Returns(lambda y: y) for _ in range(4)] + [Returns(bad) for _ in range(3)]
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=2)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, 3])
+def test_model_raising_in_forward(n_jobs):
+    models = zoo()
+    models[3] = Boom()
+    before = [p.detach().clone() for m in models for p in m.parameters()]
+    x = torch.randn(2, IN, requires_grad=True)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"model 3 \(Boom\) raised ValueError in "
+        r"forward: boom in forward",
+    ) as info:
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert x.grad is None and all(p.grad is None for m in models for p in m.parameters())
+    assert all(
+        torch.equal(a, p) for a, p in zip(before, (p for m in models for p in m.parameters()))
+    )
+    # the pool stays usable
+    y = parsum.sum_models(zoo(), x, n_jobs=n_jobs)
+    assert y.shape == (2, OUT)
+
+
+def test_first_failing_model_is_reported():
+    models = [mlp([3]), Boom(), mlp([3]), Boom(), Boom()]
+    for n_jobs in (1, 2, 3):
+        with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\)"):
+            parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=1)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_model_raising_in_backward_changes_no_grad(n_jobs):
+    models = zoo()
+    models.insert(5, BoomBackward())
+    x = torch.randn(2, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"model 5 \(BoomBackward\) raised ValueError "
+        r"in backward: boom in backward",
+    ) as info:
+        y.sum().backward()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert x.grad is None
+    assert all(g is None for g in param_grads(models))
+    y2 = parsum.sum_models(zoo(), x, n_jobs=n_jobs)
+    y2.sum().backward()
+    assert x.grad is not None
+
+
+def test_failed_forward_restores_batchnorm_buffers():
+    models = [
+        nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT)) for _ in range(5)
+    ]
+    models.append(Boom())
+    before = [b.clone() for m in models for b in m.buffers()]
+    with pytest.raises(parsum.ParsumError, match="model 5"):
+        parsum.sum_models(models, torch.randn(8, IN), n_jobs=2, chunk_size=1)
+    after = [b for m in models for b in m.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_vjp_engine_refuses_buffer_updates_with_a_hint():
+    models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))]
+    x = torch.randn(8, IN, requires_grad=True)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\).*use engine='autograd'"):
+        parsum.sum_models(models, x, engine="vjp")
+    parsum.sum_models(models, x, engine="auto").sum().backward()  # auto picks autograd
+    assert x.grad is not None
+
+
+def test_second_backward_without_retain_graph():
+    models = zoo()
+    x = torch.randn(2, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=2)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+
+
+def test_retain_graph_allows_a_second_backward():
+    models = zoo()
+    ref = clone_models(models)
+    x = torch.randn(2, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=2)
+    y.sum().backward(retain_graph=True)
+    y.pow(2).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    y2 = sum(m(x2) for m in ref)
+    y2.sum().backward(retain_graph=True)
+    y2.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_config_rejects_bad_values_and_changes_nothing():
+    with (
+        pytest.raises(parsum.ParsumError, match=r"parsum.config: invalid engine='x'"),
+        parsum.config(engine="x"),
+    ):
+        pass
+    with (
+        pytest.raises(parsum.ParsumError, match=r"parsum.config: invalid n_jobs=0"),
+        parsum.config(n_jobs=0),
+    ):
+        pass
+    assert parsum._config.current_settings() == parsum._config._Settings()
