@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -106,8 +107,13 @@ def check_chunk_size(chunk_size: object, where: str) -> int | None:
     return chunk_size
 
 
+@functools.cache
 def usable_cores() -> int:
-    """Cores this process may use (affinity and cgroup quotas included, through joblib)."""
+    """Cores this process may use (affinity and cgroup quotas included, through joblib).
+
+    Cached: joblib reads cgroup files on every call, which would cost tens of microseconds per
+    ``sum_models`` call. ``usable_cores.cache_clear()`` picks up a changed affinity.
+    """
     return max(1, int(joblib.cpu_count()))
 
 
