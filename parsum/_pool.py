@@ -50,11 +50,6 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def in_task() -> bool:
-    """Whether this thread is running a parsum task (nested calls then run sequentially)."""
-    return _local.in_task
-
-
 def chunk_ranges(n_items: int, chunk_size: int) -> list[range]:
     return [range(i, min(i + chunk_size, n_items)) for i in range(0, n_items, chunk_size)]
 
