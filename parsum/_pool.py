@@ -232,24 +232,37 @@ def run_ordered(
     runs, no deadlock ] and NOTE [ Thread control ].
     """
     if _local.in_task:  # nested: this thread already has its share of the cores
-        for k in range(n_tasks):
-            consume(k, task(k))
+        _run_here(task, n_tasks, consume)
         return
     intra_threads = intra_op_threads(n_tasks)
     threads = min(n_workers, n_tasks, _config.usable_cores())
-    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads)
-    if threads > 1:
-        _pool.ensure_helpers(threads - 1)
-        _pool.submit(job, threads - 1)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(intra_threads)
     _local.in_task = True
     try:
-        job.work()
-        job.done.wait()
+        if threads <= 1:  # one thread: no job, no locks, no state to hand over
+            _run_here(task, n_tasks, consume)
+            return
+        _run_job(_Job(task, n_tasks, consume, ThreadState.capture(), intra_threads), threads)
     finally:
         _local.in_task = False
         torch.set_num_threads(saved_threads)
+
+
+def _run_here(
+    task: Callable[[int], Any], n_tasks: int, consume: Callable[[int, Any], None]
+) -> None:
+    for k in range(n_tasks):
+        consume(k, task(k))
+
+
+def _run_job(job: _Job, threads: int) -> None:
+    _pool.ensure_helpers(threads - 1)
+    _pool.submit(job, threads - 1)
+    try:
+        job.work()
+        job.done.wait()
+    finally:
         # Helpers may still hold the job in the queue: let it keep no models or tensors alive.
         job.task = job.consume = None
     if job.failures:
