@@ -101,6 +101,26 @@ class CompensatedAccumulator:
         return torch.where(torch.isfinite(s), s + self._comp, s)
 
 
+def compensated_add_(total: Tensor, comp: Tensor, x: Tensor) -> None:
+    """``total + comp += x`` in place, leaving in ``total`` the rounded compensated sum.
+
+    The running value kept in ``.grad`` is read by optimizers at any time, so unlike
+    ``CompensatedAccumulator`` (which applies its compensation once, at the end) the
+    compensation is folded back after every addition: a second TwoSum splits ``t + comp`` into
+    its rounded value (``total``) and the part below its last bit (``comp``). inf and nan in
+    ``total`` stay as in a plain ``total += x`` and zero the compensation.
+    """
+    t = total + x
+    z = t - total
+    comp.add_((total - (t - z)).add_(x - z))
+    s = t + comp
+    z = s - t
+    rest = (t - (s - z)).add_(comp - z)
+    finite = torch.isfinite(s)
+    torch.where(finite, s, t, out=total)
+    torch.where(finite, rest, torch.zeros((), dtype=comp.dtype, device=comp.device), out=comp)
+
+
 def compensated_sum(
     tensors: Sequence[Tensor], *, chunk_size: int | None = None, n_jobs: int | None = None
 ) -> Tensor:
