@@ -4,6 +4,8 @@ from ._api import sum_models
 from ._config import config
 from ._errors import ParsumError
 from ._function import ParallelSum
+from ._fused import StepInBackward
+from ._grads import FlatGrad
 from ._summation import compensated_sum
 
 __version__ = "0.1.0"
@@ -12,6 +14,8 @@ __all__ = [
     # the normal door
     "sum_models",
     "config",
+    "FlatGrad",
+    "StepInBackward",
     # lower level
     "ParallelSum",
     "compensated_sum",

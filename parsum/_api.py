@@ -14,6 +14,7 @@ from . import _config, _pool
 from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
+from ._fused import StepInBackward
 
 _WHERE = "sum_models"
 
@@ -25,6 +26,7 @@ def sum_models(
     n_jobs: int | None = None,
     engine: str = "auto",
     chunk_size: int | None = None,
+    step_in_backward: StepInBackward | None = None,
     **kwargs: Any,
 ) -> Any:
     """``sum(w_i * models[i](*args, **kwargs))``, its forward and backward run in parallel.
@@ -60,6 +62,9 @@ def sum_models(
             (``parsum.config``'s engine if set, else the fastest that fits: ``"autograd"``).
         chunk_size: models per task; it alone decides the order of additions. Default: the
             models split into at most 16 chunks.
+        step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
+            each model's optimizer steps in the worker right after the model's pullback, and
+            its gradients are dropped instead of stored (``.grad`` stays None).
         **kwargs: passed to every model, like ``args``.
 
     Returns:
@@ -84,7 +89,9 @@ def sum_models(
     tensors = [call.leaves[j] for j in call.tensor_positions]
     model_params = [ModelParams.of(m) for m in models]
     params, slots, shared = _collect_params(model_params)
+    step_index = _check_step_in_backward(step_in_backward, models, model_params)
     chunks = _pool.chunk_ranges(len(models), chunk_size or _pool.default_chunk_size(len(models)))
+    resolved_engine = "autograd" if engine == "auto" else engine
     plan = SumPlan(
         models=models,
         call=call,
@@ -94,10 +101,12 @@ def sum_models(
         model_params=model_params,
         param_slots=slots,
         shared=shared,
-        engine="autograd" if engine == "auto" else engine,
+        engine=resolved_engine,
         chunks=chunks,
         n_workers=n_workers,
-        forward_workers=1 if _models_share_buffers(models) else n_workers,
+        forward_workers=1 if _forward_in_order(models, resolved_engine) else n_workers,
+        step_in_backward=step_in_backward,
+        step_index=step_index,
     )
     differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
     build_graph = torch.is_grad_enabled() and (
@@ -163,6 +172,45 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
     return [float(w) for w in weights], None
 
 
+def _check_step_in_backward(
+    sib: Any, models: list[Callable[..., Any]], model_params: list[ModelParams]
+) -> list[int | None] | None:
+    """Each model's position in ``sib``; every model with parameters must be in it, once."""
+    if sib is None:
+        return None
+    if not isinstance(sib, StepInBackward):
+        raise ParsumError(
+            f"{_WHERE}: step_in_backward is a {type(sib).__name__}; expected a "
+            "parsum.StepInBackward or None"
+        )
+    index: list[int | None] = []
+    seen: dict[int, int] = {}
+    for i, (model, mp) in enumerate(zip(models, model_params)):
+        j = sib.index(model)
+        if mp.tensors and j is None:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) is not one of "
+                "step_in_backward's models, so nothing would step its parameters; build the "
+                "StepInBackward over every model passed"
+            )
+        if j is not None and seen.setdefault(j, i) != i:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) is models[{seen[j]}] again; "
+                "with step_in_backward each model steps right after its one pullback, so "
+                "pass each model once (use weights to count it twice)"
+            )
+        for name, p in zip(mp.names, mp.tensors):
+            if p._backward_hooks:
+                raise ParsumError(
+                    f"{_WHERE}: parameter {name!r} of models[{i}] ({type(model).__name__}) has "
+                    "a gradient hook (register_hook); step_in_backward consumes gradients "
+                    "inside the backward, where autograd would also call the hook with None: "
+                    "remove the hook, or train this model with a regular optimizer"
+                )
+        index.append(j)
+    return index
+
+
 def _collect_params(
     model_params: list[ModelParams],
 ) -> tuple[list[Tensor], list[list[int]], list[bool]]:
@@ -184,12 +232,24 @@ def _collect_params(
     return params, slots, [u > 1 for u in users]
 
 
-def _models_share_buffers(models: list[Callable[..., Any]]) -> bool:
-    """Whether two model entries share a buffer (then forward keeps the plain loop's order)."""
-    owner: dict[int, int] = {}
+def _forward_in_order(models: list[Callable[..., Any]], engine: str) -> bool:
+    """Whether the forwards must run one after the other, in model order.
+
+    When two model entries share a buffer, its updates (BatchNorm statistics) must happen in
+    the plain loop's order. With engine "vjp", ``functional_call`` swaps a module's attributes
+    for the duration of its forward, so two entries that reach one module object (a model
+    repeated, a shared submodule) must not run at once.
+    """
+    buffer_owner: dict[int, int] = {}
+    module_owner: dict[int, int] = {}
     for i, model in enumerate(models):
-        if isinstance(model, nn.Module):
-            for b in model.buffers():
-                if owner.setdefault(id(b), i) != i:
+        if not isinstance(model, nn.Module):
+            continue
+        for b in model.buffers():
+            if buffer_owner.setdefault(id(b), i) != i:
+                return True
+        if engine == "vjp":
+            for module in model.modules():
+                if module_owner.setdefault(id(module), i) != i:
                     return True
     return False

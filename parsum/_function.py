@@ -19,7 +19,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from torch.utils import _pytree as pytree
 from . import _pool
 from ._engines import ENGINE_FORWARDS, CallArgs, ModelParams, Pullback, plain_forward
 from ._errors import ParsumError
+from ._fused import StepInBackward
+from ._grads import FlatWrites, engine_accumulates, has_flat_grads
 from ._summation import CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
@@ -55,6 +58,8 @@ class SumPlan:
         n_workers: threads for the call; ``forward_workers`` for forward (1 when models share
             buffers, which must then be updated in model order as in the plain loop).
         where: the public name to start error messages with.
+        step_in_backward: the fused optimizer steps, or None; ``step_index`` gives each
+            model's position in it.
     """
 
     models: list[Callable[..., Any]]
@@ -71,6 +76,8 @@ class SumPlan:
     forward_workers: int
     where: str = "sum_models"
     out_spec: pytree.TreeSpec | None = None
+    step_in_backward: StepInBackward | None = None
+    step_index: list[int | None] | None = None
 
     def model_error(self, i: int, phase: str, exc: BaseException) -> ParsumError:
         model = self.models[i]
@@ -247,6 +254,19 @@ class _BufferSnapshot:
                 buffer.copy_(saved)
 
 
+@contextlib.contextmanager
+def _hooks_held(params: list[Tensor]) -> Iterator[None]:
+    """Take the tensor hooks off ``params`` for a while (NOTE [ Hooks run once ])."""
+    saved = [(p, p._backward_hooks) for p in params]
+    for p, _ in saved:
+        p._backward_hooks = None
+    try:
+        yield
+    finally:
+        for p, hooks in saved:
+            p._backward_hooks = hooks
+
+
 def _engine_keeps_graph() -> bool:
     """Whether the running backward was asked to keep the graph (retain_graph=True)."""
     try:
@@ -314,6 +334,40 @@ class ParallelSum(torch.autograd.Function):
         weight_grads: list[Tensor | None] = [None] * len(plan.models)
         arg_totals = [CompensatedAccumulator() for _ in range(n_arg_grads)]
         shared_totals: dict[int, CompensatedAccumulator] = {}
+        sib = plan.step_in_backward
+        # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
+        accumulates = (
+            [engine_accumulates(p) for p in plan.params]
+            if sib is not None or has_flat_grads(plan.params)
+            else [False] * len(plan.params)
+        )
+        flat = FlatWrites(plan.params, accumulates) if any(accumulates) else None
+        stepped: list[int] = []
+
+        def route_param_grads(i: int, grads: list[Tensor | None], shared_accs: dict) -> None:
+            slots = plan.param_slots[i]
+            j = None if plan.step_index is None else plan.step_index[i]
+            if sib is not None and j is not None and any(accumulates[s] for s in slots):
+                mine = [
+                    (p, g)
+                    for p, g, s in zip(plan.model_params[i].tensors, grads, slots)
+                    if accumulates[s]
+                ]
+                try:
+                    sib.step(j, [p for p, _ in mine], [g for _, g in mine])
+                except Exception as exc:
+                    raise plan.model_error(i, "its optimizer step", exc) from exc
+                stepped.append(i)
+                grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
+            for slot, g in zip(slots, grads):
+                if g is None:
+                    continue
+                if plan.shared[slot]:
+                    shared_accs.setdefault(slot, CompensatedAccumulator()).add(g)
+                elif flat is not None and slot in flat:
+                    flat.write(slot, g)
+                else:
+                    param_grads[slot] = g
 
         def backward_chunk(k: int) -> tuple[list[CompensatedAccumulator], dict]:
             arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
@@ -333,13 +387,8 @@ class ParallelSum(torch.autograd.Function):
                 for acc, g in zip(arg_accs, arg_grads):
                     if g is not None:
                         acc.add(g)
-                for slot, g in zip(plan.param_slots[i], grads):
-                    if g is None:
-                        continue
-                    if plan.shared[slot]:
-                        shared_accs.setdefault(slot, CompensatedAccumulator()).add(g)
-                    else:
-                        param_grads[slot] = g
+                route_param_grads(i, grads, shared_accs)
+                del grads
                 if ctx.weight_needs_grad:
                     out = outputs[i]
                     if not keep_graph:
@@ -357,10 +406,32 @@ class ParallelSum(torch.autograd.Function):
             for slot, acc in shared_accs.items():
                 shared_totals.setdefault(slot, CompensatedAccumulator()).merge(acc)
 
-        with torch.no_grad():
-            _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
-        for slot, acc in shared_totals.items():
-            param_grads[slot] = acc.result()
+        # NOTE [ Hooks run once ]: the models' graphs reach each parameter's own leaf, so
+        # torch.autograd.grad in the workers would run the parameter's tensor hooks, and
+        # autograd runs them again on what this backward returns. They are held back during
+        # the pullbacks and run once, on the whole gradient, as in plain PyTorch
+        # (step_in_backward, which consumes gradients here, refuses parameters with hooks).
+        held = [p for p in plan.params if plan.engine == "autograd" and p._backward_hooks]
+        try:
+            with torch.no_grad(), _hooks_held(held):
+                _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
+                for slot, acc in shared_totals.items():
+                    if flat is not None and slot in flat:
+                        flat.write(slot, acc.result())
+                    else:
+                        param_grads[slot] = acc.result()
+        except BaseException as exc:
+            if flat is not None:
+                flat.rollback()
+            if stepped:
+                error = ParsumError(
+                    f"{exc}; the optimizer step (step_in_backward) already ran for models "
+                    f"{sorted(stepped)}, whose parameters changed"
+                )
+                raise error from (exc.__cause__ or exc)
+            raise
+        if flat is not None:
+            flat.commit()
         arg_results = iter([None if t.empty else t.result() for t in arg_totals])
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]

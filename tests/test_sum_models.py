@@ -363,3 +363,48 @@ def test_deepcopy_of_zoo_is_independent():
     assert all(
         p is not q for m, c in zip(models, copies) for p, q in zip(m.parameters(), c.parameters())
     )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ["autograd", "vjp"])
+def test_module_reached_by_several_entries_at_once(engine):
+    """A model repeated, or a submodule shared, while several threads run the forwards."""
+    shared = mlp([32, 32])
+    other = nn.Sequential(shared, nn.Tanh())
+    models = [shared, other, shared, other]
+    x = torch.randn(3, IN)
+    for _ in range(20):
+        ref = clone_models(models)
+        run_both(models, x, n_jobs=2, chunk_size=1, engine=engine)
+        plain_sum(ref, x).sum().backward()
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1, engine=engine)
+        for p in shared.parameters():
+            p.grad = None
+        y.sum().backward()
+        for p, r in zip(shared.parameters(), ref[0].parameters()):
+            assert isinstance(p, nn.Parameter) and p.requires_grad
+            torch.testing.assert_close(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tensor_hooks_run_once_on_the_whole_gradient(engine):
+    models = [mlp([8]), mlp([4])]
+    shared = models[0][0]
+    models.append(nn.Sequential(shared, nn.Tanh(), nn.Linear(8, OUT)))  # shared by two models
+    ref = clone_models(models)
+    calls = {"parsum": 0, "plain": 0}
+
+    def doubling(key):
+        def hook(grad):
+            calls[key] += 1
+            return grad * 2
+
+        return hook
+
+    shared.weight.register_hook(doubling("parsum"))
+    ref[0][0].weight.register_hook(doubling("plain"))
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, engine=engine).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert calls == {"parsum": 1, "plain": 1}
+    assert_same_grads(models, ref)

@@ -1,0 +1,174 @@
+"""StepInBackward: each model's optimizer step runs in the worker right after its pullback.
+
+# NOTE [ Fused steps ]
+# In plain training every gradient of the whole set is held at once between backward and
+# step. Here the worker that pulled a model back hands that model's gradients to the model's
+# own optimizer, steps it and drops them, so at any moment only the gradients of the models
+# being pulled back exist: the peak falls by about the gradients of all the other models. One
+# optimizer per model gives the same result as one optimizer over all parameters for every
+# optimizer whose update is per parameter (SGD, Adam, AdamW, ...); each model's state (momenta,
+# step counts) is its own. A parameter held by two models would need the sum of both pullbacks
+# before its step, so it is refused up front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._errors import ParsumError
+
+_WHERE = "StepInBackward"
+
+
+class StepInBackward:
+    """Per-model optimizers whose steps ``sum_models`` runs inside its parallel backward.
+
+    Pass it as ``sum_models(models, x, step_in_backward=sib)``; then ``loss.backward()``
+    updates every model: in the worker that ran a model's pullback, right after it, that
+    model's optimizer steps and its gradients are dropped (``.grad`` stays None). The result
+    equals plain training (``backward()``, ``step()``, ``zero_grad()``) with one optimizer of
+    ``optimizer_cls`` over all the parameters, for optimizers whose update is per parameter.
+
+    >>> import torch, parsum
+    >>> models = [torch.nn.Linear(3, 1) for _ in range(4)]
+    >>> sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    >>> before = models[0].weight.detach().clone()
+    >>> parsum.sum_models(models, torch.ones(2, 3), step_in_backward=sib).sum().backward()
+    >>> models[0].weight.grad is None, torch.equal(models[0].weight, before)
+    (True, False)
+    >>> schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=10) for o in sib.optimizers]
+
+    Args:
+        models: the models, as they will be passed to ``sum_models`` (any order; a subset may
+            be passed). No parameter may belong to two of them.
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass (or a callable building one from
+            an iterable of parameters).
+        **optimizer_kwargs: passed to every optimizer (``lr``, ``momentum``, ...).
+
+    Attributes:
+        models: the models.
+        optimizers: one optimizer per model, in the order of ``models`` (None for a model with
+            no trainable parameter). Give each an LR scheduler, read or load their state.
+
+    Raises:
+        ParsumError: for a bad ``models``, a parameter shared by two models, or an optimizer
+            that cannot be built from the keyword arguments.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if isinstance(models, nn.Module) and not isinstance(models, (nn.ModuleList,)):
+            raise ParsumError(
+                f"{_WHERE}: models is a single {type(models).__name__}; expected a sequence "
+                "of models"
+            )
+        if isinstance(models, (str, bytes)) or not isinstance(models, (Sequence, nn.ModuleList)):
+            raise ParsumError(
+                f"{_WHERE}: models is a {type(models).__name__}; expected a sequence of models"
+            )
+        models = list(models)
+        if not models:
+            raise ParsumError(f"{_WHERE}: models is empty; expected at least one model")
+        if not callable(optimizer_cls):
+            raise ParsumError(
+                f"{_WHERE}: optimizer_cls is {optimizer_cls!r:.60}, which is not callable; "
+                "expected a torch.optim.Optimizer subclass such as torch.optim.Adam"
+            )
+        self._index: dict[int, int] = {}
+        holder: dict[int, tuple[int, str]] = {}
+        for i, model in enumerate(models):
+            if not isinstance(model, nn.Module):
+                raise ParsumError(
+                    f"{_WHERE}: models[{i}] is a {type(model).__name__}; expected an nn.Module "
+                    "(its parameters are what its optimizer steps)"
+                )
+            if id(model) in self._index:
+                raise ParsumError(
+                    f"{_WHERE}: models[{i}] ({type(model).__name__}) is models"
+                    f"[{self._index[id(model)]}] again; list each model once"
+                )
+            self._index[id(model)] = i
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                other = holder.setdefault(id(p), (i, name))
+                if other[0] != i:
+                    raise ParsumError(
+                        f"{_WHERE}: parameter {name!r} of models[{i}] "
+                        f"({type(model).__name__}) is parameter {other[1]!r} of models"
+                        f"[{other[0]}] ({type(models[other[0]]).__name__}); a step right "
+                        "after one model's pullback cannot see the other's gradient, so tied "
+                        "parameters across models are not supported: step them with a "
+                        "regular optimizer"
+                    )
+        self.models = models
+        self.optimizers: list[torch.optim.Optimizer | None] = []
+        for i, model in enumerate(models):
+            params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                self.optimizers.append(None)
+                continue
+            try:
+                optimizer = optimizer_cls(params, **optimizer_kwargs)
+            except Exception as exc:
+                name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
+                raise ParsumError(
+                    f"{_WHERE}: optimizer_cls {name}(params of models[{i}] "
+                    f"({type(model).__name__}), **{optimizer_kwargs!r}) raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ParsumError(
+                    f"{_WHERE}: optimizer_cls returned a {type(optimizer).__name__}; expected "
+                    "a torch.optim.Optimizer"
+                )
+            self.optimizers.append(optimizer)
+
+    def index(self, model: Any) -> int | None:
+        """The position of ``model`` in ``models`` (by identity), or None."""
+        return self._index.get(id(model))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every optimizer's state, for checkpoints."""
+        return {"optimizers": [None if o is None else o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("optimizers") if isinstance(state, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise ParsumError(
+                f"{_WHERE}.load_state_dict: state holds {saved!r:.40}; expected a state_dict() "
+                f"of a StepInBackward over {len(self.optimizers)} models"
+            )
+        for optimizer, entry in zip(self.optimizers, saved):
+            if optimizer is not None:
+                optimizer.load_state_dict(entry)
+
+    def __repr__(self) -> str:
+        kinds = {type(o).__name__ for o in self.optimizers if o is not None}
+        return f"StepInBackward({len(self.models)} models, {', '.join(sorted(kinds))})"
+
+    def step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """Step model ``j`` with this backward's gradients (added to any ``.grad``), drop them.
+
+        Runs in a worker; the parameters are that model's alone, so no other thread touches
+        them.
+        """
+        optimizer = self.optimizers[j]
+        if optimizer is None:
+            return
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        try:
+            optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None

@@ -1,0 +1,373 @@
+"""FlatGrad: every parameter's ``.grad`` a view into one contiguous buffer per (dtype, device).
+
+# NOTE [ Who writes a FlatGrad slot ]
+# - ``sum_models``' backward writes the gradient of each parameter it owns into its slot from
+#   the worker that ran the model's pullback, as soon as the pullback produced it (the
+#   temporary is freed at once; autograd offers no way for a pullback to write into a given
+#   buffer). It does so only where the running backward would itself accumulate into ``.grad``
+#   (``backward()``, not ``torch.autograd.grad``) and the parameter carries no hook of the
+#   user's; everywhere else the gradient goes back to autograd as usual.
+# - Any other backward accumulates through autograd's AccumulateGrad: into the view in place
+#   when ``.grad`` is set, else into a fresh tensor that a post-accumulate hook copies into the
+#   slot before putting the view back.
+# So a ``.grad`` set to None (``optimizer.zero_grad()``) gets its view back at the next backward.
+#
+# NOTE [ Buffer versions ]
+# Every in-place write through any view bumps the buffer's version counter. A FlatGrad records
+# the version after its own writes and after ``zero_()``: a compensation is trusted only if
+# nobody wrote since parsum last did (else it is dropped: the values stay, only the refinement
+# below their last bit is lost), and a buffer is known to be zero only if nothing was written
+# since ``zero_()``. The latter makes a failed backward cheap to undo after ``zero_()``; in
+# every other case the slots about to be accumulated into are copied first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._errors import ParsumError
+from ._summation import compensated_add_
+
+_WHERE = "FlatGrad"
+
+BufferKey = tuple[torch.dtype, torch.device]
+
+# parameter -> (FlatGrad, index of its slot): the last FlatGrad built over a parameter owns it.
+_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass
+class _Slot:
+    param: Tensor
+    key: BufferKey
+    view: Tensor
+    comp: Tensor | None
+
+
+class FlatGrad:
+    """One contiguous gradient buffer per (dtype, device); each ``.grad`` is a view into it.
+
+    >>> import torch, parsum
+    >>> models = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    >>> flat = parsum.FlatGrad(models)
+    >>> flat.flat.shape                                  # 2 * (2*3 + 2) gradient elements
+    torch.Size([16])
+    >>> parsum.sum_models(models, torch.ones(4, 3)).sum().backward()
+    >>> models[0].bias.grad
+    tensor([4., 4.])
+    >>> flat.flat[6:8]                                   # the same memory
+    tensor([4., 4.])
+
+    Args:
+        params_or_modules: an ``nn.Module``, a parameter, or an iterable of them (nested
+            iterables too). Every trainable parameter gets one slot, in order of first
+            appearance: a parameter reached twice (tied weights) gets one slot, a frozen one
+            (``requires_grad=False``) none. Parametrized modules
+            (``torch.nn.utils.parametrize``) get slots for their underlying ``original``
+            tensors, and layers whose weight is computed from several tensors for each of them.
+            A parameter's ``.grad``, if any, is copied into its slot.
+        compensated: whether every accumulation into ``.grad`` by ``sum_models``' backward
+            (repeated backward over micro-batches) is compensated (Kahan-Babuska-Neumaier): a
+            second buffer per (dtype, device) keeps the part of each sum below ``.grad``'s last
+            bit.
+
+    Raises:
+        ParsumError: for an item that is neither a module nor a tensor, a tensor that is not
+            a leaf, a sparse parameter, or when there is no trainable parameter at all.
+    """
+
+    def __init__(
+        self, params_or_modules: nn.Module | Tensor | Iterable[Any], *, compensated: bool = False
+    ) -> None:
+        if not isinstance(compensated, bool):
+            raise ParsumError(
+                f"{_WHERE}: compensated is {compensated!r} ({type(compensated).__name__}); "
+                "expected True or False"
+            )
+        params = _collect_params(params_or_modules)
+        sizes: dict[BufferKey, int] = {}
+        for p in params:
+            key = (p.dtype, p.device)
+            sizes[key] = sizes.get(key, 0) + p.numel()
+        self.compensated = compensated
+        self._buffers = {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+        self._comps = (
+            {k: torch.zeros(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+            if compensated
+            else {}
+        )
+        offsets = dict.fromkeys(sizes, 0)
+        self._slots: list[_Slot] = []
+        for p in params:
+            key = (p.dtype, p.device)
+            start = offsets[key]
+            offsets[key] += p.numel()
+            comp = self._comps.get(key)
+            self._slots.append(
+                _Slot(
+                    p,
+                    key,
+                    _slot_view(self._buffers[key], p, start),
+                    None if comp is None else _slot_view(comp, p, start),
+                )
+            )
+        # Versions before the copies below: a buffer nothing was copied into is known zero.
+        self._zero_versions = {k: b._version for k, b in self._buffers.items()}
+        with torch.no_grad():
+            for slot in self._slots:
+                if slot.param.grad is not None:
+                    grad = slot.param.grad
+                    slot.view.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
+        self._comp_versions: dict[BufferKey, int] = {}
+        self._hooks: dict[int, Any] = {}
+        self._note_written()
+        for index, slot in enumerate(self._slots):
+            self._take_over(index, slot)
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def buffers(self) -> dict[BufferKey, Tensor]:
+        """The gradient buffers, keyed by ``(dtype, device)``."""
+        return dict(self._buffers)
+
+    @property
+    def flat(self) -> Tensor:
+        """The gradient buffer, when all parameters share one dtype and device."""
+        if len(self._buffers) != 1:
+            keys = ", ".join(f"({d}, {v})" for d, v in self._buffers)
+            raise ParsumError(
+                f"{_WHERE}.flat: the parameters have {len(self._buffers)} (dtype, device) "
+                f"pairs ({keys}), so there are as many buffers; use .buffers"
+            )
+        return next(iter(self._buffers.values()))
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters with a slot, in slot order."""
+        return [slot.param for slot in self._slots]
+
+    def zero_(self) -> FlatGrad:
+        """Zero every buffer and point every ``.grad`` at its view again."""
+        with torch.no_grad():
+            for buffer in (*self._buffers.values(), *self._comps.values()):
+                buffer.zero_()
+        for slot in self._slots:
+            slot.param.grad = slot.view
+        self._zero_versions = {k: b._version for k, b in self._buffers.items()}
+        return self
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{d}/{v}: {b.numel()}" for (d, v), b in self._buffers.items())
+        return f"FlatGrad({len(self._slots)} parameters; {parts}; compensated={self.compensated})"
+
+    # -- internal -----------------------------------------------------------------------------
+
+    def _take_over(self, index: int, slot: _Slot) -> None:
+        previous = _owners.get(slot.param)
+        if previous is not None:
+            previous[0]._release(previous[1])
+        _owners[slot.param] = (self, index)
+        slot.param.grad = slot.view
+        self._hooks[index] = slot.param.register_post_accumulate_grad_hook(self._reattach)
+
+    def _release(self, index: int) -> None:
+        handle = self._hooks.pop(index, None)
+        if handle is not None:
+            handle.remove()
+
+    def _reattach(self, param: Tensor) -> None:
+        """After autograd accumulated into a fresh tensor, move it into the slot."""
+        owner = _owners.get(param)
+        if owner is None or owner[0] is not self:
+            return
+        slot = self._slots[owner[1]]
+        grad = param.grad
+        if grad is None or _is_view_of(grad, slot.view):
+            return
+        with torch.no_grad():
+            if grad.layout != torch.strided:
+                grad = grad.to_dense()
+            slot.view.copy_(grad)
+        param.grad = slot.view
+
+    def _note_written(self) -> None:
+        self._comp_versions = {k: b._version for k, b in self._buffers.items()}
+
+
+def _collect_params(items: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    seen: set[int] = set()
+
+    def add(p: Tensor, where: str) -> None:
+        if not p.requires_grad or id(p) in seen:
+            return
+        if not p.is_leaf:
+            raise ParsumError(
+                f"{_WHERE}: {where} is a tensor computed from others (grad_fn "
+                f"{type(p.grad_fn).__name__}), not a leaf; pass the parameters it is computed "
+                "from, or the module that holds them"
+            )
+        if p.layout != torch.strided:
+            raise ParsumError(
+                f"{_WHERE}: {where} has layout {p.layout}; only dense (strided) parameters "
+                "get a slot"
+            )
+        seen.add(id(p))
+        found.append(p)
+
+    def visit(item: Any, where: str) -> None:
+        if isinstance(item, nn.Module):
+            for name, p in item.named_parameters():
+                add(p, f"{where}.{name}" if where else name)
+        elif isinstance(item, Tensor):
+            add(item, where or "the tensor")
+        elif isinstance(item, (str, bytes)) or not isinstance(item, Iterable):
+            raise ParsumError(
+                f"{_WHERE}: {where or 'params_or_modules'} is a {type(item).__name__} "
+                f"({item!r:.60}); expected an nn.Module, a parameter, or an iterable of them"
+            )
+        else:
+            for i, sub in enumerate(item):
+                visit(sub, f"{where or 'params_or_modules'}[{i}]")
+
+    visit(items, "")
+    if not found:
+        raise ParsumError(
+            f"{_WHERE}: params_or_modules holds no trainable parameter (all are frozen, or "
+            "there are none); there is nothing to give a gradient buffer"
+        )
+    return found
+
+
+def _slot_view(buffer: Tensor, p: Tensor, start: int) -> Tensor:
+    """A view of ``buffer[start : start + p.numel()]`` with ``p``'s shape and memory layout."""
+    # empty_like keeps the strides of a dense parameter (channels_last, transposed) and makes
+    # any other one contiguous; the meta device allocates nothing.
+    strides = torch.empty_like(p, device="meta").stride()
+    return buffer.as_strided(p.shape, strides, buffer.storage_offset() + start)
+
+
+def _is_view_of(grad: Tensor, view: Tensor) -> bool:
+    return (
+        grad.layout == torch.strided
+        and grad.data_ptr() == view.data_ptr()
+        and grad.stride() == view.stride()
+        and grad.shape == view.shape
+    )
+
+
+def engine_accumulates(param: Tensor) -> bool:
+    """Whether the running backward will accumulate into ``param.grad``.
+
+    True under ``backward()`` (with ``inputs`` listing ``param`` if given); False under
+    ``torch.autograd.grad``, which captures the gradient instead, or when ``param`` is not
+    reached. Must be called from the thread that runs the backward.
+    """
+    try:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # autograd.grad capturing it, or no such API
+        return False
+
+
+def has_flat_grads(params: Sequence[Tensor]) -> bool:
+    """Whether any of ``params`` has a slot in a FlatGrad."""
+    return len(_owners) > 0 and any(p in _owners for p in params)
+
+
+def _has_user_hooks(param: Tensor, owned: bool) -> bool:
+    pre = getattr(param, "_backward_hooks", None) or {}
+    post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    return bool(pre) or len(post) > (1 if owned else 0)
+
+
+@dataclass
+class _Write:
+    slot: _Slot
+    owner: FlatGrad
+    fresh: bool  # .grad was None: the slot's old value does not count, the write copies
+    undo: str = "nothing"  # after a failure: "nothing", "zero" the slot, or copy "saved" back
+
+
+class FlatWrites:
+    """The FlatGrad slots one backward of ``sum_models`` writes; built in the backward's thread.
+
+    ``write(k, g)`` may run in any worker, at most once per parameter; ``commit()`` after every
+    write succeeded, ``rollback()`` instead after a failure (NOTE [ Buffer versions ]).
+    """
+
+    def __init__(self, params: Sequence[Tensor], accumulates: Sequence[bool]) -> None:
+        self._writes: dict[int, _Write] = {}
+        self._saved: list[tuple[Tensor, Tensor]] = []
+        owners: dict[int, FlatGrad] = {}
+        for k, (p, acc) in enumerate(zip(params, accumulates)):
+            owner = _owners.get(p) if acc else None
+            if owner is None or _has_user_hooks(p, owned=True):
+                continue
+            flat, index = owner
+            owners[id(flat)] = flat
+            self._writes[k] = _Write(flat._slots[index], flat, fresh=p.grad is None)
+        # Decide from the versions before anything below writes.
+        known_zero: dict[tuple[int, BufferKey], bool] = {}
+        for flat in owners.values():
+            for key, buffer in flat._buffers.items():
+                version = buffer._version
+                known_zero[id(flat), key] = flat._zero_versions.get(key) == version
+                if flat.compensated and flat._comp_versions.get(key) != version:
+                    flat._comps[key].zero_()
+        for write in self._writes.values():
+            slot, grad = write.slot, write.slot.param.grad
+            if grad is None:
+                continue
+            if not _is_view_of(grad, slot.view):
+                # .grad was replaced by another tensor: take its value over; until commit()
+                # points .grad at the slot, the slot is nobody's .grad, so nothing to undo.
+                slot.view.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
+                if slot.comp is not None:
+                    slot.comp.zero_()
+            elif known_zero[id(write.owner), slot.key]:
+                write.undo = "zero"
+            else:
+                write.undo = "saved"
+                self._saved.append((slot.view, slot.view.clone()))
+                if slot.comp is not None:
+                    self._saved.append((slot.comp, slot.comp.clone()))
+
+    def __contains__(self, k: int) -> bool:
+        return k in self._writes
+
+    def write(self, k: int, grad: Tensor) -> None:
+        write = self._writes[k]
+        slot = write.slot
+        if grad.layout != torch.strided:
+            grad = grad.to_dense()
+        if write.fresh:
+            slot.view.copy_(grad)
+            if slot.comp is not None:
+                slot.comp.zero_()
+        elif slot.comp is not None:
+            compensated_add_(slot.view, slot.comp, grad)
+        else:
+            slot.view.add_(grad)
+
+    def commit(self) -> None:
+        for write in self._writes.values():
+            write.slot.param.grad = write.slot.view
+        for flat in {id(w.owner): w.owner for w in self._writes.values()}.values():
+            flat._note_written()
+
+    def rollback(self) -> None:
+        for write in self._writes.values():
+            if write.undo == "zero":
+                write.slot.view.zero_()
+                if write.slot.comp is not None:
+                    write.slot.comp.zero_()
+        for view, value in self._saved:
+            view.copy_(value)

@@ -1,0 +1,441 @@
+"""FlatGrad: views into one buffer, sum_models' backward writing into them, compensation."""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import (
+    IN,
+    LowRankLinear,
+    clone_models,
+    mlp,
+    param_grads,
+    parametrized_model,
+    plain_sum,
+    zoo,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def is_view_into(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def trainable(models):
+    seen, out = set(), []
+    for m in models:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class Scale(nn.Module):
+    """y = p * x: the gradient of y.sum() with respect to p is x.sum()."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, x):
+        return self.p * x
+
+
+class FailsInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, 3)
+        self.armed = False
+
+    def forward(self, x):
+        out = self.lin(x)
+        if self.armed:
+            out.register_hook(self._boom)
+        return out
+
+    def _boom(self, grad):
+        raise ValueError("boom in backward")
+
+
+# -- layout --------------------------------------------------------------------------------
+
+
+def test_every_grad_is_a_view_and_flat_is_their_concatenation():
+    models = zoo()
+    flat = parsum.FlatGrad(models)
+    params = trainable(models)
+    assert flat.params == params
+    assert flat.flat.numel() == sum(p.numel() for p in params)
+    parsum.sum_models(models, torch.randn(5, IN)).pow(2).sum().backward()
+    for p in params:
+        assert is_view_into(p.grad, flat.flat)
+        assert p.grad.shape == p.shape
+    torch.testing.assert_close(flat.flat, torch.cat([p.grad.flatten() for p in params]))
+
+
+def test_tied_parameter_one_slot_frozen_none():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight  # tied
+    c = nn.Linear(4, 2)
+    c.weight.requires_grad_(False)  # frozen
+    flat = parsum.FlatGrad([a, b, c])
+    assert flat.flat.numel() == 16 + 4 + 4 + 2
+    assert c.weight.grad is None
+    assert sum(p is a.weight for p in flat.params) == 1
+
+
+def test_composite_parameters_get_slots_for_the_tensors_they_are_built_from():
+    par = parametrized_model()
+    low = LowRankLinear(IN, 3)
+    flat = parsum.FlatGrad([par, low])
+    names = [n for n, _ in par.named_parameters()]
+    assert "0.parametrizations.weight.original" in names
+    x = torch.randn(4, IN)
+    ref = clone_models([par, low])
+    parsum.sum_models([par, low], x).sum().backward()
+    plain_sum(ref, x).sum().backward()
+    for p, r in zip(trainable([par, low]), trainable(ref)):
+        assert is_view_into(p.grad, flat.flat)
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_one_buffer_per_dtype_and_flat_refuses_several():
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2).double()
+    flat = parsum.FlatGrad([a, b])
+    cpu = torch.device("cpu")
+    assert set(flat.buffers) == {(torch.float32, cpu), (torch.float64, cpu)}
+    with pytest.raises(parsum.ParsumError, match=r"2 \(dtype, device\) pairs"):
+        _ = flat.flat
+    assert is_view_into(b.weight.grad, flat.buffers[torch.float64, cpu])
+
+
+def test_channels_last_parameter_keeps_its_strides():
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    flat = parsum.FlatGrad(conv)
+    assert conv.weight.grad.stride() == conv.weight.stride()
+    x = torch.randn(2, 3, 6, 6)
+    ref = clone_models([conv])[0]
+    parsum.sum_models([conv], x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(conv.weight.grad, ref.weight.grad)
+    assert is_view_into(conv.weight.grad, flat.flat)
+
+
+def test_existing_grads_are_copied_in():
+    lin = nn.Linear(3, 2)
+    lin(torch.ones(1, 3)).sum().backward()
+    before = [p.grad.clone() for p in lin.parameters()]
+    parsum.FlatGrad(lin)
+    for p, g in zip(lin.parameters(), before):
+        assert torch.equal(p.grad, g)
+
+
+def test_a_second_flatgrad_takes_the_parameters_over():
+    lin = nn.Linear(3, 2)
+    first = parsum.FlatGrad(lin)
+    second = parsum.FlatGrad(lin)
+    lin.zero_grad()
+    parsum.sum_models([lin], torch.ones(2, 3)).sum().backward()
+    assert is_view_into(lin.weight.grad, second.flat)
+    assert first.flat.abs().sum() == 0
+
+
+# -- sum_models' backward ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["autograd", "vjp"])
+@pytest.mark.parametrize("n_jobs", [1, 2, 3])
+def test_backward_matches_plain_and_is_bitwise_across_n_jobs(engine, n_jobs):
+    x = torch.randn(5, IN, dtype=torch.float64)
+    results = []
+    for jobs in (1, n_jobs):
+        models = zoo(torch.float64)
+        ref = clone_models(models)
+        flat = parsum.FlatGrad(models)
+        for _ in range(2):  # the second backward accumulates
+            parsum.sum_models(models, x, engine=engine, n_jobs=jobs, chunk_size=2).sum().backward()
+            plain_sum(ref, x).sum().backward()
+        for g, r in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+        results.append(flat.flat.clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_shared_parameters_across_models():
+    shared = nn.Linear(IN, 3)
+    models = [nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, nn.ReLU()), shared]
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x).sum().backward()
+    plain_sum(ref, x).sum().backward()
+    assert flat.flat.numel() == IN * 3 + 3
+    torch.testing.assert_close(shared.weight.grad, ref[2].weight.grad)
+    assert is_view_into(shared.weight.grad, flat.flat)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_then_backward_puts_the_views_back(set_to_none):
+    models = [mlp([8]), mlp([4, 4])]
+    flat = parsum.FlatGrad(models)
+    opt = torch.optim.SGD(trainable(models), lr=0.1)
+    x = torch.randn(3, IN)
+    parsum.sum_models(models, x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    parsum.sum_models(models, x).sum().backward()
+    ref = clone_models(models)
+    for m in ref:
+        m.zero_grad()
+    plain_sum(ref, x).sum().backward()
+    for p, r in zip(trainable(models), trainable(ref)):
+        assert is_view_into(p.grad, flat.flat)
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_plain_pytorch_backward_also_lands_in_the_buffer():
+    model = mlp([8])
+    flat = parsum.FlatGrad(model)
+    x = torch.randn(3, IN)
+    model.zero_grad()  # .grad None: AccumulateGrad makes a fresh tensor, the hook moves it in
+    model(x).sum().backward()
+    assert all(is_view_into(p.grad, flat.flat) for p in model.parameters())
+    first = flat.flat.clone()
+    model(x).sum().backward()  # accumulates in place into the views
+    torch.testing.assert_close(flat.flat, 2 * first)
+
+
+def test_autograd_grad_writes_nothing():
+    models = zoo()
+    flat = parsum.FlatGrad(models).zero_()
+    params = trainable(models)
+    x = torch.randn(5, IN, requires_grad=True)
+    y = parsum.sum_models(models, x).sum()
+    grads = torch.autograd.grad(y, [*params[:3], x])
+    assert flat.flat.abs().sum() == 0
+    ref = clone_models(models)
+    want = torch.autograd.grad(plain_sum(ref, x).sum(), [*trainable(ref)[:3], x])
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_backward_with_inputs_writes_only_those():
+    models = [mlp([8]), mlp([4])]
+    flat = parsum.FlatGrad(models).zero_()
+    chosen = models[0][0].weight
+    parsum.sum_models(models, torch.randn(3, IN)).sum().backward(inputs=[chosen])
+    assert chosen.grad.abs().sum() > 0
+    others = [p for p in flat.params if p is not chosen]
+    assert all(p.grad.abs().sum() == 0 for p in others)
+
+
+def test_a_user_hook_still_runs():
+    model = mlp([8])
+    flat = parsum.FlatGrad(model)
+    seen = []
+    model[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    parsum.sum_models([model], torch.randn(3, IN)).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(model[0].weight.grad, seen[0])
+    assert is_view_into(model[0].weight.grad, flat.flat)
+
+
+def test_weights_and_flatgrad():
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    parsum.FlatGrad(models)
+    w = [0.5, -2.0, 1.0, 0.25, 3.0, -1.0, 0.75]
+    x = torch.randn(4, IN, dtype=torch.float64)
+    parsum.sum_models(models, x, weights=w).pow(2).sum().backward()
+    plain_sum(ref, x, weights=w).pow(2).sum().backward()
+    for g, r in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(g, r)
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.05)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    (torch.optim.Adamax, dict(lr=1e-2)),
+    (torch.optim.Adagrad, dict(lr=1e-2)),
+    (torch.optim.Adadelta, dict(lr=1.0)),
+    (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),
+    (torch.optim.Rprop, dict(lr=1e-2)),
+    (torch.optim.NAdam, dict(lr=1e-2)),
+    (torch.optim.RAdam, dict(lr=1e-2)),
+    (torch.optim.ASGD, dict(lr=1e-2)),
+]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(("cls", "kw"), OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
+def test_every_optimizer_trains_as_with_plain_pytorch(cls, kw, foreach):
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    parsum.FlatGrad(models)
+    opt = cls(trainable(models), foreach=foreach, **kw)
+    opt_ref = cls(trainable(ref), foreach=foreach, **kw)
+    x = torch.randn(6, IN, dtype=torch.float64)
+    for _ in range(3):
+        opt.zero_grad()
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        opt.step()
+        opt_ref.zero_grad()
+        plain_sum(ref, x).pow(2).mean().backward()
+        opt_ref.step()
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-10)
+
+
+def test_lbfgs_with_a_closure():
+    models = [mlp([8]).double(), mlp([4]).double()]
+    ref = clone_models(models)
+    parsum.FlatGrad(models)
+    x = torch.randn(6, IN, dtype=torch.float64)
+    for ms, run in ((models, parsum.sum_models), (ref, plain_sum)):
+        opt = torch.optim.LBFGS(trainable(ms), lr=0.5, max_iter=5)
+
+        def closure(ms=ms, run=run, opt=opt):
+            opt.zero_grad()
+            loss = run(ms, x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r)
+
+
+# -- compensated accumulation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_compensated_micro_batches_keep_small_additions(n_jobs):
+    """float32: 1e6, then 0.01 a thousand times: compensated 1e6 + 10, naive stays at 1e6."""
+    got = {}
+    for compensated in (False, True):
+        model = Scale()
+        parsum.FlatGrad(model, compensated=compensated)
+        parsum.sum_models([model], torch.tensor([1e6]), n_jobs=n_jobs).sum().backward()
+        for _ in range(1000):
+            parsum.sum_models([model], torch.tensor([0.01]), n_jobs=n_jobs).sum().backward()
+        got[compensated] = model.p.grad.item()
+    exact = 1e6 + 1000 * float(torch.tensor(0.01))
+    assert got[False] == 1e6
+    assert got[True] == float(torch.tensor(exact, dtype=torch.float32)) == 1e6 + 10
+
+
+def test_compensated_accumulation_is_the_rounded_exact_sum():
+    """Against the float64 sum of the same float32 per-batch gradients."""
+    torch.manual_seed(0)
+    models = [mlp([16]), mlp([8, 8])]
+    scales = [1e3] + [1e-2] * 200
+    batches = [torch.randn(8, IN) * s for s in scales]
+    ref = clone_models(models)
+    params = trainable(ref)
+    want = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    for b in batches:
+        grads = torch.autograd.grad(plain_sum(ref, b).sum(), params)
+        want += torch.cat([g.flatten() for g in grads]).double()
+    errors = {}
+    for compensated in (False, True):
+        ms = clone_models(models)
+        flat = parsum.FlatGrad(ms, compensated=compensated)
+        for b in batches:
+            parsum.sum_models(ms, b).sum().backward()
+        errors[compensated] = (flat.flat.double() - want).abs()
+    half_ulp = want.float().abs().double() * 2.0**-24
+    assert (errors[True] <= half_ulp * 1.01 + 1e-30).all()
+    assert errors[False].sum() > 4 * errors[True].sum()
+
+
+def test_compensation_is_dropped_after_the_grads_are_zeroed():
+    model = Scale()
+    flat = parsum.FlatGrad(model, compensated=True)
+    parsum.sum_models([model], torch.tensor([1e6])).sum().backward()
+    parsum.sum_models([model], torch.tensor([0.01])).sum().backward()  # kept below the last bit
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    parsum.sum_models([model], torch.tensor([1.0])).sum().backward()
+    assert model.p.grad.item() == 1.0
+    flat.zero_()
+    parsum.sum_models([model], torch.tensor([2.0])).sum().backward()
+    assert model.p.grad.item() == 2.0
+
+
+def test_compensated_inf_and_nan_as_in_plain_accumulation():
+    model = Scale()
+    parsum.FlatGrad(model, compensated=True)
+    parsum.sum_models([model], torch.tensor([float("inf")])).sum().backward()
+    parsum.sum_models([model], torch.tensor([1.0])).sum().backward()
+    assert model.p.grad.item() == float("inf")
+    parsum.sum_models([model], torch.tensor([float("-inf")])).sum().backward()
+    assert torch.isnan(model.p.grad).all()
+
+
+# -- a failed backward changes nothing -----------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
+@pytest.mark.parametrize("compensated", [False, True])
+def test_failed_backward_leaves_grads_as_they_were(state, compensated):
+    models = [mlp([8]), FailsInBackward(), mlp([4])]
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    x = torch.randn(3, IN)
+    if state == "none":
+        for m in models:
+            m.zero_grad()
+    elif state == "zeroed":
+        flat.zero_()
+    else:
+        parsum.sum_models(models, x).sum().backward()
+        parsum.sum_models(models, x * 1e-4).sum().backward()
+    before = [None if p.grad is None else p.grad.clone() for p in flat.params]
+    comps = [c.clone() for c in flat._comps.values()]
+    models[1].armed = True
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(FailsInBackward\)"):
+        y.sum().backward()
+    for p, b in zip(flat.params, before):
+        assert (p.grad is None) == (b is None)
+        if b is not None:
+            assert torch.equal(p.grad, b)
+            assert is_view_into(p.grad, flat.flat)
+    for c, saved in zip(flat._comps.values(), comps):
+        assert torch.equal(c, saved)
+    models[1].armed = False
+    parsum.sum_models(models, x).sum().backward()  # and it keeps working
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arg", "match"),
+    [
+        ("not a module", r"params_or_modules is a str"),
+        ([nn.Linear(2, 2), 3], r"params_or_modules\[1\] is a int \(3\)"),
+        ([nn.Linear(2, 2).weight * 2], r"params_or_modules\[0\] is a tensor computed"),
+        ([nn.Linear(2, 2).requires_grad_(False)], "no trainable parameter"),
+        ([], "no trainable parameter"),
+    ],
+)
+def test_bad_input(arg, match):
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.FlatGrad(arg)
+
+
+def test_bad_compensated_and_nothing_changed():
+    lin = nn.Linear(2, 2)
+    with pytest.raises(parsum.ParsumError, match="compensated is 'yes'"):
+        parsum.FlatGrad(lin, compensated="yes")
+    assert lin.weight.grad is None
+
+
+def test_repr():
+    assert repr(parsum.FlatGrad(nn.Linear(2, 3))) == (
+        "FlatGrad(2 parameters; torch.float32/cpu: 9; compensated=False)"
+    )

@@ -1,0 +1,249 @@
+"""StepInBackward: per-model steps fused into the parallel backward equal plain training."""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import IN, OUT, clone_models, mlp, plain_sum, zoo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def trainable(models):
+    return [p for m in models for p in m.parameters() if p.requires_grad]
+
+
+def train_plain(models, batches, cls, kw, schedule=None):
+    opt = cls(trainable(models), **kw)
+    sched = schedule(opt) if schedule else None
+    for x in batches:
+        plain_sum(models, x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if sched:
+            sched.step()
+
+
+def train_fused(models, batches, cls, kw, schedule=None, **sum_kw):
+    sib = parsum.StepInBackward(models, cls, **kw)
+    scheds = [schedule(o) for o in sib.optimizers] if schedule else []
+    for x in batches:
+        parsum.sum_models(models, x, step_in_backward=sib, **sum_kw).pow(2).mean().backward()
+        assert all(p.grad is None for p in trainable(models))
+        for s in scheds:
+            s.step()
+    return sib
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, foreach=True)),
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.Adam, dict(lr=1e-2, foreach=True)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+]
+
+
+@pytest.mark.parametrize(("cls", "kw"), OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("engine", ["autograd", "vjp"])
+def test_equals_plain_training(cls, kw, engine):
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    batches = [torch.randn(6, IN, dtype=torch.float64) for _ in range(4)]
+    train_fused(models, batches, cls, kw, engine=engine)
+    train_plain(ref, batches, cls, kw)
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-10)
+
+
+def test_bitwise_for_any_n_jobs():
+    batches = [torch.randn(6, IN) for _ in range(3)]
+    finals = []
+    for n_jobs in (1, 2, 3):
+        models = zoo(seed=3)
+        train_fused(models, batches, torch.optim.Adam, dict(lr=1e-2), n_jobs=n_jobs)
+        finals.append([p.detach().clone() for p in trainable(models)])
+    for other in finals[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
+
+
+def test_lr_schedulers_per_optimizer():
+    models = [mlp([8]).double(), mlp([4, 4]).double()]
+    ref = clone_models(models)
+    batches = [torch.randn(5, IN, dtype=torch.float64) for _ in range(5)]
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+
+    sib = train_fused(models, batches, torch.optim.SGD, dict(lr=0.1), schedule)
+    train_plain(ref, batches, torch.optim.SGD, dict(lr=0.1), schedule)
+    assert sib.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**2)
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r)
+
+
+def test_input_gradients_and_weights_still_flow():
+    models = [mlp([8]).double(), mlp([4]).double()]
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([0.3, 0.7], dtype=torch.float64, requires_grad=True)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(models, x, weights=w, step_in_backward=sib).pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = w.detach().clone().requires_grad_()
+    plain_sum(ref, x_ref, weights=w_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_gradients_of_the_whole_set_are_never_stored_at_once():
+    models = [mlp([16, 16]) for _ in range(6)]
+    seen_live = []
+
+    class Watching(torch.optim.SGD):
+        def step(self, closure=None):
+            seen_live.append(sum(p.grad is not None for p in trainable(models)))
+            return super().step(closure)
+
+    sib = parsum.StepInBackward(models, Watching, lr=0.1)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, step_in_backward=sib, n_jobs=1).sum().backward()
+    per_model = len(list(models[0].parameters()))
+    assert seen_live == [per_model] * len(models)
+
+
+def test_autograd_grad_does_not_step():
+    models = [mlp([8]), mlp([4])]
+    before = [p.detach().clone() for p in trainable(models)]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib).sum()
+    grads = torch.autograd.grad(y, trainable(models))
+    assert all(g is not None for g in grads)
+    assert all(torch.equal(p, b) for p, b in zip(trainable(models), before))
+
+
+def test_a_parameter_with_a_hook_is_refused_up_front():
+    model = mlp([8])
+    model[0].weight.register_hook(lambda g: g * 0)
+    sib = parsum.StepInBackward([model], torch.optim.SGD, lr=0.1)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"parameter '0.weight' of models\[0\] "
+        r"\(Sequential\) has a gradient hook",
+    ):
+        parsum.sum_models([model], torch.randn(3, IN), step_in_backward=sib)
+
+
+def test_state_dict_round_trip():
+    models = [mlp([8]), mlp([4])]
+    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2)
+    parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib).sum().backward()
+    state = sib.state_dict()
+    other = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2)
+    other.load_state_dict(state)
+    assert other.optimizers[1].state_dict()["state"][0]["step"] == 1
+    with pytest.raises(parsum.ParsumError, match="state_dict"):
+        other.load_state_dict({"optimizers": []})
+
+
+class FailsInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        out = self.lin(x)
+        out.register_hook(self._boom)
+        return out
+
+    def _boom(self, grad):
+        raise ValueError("boom")
+
+
+def test_failed_pullback_names_the_models_already_stepped():
+    models = [mlp([8]), mlp([4]), FailsInBackward(), mlp([6])]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=1, chunk_size=1)
+    with pytest.raises(parsum.ParsumError) as info:
+        y.sum().backward()
+    message = str(info.value)
+    assert "model 2 (FailsInBackward) raised ValueError in backward: boom" in message
+    assert "already ran for models [0, 1]" in message
+    assert isinstance(info.value.__cause__, ValueError)
+    changed = [
+        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+        for m, saved in zip(models, before)
+    ]
+    assert changed == [True, True, False, False]
+    assert all(p.grad is None for p in trainable(models))
+
+
+def test_failing_step_is_named():
+    models = [mlp([8]), mlp([4])]
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("no step today")
+
+    sib = parsum.StepInBackward(models, Broken, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=1)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"model 0 \(Sequential\) raised RuntimeError "
+        r"in its optimizer step: no step today",
+    ):
+        y.sum().backward()
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_tied_parameters_across_models_are_refused():
+    a, b = mlp([8]), mlp([8])
+    b[0].weight = a[0].weight
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"parameter '0.weight' of models\[1\] "
+        r"\(Sequential\) is parameter '0.weight' of models\[0\]",
+    ):
+        parsum.StepInBackward([a, b], torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("models", "cls", "kw", "match"),
+    [
+        (nn.Linear(2, 2), torch.optim.SGD, {"lr": 0.1}, "models is a single Linear"),
+        ([], torch.optim.SGD, {"lr": 0.1}, "models is empty"),
+        ([lambda x: x], torch.optim.SGD, {"lr": 0.1}, r"models\[0\] is a function"),
+        ([nn.Linear(2, 2)], "SGD", {"lr": 0.1}, "optimizer_cls is 'SGD', which is not"),
+        (
+            [nn.Linear(2, 2)],
+            torch.optim.SGD,
+            {"lr": -1.0},
+            r"SGD\(params of models\[0\] "
+            r"\(Linear\), \*\*\{'lr': -1.0\}\) raised ValueError",
+        ),
+    ],
+)
+def test_bad_construction(models, cls, kw, match):
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.StepInBackward(models, cls, **kw)
+
+
+def test_sum_models_refuses_mismatched_models():
+    a, b, c = mlp([8]), mlp([4]), mlp([2])
+    sib = parsum.StepInBackward([a, b], torch.optim.SGD, lr=0.1)
+    x = torch.randn(2, IN)
+    with pytest.raises(parsum.ParsumError, match=r"models\[2\] \(Sequential\) is not one of"):
+        parsum.sum_models([a, b, c], x, step_in_backward=sib)
+    with pytest.raises(
+        parsum.ParsumError, match=r"models\[1\] \(Sequential\) is models\[0\] again"
+    ):
+        parsum.sum_models([a, a], x, step_in_backward=sib)
+    with pytest.raises(parsum.ParsumError, match="step_in_backward is a SGD"):
+        parsum.sum_models([a], x, step_in_backward=sib.optimizers[0])
+    parsum.sum_models([b], x, step_in_backward=sib).sum().backward()  # a subset is fine
+    assert a[0].weight.grad is None and b[0].weight.grad is None
