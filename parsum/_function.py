@@ -33,7 +33,7 @@ from . import _pool
 from ._engines import ENGINE_FORWARDS, CallArgs, ModelParams, Pullback, plain_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
-from ._grads import FlatWrites, engine_accumulates, has_flat_grads
+from ._grads import FlatWrites, engine_runs, has_flat_grads
 from ._summation import CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
@@ -336,8 +336,9 @@ class ParallelSum(torch.autograd.Function):
         shared_totals: dict[int, CompensatedAccumulator] = {}
         sib = plan.step_in_backward
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
+        first_param = len(ctx.next_functions) - len(plan.params)
         accumulates = (
-            [engine_accumulates(p) for p in plan.params]
+            [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
             if sib is not None or has_flat_grads(plan.params)
             else [False] * len(plan.params)
         )
@@ -359,15 +360,19 @@ class ParallelSum(torch.autograd.Function):
                     raise plan.model_error(i, "its optimizer step", exc) from exc
                 stepped.append(i)
                 grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
+            to_flat = []
             for slot, g in zip(slots, grads):
                 if g is None:
                     continue
                 if plan.shared[slot]:
                     shared_accs.setdefault(slot, CompensatedAccumulator()).add(g)
                 elif flat is not None and slot in flat:
-                    flat.write(slot, g)
+                    to_flat.append((slot, g))
                 else:
                     param_grads[slot] = g
+            if to_flat:
+                assert flat is not None
+                flat.write(to_flat)
 
         def backward_chunk(k: int) -> tuple[list[CompensatedAccumulator], dict]:
             arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
@@ -417,7 +422,7 @@ class ParallelSum(torch.autograd.Function):
                 _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
                 for slot, acc in shared_totals.items():
                     if flat is not None and slot in flat:
-                        flat.write(slot, acc.result())
+                        flat.write([(slot, acc.result())])
                     else:
                         param_grads[slot] = acc.result()
         except BaseException as exc:

@@ -23,13 +23,14 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._errors import ParsumError
 from ._summation import compensated_add_
@@ -38,8 +39,27 @@ _WHERE = "FlatGrad"
 
 BufferKey = tuple[torch.dtype, torch.device]
 
-# parameter -> (FlatGrad, index of its slot): the last FlatGrad built over a parameter owns it.
-_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(parameter) -> (FlatGrad, index of its slot): the last FlatGrad built over a parameter owns
+# it. Held weakly: a FlatGrad lives as long as its parameters (their hooks hold it), never
+# longer. An entry counts only while its FlatGrad lives and the slot holds that very tensor.
+_owners: dict[int, tuple[weakref.ref[FlatGrad], int]] = {}
+
+
+def owner_of(param: Tensor) -> tuple[FlatGrad, int] | None:
+    entry = _owners.get(id(param))
+    if entry is None:
+        return None
+    flat = entry[0]()
+    if flat is None or flat._slots[entry[1]].param is not param:
+        return None
+    return flat, entry[1]
+
+
+def _forget(ids: list[int]) -> None:
+    for key in ids:
+        entry = _owners.get(key)
+        if entry is not None and entry[0]() is None:
+            del _owners[key]
 
 
 @dataclass
@@ -129,6 +149,7 @@ class FlatGrad:
         self._note_written()
         for index, slot in enumerate(self._slots):
             self._take_over(index, slot)
+        weakref.finalize(self, _forget, [id(slot.param) for slot in self._slots])
 
     # -- public -------------------------------------------------------------------------------
 
@@ -161,6 +182,7 @@ class FlatGrad:
         for slot in self._slots:
             slot.param.grad = slot.view
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
+        self._note_written()  # the compensations are zero and valid
         return self
 
     def __repr__(self) -> str:
@@ -170,26 +192,24 @@ class FlatGrad:
     # -- internal -----------------------------------------------------------------------------
 
     def _take_over(self, index: int, slot: _Slot) -> None:
-        previous = _owners.get(slot.param)
+        previous = owner_of(slot.param)
         if previous is not None:
             previous[0]._release(previous[1])
-        _owners[slot.param] = (self, index)
+        _owners[id(slot.param)] = (weakref.ref(self), index)
         slot.param.grad = slot.view
-        self._hooks[index] = slot.param.register_post_accumulate_grad_hook(self._reattach)
+        hook = functools.partial(self._reattach, index)
+        self._hooks[index] = slot.param.register_post_accumulate_grad_hook(hook)
 
     def _release(self, index: int) -> None:
         handle = self._hooks.pop(index, None)
         if handle is not None:
             handle.remove()
 
-    def _reattach(self, param: Tensor) -> None:
+    def _reattach(self, index: int, param: Tensor) -> None:
         """After autograd accumulated into a fresh tensor, move it into the slot."""
-        owner = _owners.get(param)
-        if owner is None or owner[0] is not self:
-            return
-        slot = self._slots[owner[1]]
+        slot = self._slots[index]
         grad = param.grad
-        if grad is None or _is_view_of(grad, slot.view):
+        if grad is None or grad is slot.view or _is_view_of(grad, slot.view):
             return
         with torch.no_grad():
             if grad.layout != torch.strided:
@@ -263,15 +283,16 @@ def _is_view_of(grad: Tensor, view: Tensor) -> bool:
     )
 
 
-def engine_accumulates(param: Tensor) -> bool:
-    """Whether the running backward will accumulate into ``param.grad``.
+def engine_runs(node: Any) -> bool:
+    """Whether the running backward will run ``node`` (a parameter's AccumulateGrad).
 
-    True under ``backward()`` (with ``inputs`` listing ``param`` if given); False under
-    ``torch.autograd.grad``, which captures the gradient instead, or when ``param`` is not
+    True under ``backward()`` (with ``inputs`` listing the parameter if given); False under
+    ``torch.autograd.grad``, which captures the gradient instead, or when the node is not
     reached. Must be called from the thread that runs the backward.
     """
+    if node is None:
+        return False
     try:
-        node = torch.autograd.graph.get_gradient_edge(param).node
         return bool(torch._C._will_engine_execute_node(node))
     except (AttributeError, RuntimeError):  # autograd.grad capturing it, or no such API
         return False
@@ -279,7 +300,7 @@ def engine_accumulates(param: Tensor) -> bool:
 
 def has_flat_grads(params: Sequence[Tensor]) -> bool:
     """Whether any of ``params`` has a slot in a FlatGrad."""
-    return len(_owners) > 0 and any(p in _owners for p in params)
+    return bool(_owners) and any(owner_of(p) is not None for p in params)
 
 
 def _has_user_hooks(param: Tensor, owned: bool) -> bool:
@@ -292,7 +313,7 @@ def _has_user_hooks(param: Tensor, owned: bool) -> bool:
 class _Write:
     slot: _Slot
     owner: FlatGrad
-    fresh: bool  # .grad was None: the slot's old value does not count, the write copies
+    fresh: bool  # .grad was None or is known zero: the write copies
     undo: str = "nothing"  # after a failure: "nothing", "zero" the slot, or copy "saved" back
 
 
@@ -308,7 +329,7 @@ class FlatWrites:
         self._saved: list[tuple[Tensor, Tensor]] = []
         owners: dict[int, FlatGrad] = {}
         for k, (p, acc) in enumerate(zip(params, accumulates)):
-            owner = _owners.get(p) if acc else None
+            owner = owner_of(p) if acc else None
             if owner is None or _has_user_hooks(p, owned=True):
                 continue
             flat, index = owner
@@ -326,13 +347,14 @@ class FlatWrites:
             slot, grad = write.slot, write.slot.param.grad
             if grad is None:
                 continue
-            if not _is_view_of(grad, slot.view):
+            if grad is not slot.view and not _is_view_of(grad, slot.view):
                 # .grad was replaced by another tensor: take its value over; until commit()
                 # points .grad at the slot, the slot is nobody's .grad, so nothing to undo.
                 slot.view.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
                 if slot.comp is not None:
                     slot.comp.zero_()
             elif known_zero[id(write.owner), slot.key]:
+                write.fresh = True  # adding to zero is a copy: skip the compensated add
                 write.undo = "zero"
             else:
                 write.undo = "saved"
@@ -343,19 +365,36 @@ class FlatWrites:
     def __contains__(self, k: int) -> bool:
         return k in self._writes
 
-    def write(self, k: int, grad: Tensor) -> None:
-        write = self._writes[k]
-        slot = write.slot
-        if grad.layout != torch.strided:
-            grad = grad.to_dense()
-        if write.fresh:
-            slot.view.copy_(grad)
-            if slot.comp is not None:
-                slot.comp.zero_()
-        elif slot.comp is not None:
-            compensated_add_(slot.view, slot.comp, grad)
-        else:
-            slot.view.add_(grad)
+    def write(self, pairs: Sequence[tuple[int, Tensor]]) -> None:
+        """Write the gradients ``(k, grad)`` of parameters ``k``, a few kernels for all."""
+        copies: tuple[list[Tensor], list[Tensor]] = ([], [])
+        adds: tuple[list[Tensor], list[Tensor]] = ([], [])
+        compensated: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
+        zeroed: list[Tensor] = []
+        for k, grad in pairs:
+            slot = self._writes[k].slot
+            if grad.layout != torch.strided:
+                grad = grad.to_dense()
+            if self._writes[k].fresh:
+                copies[0].append(slot.view)
+                copies[1].append(grad)
+                if slot.comp is not None and self._writes[k].undo != "zero":
+                    zeroed.append(slot.comp)  # known-zero slots have zero compensations
+            elif slot.comp is not None:
+                compensated[0].append(slot.view)
+                compensated[1].append(slot.comp)
+                compensated[2].append(grad)
+            else:
+                adds[0].append(slot.view)
+                adds[1].append(grad)
+        if copies[0]:
+            torch._foreach_copy_(*copies)
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+        if adds[0]:
+            torch._foreach_add_(*adds)
+        if compensated[0]:
+            compensated_add_(*compensated)
 
     def commit(self) -> None:
         for write in self._writes.values():

@@ -101,24 +101,55 @@ class CompensatedAccumulator:
         return torch.where(torch.isfinite(s), s + self._comp, s)
 
 
-def compensated_add_(total: Tensor, comp: Tensor, x: Tensor) -> None:
-    """``total + comp += x`` in place, leaving in ``total`` the rounded compensated sum.
+def compensated_add_(
+    totals: Sequence[Tensor], comps: Sequence[Tensor], xs: Sequence[Tensor]
+) -> None:
+    """``totals[i] + comps[i] += xs[i]`` in place, leaving in ``totals`` the rounded sums.
 
     The running value kept in ``.grad`` is read by optimizers at any time, so unlike
     ``CompensatedAccumulator`` (which applies its compensation once, at the end) the
     compensation is folded back after every addition: a second TwoSum splits ``t + comp`` into
-    its rounded value (``total``) and the part below its last bit (``comp``). inf and nan in
-    ``total`` stay as in a plain ``total += x`` and zero the compensation.
+    its rounded value (``total``) and the part below its last bit (``comp``). Written with
+    ``torch._foreach_*`` ops, so a list of tensors costs about as many kernel launches as one.
+    inf and nan in a total come out as in a plain ``total += x``, with a zero compensation.
     """
-    t = total + x
-    z = t - total
-    comp.add_((total - (t - z)).add_(x - z))
-    s = t + comp
-    z = s - t
-    rest = (t - (s - z)).add_(comp - z)
-    finite = torch.isfinite(s)
-    torch.where(finite, s, t, out=total)
-    torch.where(finite, rest, torch.zeros((), dtype=comp.dtype, device=comp.device), out=comp)
+    # Three scratch lists and in-place ops: fresh temporaries of gradient size cost more in
+    # page faults than the arithmetic. ``a - b`` is computed as ``(-b) + a``, the same bits.
+    t = torch._foreach_add(totals, xs)
+    z = torch._foreach_sub(t, totals)
+    e = torch._foreach_sub(t, z)
+    _rsub_(e, totals)  # totals - (t - z)
+    _rsub_(z, xs)  # xs - z
+    torch._foreach_add_(e, z)
+    torch._foreach_add_(comps, e)  # the error of t, kept
+    s, z = z, e  # renormalize: s = t + comps; rest = (t - (s - z)) + (comps - z), z = s - t
+    torch._foreach_copy_(s, t)
+    torch._foreach_add_(s, comps)
+    torch._foreach_copy_(z, s)
+    torch._foreach_sub_(z, t)
+    rest = totals  # the old totals are no longer needed
+    torch._foreach_copy_(rest, s)
+    torch._foreach_sub_(rest, z)
+    _rsub_(rest, t)  # t - (s - z)
+    _rsub_(z, comps)  # comps - z
+    torch._foreach_add_(rest, z)
+    # The largest |s| of each tensor is finite exactly when the whole tensor is (NOTE
+    # [ Compensated summation ]); only tensors that are not take the elementwise guard.
+    largest = torch.stack(torch._foreach_norm(s, ord=float("inf")))
+    if bool(torch.isfinite(largest).all()):
+        torch._foreach_copy_(comps, rest)
+        torch._foreach_copy_(totals, s)
+        return
+    for total, comp, si, ti, ri in zip(totals, comps, s, t, rest):
+        finite = torch.isfinite(si)
+        torch.where(finite, ri, torch.zeros((), dtype=ri.dtype, device=ri.device), out=comp)
+        torch.where(finite, si, ti, out=total)
+
+
+def _rsub_(xs: list[Tensor], ys: Sequence[Tensor]) -> None:
+    """``xs[i] = ys[i] - xs[i]`` in place."""
+    torch._foreach_neg_(xs)
+    torch._foreach_add_(xs, ys)
 
 
 def compensated_sum(

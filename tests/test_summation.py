@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parsum
-from parsum._summation import CompensatedAccumulator
+from parsum._summation import CompensatedAccumulator, compensated_add_
 
 N_JOBS = [1, 2, 3]
 
@@ -132,3 +132,27 @@ def test_errors(kwargs, match):
     tensors = kwargs.pop("tensors")
     with pytest.raises(parsum.ParsumError, match=match):
         parsum.compensated_sum(tensors, **kwargs)
+
+
+def test_compensated_add_keeps_what_naive_accumulation_loses():
+    totals = [torch.tensor([1e6], dtype=torch.float32), torch.tensor([1.0, 2.0])]
+    comps = [torch.zeros(1), torch.zeros(2)]
+    naive = torch.tensor([1e6], dtype=torch.float32)
+    for _ in range(1000):
+        compensated_add_(totals, comps, [torch.tensor([0.01]), torch.tensor([1e-9, -1e-9])])
+        naive += 0.01
+    assert naive.item() == 1e6
+    assert totals[0].item() == 1e6 + 10
+    exact = torch.tensor([1.0 + 1e-6, 2.0 - 1e-6], dtype=torch.float64)
+    assert torch.equal(totals[1], exact.float())
+
+
+def test_compensated_add_inf_and_nan_as_plain_accumulation():
+    totals = [torch.tensor([1.0, float("inf"), 2.0, 3.0]), torch.tensor([5.0])]
+    comps = [torch.zeros(4), torch.zeros(1)]
+    xs = [torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0]), torch.tensor([1.0])]
+    want = [t + x for t, x in zip(totals, xs)]
+    compensated_add_(totals, comps, xs)
+    for got, w in zip(totals, want):
+        torch.testing.assert_close(got, w, equal_nan=True)
+    assert torch.equal(comps[0], torch.zeros(4))
