@@ -28,6 +28,8 @@ from torch import Tensor
 from . import _config, _pool
 from ._errors import ParsumError
 
+TensorList = list[Tensor] | tuple[Tensor, ...]
+
 
 def _is_inexact(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -101,9 +103,7 @@ class CompensatedAccumulator:
         return torch.where(torch.isfinite(s), s + self._comp, s)
 
 
-def compensated_add_(
-    totals: Sequence[Tensor], comps: Sequence[Tensor], xs: Sequence[Tensor]
-) -> None:
+def compensated_add_(totals: TensorList, comps: TensorList, xs: TensorList) -> None:
     """``totals[i] + comps[i] += xs[i]`` in place, leaving in ``totals`` the rounded sums.
 
     The running value kept in ``.grad`` is read by optimizers at any time, so unlike
@@ -146,7 +146,7 @@ def compensated_add_(
         torch.where(finite, si, ti, out=total)
 
 
-def _rsub_(xs: list[Tensor], ys: Sequence[Tensor]) -> None:
+def _rsub_(xs: TensorList, ys: TensorList) -> None:
     """``xs[i] = ys[i] - xs[i]`` in place."""
     torch._foreach_neg_(xs)
     torch._foreach_add_(xs, ys)
