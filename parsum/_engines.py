@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 # A pullback takes the output leaves' cotangents and whether to keep its graph for another
@@ -86,14 +87,20 @@ def autograd_forward(
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
         out = model(*args, **kwargs)
-    out_leaves = pytree.tree_leaves(out)
+    # The pullback keeps the outputs' gradient edges, not the outputs: plain PyTorch frees a
+    # model's output once it is summed, so holding M of them until backward would be memory
+    # that grows with M.
+    roots = [
+        get_gradient_edge(o) if isinstance(o, Tensor) and o.requires_grad else None
+        for o in pytree.tree_leaves(out)
+    ]
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
 
     def pullback(
         cotangents: Sequence[Tensor], retain_graph: bool
     ) -> tuple[list[Tensor | None], list[Tensor | None]]:
-        pairs = [(o, c) for o, c in zip(out_leaves, cotangents) if o.requires_grad]
+        pairs = [(o, c) for o, c in zip(roots, cotangents) if o is not None]
         if not pairs or not wrt:
             return [None] * n_args, [None] * len(params.tensors)
         outs, cots = zip(*pairs)

@@ -107,9 +107,9 @@ def test_repeated_calls_free_graphs_and_grow_nothing():
             self.lin = nn.Linear(IN, OUT)
 
         def forward(self, x):
-            h = torch.tanh(self.lin(x))  # saved by tanh's backward
+            h = self.lin(x)
             saved_activation.append(weakref.ref(h))
-            return h
+            return torch.sin(h)  # sin's backward saves its input h
 
     models = [Recorder() for _ in range(6)]
     x = torch.randn(3, IN, requires_grad=True)
@@ -223,3 +223,26 @@ def test_config_engine_applies_to_auto():
     with parsum.config(engine="vjp"), pytest.raises(parsum.ParsumError, match="engine='vjp'"):
         parsum.sum_models(models, x)
     parsum.sum_models(models, x, engine="autograd")  # an explicit engine wins
+
+
+def test_model_outputs_are_not_kept_until_backward():
+    """Like the plain loop, which frees each output once summed: memory must not grow with M."""
+    outputs = []
+
+    class Recorder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            out = self.lin(x)  # saved by nothing
+            outputs.append(weakref.ref(out))
+            return out
+
+    models = [Recorder() for _ in range(6)]
+    x = torch.randn(3, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    gc.collect()
+    assert len(outputs) == 6 and all(r() is None for r in outputs)
+    y.sum().backward()
+    assert x.grad is not None
