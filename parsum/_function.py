@@ -342,7 +342,15 @@ class ParallelSum(torch.autograd.Function):
             if sib is not None or has_flat_grads(plan.params)
             else [False] * len(plan.params)
         )
-        flat = FlatWrites(plan.params, accumulates) if any(accumulates) else None
+        # Gradients that step_in_backward consumes never reach .grad, FlatGrad or not.
+        stepping = {
+            s
+            for i, j in enumerate(plan.step_index or ())
+            if j is not None
+            for s in plan.param_slots[i]
+        }
+        to_grad = [acc and k not in stepping for k, acc in enumerate(accumulates)]
+        flat = FlatWrites(plan.params, to_grad) if any(to_grad) else None
         stepped: list[int] = []
 
         def route_param_grads(i: int, grads: list[Tensor | None], shared_accs: dict) -> None:

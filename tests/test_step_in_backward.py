@@ -247,3 +247,16 @@ def test_sum_models_refuses_mismatched_models():
         parsum.sum_models([a], x, step_in_backward=sib.optimizers[0])
     parsum.sum_models([b], x, step_in_backward=sib).sum().backward()  # a subset is fine
     assert a[0].weight.grad is None and b[0].weight.grad is None
+
+
+def test_with_a_flatgrad_over_the_same_models():
+    models = [mlp([8]).double(), mlp([4]).double()]
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models)
+    batches = [torch.randn(5, IN, dtype=torch.float64) for _ in range(3)]
+    flat.zero_()
+    train_fused(models, batches, torch.optim.Adam, dict(lr=1e-2))
+    train_plain(ref, batches, torch.optim.Adam, dict(lr=1e-2))
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r)
+    assert flat.flat.abs().sum() == 0
