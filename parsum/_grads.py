@@ -142,8 +142,7 @@ class FlatGrad:
         with torch.no_grad():
             for slot in self._slots:
                 if slot.param.grad is not None:
-                    grad = slot.param.grad
-                    slot.view.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
+                    slot.view.copy_(_dense(slot.param.grad))
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
         self._note_written()
@@ -212,9 +211,7 @@ class FlatGrad:
         if grad is None or grad is slot.view or _is_view_of(grad, slot.view):
             return
         with torch.no_grad():
-            if grad.layout != torch.strided:
-                grad = grad.to_dense()
-            slot.view.copy_(grad)
+            slot.view.copy_(_dense(grad))
         param.grad = slot.view
 
     def _note_written(self) -> None:
@@ -274,6 +271,11 @@ def _slot_view(buffer: Tensor, p: Tensor, start: int) -> Tensor:
     return buffer.as_strided(p.shape, strides, buffer.storage_offset() + start)
 
 
+def _dense(grad: Tensor) -> Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) densified for its dense slot."""
+    return grad if grad.layout == torch.strided else grad.to_dense()
+
+
 def _is_view_of(grad: Tensor, view: Tensor) -> bool:
     return (
         grad.layout == torch.strided
@@ -303,10 +305,10 @@ def has_flat_grads(params: Sequence[Tensor]) -> bool:
     return bool(_owners) and any(owner_of(p) is not None for p in params)
 
 
-def _has_user_hooks(param: Tensor, owned: bool) -> bool:
-    pre = getattr(param, "_backward_hooks", None) or {}
+def _has_user_hooks(param: Tensor) -> bool:
+    """Whether a parameter that a FlatGrad owns has hooks besides the FlatGrad's own."""
     post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    return bool(pre) or len(post) > (1 if owned else 0)
+    return bool(param._backward_hooks) or len(post) > 1
 
 
 @dataclass
@@ -330,7 +332,7 @@ class FlatWrites:
         owners: dict[int, FlatGrad] = {}
         for k, (p, acc) in enumerate(zip(params, accumulates)):
             owner = owner_of(p) if acc else None
-            if owner is None or _has_user_hooks(p, owned=True):
+            if owner is None or _has_user_hooks(p):
                 continue
             flat, index = owner
             owners[id(flat)] = flat
@@ -350,7 +352,7 @@ class FlatWrites:
             if grad is not slot.view and not _is_view_of(grad, slot.view):
                 # .grad was replaced by another tensor: take its value over; until commit()
                 # points .grad at the slot, the slot is nobody's .grad, so nothing to undo.
-                slot.view.copy_(grad.to_dense() if grad.layout != torch.strided else grad)
+                slot.view.copy_(_dense(grad))
                 if slot.comp is not None:
                     slot.comp.zero_()
             elif known_zero[id(write.owner), slot.key]:
@@ -373,8 +375,7 @@ class FlatWrites:
         zeroed: list[Tensor] = []
         for k, grad in pairs:
             slot = self._writes[k].slot
-            if grad.layout != torch.strided:
-                grad = grad.to_dense()
+            grad = _dense(grad)
             if self._writes[k].fresh:
                 copies[0].append(slot.view)
                 copies[1].append(grad)
