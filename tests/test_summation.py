@@ -67,15 +67,15 @@ SPECIAL_CASES = [
     [-INF, -INF, 3.0],
     [NAN, 1.0, 1e8],
     [1.0, 2.0, NAN],
-    [3e38, 3e38, -3e38],  # overflow in float32: the plain running sum is inf
     [1e8, 1.0, INF, -1e8],
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("values", SPECIAL_CASES)
 @pytest.mark.parametrize("chunk_size", [1, 2, 4])
-def test_inf_and_nan_propagate_as_in_plain_sum(values, chunk_size):
-    xs = [torch.tensor([v], dtype=torch.float32) for v in values]
+def test_inf_and_nan_propagate_as_in_plain_sum(values, chunk_size, dtype):
+    xs = [torch.tensor([v], dtype=dtype) for v in values]
     got = parsum.compensated_sum(xs, chunk_size=chunk_size, n_jobs=2).item()
     expected = naive(xs).item()
     if math.isnan(expected):
@@ -84,6 +84,32 @@ def test_inf_and_nan_propagate_as_in_plain_sum(values, chunk_size):
         assert got == expected
     else:
         assert math.isfinite(got)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3])
+def test_overflowing_running_sum(chunk_size):
+    # float32 is summed in float64 (NOTE [ Compensated summation ]): a running sum that
+    # overflows in float32 but not in float64 gives the exact sum, not the plain sum's inf.
+    xs = [torch.tensor([v]) for v in [3e38, 3e38, -3e38]]
+    assert naive(xs).item() == math.inf
+    assert parsum.compensated_sum(xs, chunk_size=chunk_size).item() == xs[0].item()
+    # A sum that does not fit float32 is inf, as it should be.
+    assert parsum.compensated_sum(xs[:2], chunk_size=chunk_size).item() == math.inf
+    # float64 has no wider type: its running sum overflows as the plain one does.
+    big = [torch.tensor([v], dtype=torch.float64) for v in [1.7e308, 1.7e308, -1.7e308]]
+    assert parsum.compensated_sum(big, chunk_size=chunk_size).item() == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_narrow_dtypes_give_the_rounded_exact_sum(dtype):
+    gen = torch.Generator().manual_seed(2)
+    xs = [(torch.randn(300, generator=gen) * 4 ** (i % 5)).to(dtype) for i in range(40)]
+    exact = torch.tensor(
+        [math.fsum(col) for col in torch.stack(xs).double().T.tolist()], dtype=torch.float64
+    )
+    got = parsum.compensated_sum(xs, chunk_size=3)
+    assert got.dtype == dtype
+    assert torch.equal(got, exact.to(dtype))
 
 
 def test_accumulator_never_writes_its_inputs():
