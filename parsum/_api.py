@@ -15,6 +15,7 @@ from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
+from ._grouping import chunk_units, plan_units
 
 _WHERE = "sum_models"
 
@@ -90,8 +91,8 @@ def sum_models(
     model_params = [ModelParams.of(m) for m in models]
     params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
-    chunks = _pool.chunk_ranges(len(models), chunk_size or _pool.default_chunk_size(len(models)))
-    resolved_engine = "autograd" if engine == "auto" else engine
+    units = plan_units(models, model_params, engine, _rows(tensors), chunk_size)
+    chunks = chunk_units(units, chunk_size or _pool.default_chunk_size(len(models)))
     plan = SumPlan(
         models=models,
         call=call,
@@ -101,10 +102,11 @@ def sum_models(
         model_params=model_params,
         param_slots=slots,
         shared=shared,
-        engine=resolved_engine,
+        engine=engine,
+        units=units,
         chunks=chunks,
         n_workers=n_workers,
-        forward_workers=1 if _forward_in_order(models, resolved_engine) else n_workers,
+        forward_workers=1 if _forward_in_order(model_params, engine) else n_workers,
         step_in_backward=step_in_backward,
         step_index=step_index,
     )
@@ -232,7 +234,12 @@ def _collect_params(
     return params, slots, [u > 1 for u in users]
 
 
-def _forward_in_order(models: list[Callable[..., Any]], engine: str) -> bool:
+def _rows(tensors: list[Tensor]) -> int:
+    """Batch rows of the call, for the cost estimates: the first tensor argument's first dim."""
+    return next((t.shape[0] for t in tensors if t.dim() > 0), 1)
+
+
+def _forward_in_order(model_params: list[ModelParams], engine: str) -> bool:
     """Whether the forwards must run one after the other, in model order.
 
     When two model entries share a buffer, its updates (BatchNorm statistics) must happen in
@@ -242,14 +249,12 @@ def _forward_in_order(models: list[Callable[..., Any]], engine: str) -> bool:
     """
     buffer_owner: dict[int, int] = {}
     module_owner: dict[int, int] = {}
-    for i, model in enumerate(models):
-        if not isinstance(model, nn.Module):
-            continue
-        for b in model.buffers():
+    for i, mp in enumerate(model_params):
+        for b in mp.buffers:
             if buffer_owner.setdefault(id(b), i) != i:
                 return True
         if engine == "vjp":
-            for module in model.modules():
+            for module in mp.modules:
                 if module_owner.setdefault(id(module), i) != i:
                     return True
     return False

@@ -13,7 +13,7 @@ from joblib.parallel import get_active_backend
 
 from ._errors import ParsumError
 
-ENGINES = ("auto", "autograd", "vjp")
+ENGINES = ("auto", "autograd", "vjp", "stacked")
 
 
 @dataclass(frozen=True)

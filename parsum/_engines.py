@@ -7,20 +7,28 @@
 #   modules that update buffers in forward (BatchNorm). The fastest per call.
 # "vjp": ``torch.func.vjp`` over ``torch.func.functional_call``. Pure functions only: a model
 #   that mutates a buffer in forward fails under functorch, and parsum says so.
-# Both pull back with respect to the same things: the tensor arguments that need a gradient and
-# the model's trainable parameters, in ``ModelParams.tensors`` order.
+# "stacked": structurally identical models (``_grouping``) run as one ``torch.vmap`` over
+#   ``functional_call`` of the first of them, with every model's parameters stacked by
+#   ``torch.stack`` inside the graph, so gradients reach the original parameters through the
+#   stack's backward. One call for the whole group: worth it for small models, whose time goes
+#   to per-call overhead. The argument gradients come out summed over the group.
+# All pull back with respect to the same things: the tensor arguments that need a gradient and
+# the models' trainable parameters, in ``ModelParams.tensors`` order.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
+
+from ._summation import CompensatedAccumulator
 
 # A pullback takes the output leaves' cotangents and whether to keep its graph for another
 # call, and gives (argument grads, parameter grads).
@@ -60,17 +68,64 @@ class CallArgs:
 
 @dataclass
 class ModelParams:
-    """A model's trainable parameters (each once), with their names for functional_call."""
+    """What one walk over a model's modules finds (``nn.Module.named_parameters`` order).
+
+    Attributes:
+        names: the trainable parameters' names, for ``functional_call``.
+        tensors: the trainable parameters, each once: what the pullback differentiates.
+        buffers: every buffer, each once.
+        training_buffers: the buffers of submodules in training mode, which forward may update.
+        modules: every submodule, each once, the model included.
+        state_names, state: the frozen parameters and the buffers, with their names (what
+            ``functional_call`` must also be given to run another model's state).
+    """
 
     names: list[str]
     tensors: list[Tensor]
+    buffers: list[Tensor] = field(default_factory=list)
+    training_buffers: list[Tensor] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
+    state_names: list[str] = field(default_factory=list)
+    state: list[Tensor] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: Callable[..., Any]) -> ModelParams:
+        # One walk over ``_modules``, ``_parameters`` and ``_buffers`` instead of the generator
+        # stacks of named_parameters, buffers and modules: this runs on every call.
+        info = cls([], [])
         if not isinstance(model, nn.Module):
-            return cls([], [])
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return cls([n for n, _ in named], [p for _, p in named])
+            return info
+        seen_modules: set[int] = set()
+        seen_tensors: set[int] = set()
+        stack: list[tuple[str, nn.Module]] = [("", model)]
+        while stack:
+            prefix, module = stack.pop()
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            info.modules.append(module)
+            for name, p in module._parameters.items():
+                if p is None or id(p) in seen_tensors:
+                    continue
+                seen_tensors.add(id(p))
+                if p.requires_grad:
+                    info.names.append(prefix + name)
+                    info.tensors.append(p)
+                else:
+                    info.state_names.append(prefix + name)
+                    info.state.append(p)
+            for name, b in module._buffers.items():
+                if b is None or id(b) in seen_tensors:
+                    continue
+                seen_tensors.add(id(b))
+                info.buffers.append(b)
+                info.state_names.append(prefix + name)
+                info.state.append(b)
+                if module.training:
+                    info.training_buffers.append(b)
+            children = [(f"{prefix}{n}.", c) for n, c in module._modules.items() if c is not None]
+            stack.extend(reversed(children))
+        return info
 
 
 def plain_forward(model: Callable[..., Any], call: CallArgs) -> Any:
@@ -141,3 +196,174 @@ ENGINE_FORWARDS: dict[str, Callable[..., tuple[Any, Pullback]]] = {
     "autograd": autograd_forward,
     "vjp": vjp_forward,
 }
+
+Weight = float | Tensor | None
+
+# A unit's pullback takes the cotangents of the sum's output leaves, the weight of each of its
+# models and whether to keep the graph; it gives the argument gradients (summed over the
+# unit's models) and the parameter gradients of each of its models.
+UnitPullback = Callable[
+    [Sequence[Tensor], Sequence[Weight], bool],
+    tuple[list[Tensor | None], list[list[Tensor | None]]],
+]
+
+
+class UnitRun(NamedTuple):
+    """What running a unit gives: each model's output, in ``Unit.models`` order; the unit's
+    pullback (None without a graph); for a stacked group, its output leaves, each with the
+    models along dim 0 (None otherwise)."""
+
+    outs: list[Any]
+    pullback: UnitPullback | None
+    stacked: list[Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Models that run as one: a single model, or a stacked group of identical ones.
+
+    Attributes:
+        models: the models' indices, ascending.
+        engine: "autograd", "vjp" or "stacked".
+    """
+
+    models: tuple[int, ...]
+    engine: str
+
+
+def unit_forward(
+    unit: Unit,
+    models: Sequence[Callable[..., Any]],
+    call: CallArgs,
+    model_params: Sequence[ModelParams],
+    build_graph: bool,
+    fall_back: bool = False,
+) -> UnitRun:
+    """Run a unit's models.
+
+    With ``fall_back``, a stacked unit that vmap cannot run runs its models one by one.
+    """
+    if unit.engine == "stacked":
+        group = [models[i] for i in unit.models]
+        group_params = [model_params[i] for i in unit.models]
+        if not fall_back:
+            return stacked_forward(group, call, group_params, build_graph)
+        try:
+            return stacked_forward(group, call, group_params, build_graph)
+        except Exception:
+            # vmap cannot run every forward (data-dependent control flow, .item()): run the
+            # models one by one instead, which also names the model when one of them fails.
+            return _one_by_one(unit, models, call, model_params, build_graph)
+    (i,) = unit.models
+    if not build_graph:
+        return UnitRun([plain_forward(models[i], call)], None)
+    out, pullback = ENGINE_FORWARDS[unit.engine](models[i], call, model_params[i])
+
+    def unit_pullback(
+        grad_outputs: Sequence[Tensor], weights: Sequence[Weight], retain_graph: bool
+    ) -> tuple[list[Tensor | None], list[list[Tensor | None]]]:
+        w = weights[0]
+        cotangents = grad_outputs if w is None else [g * w for g in grad_outputs]
+        arg_grads, param_grads = pullback(cotangents, retain_graph)
+        return arg_grads, [param_grads]
+
+    return UnitRun([out], unit_pullback)
+
+
+def _one_by_one(
+    unit: Unit,
+    models: Sequence[Callable[..., Any]],
+    call: CallArgs,
+    model_params: Sequence[ModelParams],
+    build_graph: bool,
+) -> UnitRun:
+    runs = [
+        unit_forward(Unit((i,), "autograd"), models, call, model_params, build_graph)
+        for i in unit.models
+    ]
+    outs = [run.outs[0] for run in runs]
+    if not build_graph:
+        return UnitRun(outs, None)
+    pullbacks = [run.pullback for run in runs]
+
+    def pullback(
+        grad_outputs: Sequence[Tensor], weights: Sequence[Weight], retain_graph: bool
+    ) -> tuple[list[Tensor | None], list[list[Tensor | None]]]:
+        totals: list[CompensatedAccumulator] = []
+        per_model: list[list[Tensor | None]] = []
+        for one, w in zip(pullbacks, weights):
+            assert one is not None
+            arg_grads, (grads,) = one(grad_outputs, [w], retain_graph)
+            per_model.append(grads)
+            totals = totals or [CompensatedAccumulator() for _ in arg_grads]
+            for total, g in zip(totals, arg_grads):
+                if g is not None:
+                    total.add(g)
+        return [None if t.empty else t.result() for t in totals], per_model
+
+    return UnitRun(outs, pullback)
+
+
+def stacked_forward(
+    models: Sequence[Callable[..., Any]],
+    call: CallArgs,
+    params: Sequence[ModelParams],
+    build_graph: bool,
+) -> UnitRun:
+    """Run identical models as one vmap over their stacked parameters; see NOTE [ Engines ]."""
+    base = models[0]
+    assert isinstance(base, nn.Module)
+    n = len(models)
+    first = params[0]
+    grad_mode = torch.enable_grad() if build_graph else contextlib.nullcontext()
+    with grad_mode:
+        inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
+        args, kwargs = call.build(inputs if build_graph else None)
+        trainable = {
+            name: torch.stack([mp.tensors[t] for mp in params])
+            for t, name in enumerate(first.names)
+        }
+        with torch.no_grad():
+            state = {
+                name: torch.stack([mp.state[t] for mp in params])
+                for t, name in enumerate(first.state_names)
+            }
+
+        def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
+            return torch.func.functional_call(base, (p, s), args, kwargs)
+
+        out = torch.vmap(one, randomness="different")(trainable, state)
+    leaves, spec = pytree.tree_flatten(out)
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
+    outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]
+    if not build_graph:
+        return UnitRun(outs, None, leaves)
+    roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
+    # The stacked parameters, not the originals: one gradient per name, which ``unbind`` cuts
+    # into each model's, instead of n_models x names captured gradients.
+    wrt = [*inputs.values(), *trainable.values()]
+    n_args = len(inputs)
+
+    def pullback(
+        grad_outputs: Sequence[Tensor], weights: Sequence[Weight], retain_graph: bool
+    ) -> tuple[list[Tensor | None], list[list[Tensor | None]]]:
+        if all(w is None for w in weights):
+            cotangents = [g.expand(n, *g.shape) for g in grad_outputs]
+        else:
+            cotangents = [
+                torch.stack([g if w is None else g * w for w in weights]) for g in grad_outputs
+            ]
+        pairs = [(o, c) for o, c in zip(roots, cotangents) if o is not None]
+        if not pairs or not wrt:
+            return [None] * n_args, [[None] * len(mp.tensors) for mp in params]
+        outs, cots = zip(*pairs)
+        grads = torch.autograd.grad(outs, wrt, cots, retain_graph=retain_graph, allow_unused=True)
+        by_name: list[Sequence[Tensor | None]] = [
+            [None] * n if g is None else g.unbind(0) for g in grads[n_args:]
+        ]
+        per_model = [[grads_k[k] for grads_k in by_name] for k in range(n)]
+        return list(grads[:n_args]), per_model
+
+    return UnitRun(outs, pullback, leaves)

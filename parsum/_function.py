@@ -30,11 +30,11 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from . import _pool
-from ._engines import ENGINE_FORWARDS, CallArgs, ModelParams, Pullback, plain_forward
+from ._engines import CallArgs, ModelParams, Unit, UnitPullback, UnitRun, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._summation import CompensatedAccumulator
+from ._summation import WIDE, CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
 Signature = tuple[pytree.TreeSpec, tuple[tuple[torch.Size, torch.dtype, torch.device], ...]]
@@ -50,11 +50,13 @@ class SumPlan:
         weights: python-float weights, or None (no weights, or a weight tensor input).
         has_weight_tensor: whether a 1-D weight tensor follows the argument tensors.
         params: every trainable parameter of every model, once each; the last inputs.
-        model_params: per model, its trainable parameters (what its pullback differentiates).
+        model_params: per model, what a walk over its modules found (its trainable
+            parameters are what its pullback differentiates).
         param_slots: per model, the index in ``params`` of each of its parameters.
         shared: per entry of ``params``, whether more than one model entry uses it.
-        engine: "autograd" or "vjp".
-        chunks: the models of each task; only ``chunk_size`` decides them.
+        engine: the engine asked for ("autograd", "vjp", "stacked", "auto").
+        units: models that run as one (a model, or a stacked group); each has its engine.
+        chunks: the units of each task; never decided by ``n_workers`` (NOTE [ Chunks ]).
         n_workers: threads for the call; ``forward_workers`` for forward (1 when models share
             buffers, which must then be updated in model order as in the plain loop).
         where: the public name to start error messages with.
@@ -71,6 +73,7 @@ class SumPlan:
     param_slots: list[list[int]]
     shared: list[bool]
     engine: str
+    units: list[Unit]
     chunks: list[range]
     n_workers: int
     forward_workers: int
@@ -79,16 +82,21 @@ class SumPlan:
     step_in_backward: StepInBackward | None = None
     step_index: list[int | None] | None = None
 
-    def model_error(self, i: int, phase: str, exc: BaseException) -> ParsumError:
+    def model_error(
+        self, i: int, phase: str, exc: BaseException, unit: Unit | None = None
+    ) -> ParsumError:
         model = self.models[i]
-        hint = ""
+        hint = who = ""
         if self.engine == "vjp" and "mutate" in str(exc):
             hint = (
                 "; engine='vjp' cannot run a model that updates buffers in forward (BatchNorm "
                 "in training mode): use engine='autograd' or 'auto'"
             )
+        if unit is not None and unit.engine == "stacked":
+            who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
+            hint += "; engine='autograd' runs each model on its own"
         err = ParsumError(
-            f"{self.where}: model {i} ({type(model).__name__}) raised "
+            f"{self.where}: model {i} ({type(model).__name__}){who} raised "
             f"{type(exc).__name__} in {phase}: {exc}{hint}"
         )
         err.__cause__ = exc
@@ -145,7 +153,7 @@ class _ChunkMismatch(Exception):
 @dataclass
 class _Forward:
     leaves: list[Tensor]
-    pullbacks: list[Pullback | None]
+    pullbacks: list[UnitPullback | None]
     outputs: list[list[Tensor] | None]
 
 
@@ -159,12 +167,14 @@ def run_forward(
     """Run every model, sum the weighted outputs; see NOTE [ Data flow ]."""
     n = len(plan.models)
     signatures: list[Signature | None] = [None] * n
-    pullbacks: list[Pullback | None] = [None] * n
+    pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
     outputs: list[list[Tensor] | None] = [None] * n
     totals: list[CompensatedAccumulator] = []
-    engine_forward = ENGINE_FORWARDS[plan.engine]
 
-    def first_mismatch(models: range) -> ParsumError | None:
+    def models_of(chunks: range) -> list[int]:
+        return sorted(i for k in chunks for u in plan.chunks[k] for i in plan.units[u].models)
+
+    def first_mismatch(models: list[int]) -> ParsumError | None:
         ref = signatures[0]
         for i in models:
             sig = signatures[i]
@@ -183,33 +193,39 @@ def run_forward(
 
     def sum_chunk(k: int) -> list[CompensatedAccumulator]:
         accs: list[CompensatedAccumulator] = []
-        for i in plan.chunks[k]:
-            model = plan.models[i]
+        first: int | None = None
+        for u in plan.chunks[k]:
+            unit = plan.units[u]
             try:
-                if build_graph:
-                    out, pullbacks[i] = engine_forward(model, call, plan.model_params[i])
-                else:
-                    out = plain_forward(model, call)
+                run = unit_forward(
+                    unit, plan.models, call, plan.model_params, build_graph, plan.engine == "auto"
+                )
             except Exception as exc:
-                raise plan.model_error(i, "forward", exc) from exc
-            leaves, signatures[i] = _signature(plan, i, out)
-            if not accs:
-                accs = [CompensatedAccumulator() for _ in leaves]
-            elif signatures[i] != signatures[plan.chunks[k][0]]:
-                raise _ChunkMismatch
-            w = plan.weight(i, weight_tensor)
-            with torch.no_grad():
-                values = [leaf.detach() for leaf in leaves]
-                if keep_outputs:
-                    outputs[i] = values
-                if w is not None:
-                    values = [v * w for v in values]
-                for acc, v in zip(accs, values):
-                    acc.add(v)
+                raise plan.model_error(unit.models[0], "forward", exc, unit) from exc
+            pullbacks[u] = run.pullback
+            if run.stacked is not None and not keep_outputs:
+                first = _add_stacked(plan, unit, run, weight_tensor, signatures, first, accs)
+                continue
+            for i, out in zip(unit.models, run.outs):
+                leaves, signatures[i] = _signature(plan, i, out)
+                if first is None:
+                    first = i
+                    accs = [CompensatedAccumulator() for _ in leaves]
+                elif signatures[i] != signatures[first]:
+                    raise _ChunkMismatch
+                w = plan.weight(i, weight_tensor)
+                with torch.no_grad():
+                    values = [leaf.detach() for leaf in leaves]
+                    if keep_outputs:
+                        outputs[i] = values
+                    if w is not None:
+                        values = [v * w for v in values]
+                    for acc, v in zip(accs, values):
+                        acc.add(v)
         return accs
 
     def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
-        error = first_mismatch(plan.chunks[k])
+        error = first_mismatch(models_of(range(k, k + 1)))
         if error is not None:
             raise error
         if not totals:
@@ -217,15 +233,15 @@ def run_forward(
         for total, acc in zip(totals, accs):
             total.merge(acc)
 
-    snapshot = _BufferSnapshot(plan.models)
+    snapshot = _BufferSnapshot(plan.model_params)
     try:
         _pool.run_ordered(forward_chunk, len(plan.chunks), plan.forward_workers, consume)
     except BaseException:
         snapshot.restore()
         # The chunks before the first failed one all ran; an output mismatch among them or in
-        # that chunk comes before the failure in model order, so it is the error to report.
-        last = plan.chunks[min(failed_chunks)].stop if failed_chunks else n
-        error = first_mismatch(range(1, last))
+        # that chunk is the error to report, the first in model order.
+        last = min(failed_chunks) + 1 if failed_chunks else len(plan.chunks)
+        error = first_mismatch(models_of(range(last)))
         if error is not None:
             raise error from None
         raise
@@ -234,17 +250,45 @@ def run_forward(
     return _Forward([t.result() for t in totals], pullbacks, outputs)
 
 
+def _add_stacked(
+    plan: SumPlan,
+    unit: Unit,
+    run: UnitRun,
+    weight_tensor: Tensor | None,
+    signatures: list[Signature | None],
+    first: int | None,
+    accs: list[CompensatedAccumulator],
+) -> int:
+    """Add a stacked group's weighted outputs with one wide reduction over dim 0 (its models
+    share one output signature). Returns the chunk's first model."""
+    i0 = unit.models[0]
+    _, sig = _signature(plan, i0, run.outs[0])
+    for i in unit.models:
+        signatures[i] = sig
+    if first is None:
+        first = i0
+        accs.extend(CompensatedAccumulator() for _ in run.stacked or ())
+    elif sig != signatures[first]:
+        raise _ChunkMismatch
+    with torch.no_grad():
+        w = None
+        if weight_tensor is not None:
+            w = weight_tensor.detach()[list(unit.models)]
+        elif plan.weights is not None:
+            w = torch.tensor([plan.weights[i] for i in unit.models], dtype=torch.float64)
+        for acc, leaf in zip(accs, run.stacked or ()):
+            v = leaf.detach()
+            if w is not None:
+                v = v * w.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+            acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
+    return first
+
+
 class _BufferSnapshot:
     """Copies of the buffers of modules in training mode, to undo a failed forward."""
 
-    def __init__(self, models: Sequence[Callable[..., Any]]) -> None:
-        seen: dict[int, Tensor] = {}
-        for model in models:
-            if isinstance(model, torch.nn.Module):
-                for module in model.modules():
-                    if module.training:
-                        for b in module.buffers(recurse=False):
-                            seen.setdefault(id(b), b)
+    def __init__(self, model_params: Sequence[ModelParams]) -> None:
+        seen = {id(b): b for mp in model_params for b in mp.training_buffers}
         with torch.no_grad():
             self._saved = [(b, b.clone()) for b in seen.values()]
 
@@ -314,7 +358,7 @@ class ParallelSum(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         plan: SumPlan = ctx.plan
-        pullbacks: list[Pullback | None] | None = ctx.pullbacks
+        pullbacks: list[UnitPullback | None] | None = ctx.pullbacks
         outputs: list[list[Tensor] | None] = ctx.outputs
         if pullbacks is None:
             raise ParsumError(
@@ -385,24 +429,26 @@ class ParallelSum(torch.autograd.Function):
         def backward_chunk(k: int) -> tuple[list[CompensatedAccumulator], dict]:
             arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
             shared_accs: dict[int, CompensatedAccumulator] = {}
-            for i in plan.chunks[k]:
-                pullback = pullbacks[i]
+            for u in plan.chunks[k]:
+                unit = plan.units[u]
+                pullback = pullbacks[u]
                 if not keep_graph:
-                    pullbacks[i] = None
+                    pullbacks[u] = None
                 assert pullback is not None
-                w = plan.weight(i, weight_tensor)
-                cotangents = grad_outputs if w is None else [g * w for g in grad_outputs]
+                weights = [plan.weight(i, weight_tensor) for i in unit.models]
                 try:
-                    arg_grads, grads = pullback(cotangents, keep_graph)
+                    arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
                 except Exception as exc:
-                    raise plan.model_error(i, "backward", exc) from exc
+                    raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
                 del pullback
                 for acc, g in zip(arg_accs, arg_grads):
                     if g is not None:
                         acc.add(g)
-                route_param_grads(i, grads, shared_accs)
-                del grads
-                if ctx.weight_needs_grad:
+                del arg_grads
+                for i, grads in zip(unit.models, model_grads):
+                    route_param_grads(i, grads, shared_accs)
+                del model_grads, grads
+                for i in unit.models if ctx.weight_needs_grad else ():
                     out = outputs[i]
                     if not keep_graph:
                         outputs[i] = None
@@ -424,7 +470,8 @@ class ParallelSum(torch.autograd.Function):
         # autograd runs them again on what this backward returns. They are held back during
         # the pullbacks and run once, on the whole gradient, as in plain PyTorch
         # (step_in_backward, which consumes gradients here, refuses parameters with hooks).
-        held = [p for p in plan.params if plan.engine == "autograd" and p._backward_hooks]
+        held_back = any(unit.engine != "vjp" for unit in plan.units)
+        held = [p for p in plan.params if held_back and p._backward_hooks]
         try:
             with torch.no_grad(), _hooks_held(held):
                 _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)

@@ -47,7 +47,7 @@ def _is_inexact(t: Tensor) -> bool:
 
 
 # Accumulation dtype of the dtypes that have a wider one (NOTE [ Compensated summation ]).
-_WIDE = {
+WIDE = {
     torch.float32: torch.float64,
     torch.float16: torch.float64,
     torch.bfloat16: torch.float64,
@@ -82,7 +82,7 @@ class CompensatedAccumulator:
             self._sum, self._owned, self._dtype = x, False, x.dtype
             return
         assert self._dtype is not None
-        wide = _WIDE.get(self._dtype)
+        wide = WIDE.get(self._dtype)
         if wide is not None:
             if not self._owned:
                 s = self._sum = s.to(wide, memory_format=torch.contiguous_format, copy=True)
@@ -93,6 +93,14 @@ class CompensatedAccumulator:
             self._sum, self._owned = s + x, True
             return
         self._two_sum(s, x)
+
+    def add_wide(self, x: Tensor, dtype: torch.dtype) -> None:
+        """Add a partial sum of tensors of ``dtype`` already held in their wide dtype (a fresh
+        tensor, taken over), without rounding it to ``dtype`` first."""
+        if self._sum is None:
+            self._sum, self._owned, self._dtype = x, True, dtype
+        else:
+            self.add(x)
 
     def _two_sum(self, s: Tensor, x: Tensor) -> None:
         if self._comp is None:

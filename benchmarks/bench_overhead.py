@@ -1,0 +1,134 @@
+"""What parsum costs on one thread, and what its compensated reduction costs.
+
+1. Per-call overhead: one training step (forward + backward) of parsum.sum_models with
+   n_jobs=1, per engine, against the plain loop sum(m(x) for m in models) with 1 intra-op
+   thread (parsum with n_jobs=1 also runs its models with 1 intra-op thread).
+2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
+   time the reductions of a medium step take against the whole step.
+
+Every method runs once per round, interleaved, after a warm-up; medians over the rounds and
+ratios measured in this one process.
+
+    python benchmarks/bench_overhead.py [--rounds 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+from common import interleaved, loss_of, one_thread, plain_step, workload
+
+import parsum
+from parsum._summation import CompensatedAccumulator
+
+ENGINES = ("autograd", "vjp", "stacked", "auto")
+
+
+def overhead(name: str, batch: int | None, rounds: int) -> dict[str, float]:
+    w = workload(name, batch)
+    models, x = w.models, w.x
+
+    def parsum_step(engine: str):
+        return lambda: loss_of(parsum.sum_models(models, x, n_jobs=1, engine=engine)).backward()
+
+    methods = {"plain-1t": one_thread(lambda: plain_step(models, x))}
+    for engine in ENGINES:
+        if engine == "stacked" and not w.identical:
+            continue
+        methods[f"parsum {engine}"] = parsum_step(engine)
+    medians = interleaved(methods, rounds)
+    base = medians["plain-1t"]
+    print(f"\n{name}: {w.description}")
+    print(f"{'method':>18} {'ms/step':>9} {'plain-1t / this':>16} {'extra us/model':>15}")
+    for method, t in medians.items():
+        extra = (t - base) / len(models) * 1e6
+        print(f"{method:>18} {t * 1e3:9.2f} {base / t:16.2f} {extra:15.1f}")
+    return medians
+
+
+def naive_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
+
+
+def accumulated(xs: list[torch.Tensor]) -> torch.Tensor:
+    acc = CompensatedAccumulator()
+    for x in xs:
+        acc.add(x)
+    return acc.result()
+
+
+def _repeat(fn: Callable[[list[torch.Tensor]], torch.Tensor], xs: list, times: int = 20) -> None:
+    for _ in range(times):
+        fn(xs)
+
+
+def reduction(rounds: int) -> dict[str, float]:
+    print("\nreduction of 16 tensors of 256x64, 1 intra-op thread (20 sums per sample)")
+    print(f"{'dtype':>9} {'naive us':>9} {'parsum us':>10} {'parsum / naive':>15}")
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        xs = [torch.randn(256, 64, dtype=dtype) for _ in range(16)]
+        medians = interleaved(
+            {
+                "naive": one_thread(lambda xs=xs: _repeat(naive_sum, xs)),
+                "parsum": one_thread(lambda xs=xs: _repeat(accumulated, xs)),
+            },
+            rounds,
+        )
+        naive_us, ours_us = medians["naive"] / 20 * 1e6, medians["parsum"] / 20 * 1e6
+        print(f"{str(dtype)[6:]:>9} {naive_us:9.1f} {ours_us:10.1f} {ours_us / naive_us:15.2f}")
+        results[f"{dtype}"] = ours_us / naive_us
+
+    # The reductions of a medium step with an input that needs its gradient: the 16 outputs in
+    # forward, the 16 input gradients in backward, against the whole step.
+    w = workload("heterogeneous-medium", 64)
+    x = w.x.requires_grad_()
+    outs = [torch.randn(64, 10) for _ in w.models]
+    in_grads = [torch.randn_like(x) for _ in w.models]
+    medians = interleaved(
+        {
+            "step": lambda: loss_of(parsum.sum_models(w.models, x)).backward(),
+            "reductions": lambda: (
+                _repeat(accumulated, outs, 1) or _repeat(accumulated, in_grads, 1)
+            ),
+        },
+        rounds,
+    )
+    share = medians["reductions"] / medians["step"]
+    print(
+        f"medium step ({w.description}, input gradient too): step "
+        f"{medians['step'] * 1e3:.2f} ms, its reductions {medians['reductions'] * 1e3:.3f} ms "
+        f"= {share:.1%} of the step"
+    )
+    results["share_of_medium_step"] = share
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--json", help="write the medians (seconds) and ratios to this file")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds")
+    results = {
+        name: overhead(name, batch, args.rounds)
+        for name, batch in (
+            ("heterogeneous-tiny", None),
+            ("identical-tiny", None),
+            ("heterogeneous-medium", 64),
+        )
+    }
+    results["reduction"] = reduction(args.rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

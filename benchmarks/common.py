@@ -1,0 +1,179 @@
+"""Workloads, baselines and the interleaved timer shared by the benchmarks.
+
+Every workload is a list of models, an input batch, and the loss ``y.pow(2).mean()`` of the
+models' sum. The baselines are what a user would run instead of parsum (BENCHMARKING.md).
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def mlp(n_in: int, width: int, depth: int, n_out: int, act: type[nn.Module] = nn.Tanh) -> nn.Module:
+    dims = [n_in] + [width] * depth
+    layers: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), act()]
+    return nn.Sequential(*layers, nn.Linear(width, n_out))
+
+
+class SmallCNN(nn.Module):
+    """Two convolutions and a linear head for 1x28x28 images; ``channels`` sets the width."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, kernel, padding=kernel // 2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * channels * 7 * 7, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    models: list[nn.Module]
+    x: torch.Tensor
+    identical: bool = False  # one architecture: torch.func.vmap is a baseline
+
+
+def workload(name: str, batch: int | None = None) -> Workload:
+    """Build a workload by name (``WORKLOADS``), seeded, with its default or a given batch."""
+    torch.manual_seed(0)
+    if name == "heterogeneous-medium":
+        models = [mlp(64, (128, 256, 384, 512)[i % 4], 1 + i % 3, 10) for i in range(16)]
+        b = batch or 256
+        return Workload(name, f"16 MLPs, widths 128-512, batch {b}", models, torch.randn(b, 64))
+    if name == "heterogeneous-tiny":
+        models = [mlp(16, (16, 24, 32, 48)[i % 4], 1 + i % 3, 4) for i in range(64)]
+        b = batch or 32
+        return Workload(name, f"64 MLPs, widths 16-48, batch {b}", models, torch.randn(b, 16))
+    if name == "identical-tiny":
+        models = [mlp(16, 32, 2, 4) for _ in range(64)]
+        b = batch or 32
+        desc = f"64 identical MLPs, width 32, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 16), identical=True)
+    if name == "large":
+        models = [mlp(256, 1024, 2, 64) for _ in range(4)]
+        b = batch or 512
+        desc = f"4 MLPs, width 1024, 2 hidden layers, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 256))
+    if name == "cnn-ensemble":
+        models = [SmallCNN((8, 12, 16, 24)[i % 4], (3, 5)[i % 2]) for i in range(8)]
+        b = batch or 64
+        desc = f"8 small CNNs on 28x28 images, 8-24 channels, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 1, 28, 28))
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+WORKLOADS = (
+    "heterogeneous-medium",
+    "heterogeneous-tiny",
+    "identical-tiny",
+    "large",
+    "cnn-ensemble",
+)
+
+
+def loss_of(y: torch.Tensor) -> torch.Tensor:
+    return y.pow(2).mean()
+
+
+def plain_step(models: list[nn.Module], x: torch.Tensor) -> None:
+    """The plain loop: ``sum(m(x) for m in models)``, forward and backward."""
+    loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+
+
+def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run with one intra-op thread."""
+
+    def run() -> None:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(saved)
+
+    return run
+
+
+class HandSplit:
+    """The ceiling: P persistent threads, each with 1 intra-op thread, running the plain loop
+    on its share of the models (round robin), forward and backward, with no reduction."""
+
+    def __init__(self, models: list[nn.Module], threads: int) -> None:
+        self.shares = [models[p::threads] for p in range(threads)]
+        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.shares[1:]]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        for share, tasks in zip(self.shares[1:], self.tasks):
+            threading.Thread(target=self._serve, args=(share, tasks), daemon=True).start()
+
+    @staticmethod
+    def _step(share: list[nn.Module], x: torch.Tensor) -> None:
+        for m in share:
+            loss_of(m(x)).backward()
+
+    def _serve(self, share: list[nn.Module], tasks: queue.SimpleQueue) -> None:
+        torch.set_num_threads(1)
+        while True:
+            x = tasks.get()
+            self._step(share, x)
+            self.done.put(None)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        for tasks in self.tasks:
+            tasks.put(x)
+        one_thread(lambda: self._step(self.shares[0], x))()
+        for _ in self.tasks:
+            self.done.get()
+
+
+def vmap_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
+    """``torch.func.stack_module_state`` + ``vmap``: what users run for identical models. The
+    stacked parameters are the leaves (as in torch.func's ensembling tutorial)."""
+    params, buffers = torch.func.stack_module_state(models)  # type: ignore[arg-type]
+    base = models[0]
+
+    def one(p: dict, b: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    ensemble = torch.vmap(one, in_dims=(0, 0, None))
+
+    def step(x: torch.Tensor) -> None:
+        loss_of(ensemble(params, buffers, x).sum(0)).backward()
+
+    return step
+
+
+def interleaved(
+    methods: dict[str, Callable[[], None]], rounds: int, warmup: int = 3
+) -> dict[str, float]:
+    """Median seconds per call of each method, the methods run in turn, round by round, so
+    that drift of the machine affects them alike."""
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -1,0 +1,240 @@
+"""engine="stacked" and the stacked groups of engine="auto": which models are grouped, and
+that a grouped call gives what the plain PyTorch expression gives."""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum._engines import ModelParams
+from parsum._grouping import plan_units
+from tests.test_sum_models import TOL, assert_same_grads, run_both
+from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads
+
+
+def family(dtype=torch.float32, seed=0):
+    """Three groups of identical architectures, interleaved, and two models of their own."""
+    torch.manual_seed(seed)
+    models = [
+        mlp([8]),
+        mlp([5, 7]),
+        ConvNet(),
+        mlp([8]),
+        mlp([5, 7]),
+        mlp([8], nn.ReLU),
+        ConvNet(),
+        mlp([8]),
+        mlp([5, 7]),
+        mlp([8]),
+    ]
+    return [m.to(dtype) for m in models]
+
+
+def groups(models, engine, x=None, chunk_size=None):
+    x = torch.randn(4, IN) if x is None else x
+    units = plan_units(models, [ModelParams.of(m) for m in models], engine, x.shape[0], chunk_size)
+    return [u.models for u in units if u.engine == "stacked"]
+
+
+def test_identical_models_are_grouped_in_model_order():
+    assert groups(family(), "stacked") == [(0, 3, 7, 9), (1, 4, 8), (2, 6)]
+    assert groups(family(), "stacked", chunk_size=3) == [(0, 3, 7), (1, 4, 8), (2, 6)]
+    assert groups(family(), "autograd") == []
+
+
+def test_auto_groups_only_small_models():
+    assert groups(family(), "auto") == [(0, 3, 7, 9), (1, 4, 8), (2, 6)]
+    big = [mlp([1024, 1024]) for _ in range(3)]  # 1.06M parameters x 4 rows
+    assert groups(big, "auto") == []
+    assert groups(big, "stacked") == [(0, 1, 2)]
+
+
+def leaky(slope):
+    return nn.Sequential(nn.Linear(IN, 4), nn.LeakyReLU(slope), nn.Linear(4, OUT))
+
+
+@pytest.mark.parametrize(
+    ("make", "grouped"),
+    [
+        (lambda: [leaky(0.1), leaky(0.2), leaky(0.1)], [(0, 2)]),  # a hyperparameter differs
+        (lambda: [mlp([8]), mlp([9]), mlp([8]).double()], []),  # shapes, dtypes differ
+        (lambda: [nn.Sequential(nn.Linear(IN, OUT), nn.Dropout(p)) for p in (0.1, 0.5)], []),
+    ],
+)
+def test_models_that_differ_are_not_grouped(make, grouped):
+    assert groups(make(), "stacked") == grouped
+
+
+def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
+    shared = nn.Linear(IN, OUT)
+    bn = [nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)) for _ in range(2)]
+    assert groups(bn, "stacked") == []  # training BatchNorm updates its buffers
+    assert groups([m.eval() for m in bn], "stacked") == [(0, 1)]
+    assert groups([nn.Sequential(shared), nn.Sequential(shared)], "stacked") == []
+    m = mlp([8])
+    assert groups([m, m, mlp([8])], "stacked") == []  # a model repeated
+    hooked = [mlp([8]) for _ in range(3)]
+    hooked[1][0].register_forward_hook(lambda *a: None)
+    assert groups(hooked, "stacked") == [(0, 2)]
+    act = nn.Tanh()  # a shared module without state is harmless
+    assert groups([nn.Sequential(nn.Linear(IN, OUT), act) for _ in range(2)], "stacked") == [(0, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", ["stacked", "auto"])
+@pytest.mark.parametrize("weights", [None, "floats", "tensor_grad"])
+def test_matches_plain_sum(engine, n_jobs, dtype, weights):
+    models = family(dtype)
+    x = torch.randn(5, IN, dtype=dtype, requires_grad=True)
+    w = None
+    if weights == "floats":
+        w = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75, -2.0]
+    elif weights == "tensor_grad":
+        w = torch.linspace(-1, 2, len(models), dtype=dtype, requires_grad=True)
+    (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = run_both(
+        models, x, weights=w, engine=engine, n_jobs=n_jobs
+    )
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
+    assert_same_grads(models, ref_models, **TOL[dtype])
+    if weights == "tensor_grad":
+        torch.testing.assert_close(w.grad, w_ref.grad, **TOL[dtype])
+
+
+def test_eval_buffers_and_frozen_parameters_are_each_models_own():
+    torch.manual_seed(0)
+    models = []
+    for k in range(3):
+        m = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT), nn.Linear(OUT, OUT))
+        m[1].running_mean.fill_(k)  # every model has other statistics
+        m[2].weight.requires_grad_(False)
+        models.append(m.eval())
+    assert groups(models, "stacked") == [(0, 1, 2)]
+    x = torch.randn(4, IN, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, engine="stacked")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert_same_grads(models, ref_models)
+    assert all(m[2].weight.grad is None for m in models)
+
+
+def test_gradcheck_float64():
+    models = family(torch.float64)
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    w = torch.linspace(-1, 1, len(models), dtype=torch.float64, requires_grad=True)
+
+    def f(x, w):
+        return parsum.sum_models(models, x, weights=w, engine="stacked", n_jobs=2)
+
+    assert torch.autograd.gradcheck(f, (x, w))
+    # Parameters: the stacked group's gradients against the plain loop's, in float64.
+    y = parsum.sum_models(models, x.detach(), engine="stacked")
+    ref = sum(m(x.detach()) for m in models)
+    for p in [p for m in models for p in m.parameters()]:
+        got = torch.autograd.grad(y.sin().sum(), p, retain_graph=True)[0]
+        want = torch.autograd.grad(ref.sin().sum(), p, retain_graph=True)[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["stacked", "auto"])
+@pytest.mark.parametrize("chunk_size", [None, 1, 2, 3])
+def test_bitwise_identical_for_any_n_jobs(engine, chunk_size):
+    results = []
+    for n_jobs in (1, 2, 3):
+        models = family(seed=3)
+        x = torch.randn(9, IN, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        w = torch.linspace(-1, 2, len(models), requires_grad=True)
+        y = parsum.sum_models(
+            models, x, weights=w, engine=engine, n_jobs=n_jobs, chunk_size=chunk_size
+        )
+        (y.sin() * 1e3).sum().backward()
+        results.append([y, x.grad, w.grad, *param_grads(models)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_no_grad_inference():
+    models = family()
+    x = torch.randn(4, IN)
+    with torch.no_grad():
+        y = parsum.sum_models(models, x, engine="stacked")
+        torch.testing.assert_close(y, sum(m(x) for m in models))
+    assert not y.requires_grad
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow, which vmap cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_auto_runs_one_by_one_what_vmap_cannot_run():
+    models = [Branchy() for _ in range(3)]
+    assert groups(models, "auto") == [(0, 1, 2)]
+    x = torch.randn(4, IN, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, engine="auto")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert_same_grads(models, ref_models)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Branchy\), stacked with models"):
+        parsum.sum_models(models, x, engine="stacked")
+
+
+def test_error_in_a_stacked_model_names_it_and_changes_nothing():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            raise ValueError("broken")
+
+    models = [Bad() for _ in range(2)]
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Bad\).*ValueError.*broken"):
+        parsum.sum_models(models, torch.randn(2, IN), engine="auto")
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
+def test_dropout_in_training_draws_a_mask_per_model():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(IN, 64), nn.Dropout(0.5)) for _ in range(2)]
+    with torch.no_grad():
+        models[1][0].load_state_dict(models[0][0].state_dict())
+    run = plan_units(models, [ModelParams.of(m) for m in models], "stacked", 2, None)
+    assert [u.engine for u in run] == ["stacked"]
+    x = torch.randn(2, IN)
+    y = parsum.sum_models(models, x, weights=[1.0, -1.0], engine="stacked")
+    # Equal weights under one shared mask would cancel exactly; about half the units differ.
+    assert 0.2 < (y != 0).float().mean() < 0.8
+
+
+def test_flat_grad_and_step_in_backward():
+    models = family()
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(4, IN)
+    ref = clone_models(models)
+    parsum.sum_models(models, x, engine="stacked").pow(2).sum().backward()
+    sum(m(x) for m in ref).pow(2).sum().backward()
+    assert_same_grads(models, ref)
+    assert all(p.grad.data_ptr() != 0 for m in models for p in m.parameters())
+    assert flat.flat.abs().sum() > 0
+
+    models = family()
+    ref = clone_models(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(models, x, engine="stacked", step_in_backward=sib).pow(2).sum().backward()
+    opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+    sum(m(x) for m in ref).pow(2).sum().backward()
+    opt.step()
+    for m, r in zip(models, ref):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert p.grad is None
+            torch.testing.assert_close(p, q)
