@@ -1,162 +1,138 @@
-"""How fast is one training step of a heterogeneous ensemble with parsum, against what a user
-would otherwise run, and against the machine's parallel ceiling?
+"""How fast is one training step of a sum of models with parsum, against what a user would
+otherwise run, and against the machine's parallel ceiling, for 1, 2, ... workers?
 
-Methods, all forward + backward of sum(m(x) for m in models) with a squared loss:
-  plain        the plain loop, PyTorch's default intra-op threads
-  plain-1t     the plain loop with 1 intra-op thread
-  hand-split   the ceiling: models split by hand over P persistent threads, each running plain
-               forward + backward on its share with 1 intra-op thread, no reduction
-  parsum       parsum.sum_models with n_jobs=P and default settings
+Methods, all forward + backward of the loss of sum(m(x) for m in models):
+  plain          the plain loop, PyTorch's default intra-op threads
+  plain-1t       the plain loop with 1 intra-op thread
+  vmap           torch.func.stack_module_state + vmap (identical models only; its stacked
+                 parameters are the leaves, so the models' own .grad stay empty)
+  hand-split P   the ceiling: the models split by hand over P threads, each running the plain
+                 loop on its share with 1 intra-op thread, no reduction
+  parsum P       parsum.sum_models(models, x, n_jobs=P), default settings (engine="auto")
 
-Every method runs once per round, interleaved, after a warm-up; the table gives medians over the
-rounds and ratios measured in this one process (absolute times drift on shared machines).
+Every method runs once per round, interleaved, after a warm-up; the tables give medians over
+the rounds and ratios measured in this one process (absolute times drift on shared machines).
+A JSON file and a PNG (speedup over plain-1t against workers, one line per method) are written.
 
-    python benchmarks/bench_speedup.py [--jobs 1,2] [--batch 64,256] [--rounds 30] [--json out]
+    python benchmarks/bench_speedup.py [--jobs 1,2] [--workloads all] [--rounds 20]
+        [--json speedup.json] [--png speedup.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import queue
-import statistics
-import threading
-import time
+import os
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from common import (
+    WORKLOADS,
+    HandSplit,
+    interleaved,
+    loss_of,
+    one_thread,
+    plain_step,
+    vmap_step,
+    workload,
+)
 
 import parsum
 
-
-def heterogeneous_medium(n_models: int = 16, n_in: int = 64, n_out: int = 10) -> list[nn.Module]:
-    """MLPs of widths 128 to 512 and 1 to 3 hidden layers."""
-    torch.manual_seed(0)
-    models = []
-    for i in range(n_models):
-        width, depth = (128, 256, 384, 512)[i % 4], 1 + i % 3
-        dims = [n_in] + [width] * depth
-        layers: list[nn.Module] = []
-        for a, b in zip(dims[:-1], dims[1:]):
-            layers += [nn.Linear(a, b), nn.Tanh()]
-        models.append(nn.Sequential(*layers, nn.Linear(width, n_out)))
-    return models
+# The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md).
+CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
 
 
-class HandSplit:
-    """P persistent threads, each with 1 intra-op thread, running plain steps on its share."""
-
-    def __init__(self, models: list[nn.Module], threads: int) -> None:
-        self.shares = [models[p::threads] for p in range(threads)]
-        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.shares[1:]]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        for share, tasks in zip(self.shares[1:], self.tasks):
-            threading.Thread(target=self._serve, args=(share, tasks), daemon=True).start()
-
-    @staticmethod
-    def _step(share: list[nn.Module], x: torch.Tensor) -> None:
-        for m in share:
-            m(x).pow(2).sum().backward()
-
-    def _serve(self, share: list[nn.Module], tasks: queue.SimpleQueue) -> None:
-        torch.set_num_threads(1)
-        while True:
-            x = tasks.get()
-            self._step(share, x)
-            self.done.put(None)
-
-    def __call__(self, x: torch.Tensor) -> None:
-        for tasks in self.tasks:
-            tasks.put(x)
-        saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-        self._step(self.shares[0], x)
-        torch.set_num_threads(saved)
-        for _ in self.tasks:
-            self.done.get()
-
-
-def plain_step(models: list[nn.Module], x: torch.Tensor) -> None:
-    sum(m(x) for m in models).pow(2).sum().backward()
-
-
-def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            fn()
-        finally:
-            torch.set_num_threads(saved)
-
-    return run
-
-
-def methods_for(models: list[nn.Module], x: torch.Tensor, jobs: list[int]) -> dict:
-    def plain() -> None:
-        plain_step(models, x)
-
-    def parsum_step(p: int) -> Callable[[], None]:
-        return lambda: parsum.sum_models(models, x, n_jobs=p).pow(2).sum().backward()
-
-    def hand_split(p: int) -> Callable[[], None]:
-        split = HandSplit(models, p)
-        return lambda: split(x)
-
-    methods: dict[str, Callable[[], None]] = {"plain": plain, "plain-1t": one_thread(plain)}
+def methods_for(name: str, batch: int | None, jobs: list[int]) -> tuple[str, dict]:
+    w = workload(name, batch)
+    models, x = w.models, w.x
+    methods: dict[str, Callable[[], None]] = {
+        "plain": lambda: plain_step(models, x),
+        "plain-1t": one_thread(lambda: plain_step(models, x)),
+    }
+    if w.identical:
+        step = vmap_step(models)
+        methods["vmap"] = lambda: step(x)
     for p in jobs:
         if p > 1:
-            methods[f"hand-split P={p}"] = hand_split(p)
-        methods[f"parsum n_jobs={p}"] = parsum_step(p)
-    return methods
+            split = HandSplit(models, p)
+            methods[f"hand-split {p}"] = lambda split=split: split(x)
+        methods[f"parsum {p}"] = lambda p=p: loss_of(
+            parsum.sum_models(models, x, n_jobs=p)
+        ).backward()
+    return w.description, methods
 
 
-def measure(methods: dict[str, Callable[[], None]], rounds: int, warmup: int = 5) -> dict:
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for r in range(warmup + rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def report(name: str, description: str, medians: dict[str, float], jobs: list[int]) -> dict:
+    plain, one = medians["plain"], medians["plain-1t"]
+    print(f"\n{name}: {description}")
+    print(f"{'method':>14} {'ms/step':>9} {'plain / this':>13} {'plain-1t / this':>16}")
+    for method, t in medians.items():
+        print(f"{method:>14} {t * 1e3:9.2f} {plain / t:13.2f} {one / t:16.2f}")
+    best = max(jobs)
+    ceiling = medians.get(f"hand-split {best}", medians[f"parsum {best}"])
+    ours = medians[f"parsum {best}"]
+    print(
+        f"  parsum {best} against: plain {plain / ours:.2f}x, hand-split ceiling "
+        f"{ceiling / ours:.2f}x"
+        + (f", vmap {medians['vmap'] / ours:.2f}x" if "vmap" in medians else "")
+    )
+    return {"workload": name, "description": description, "seconds": medians}
+
+
+def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.2), sharey=True)
+    for ax, r in zip(axes, results):
+        s = r["seconds"]
+        base = s["plain-1t"]
+        ax.plot(jobs, [base / s[f"parsum {p}"] for p in jobs], "o-", label="parsum")
+        ceiling = [base / s.get(f"hand-split {p}", s["plain-1t"]) for p in jobs]
+        ax.plot(jobs, ceiling, "s--", label="hand-split (ceiling)")
+        ax.axhline(base / s["plain"], color="gray", ls=":", label="plain, default threads")
+        if "vmap" in s:
+            ax.axhline(base / s["vmap"], color="green", ls="-.", label="vmap")
+        ax.set_title(r["description"], fontsize=7)
+        ax.set_xlabel("workers")
+        ax.set_xticks(jobs)
+    axes[0].set_ylabel("speedup over plain loop, 1 thread")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(
+        f"parsum, forward + backward, {cores} cores, torch {torch.__version__}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", default="1,2")
-    parser.add_argument("--batch", default="64,256")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--jobs", default="1,2", help="worker counts, e.g. 1,2,4,8,16")
+    parser.add_argument("--workloads", default="all", help="comma-separated names, or all")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--json", default="speedup.json")
+    parser.add_argument("--png", default="speedup.png")
     args = parser.parse_args()
     jobs = [int(j) for j in args.jobs.split(",")]
+    cases = [c for c in CASES if args.workloads == "all" or c[0] in args.workloads.split(",")]
     cores = parsum._config.usable_cores()
     print(
-        f"torch {torch.__version__}, {cores} usable cores, {torch.get_num_threads()} "
-        f"intra-op threads by default; medians of {args.rounds} interleaved rounds"
+        f"torch {torch.__version__}, {cores} usable cores ({os.cpu_count()} in the machine), "
+        f"{torch.get_num_threads()} intra-op threads by default; medians of {args.rounds} "
+        "interleaved rounds"
     )
     results = []
-    for batch in [int(b) for b in args.batch.split(",")]:
-        methods = methods_for(heterogeneous_medium(), torch.randn(batch, 64), jobs)
-        medians = measure(methods, args.rounds)
-        base = medians["plain"]
-        print(f"\nheterogeneous-medium: 16 MLPs (widths 128-512), batch {batch}")
-        print(f"{'method':>20} {'ms/step':>9} {'plain / this':>13}")
-        for name, t in medians.items():
-            print(f"{name:>20} {t * 1e3:9.2f} {base / t:13.2f}")
-            results.append(
-                {
-                    "workload": "heterogeneous-medium",
-                    "batch": batch,
-                    "method": name,
-                    "seconds": t,
-                    "speedup_vs_plain": base / t,
-                }
-            )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cores": cores, "torch": torch.__version__, "results": results}, f, indent=1)
+    for name, batch in cases:
+        description, methods = methods_for(name, batch, jobs)
+        medians = interleaved(methods, args.rounds)
+        results.append(report(name, description, medians, jobs))
+    with open(args.json, "w") as f:
+        json.dump({"cores": cores, "torch": torch.__version__, "results": results}, f, indent=1)
+    plot(results, jobs, args.png, cores)
+    print(f"\nwrote {args.json} and {args.png}")
 
 
 if __name__ == "__main__":

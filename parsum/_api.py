@@ -15,7 +15,7 @@ from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
-from ._grouping import chunk_units, plan_units
+from ._grouping import chunk_units, plan_units, threads_pay
 
 _WHERE = "sum_models"
 
@@ -59,8 +59,11 @@ def sum_models(
             ``joblib.parallel_config``, else all usable cores; -1 all cores, -2 all but one;
             1 runs in the calling thread with no pool. Never more threads than usable cores.
         engine: ``"autograd"`` (each model's own autograd graph), ``"vjp"``
-            (``torch.func.vjp`` over ``functional_call``; pure models only) or ``"auto"``
-            (``parsum.config``'s engine if set, else the fastest that fits: ``"autograd"``).
+            (``torch.func.vjp`` over ``functional_call``; pure models only), ``"stacked"``
+            (structurally identical models vmapped as one group, the others by autograd) or
+            ``"auto"`` (``parsum.config``'s engine if set, else: groups of 8 or more small
+            identical models stacked, the rest by autograd; with ``n_jobs`` left unset, small
+            models run in the calling thread, where threads do not pay).
         chunk_size: models per task; it alone decides the order of additions. Default: the
             models split into at most 16 chunks.
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
@@ -91,8 +94,12 @@ def sum_models(
     model_params = [ModelParams.of(m) for m in models]
     params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
-    units = plan_units(models, model_params, engine, _rows(tensors), chunk_size)
+    rows = _rows(tensors)
+    units = plan_units(models, model_params, engine, rows, chunk_size)
     chunks = chunk_units(units, chunk_size or _pool.default_chunk_size(len(models)))
+    if engine == "auto" and _config.n_jobs_is_default(n_jobs):
+        if not threads_pay(model_params, rows):
+            n_workers = 1
     plan = SumPlan(
         models=models,
         call=call,

@@ -53,7 +53,7 @@ def config(
 
     Args:
         n_jobs: default number of workers (joblib's convention, see ``sum_models``).
-        engine: default engine, one of ``"auto"``, ``"autograd"``, ``"vjp"``.
+        engine: default engine, one of ``"auto"``, ``"autograd"``, ``"vjp"``, ``"stacked"``.
         chunk_size: default number of models per task.
 
     Raises:
@@ -115,6 +115,11 @@ def usable_cores() -> int:
     ``sum_models`` call. ``usable_cores.cache_clear()`` picks up a changed affinity.
     """
     return max(1, int(joblib.cpu_count()))
+
+
+def n_jobs_is_default(n_jobs: int | None) -> bool:
+    """Whether nobody chose a worker count: not the call, parsum.config or joblib."""
+    return n_jobs is None and _local.settings.n_jobs is None and get_active_backend()[1] is None
 
 
 def resolve_n_jobs(n_jobs: int | None, where: str) -> int:

@@ -1,4 +1,5 @@
-"""Units of work: which models run as one stacked group, and how units are cut into chunks.
+"""Units of work: which models run as one stacked group, how units are cut into chunks, and
+whether threads pay.
 
 # NOTE [ Stacked groups ]
 # Models are stacked (vmapped as one, NOTE [ Engines ]) only when running the first model's code
@@ -13,6 +14,14 @@
 # small models, where vmap pays: 16 MLPs at 1 thread measured vmap against the plain loop at
 # 1.44x for 0.57M parameter-rows (parameters x batch rows) per model, 1.05-1.08x at 0.9-1.7M,
 # 0.84x at 6.7M; 64 tiny MLPs (55K) 7.3x.
+#
+# NOTE [ Threads that pay ]
+# A model's Python work (module calls, autograd bookkeeping) holds the GIL, so threads pay only
+# when its kernels are large enough to run while another thread holds it. Measured here (2
+# cores, forward + backward): 64 MLPs of widths 16-48 at batch 32 (about 50K parameter-rows
+# each) were slower on 2 threads than on 1, as was the hand-split ceiling; 16 MLPs of widths
+# 128-512 at batch 64 (1M-38M each) were 1.2x faster on 2. So with n_jobs left at its default,
+# engine="auto" stays in the calling thread below AUTO_THREADS_MIN_PARAM_ROWS per model.
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units and ``chunk_size`` alone, never on ``n_jobs``,
@@ -29,8 +38,14 @@ from torch import Tensor, nn
 
 from ._engines import ModelParams, Unit
 
-# engine="auto" stacks models of at most this many parameter-rows (NOTE [ Stacked groups ]).
+# engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
+# AUTO_STACK_MAX_PARAM_ROWS parameter-rows each (NOTE [ Stacked groups ]).
 AUTO_STACK_MAX_PARAM_ROWS = 1_000_000
+AUTO_STACK_MIN_MODELS = 8
+
+# With default n_jobs, engine="auto" runs in the calling thread when the models average fewer
+# parameter-rows than this (NOTE [ Threads that pay ]).
+AUTO_THREADS_MIN_PARAM_ROWS = 500_000
 
 
 def plan_units(
@@ -52,8 +67,9 @@ def plan_units(
     for members in groups.values():
         if len(members) < 2:
             continue
-        if engine == "auto" and _param_rows(model_params[members[0]], rows) > (
-            AUTO_STACK_MAX_PARAM_ROWS
+        if engine == "auto" and (
+            len(members) < AUTO_STACK_MIN_MODELS
+            or _param_rows(model_params[members[0]], rows) > AUTO_STACK_MAX_PARAM_ROWS
         ):
             continue
         size = chunk_size or len(members)
@@ -70,6 +86,12 @@ def plan_units(
         elif found[0] == i:
             units.append(Unit(found, "stacked"))
     return units
+
+
+def threads_pay(model_params: Sequence[ModelParams], rows: int) -> bool:
+    """Whether the models are large enough for threads to pay (NOTE [ Threads that pay ])."""
+    total = sum(_param_rows(mp, rows) for mp in model_params)
+    return total >= AUTO_THREADS_MIN_PARAM_ROWS * len(model_params)
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:

@@ -1,6 +1,9 @@
 """engine="stacked" and the stacked groups of engine="auto": which models are grouped, and
 that a grouped call gives what the plain PyTorch expression gives."""
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -42,11 +45,13 @@ def test_identical_models_are_grouped_in_model_order():
     assert groups(family(), "autograd") == []
 
 
-def test_auto_groups_only_small_models():
-    assert groups(family(), "auto") == [(0, 3, 7, 9), (1, 4, 8), (2, 6)]
-    big = [mlp([1024, 1024]) for _ in range(3)]  # 1.06M parameters x 4 rows
+def test_auto_groups_only_many_small_models():
+    assert groups(family(), "auto") == []  # groups of 4, 3 and 2: vmap does not pay
+    eight = [mlp([8]) for _ in range(8)] + [mlp([5])]
+    assert groups(eight, "auto") == [tuple(range(8))]
+    big = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M parameters x 4 rows
     assert groups(big, "auto") == []
-    assert groups(big, "stacked") == [(0, 1, 2)]
+    assert groups(big, "stacked") == [tuple(range(8))]
 
 
 def leaky(slope):
@@ -85,11 +90,13 @@ def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
 @pytest.mark.parametrize("engine", ["stacked", "auto"])
 @pytest.mark.parametrize("weights", [None, "floats", "tensor_grad"])
 def test_matches_plain_sum(engine, n_jobs, dtype, weights):
-    models = family(dtype)
+    # engine="auto" stacks the eight mlp([8]) and runs the rest one by one.
+    models = family(dtype) + [mlp([8]).to(dtype) for _ in range(4)]
+    assert len(groups(models, engine)) == (3 if engine == "stacked" else 1)
     x = torch.randn(5, IN, dtype=dtype, requires_grad=True)
     w = None
     if weights == "floats":
-        w = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75, -2.0]
+        w = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75, -2.0, 0.3, 0.6, -0.9, 1.2]
     elif weights == "tensor_grad":
         w = torch.linspace(-1, 2, len(models), dtype=dtype, requires_grad=True)
     (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = run_both(
@@ -142,7 +149,7 @@ def test_gradcheck_float64():
 def test_bitwise_identical_for_any_n_jobs(engine, chunk_size):
     results = []
     for n_jobs in (1, 2, 3):
-        models = family(seed=3)
+        models = family(seed=3) + [mlp([8]) for _ in range(4)]
         x = torch.randn(9, IN, generator=torch.Generator().manual_seed(5), requires_grad=True)
         w = torch.linspace(-1, 2, len(models), requires_grad=True)
         y = parsum.sum_models(
@@ -177,8 +184,8 @@ class Branchy(nn.Module):
 
 
 def test_auto_runs_one_by_one_what_vmap_cannot_run():
-    models = [Branchy() for _ in range(3)]
-    assert groups(models, "auto") == [(0, 1, 2)]
+    models = [Branchy() for _ in range(8)]
+    assert groups(models, "auto") == [tuple(range(8))]
     x = torch.randn(4, IN, requires_grad=True)
     (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, engine="auto")
     torch.testing.assert_close(y, y_ref)
@@ -238,3 +245,32 @@ def test_flat_grad_and_step_in_backward():
         for p, q in zip(m.parameters(), r.parameters()):
             assert p.grad is None
             torch.testing.assert_close(p, q)
+
+
+class Sleepy(nn.Module):
+    """A small model whose forward sleeps (releasing the GIL) and records its thread."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(threading.current_thread().name)
+        time.sleep(0.005)
+        return self.lin(x)
+
+
+@pytest.mark.timeout(60)
+def test_auto_keeps_small_models_in_the_calling_thread_unless_told():
+    seen = []
+    models = [Sleepy(seen) for _ in range(6)]
+    x = torch.randn(2, IN)
+    parsum.sum_models(models, x, chunk_size=1)
+    assert set(seen) == {threading.current_thread().name}
+    seen.clear()
+    parsum.sum_models(models, x, chunk_size=1, n_jobs=2)  # an explicit n_jobs is obeyed
+    assert len(set(seen)) == 2
+    seen.clear()
+    parsum.sum_models(models, x, chunk_size=1, engine="autograd")
+    assert len(set(seen)) == min(2, parsum._config.usable_cores())
