@@ -97,9 +97,13 @@ def sum_models(
     rows = _rows(tensors)
     units = plan_units(models, model_params, engine, rows, chunk_size)
     chunks = chunk_units(units, chunk_size or _pool.default_chunk_size(len(models)))
-    if engine == "auto" and _config.n_jobs_is_default(n_jobs):
-        if not threads_pay(model_params, rows):
-            n_workers = 1
+    # NOTE [ Threads that pay ] in _grouping.
+    if (
+        engine == "auto"
+        and _config.n_jobs_is_default(n_jobs)
+        and not threads_pay(model_params, rows)
+    ):
+        n_workers = 1
     plan = SumPlan(
         models=models,
         call=call,
