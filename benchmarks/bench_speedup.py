@@ -8,7 +8,9 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  parameters are the leaves, so the models' own .grad stay empty)
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
-  parsum P       parsum.sum_models(models, x, n_jobs=P), default settings (engine="auto")
+  parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
+  parsum default parsum.sum_models(models, x): n_jobs left to parsum (all cores, or the calling
+                 thread when the models are too small for threads to pay)
 
 Every method runs once per round, interleaved, after a warm-up; the tables give medians over
 the rounds and ratios measured in this one process (absolute times drift on shared machines).
@@ -53,6 +55,7 @@ def methods_for(name: str, batch: int | None, jobs: list[int]) -> tuple[str, dic
     if w.identical:
         step = vmap_step(models)
         methods["vmap"] = lambda: step(x)
+    methods["parsum default"] = lambda: loss_of(parsum.sum_models(models, x)).backward()
     for p in jobs:
         if p > 1:
             split = HandSplit(models, p)
@@ -71,9 +74,9 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
         print(f"{method:>14} {t * 1e3:9.2f} {plain / t:13.2f} {one / t:16.2f}")
     best = max(jobs)
     ceiling = medians.get(f"hand-split {best}", medians[f"parsum {best}"])
-    ours = medians[f"parsum {best}"]
+    ours = medians["parsum default"]
     print(
-        f"  parsum {best} against: plain {plain / ours:.2f}x, hand-split ceiling "
+        f"  parsum default against: plain {plain / ours:.2f}x, hand-split {best} ceiling "
         f"{ceiling / ours:.2f}x"
         + (f", vmap {medians['vmap'] / ours:.2f}x" if "vmap" in medians else "")
     )
@@ -90,7 +93,8 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
     for ax, r in zip(axes, results):
         s = r["seconds"]
         base = s["plain-1t"]
-        ax.plot(jobs, [base / s[f"parsum {p}"] for p in jobs], "o-", label="parsum")
+        ax.plot(jobs, [base / s[f"parsum {p}"] for p in jobs], "o-", label="parsum, n_jobs")
+        ax.axhline(base / s["parsum default"], color="C0", ls="--", lw=0.8, label="parsum default")
         ceiling = [base / s.get(f"hand-split {p}", s["plain-1t"]) for p in jobs]
         ax.plot(jobs, ceiling, "s--", label="hand-split (ceiling)")
         ax.axhline(base / s["plain"], color="gray", ls=":", label="plain, default threads")
