@@ -246,11 +246,11 @@ def unit_forward(
     if unit.engine == "stacked":
         group = [models[i] for i in unit.models]
         group_params = [model_params[i] for i in unit.models]
-        if not fall_back:
-            return stacked_forward(group, call, group_params, build_graph)
         try:
             return stacked_forward(group, call, group_params, build_graph)
         except Exception:
+            if not fall_back:
+                raise
             # vmap cannot run every forward (data-dependent control flow, .item()): run the
             # models one by one instead, which also names the model when one of them fails.
             return _one_by_one(unit, models, call, model_params, build_graph)
@@ -317,8 +317,9 @@ def stacked_forward(
     first = params[0]
     grad_mode = torch.enable_grad() if build_graph else contextlib.nullcontext()
     with grad_mode:
-        inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
-        args, kwargs = call.build(inputs if build_graph else None)
+        positions = call.grad_positions if build_graph else []
+        inputs = {j: call.leaves[j].detach().requires_grad_() for j in positions}
+        args, kwargs = call.build(inputs)
         trainable = {
             name: torch.stack([mp.tensors[t] for mp in params])
             for t, name in enumerate(first.names)

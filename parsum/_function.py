@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from . import _pool
-from ._engines import CallArgs, ModelParams, Unit, UnitPullback, UnitRun, unit_forward
+from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
@@ -203,18 +203,29 @@ def run_forward(
             except Exception as exc:
                 raise plan.model_error(unit.models[0], "forward", exc, unit) from exc
             pullbacks[u] = run.pullback
-            if run.stacked is not None and not keep_outputs:
-                first = _add_stacked(plan, unit, run, weight_tensor, signatures, first, accs)
-                continue
-            for i, out in zip(unit.models, run.outs):
-                leaves, signatures[i] = _signature(plan, i, out)
+            # A stacked group's models share one output signature, and are added as one
+            # (unless each model's output is kept for the weights' gradient).
+            grouped = run.stacked is not None and not keep_outputs
+            entries = (
+                [(unit.models, run.outs[0])]
+                if grouped
+                else [((i,), o) for i, o in zip(unit.models, run.outs)]
+            )
+            for members, out in entries:
+                leaves, sig = _signature(plan, members[0], out)
+                for i in members:
+                    signatures[i] = sig
                 if first is None:
-                    first = i
+                    first = members[0]
                     accs = [CompensatedAccumulator() for _ in leaves]
-                elif signatures[i] != signatures[first]:
+                elif sig != signatures[first]:
                     raise _ChunkMismatch
-                w = plan.weight(i, weight_tensor)
                 with torch.no_grad():
+                    if grouped:
+                        _add_group(plan, members, run.stacked or [], weight_tensor, accs)
+                        continue
+                    (i,) = members
+                    w = plan.weight(i, weight_tensor)
                     values = [leaf.detach() for leaf in leaves]
                     if keep_outputs:
                         outputs[i] = values
@@ -250,38 +261,24 @@ def run_forward(
     return _Forward([t.result() for t in totals], pullbacks, outputs)
 
 
-def _add_stacked(
+def _add_group(
     plan: SumPlan,
-    unit: Unit,
-    run: UnitRun,
+    members: tuple[int, ...],
+    stacked: list[Tensor],
     weight_tensor: Tensor | None,
-    signatures: list[Signature | None],
-    first: int | None,
     accs: list[CompensatedAccumulator],
-) -> int:
-    """Add a stacked group's weighted outputs with one wide reduction over dim 0 (its models
-    share one output signature). Returns the chunk's first model."""
-    i0 = unit.models[0]
-    _, sig = _signature(plan, i0, run.outs[0])
-    for i in unit.models:
-        signatures[i] = sig
-    if first is None:
-        first = i0
-        accs.extend(CompensatedAccumulator() for _ in run.stacked or ())
-    elif sig != signatures[first]:
-        raise _ChunkMismatch
-    with torch.no_grad():
-        w = None
-        if weight_tensor is not None:
-            w = weight_tensor.detach()[list(unit.models)]
-        elif plan.weights is not None:
-            w = torch.tensor([plan.weights[i] for i in unit.models], dtype=torch.float64)
-        for acc, leaf in zip(accs, run.stacked or ()):
-            v = leaf.detach()
-            if w is not None:
-                v = v * w.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
-            acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
-    return first
+) -> None:
+    """Add a stacked group's weighted outputs (models along dim 0) with one wide reduction."""
+    w = None
+    if weight_tensor is not None:
+        w = weight_tensor.detach()[list(members)]
+    elif plan.weights is not None:
+        w = torch.tensor([plan.weights[i] for i in members], dtype=torch.float64)
+    for acc, leaf in zip(accs, stacked):
+        v = leaf.detach()
+        if w is not None:
+            v = v * w.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+        acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
 
 
 class _BufferSnapshot:

@@ -60,7 +60,7 @@ def plan_units(
         return [Unit((i,), engine) for i in range(len(models))]
     groups: dict[Hashable, list[int]] = {}
     for i in _stackable(models, model_params):
-        key = structure_key(models[i], model_params[i])
+        key = structure_key(model_params[i])
         if key is not None:
             groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
@@ -133,7 +133,7 @@ def _holds_state(t: Any) -> bool:
     return not isinstance(t, nn.Module) or bool(t._parameters or t._buffers)
 
 
-def structure_key(model: Callable[..., Any], mp: ModelParams) -> Hashable | None:
+def structure_key(mp: ModelParams) -> Hashable | None:
     """What two models must share to run as one stacked group; None if this one cannot."""
     parts: list[Hashable] = []
     for module in mp.modules:
