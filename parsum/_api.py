@@ -135,20 +135,7 @@ def sum_models(
 
 
 def _check_models(models: Any) -> list[Callable[..., Any]]:
-    if isinstance(models, nn.Module) and not isinstance(models, (nn.ModuleList, nn.Sequential)):
-        raise ParsumError(
-            f"{_WHERE}: models is a single {type(models).__name__}; expected a sequence of "
-            "models (a list, tuple or nn.ModuleList)"
-        )
-    if isinstance(models, (str, bytes, Tensor)) or not isinstance(
-        models, (Sequence, nn.ModuleList, nn.Sequential)
-    ):
-        raise ParsumError(
-            f"{_WHERE}: models is a {type(models).__name__}; expected a sequence of models"
-        )
-    models = list(models)
-    if not models:
-        raise ParsumError(f"{_WHERE}: models is empty; expected at least one model")
+    models = _config.check_model_sequence(models, _WHERE, (nn.ModuleList, nn.Sequential))
     for i, model in enumerate(models):
         if not callable(model):
             raise ParsumError(

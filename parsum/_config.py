@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import joblib
 from joblib.parallel import get_active_backend
+from torch import Tensor, nn
 
 from ._errors import ParsumError
 
@@ -95,6 +97,25 @@ def check_engine(engine: object, where: str) -> str:
             f"{where}: invalid engine={engine!r}; expected one of {', '.join(map(repr, ENGINES))}"
         )
     return str(engine)
+
+
+def check_model_sequence(
+    models: Any, where: str, containers: tuple[type[nn.Module], ...]
+) -> list[Any]:
+    """``models`` as a non-empty list: a sequence, or one of the module ``containers``."""
+    if isinstance(models, nn.Module) and not isinstance(models, containers):
+        raise ParsumError(
+            f"{where}: models is a single {type(models).__name__}; expected a sequence of "
+            "models (a list, tuple or nn.ModuleList)"
+        )
+    if isinstance(models, (str, bytes, Tensor)) or not isinstance(models, (Sequence, *containers)):
+        raise ParsumError(
+            f"{where}: models is a {type(models).__name__}; expected a sequence of models"
+        )
+    found = list(models)
+    if not found:
+        raise ParsumError(f"{where}: models is empty; expected at least one model")
+    return found
 
 
 def check_chunk_size(chunk_size: object, where: str) -> int | None:

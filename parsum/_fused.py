@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._config import check_model_sequence
 from ._errors import ParsumError
 
 _WHERE = "StepInBackward"
@@ -65,18 +66,7 @@ class StepInBackward:
         optimizer_cls: Callable[..., torch.optim.Optimizer],
         **optimizer_kwargs: Any,
     ) -> None:
-        if isinstance(models, nn.Module) and not isinstance(models, (nn.ModuleList,)):
-            raise ParsumError(
-                f"{_WHERE}: models is a single {type(models).__name__}; expected a sequence "
-                "of models"
-            )
-        if isinstance(models, (str, bytes)) or not isinstance(models, (Sequence, nn.ModuleList)):
-            raise ParsumError(
-                f"{_WHERE}: models is a {type(models).__name__}; expected a sequence of models"
-            )
-        models = list(models)
-        if not models:
-            raise ParsumError(f"{_WHERE}: models is empty; expected at least one model")
+        models = check_model_sequence(models, _WHERE, (nn.ModuleList,))
         if not callable(optimizer_cls):
             raise ParsumError(
                 f"{_WHERE}: optimizer_cls is {optimizer_cls!r:.60}, which is not callable; "
