@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import joblib
 from joblib.parallel import get_active_backend
@@ -112,7 +112,7 @@ def check_model_sequence(
         raise ParsumError(
             f"{where}: models is a {type(models).__name__}; expected a sequence of models"
         )
-    found = list(models)
+    found = list(cast(Iterable[Any], models))
     if not found:
         raise ParsumError(f"{where}: models is empty; expected at least one model")
     return found
