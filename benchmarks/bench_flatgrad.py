@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from common import interleaved, mlp
 from torch import nn
 
 import parsum
@@ -41,20 +40,6 @@ def small_models(n_models: int, width: int = 16, depth: int = 8) -> list[nn.Modu
             layers += [nn.Linear(width, width), nn.Tanh()]
         models.append(nn.Sequential(*layers[:-1]))
     return models
-
-
-def interleaved(methods: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each method, the methods interleaved round by round."""
-    for fn in methods.values():  # warm-up
-        for _ in range(3):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def accumulation(n_models: int, rounds: int) -> dict[str, float]:
@@ -105,15 +90,7 @@ def accumulation(n_models: int, rounds: int) -> dict[str, float]:
 def medium_models(n_models: int = 16) -> list[nn.Module]:
     """MLPs of widths 128 to 512, 1 to 3 hidden layers (bench_speedup's medium workload)."""
     torch.manual_seed(0)
-    models = []
-    for i in range(n_models):
-        width, depth = (128, 256, 384, 512)[i % 4], 1 + i % 3
-        dims = [16] + [width] * depth
-        layers: list[nn.Module] = []
-        for a, b in zip(dims[:-1], dims[1:]):
-            layers += [nn.Linear(a, b), nn.Tanh()]
-        models.append(nn.Sequential(*layers, nn.Linear(width, 16)))
-    return models
+    return [mlp(16, (128, 256, 384, 512)[i % 4], 1 + i % 3, 16) for i in range(n_models)]
 
 
 def training_step(

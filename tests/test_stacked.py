@@ -11,6 +11,7 @@ from torch import nn
 import parsum
 from parsum._engines import ModelParams
 from parsum._grouping import plan_units
+from tests.test_errors import Boom
 from tests.test_sum_models import TOL, assert_same_grads, run_both
 from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads
 
@@ -196,16 +197,8 @@ def test_auto_runs_one_by_one_what_vmap_cannot_run():
 
 
 def test_error_in_a_stacked_model_names_it_and_changes_nothing():
-    class Bad(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
-
-        def forward(self, x):
-            raise ValueError("broken")
-
-    models = [Bad() for _ in range(2)]
-    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Bad\).*ValueError.*broken"):
+    models = [Boom() for _ in range(2)]
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Boom\).*ValueError.*boom in forward"):
         parsum.sum_models(models, torch.randn(2, IN), engine="auto")
     assert all(p.grad is None for m in models for p in m.parameters())
 
