@@ -58,19 +58,27 @@ def plan_units(
     """The units of a call, in the order of their first model."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
-    groups: dict[Hashable, list[int]] = {}
+    auto = engine == "auto"
+    min_models = AUTO_STACK_MIN_MODELS if auto else 2
+    # Models of one parameter layout first: structure keys cost far more, and this runs on every
+    # call, so only layouts with enough models get them.
+    layouts: dict[Hashable, list[int]] = {}
     for i in _stackable(models, model_params):
-        key = structure_key(model_params[i])
-        if key is not None:
-            groups.setdefault(key, []).append(i)
+        mp = model_params[i]
+        if not auto or _param_rows(mp, rows) <= AUTO_STACK_MAX_PARAM_ROWS:
+            layout = (type(models[i]), tuple(p.shape for p in mp.tensors))
+            layouts.setdefault(layout, []).append(i)
+    groups: dict[Hashable, list[int]] = {}
+    for same_layout in layouts.values():
+        if len(same_layout) < min_models:
+            continue
+        for i in same_layout:
+            key = structure_key(model_params[i])
+            if key is not None:
+                groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
-        if len(members) < 2:
-            continue
-        if engine == "auto" and (
-            len(members) < AUTO_STACK_MIN_MODELS
-            or _param_rows(model_params[members[0]], rows) > AUTO_STACK_MAX_PARAM_ROWS
-        ):
+        if len(members) < min_models:
             continue
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
