@@ -34,8 +34,9 @@ def sum_models(
 
     The per-model forwards run on parsum's thread pool, and so do the per-model pullbacks when
     the result is differentiated. Outputs, input gradients and gradients of parameters shared
-    by several models are reduced with a compensated (Kahan-Babuska-Neumaier) sum in a fixed
-    order: more accurate than the plain sum, and bitwise identical for any ``n_jobs``.
+    by several models are reduced with a compensated sum (a float64 accumulator for float32
+    and narrower, Kahan-Babuska-Neumaier for float64) in a fixed order: more accurate than the
+    plain sum, and bitwise identical for any ``n_jobs``.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(4, 8),
