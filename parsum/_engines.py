@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -29,6 +30,10 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from ._summation import CompensatedAccumulator
+
+# Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
+# failing again on every call (a model vmap cannot run once rarely runs later).
+VMAP_FAILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 # A pullback takes the output leaves' cotangents and whether to keep its graph for another
 # call, and gives (argument grads, parameter grads).
@@ -251,6 +256,7 @@ def unit_forward(
         except Exception:
             if not fall_back:
                 raise
+            VMAP_FAILED.update(group)  # type: ignore[arg-type]
             # vmap cannot run every forward (data-dependent control flow, .item()): run the
             # models one by one instead, which also names the model when one of them fails.
             return _one_by_one(unit, models, call, model_params, build_graph)

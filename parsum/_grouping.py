@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._engines import ModelParams, Unit
+from ._engines import VMAP_FAILED, ModelParams, Unit
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
 # AUTO_STACK_MAX_PARAM_ROWS parameter-rows each (NOTE [ Stacked groups ]).
@@ -64,6 +64,8 @@ def plan_units(
     # call, so only layouts with enough models get them.
     layouts: dict[Hashable, list[int]] = {}
     for i in _stackable(models, model_params):
+        if auto and models[i] in VMAP_FAILED:
+            continue
         mp = model_params[i]
         if not auto or _param_rows(mp, rows) <= AUTO_STACK_MAX_PARAM_ROWS:
             layout = (type(models[i]), tuple(p.shape for p in mp.tensors))

@@ -192,6 +192,9 @@ def test_auto_runs_one_by_one_what_vmap_cannot_run():
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert_same_grads(models, ref_models)
+    # auto remembers the failure instead of trying vmap again on every call; "stacked" obeys.
+    assert groups(models, "auto") == []
+    assert groups(models, "stacked") == [tuple(range(8))]
     with pytest.raises(parsum.ParsumError, match=r"model 0 \(Branchy\), stacked with models"):
         parsum.sum_models(models, x, engine="stacked")
 
