@@ -6,6 +6,7 @@ from ._errors import ParsumError
 from ._function import ParallelSum
 from ._fused import StepInBackward
 from ._grads import FlatGrad
+from ._sparse import take_rows
 from ._summation import compensated_sum
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "config",
     "FlatGrad",
     "StepInBackward",
+    "take_rows",
     # lower level
     "ParallelSum",
     "compensated_sum",

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from ._summation import CompensatedAccumulator
+from ._sparse import GradSum, add_grad
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
 # failing again on every call (a model vmap cannot run once rarely runs later).
@@ -295,17 +295,18 @@ def _one_by_one(
     def pullback(
         grad_outputs: Sequence[Tensor], weights: Sequence[Weight], retain_graph: bool
     ) -> tuple[list[Tensor | None], list[list[Tensor | None]]]:
-        totals: list[CompensatedAccumulator] = []
+        totals: dict[int, GradSum] = {}
         per_model: list[list[Tensor | None]] = []
+        n_args = 0
         for one, w in zip(pullbacks, weights):
             assert one is not None
             arg_grads, (grads,) = one(grad_outputs, [w], retain_graph)
             per_model.append(grads)
-            totals = totals or [CompensatedAccumulator() for _ in arg_grads]
-            for total, g in zip(totals, arg_grads):
+            n_args = len(arg_grads)
+            for j, g in enumerate(arg_grads):
                 if g is not None:
-                    total.add(g)
-        return [None if t.empty else t.result() for t in totals], per_model
+                    add_grad(totals, j, g)
+        return [totals[j].result() if j in totals else None for j in range(n_args)], per_model
 
     return UnitRun(outs, pullback)
 

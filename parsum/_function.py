@@ -34,6 +34,7 @@ from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
+from ._sparse import GradSum, add_grad, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
@@ -373,8 +374,8 @@ class ParallelSum(torch.autograd.Function):
         n_arg_grads = len(ctx.call.grad_positions)
         param_grads: list[Tensor | None] = [None] * len(plan.params)
         weight_grads: list[Tensor | None] = [None] * len(plan.models)
-        arg_totals = [CompensatedAccumulator() for _ in range(n_arg_grads)]
-        shared_totals: dict[int, CompensatedAccumulator] = {}
+        arg_totals: dict[int, GradSum] = {}
+        shared_totals: dict[int, GradSum] = {}
         sib = plan.step_in_backward
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
@@ -394,7 +395,9 @@ class ParallelSum(torch.autograd.Function):
         flat = FlatWrites(plan.params, to_grad) if any(to_grad) else None
         stepped: list[int] = []
 
-        def route_param_grads(i: int, grads: list[Tensor | None], shared_accs: dict) -> None:
+        def route_param_grads(
+            i: int, grads: list[Tensor | None], shared_accs: dict[int, GradSum]
+        ) -> None:
             slots = plan.param_slots[i]
             j = None if plan.step_index is None else plan.step_index[i]
             if sib is not None and j is not None and any(accumulates[s] for s in slots):
@@ -414,7 +417,7 @@ class ParallelSum(torch.autograd.Function):
                 if g is None:
                     continue
                 if plan.shared[slot]:
-                    shared_accs.setdefault(slot, CompensatedAccumulator()).add(g)
+                    add_grad(shared_accs, slot, g)
                 elif flat is not None and slot in flat:
                     to_flat.append((slot, g))
                 else:
@@ -423,9 +426,9 @@ class ParallelSum(torch.autograd.Function):
                 assert flat is not None
                 flat.write(to_flat)
 
-        def backward_chunk(k: int) -> tuple[list[CompensatedAccumulator], dict]:
-            arg_accs = [CompensatedAccumulator() for _ in range(n_arg_grads)]
-            shared_accs: dict[int, CompensatedAccumulator] = {}
+        def backward_chunk(k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
+            arg_accs: dict[int, GradSum] = {}
+            shared_accs: dict[int, GradSum] = {}
             for u in plan.chunks[k]:
                 unit = plan.units[u]
                 pullback = pullbacks[u]
@@ -438,9 +441,9 @@ class ParallelSum(torch.autograd.Function):
                 except Exception as exc:
                     raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
                 del pullback
-                for acc, g in zip(arg_accs, arg_grads):
+                for j, g in enumerate(arg_grads):
                     if g is not None:
-                        acc.add(g)
+                        add_grad(arg_accs, j, g)
                 del arg_grads
                 for i, grads in zip(unit.models, model_grads):
                     route_param_grads(i, grads, shared_accs)
@@ -455,12 +458,12 @@ class ParallelSum(torch.autograd.Function):
                     )
             return arg_accs, shared_accs
 
-        def consume(k: int, partial: tuple[list[CompensatedAccumulator], dict]) -> None:
+        def consume(k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:
             arg_accs, shared_accs = partial
-            for total, acc in zip(arg_totals, arg_accs):
-                total.merge(acc)
+            for j, acc in arg_accs.items():
+                merge_grads(arg_totals, j, acc)
             for slot, acc in shared_accs.items():
-                shared_totals.setdefault(slot, CompensatedAccumulator()).merge(acc)
+                merge_grads(shared_totals, slot, acc)
 
         # NOTE [ Hooks run once ]: the models' graphs reach each parameter's own leaf, so
         # torch.autograd.grad in the workers would run the parameter's tensor hooks, and
@@ -489,7 +492,9 @@ class ParallelSum(torch.autograd.Function):
             raise
         if flat is not None:
             flat.commit()
-        arg_results = iter([None if t.empty else t.result() for t in arg_totals])
+        arg_results = iter(
+            [arg_totals[j].result() if j in arg_totals else None for j in range(n_arg_grads)]
+        )
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]
         if plan.has_weight_tensor:

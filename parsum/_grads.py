@@ -19,6 +19,13 @@
 # below their last bit is lost), and a buffer is known to be zero only if nothing was written
 # since ``zero_()``. The latter makes a failed backward cheap to undo after ``zero_()``; in
 # every other case the slots about to be accumulated into are copied first.
+#
+# NOTE [ Sparse gradients in a slot ]
+# A parameter with a slot may get a row-sparse gradient (``parsum.take_rows``,
+# ``nn.Embedding(sparse=True)``). ``sum_models`` adds its rows into the slot in place, at a cost
+# in proportion to the rows; the ``.grad`` stays the dense view. Optimizers then see a dense
+# gradient: to keep gradients sparse (``torch.optim.SparseAdam``, SGD steps that touch only
+# the sampled rows), leave such a parameter out of the FlatGrad.
 """
 
 from __future__ import annotations
@@ -83,6 +90,11 @@ class FlatGrad:
     tensor([4., 4.])
     >>> flat.flat[6:8]                                   # the same memory
     tensor([4., 4.])
+
+    A parameter whose gradient comes row-sparse (:func:`parsum.take_rows`,
+    ``nn.Embedding(sparse=True)``) has its rows added into its slot by ``sum_models`` (cost in
+    proportion to the rows), so its ``.grad`` is dense; leave it out to keep a sparse ``.grad``
+    for ``torch.optim.SparseAdam`` or row-only SGD steps.
 
     Args:
         params_or_modules: an ``nn.Module``, a parameter, or an iterable of them (nested
@@ -375,6 +387,9 @@ class FlatWrites:
         zeroed: list[Tensor] = []
         for k, grad in pairs:
             slot = self._writes[k].slot
+            if grad.layout == torch.sparse_coo and grad.sparse_dim() == 1:
+                self._write_rows(self._writes[k], grad)
+                continue
             grad = _dense(grad)
             if self._writes[k].fresh:
                 copies[0].append(slot.view)
@@ -396,6 +411,26 @@ class FlatWrites:
             torch._foreach_add_(*adds)
         if compensated[0]:
             compensated_add_(*compensated)
+
+    def _write_rows(self, write: _Write, grad: Tensor) -> None:
+        """Add a row-sparse gradient into its slot, touching only its rows (NOTE [ Sparse
+        gradients in a slot ])."""
+        grad = grad if grad.is_coalesced() else grad.coalesce()
+        rows, values = grad._indices()[0], grad._values()
+        view, comp = write.slot.view, write.slot.comp
+        if write.fresh:
+            if write.undo != "zero":  # .grad was None: the slot holds stale values
+                view.zero_()
+                if comp is not None:
+                    comp.zero_()
+            view.index_copy_(0, rows, values)
+        elif comp is None:
+            view.index_add_(0, rows, values)
+        else:
+            totals, comps = [view.index_select(0, rows)], [comp.index_select(0, rows)]
+            compensated_add_(totals, comps, [values])
+            view.index_copy_(0, rows, totals[0])
+            comp.index_copy_(0, rows, comps[0])
 
     def commit(self) -> None:
         for write in self._writes.values():

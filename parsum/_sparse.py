@@ -1,0 +1,242 @@
+"""take_rows: ``weight[index]`` with a row-sparse gradient; row-sparse gradient reduction.
+
+# NOTE [ Row-sparse gradients ]
+# The gradient of ``weight[index]`` is zero outside the rows ``index`` touches, yet autograd's
+# ``index`` backward materializes it densely: the step grows with the table although the
+# forward does not. ``take_rows`` returns the same values and gives ``weight`` a coalesced
+# sparse COO gradient instead (one sparse dim, the rows; the other dims dense, as
+# ``nn.Embedding(sparse=True)`` does): the touched rows sorted, each once. Its cost is a sort of
+# the index and one pass over the touched rows. Duplicate rows in one call are summed in the
+# wide dtype of NOTE [ Compensated summation ] (float64 for float32) and rounded once.
+#
+# Across models (a table several models sample from), ``RowSparseAccumulator`` keeps the
+# gradients as they come, in model order, and reduces them at the end over the union of their
+# rows: a float64 accumulator for float32 and narrower, TwoSum with a compensation for float64,
+# the same rules as every other reduction; rows enter in the order of the parts, so the bits
+# depend only on the order of the models. Nothing of the table's size is allocated unless one
+# of the gradients is dense (a model that uses the whole table), which makes the sum dense.
+#
+# torch.func transforms (vmap, vjp, grad) cannot carry sparse gradients, so ``take_rows``
+# refuses to run under them; ``sum_models``' engine "auto" then runs such models one by one with
+# autograd instead of stacking them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._errors import ParsumError
+from ._summation import WIDE, CompensatedAccumulator
+
+_WHERE = "take_rows"
+
+
+def take_rows(weight: Tensor, index: Tensor) -> Tensor:
+    """``weight[index]``, whose gradient for ``weight`` is row-sparse.
+
+    Backward gives ``weight`` a coalesced sparse COO gradient that holds only the rows
+    ``index`` touched (duplicates summed), at a cost in proportion to those rows, not to the
+    rows of ``weight``. ``torch.optim.SGD`` and ``torch.optim.SparseAdam`` take such
+    gradients; SGD (without weight decay or momentum) leaves the untouched rows as they were.
+    The index may be computed inside forward from values (hashing, top-k): it needs no
+    gradient. Autograd's accumulation into ``.grad`` drops the coalesced flag, as it does for
+    ``nn.Embedding(sparse=True)``; ``.grad.coalesce()`` then costs a sort of the rows.
+
+    >>> import torch, parsum
+    >>> table = torch.nn.Parameter(torch.ones(1000, 4))
+    >>> rows = parsum.take_rows(table, torch.tensor([[3, 7], [7, 998]]))
+    >>> rows.shape
+    torch.Size([2, 2, 4])
+    >>> rows.sum().backward()
+    >>> grad = table.grad.coalesce()    # .grad drops the flag; the data is coalesced already
+    >>> grad.layout, grad.indices(), grad.values()[:, 0]
+    (torch.sparse_coo, tensor([[  3,   7, 998]]), tensor([1., 2., 1.]))
+
+    Args:
+        weight: the table, a dense tensor of at least one dimension, normally a leaf
+            parameter.
+        index: an int64 or int32 tensor of row numbers, of any shape; negative numbers count
+            from the end, as in ``weight[index]``.
+
+    Returns:
+        ``weight[index]``: a tensor of shape ``index.shape + weight.shape[1:]``.
+
+    Raises:
+        ParsumError: for a weight that is not a dense tensor of at least one dimension, an
+            index of another dtype or device, a row number out of range, or a call under a
+            ``torch.func`` transform (which cannot carry a sparse gradient).
+    """
+    if not isinstance(weight, Tensor) or weight.layout != torch.strided or weight.dim() < 1:
+        what = (
+            f"a tensor of shape {tuple(weight.shape)} and layout {weight.layout}"
+            if isinstance(weight, Tensor)
+            else f"a {type(weight).__name__}"
+        )
+        raise ParsumError(
+            f"{_WHERE}: weight is {what}; expected a dense tensor of at least one dimension"
+        )
+    if not isinstance(index, Tensor) or index.dtype not in (torch.int64, torch.int32):
+        what = f"dtype {index.dtype}" if isinstance(index, Tensor) else type(index).__name__
+        raise ParsumError(
+            f"{_WHERE}: index is a {what}; expected an int64 or int32 tensor of row numbers "
+            "(for a boolean mask, take mask.nonzero().squeeze(1))"
+        )
+    if index.device != weight.device:
+        raise ParsumError(
+            f"{_WHERE}: index is on {index.device}, weight on {weight.device}; expected both on "
+            "one device"
+        )
+    if torch._C._are_functorch_transforms_active():
+        raise ParsumError(
+            f"{_WHERE}: called under a torch.func transform (vmap, vjp, grad), which cannot "
+            "carry a sparse gradient; index the weight directly (weight[index]) there, or, in "
+            "sum_models, use engine='autograd' or 'auto'"
+        )
+    flat = index.reshape(-1)
+    n_rows = weight.shape[0]
+    if flat.numel():
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < -n_rows or high >= n_rows:
+            bad = low if low < -n_rows else high
+            raise ParsumError(
+                f"{_WHERE}: index holds row {bad}, outside [-{n_rows}, {n_rows}) for a weight "
+                f"of shape {tuple(weight.shape)}"
+            )
+        if low < 0:
+            flat = torch.where(flat < 0, flat + n_rows, flat)
+    rows = _TakeRows.apply(weight, flat.long())
+    return rows.view(*index.shape, *weight.shape[1:])
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.weight_shape = weight.shape
+        return weight.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        (index,) = ctx.saved_tensors
+        return row_sparse(index, grad, ctx.weight_shape), None
+
+
+def row_sparse(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+    """The coalesced sparse tensor of ``shape`` whose row ``index[k]`` holds ``values[k]``,
+    duplicate rows summed (NOTE [ Row-sparse gradients ])."""
+    rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
+    if rows.numel() == index.numel():  # no duplicates: a permutation, no sum
+        summed = torch.empty_like(values).index_copy_(0, inverse, values)
+    else:
+        wide = WIDE.get(values.dtype, values.dtype)
+        summed = torch.zeros(
+            (rows.numel(), *values.shape[1:]), dtype=wide, device=values.device
+        ).index_add_(0, inverse, values.to(wide))
+        summed = summed.to(values.dtype)
+    return _coalesced(rows, summed, shape)
+
+
+def _coalesced(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+    return torch.sparse_coo_tensor(
+        rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False
+    )
+
+
+def _is_row_sparse(g: Tensor) -> bool:
+    return g.layout == torch.sparse_coo and g.sparse_dim() == 1
+
+
+class RowSparseAccumulator:
+    """Compensated sum of one parameter's gradients, some or all row-sparse, in the order
+    added; see NOTE [ Row-sparse gradients ]. Tensors added are borrowed, never written to."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[Tensor] = []
+
+    @property
+    def empty(self) -> bool:
+        return not self._parts
+
+    def add(self, g: Tensor) -> None:
+        self._parts.append(g)
+
+    def merge(self, other: RowSparseAccumulator | CompensatedAccumulator) -> None:
+        """Add another accumulator's parts after this one's (chunk partials, in chunk order)."""
+        if isinstance(other, RowSparseAccumulator):
+            self._parts.extend(other._parts)
+        elif not other.empty:
+            self._parts.append(other.result())
+
+    def result(self) -> Tensor:
+        """The sum: coalesced row-sparse if every part is sparse, else dense."""
+        parts = self._parts
+        if not parts:
+            raise ParsumError("RowSparseAccumulator.result: nothing was added")
+        if not all(_is_row_sparse(p) for p in parts):
+            dense = CompensatedAccumulator()
+            for p in parts:
+                dense.add(p if p.layout == torch.strided else p.to_dense())
+            return dense.result()
+        parts = [p if p.is_coalesced() else p.coalesce() for p in parts]
+        if len(parts) == 1:
+            return parts[0]
+        indices = [p._indices()[0] for p in parts]
+        rows = torch.unique(torch.cat(indices), sorted=True)
+        positions = [torch.searchsorted(rows, ix) for ix in indices]
+        first = parts[0]
+        shape = (rows.numel(), *first.shape[1:])
+        wide = WIDE.get(first.dtype)
+        if wide is not None:
+            total = torch.zeros(shape, dtype=wide, device=first.device)
+            for pos, p in zip(positions, parts):
+                total.index_add_(0, pos, p._values().to(wide))
+            return _coalesced(rows, total.to(first.dtype), first.shape)
+        return _coalesced(rows, _two_sum_rows(shape, positions, parts), first.shape)
+
+
+def _two_sum_rows(shape: tuple[int, ...], positions: list[Tensor], parts: list[Tensor]) -> Tensor:
+    """Neumaier's sum of the parts' rows into ``shape`` (NOTE [ Compensated summation ])."""
+    first = parts[0]
+    s = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    c = torch.zeros_like(s)
+    for pos, p in zip(positions, parts):
+        x = p._values()
+        old = s.index_select(0, pos)
+        t = old + x
+        z = t - old
+        c.index_add_(0, pos, (old - (t - z)) + (x - z))
+        s.index_copy_(0, pos, t)
+    return torch.where(torch.isfinite(s), s + c, s)
+
+
+GradSum = CompensatedAccumulator | RowSparseAccumulator
+
+
+def add_grad(accs: dict[int, GradSum], k: int, g: Tensor) -> None:
+    """Add gradient ``g`` of parameter ``k`` into ``accs[k]``; an accumulator made for a dense
+    gradient takes later sparse ones densified."""
+    acc = accs.get(k)
+    if acc is None:
+        acc = accs[k] = RowSparseAccumulator() if g.is_sparse else CompensatedAccumulator()
+    if g.is_sparse and isinstance(acc, CompensatedAccumulator):
+        g = g.to_dense()
+    acc.add(g)
+
+
+def merge_grads(totals: dict[int, GradSum], k: int, acc: GradSum) -> None:
+    """Merge a chunk's accumulator for parameter ``k`` into ``totals[k]``, in chunk order."""
+    total = totals.get(k)
+    if total is None:
+        totals[k] = acc  # taken over; the chunk's accumulator is not used again
+    elif isinstance(total, RowSparseAccumulator) or isinstance(acc, CompensatedAccumulator):
+        total.merge(acc)  # type: ignore[arg-type]
+    else:
+        g = acc.result()
+        total.add(g.to_dense() if g.is_sparse else g)

@@ -1,0 +1,515 @@
+"""take_rows and row-sparse gradients: against ``weight[index]`` (dense gradient) and float64,
+across models in sum_models, with optimizers, FlatGrad and StepInBackward."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum._sparse import RowSparseAccumulator, row_sparse
+
+ROWS, DIM, K = 50, 4, 3
+
+
+class Sampled(nn.Module):
+    """Picks K rows of a table per sample by hashing its own hidden values (value-dependent),
+    and scores them: SLIDE's sampled layer in small. ``dense`` indexes with ``table[idx]``."""
+
+    def __init__(self, table: nn.Parameter, seed: int, dense: bool = False) -> None:
+        super().__init__()
+        self.table = table
+        self.proj = nn.Linear(DIM, DIM, dtype=table.dtype)
+        self.seed = seed
+        self.dense = dense
+
+    def rows(self, h: torch.Tensor) -> torch.Tensor:
+        bits = (h > 0).long() * (2 ** torch.arange(DIM))
+        code = bits.sum(1, keepdim=True) * 7 + self.seed
+        return (code + torch.arange(K) * (self.seed + 1)) % self.table.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        idx = self.rows(h.detach())
+        picked = self.table[idx] if self.dense else parsum.take_rows(self.table, idx)
+        return torch.einsum("bd,bkd->bk", h, picked)
+
+
+def ensemble(n=5, dtype=torch.float32, shared=True, seed=0):
+    torch.manual_seed(seed)
+    table = nn.Parameter(torch.randn(ROWS, DIM, dtype=dtype))
+    return [
+        Sampled(table if shared else nn.Parameter(torch.randn(ROWS, DIM, dtype=dtype)), k)
+        for k in range(n)
+    ]
+
+
+def dense_copy(models):
+    """The same models, sharing as the originals do, indexing with ``table[idx]``."""
+    ref = copy.deepcopy(models)
+    for m in ref:
+        m.dense = True
+    return ref
+
+
+def tables(models):
+    return list({id(m.table): m.table for m in models}.values())
+
+
+def assert_row_sparse_like(grad, dense_grad, **tol):
+    assert grad.layout == torch.sparse_coo and grad.sparse_dim() == 1
+    rows = grad._indices()[0]
+    assert torch.equal(rows, torch.unique(rows)), "rows sorted, each once"
+    torch.testing.assert_close(grad.to_dense(), dense_grad, **tol)
+    touched = dense_grad.abs().sum(1) > 0
+    assert set(rows.tolist()) >= set(touched.nonzero().squeeze(1).tolist())
+
+
+# -- take_rows on its own ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        torch.tensor([3, 7, 3, 49]),
+        torch.tensor([[0, -1], [-50, 2]]),
+        torch.tensor([5, 1, 9], dtype=torch.int32),
+        torch.tensor([], dtype=torch.int64),
+        torch.tensor(4),
+    ],
+    ids=["duplicates", "negative-2d", "int32", "empty", "scalar"],
+)
+def test_take_rows_is_weight_index_with_a_row_sparse_grad(index):
+    weight = torch.randn(ROWS, DIM, requires_grad=True)
+    ref = weight.detach().clone().requires_grad_()
+    out = parsum.take_rows(weight, index)
+    out_ref = ref[index.long()]
+    assert torch.equal(out, out_ref)
+    cot = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, weight, cot)
+    (grad_ref,) = torch.autograd.grad(out_ref, ref, cot)
+    assert grad.is_coalesced()
+    assert grad._nnz() == torch.unique(index.long() % ROWS).numel()
+    assert_row_sparse_like(grad, grad_ref)
+
+
+def test_take_rows_keeps_trailing_dims():
+    weight = torch.randn(10, 2, 3, requires_grad=True)
+    index = torch.tensor([[1, 1], [9, 0]])
+    out = parsum.take_rows(weight, index)
+    assert out.shape == (2, 2, 2, 3)
+    out.sum().backward()
+    dense = weight.grad.to_dense()
+    assert torch.equal(dense[1], torch.full((2, 3), 2.0))
+    assert torch.equal(dense[5], torch.zeros(2, 3))
+
+
+class Densify(torch.autograd.Function):
+    """Identity whose backward densifies: gradcheck refuses sparse gradients of dense inputs,
+    so this checks take_rows' sparse gradient values through one dense hop."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to_dense()
+
+
+def test_gradcheck_float64():
+    weight = torch.randn(20, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([3, 3, -1, 7, 0, 3])
+    assert torch.autograd.gradcheck(lambda w: parsum.take_rows(Densify.apply(w), index), (weight,))
+
+
+def test_duplicates_are_summed_in_float64_and_rounded_once():
+    index = torch.zeros(4, dtype=torch.int64)
+    values = torch.tensor([[1e8], [1.0], [-1e8], [1.0]])
+    grad = row_sparse(index, values, torch.Size([3, 1]))
+    assert grad._values().item() == 2.0  # the plain float32 sum gives 1.0 (or 0.0)
+    exact = math.fsum(values.double().squeeze(1).tolist())
+    assert grad._values().item() == torch.tensor(exact, dtype=torch.float32).item()
+
+
+def test_no_grad_and_a_weight_that_needs_none():
+    weight = torch.randn(ROWS, DIM)
+    index = torch.tensor([1, 2])
+    assert not parsum.take_rows(weight, index).requires_grad
+    with torch.no_grad():
+        out = parsum.take_rows(weight.requires_grad_(), index)
+    assert not out.requires_grad and torch.equal(out, weight[index])
+
+
+def test_cost_follows_the_rows_touched_not_the_table():
+    # Structural, not timed: nothing of the table's size is allocated by the backward.
+    weight = torch.zeros(1_000_000, 8, requires_grad=True)
+    index = torch.tensor([5, 999_999, 5])
+    (grad,) = torch.autograd.grad(parsum.take_rows(weight, index).sum(), weight)
+    assert grad._values().shape == (2, 8)
+    assert grad._indices().tolist() == [[5, 999_999]]
+
+
+@pytest.mark.parametrize(
+    "weight, index, match",
+    [
+        ("table", torch.tensor([0]), r"take_rows: weight is a str; expected a dense tensor"),
+        (torch.tensor(1.0), torch.tensor([0]), r"weight is a tensor of shape \(\)"),
+        (torch.zeros(3, 2).to_sparse(), torch.tensor([0]), r"layout torch.sparse_coo"),
+        (torch.zeros(3, 2), torch.tensor([0.0]), r"index is a dtype torch.float32; expected"),
+        (torch.zeros(3, 2), torch.tensor([True]), r"dtype torch.bool.*mask.nonzero"),
+        (torch.zeros(3, 2), [0, 1], r"index is a list"),
+        (torch.zeros(3, 2), torch.tensor([0, 3]), r"index holds row 3, outside \[-3, 3\)"),
+        (torch.zeros(3, 2), torch.tensor([-4, 1]), r"index holds row -4, outside \[-3, 3\)"),
+    ],
+)
+def test_bad_input(weight, index, match):
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.take_rows(weight, index)
+
+
+def test_refused_under_torch_func():
+    weight = torch.randn(ROWS, DIM)
+    index = torch.tensor([[1, 2], [3, 4]])
+    with pytest.raises(parsum.ParsumError, match=r"torch.func transform .* sparse gradient"):
+        torch.vmap(lambda i: parsum.take_rows(weight, i))(index)
+
+
+# -- in sum_models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shared_table_matches_plain_and_float64(n_jobs, dtype):
+    models = ensemble(dtype=dtype)
+    ref = dense_copy(models)
+    x = torch.randn(8, DIM, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    y_ref = sum(m(x_ref) for m in ref)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, y_ref, **tol)
+    (y**2).sum().backward()
+    (y_ref**2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    (table,), (table_ref,) = tables(models), tables(ref)
+    assert_row_sparse_like(table.grad.coalesce(), table_ref.grad, **tol)
+    for m, r in zip(models, ref):
+        torch.testing.assert_close(m.proj.weight.grad, r.proj.weight.grad, **tol)
+    if dtype == torch.float32:  # closer to the float64 result than the plain sum
+        ref64 = dense_copy(models)
+        for m in ref64:
+            m.double()
+        x64 = x.detach().double()
+        (sum(m(x64) for m in ref64) ** 2).sum().backward()
+        want = tables(ref64)[0].grad
+        err = (table.grad.to_dense().double() - want).abs().max()
+        assert err <= (table_ref.grad.double() - want).abs().max() + 1e-7
+
+
+def test_shared_table_reduction_is_compensated_float64():
+    # Three models write 1e16, 1 and -1e16 into the same row: the plain sum loses the 1.
+    grads = [
+        torch.sparse_coo_tensor(
+            [[2]], torch.tensor([[v]], dtype=torch.float64), (4, 1), check_invariants=True
+        )
+        for v in (1e16, 1.0, -1e16)
+    ]
+    acc = RowSparseAccumulator()
+    for g in grads:
+        acc.add(g.coalesce())
+    total = acc.result()
+    assert total.is_sparse and total._indices().tolist() == [[2]]
+    assert total._values().item() == 1.0
+    assert sum(g.to_dense() for g in grads)[2].item() == 0.0
+
+
+def test_row_sparse_reduction_propagates_inf_and_nan():
+    values = [[math.inf], [1.0], [math.nan], [2.0]]
+    rows = [[0], [0], [1], [3]]
+    for dtype in (torch.float32, torch.float64):
+        acc = RowSparseAccumulator()
+        for r, v in zip(rows, values):
+            acc.add(
+                torch.sparse_coo_tensor(
+                    [r], torch.tensor([v], dtype=dtype), (4, 1), check_invariants=True
+                )
+            )
+        total = acc.result().to_dense().squeeze(1)
+        plain = sum(
+            torch.sparse_coo_tensor(
+                [r], torch.tensor([v], dtype=dtype), (4, 1), check_invariants=True
+            ).to_dense()
+            for r, v in zip(rows, values)
+        ).squeeze(1)
+        torch.testing.assert_close(total, plain, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bitwise_identical_across_n_jobs_and_chunk_sizes(dtype):
+    results = []
+    for n_jobs, chunk_size in [(1, None), (2, None), (3, 2), (2, 1), (1, 4)]:
+        models = ensemble(n=7, dtype=dtype, seed=3)
+        x = torch.randn(16, DIM, dtype=dtype)
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=chunk_size)
+        (grad,) = torch.autograd.grad(y.sum(), tables(models))
+        results.append((y, grad))
+    for y, grad in results[1:]:
+        assert torch.equal(y, results[0][0])
+        assert torch.equal(grad._indices(), results[0][1]._indices())
+        assert torch.equal(grad._values(), results[0][1]._values())
+
+
+def test_a_model_using_the_whole_table_makes_the_sum_dense():
+    class Whole(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.table = table
+
+        def forward(self, x):
+            return x @ self.table[:K].T + self.table.sum() * 0.01
+
+    models = ensemble(n=3)
+    models.insert(1, Whole(models[0].table))
+    ref = copy.deepcopy(models)
+    for m in ref:
+        if isinstance(m, Sampled):
+            m.dense = True
+    x = torch.randn(8, DIM)
+    for n_jobs, chunk_size in [(1, None), (2, 1)]:
+        table = models[0].table
+        table.grad = None
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=chunk_size).sum().backward()
+        assert table.grad.layout == torch.strided
+    sum(m(x) for m in ref).sum().backward()
+    torch.testing.assert_close(models[0].table.grad, ref[0].table.grad)
+
+
+def test_table_passed_as_an_argument_gets_a_row_sparse_input_gradient():
+    table = torch.randn(ROWS, DIM, requires_grad=True)
+
+    class Picks(nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def forward(self, x, t):
+            return x * parsum.take_rows(t, self.rows).sum(0)
+
+    models = [Picks(torch.tensor([k, k + 1, 40])) for k in range(4)]
+    x = torch.randn(2, DIM)
+    y = parsum.sum_models(models, x, table, n_jobs=2)
+    (grad,) = torch.autograd.grad(y.sum(), table)
+    t_ref = table.detach().clone().requires_grad_()
+    (grad_ref,) = torch.autograd.grad(sum(x * t_ref[m.rows].sum(0) for m in models).sum(), t_ref)
+    assert_row_sparse_like(grad, grad_ref)
+    assert grad._indices().tolist() == [[0, 1, 2, 3, 4, 40]]
+
+
+def test_weights_scale_the_sparse_gradients():
+    models = ensemble(n=3)
+    ref = dense_copy(models)
+    x = torch.randn(8, DIM)
+    w = [0.5, -2.0, 3.0]
+    parsum.sum_models(models, x, weights=w).sum().backward()
+    sum(wi * m(x) for wi, m in zip(w, ref)).sum().backward()
+    assert_row_sparse_like(tables(models)[0].grad.coalesce(), tables(ref)[0].grad)
+
+
+def test_engines():
+    x = torch.randn(8, DIM)
+    models = ensemble(n=3)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sampled\) raised .*take_rows"):
+        parsum.sum_models(models, x, engine="vjp")
+    assert all(t.grad is None for t in tables(models))
+    # Identical models with tables of their own: "stacked" fails naming the group, "auto" runs
+    # them one by one and keeps the gradients sparse.
+    torch.manual_seed(0)
+    same = [Sampled(nn.Parameter(torch.randn(ROWS, DIM)), seed=1) for _ in range(8)]
+    with pytest.raises(parsum.ParsumError, match=r"stacked with models \[1, 2"):
+        parsum.sum_models(same, x, engine="stacked")
+    ref = dense_copy(same)
+    for _ in range(2):
+        for m in same:
+            m.table.grad = None
+        parsum.sum_models(same, x, engine="auto").sum().backward()
+    sum(m(x) for m in ref).sum().backward()
+    for m, r in zip(same, ref):
+        assert m.table.grad.layout == torch.sparse_coo
+        torch.testing.assert_close(m.table.grad.to_dense(), r.table.grad)
+
+
+def test_no_grad_call():
+    models = ensemble(n=3)
+    x = torch.randn(8, DIM)
+    with torch.no_grad():
+        y = parsum.sum_models(models, x, n_jobs=2)
+    torch.testing.assert_close(y, sum(m(x) for m in dense_copy(models)))
+
+
+# -- optimizers -------------------------------------------------------------------------------
+
+
+def train(models, opt_cls, steps=3, use_parsum=True, **kw):
+    params = list({id(p): p for m in models for p in m.parameters()}.values())
+    sparse = [t for t in tables(models)]
+    dense = [p for p in params if all(p is not t for t in sparse)]
+    opts = [opt_cls(sparse, **kw), torch.optim.SGD(dense, lr=0.05)]
+    torch.manual_seed(7)
+    for _ in range(steps):
+        x = torch.randn(8, DIM)
+        y = parsum.sum_models(models, x) if use_parsum else sum(m(x) for m in models)
+        (y**2).mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "opt_cls, kw",
+    [(torch.optim.SGD, dict(lr=0.1)), (torch.optim.SparseAdam, dict(lr=0.01))],
+    ids=["SGD", "SparseAdam"],
+)
+def test_optimizers_train_as_with_plain_sparse_pytorch(opt_cls, kw):
+    models = ensemble()
+    ref = copy.deepcopy(models)  # take_rows in both: plain PyTorch over the same sparse grads
+    train(models, opt_cls, **kw)
+    train(ref, opt_cls, use_parsum=False, **kw)
+    for p, q in zip(
+        tables(models) + [m.proj.weight for m in models], tables(ref) + [m.proj.weight for m in ref]
+    ):
+        torch.testing.assert_close(p, q)
+
+
+def test_sgd_leaves_untouched_rows_unchanged():
+    models = ensemble()
+    (table,) = tables(models)
+    before = table.detach().clone()
+    x = torch.randn(8, DIM)
+    touched = torch.unique(torch.cat([m.rows(torch.tanh(m.proj(x))).flatten() for m in models]))
+    opt = torch.optim.SGD([table], lr=0.5)
+    parsum.sum_models(models, x).sum().backward()
+    opt.step()
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[touched] = False
+    assert untouched.any() and touched.numel() > 0
+    assert torch.equal(table.detach()[untouched], before[untouched])
+    assert not torch.equal(table.detach()[touched], before[touched])
+
+
+# -- FlatGrad and StepInBackward --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compensated", [False, True])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_flatgrad_slot_takes_the_rows_in_place(compensated, n_jobs):
+    models = ensemble(shared=False)
+    ref = dense_copy(models)
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    x = torch.randn(8, DIM)
+    for _ in range(2):  # the second backward accumulates into the slots
+        parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()
+        sum(m(x) for m in ref).sum().backward()
+    for m, r in zip(models, ref):
+        assert m.table.grad.layout == torch.strided
+        assert m.table.grad.data_ptr() >= flat.flat.data_ptr()
+        torch.testing.assert_close(m.table.grad, r.table.grad)
+    flat.zero_()
+    for r in ref:
+        r.zero_grad()
+    parsum.sum_models(models, x).sum().backward()
+    sum(m(x) for m in ref).sum().backward()
+    for m, r in zip(models, ref):
+        torch.testing.assert_close(m.table.grad, r.table.grad)
+
+
+def test_flatgrad_shared_table_slot():
+    models = ensemble()
+    ref = dense_copy(models)
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(8, DIM)
+    parsum.sum_models(models, x, n_jobs=2).sum().backward()
+    sum(m(x) for m in ref).sum().backward()
+    (table,) = tables(models)
+    assert table.grad.layout == torch.strided and table.grad._base is flat.flat
+    torch.testing.assert_close(table.grad, tables(ref)[0].grad)
+
+
+@pytest.mark.parametrize(
+    "opt_cls, kw",
+    [(torch.optim.SGD, dict(lr=0.1)), (torch.optim.SparseAdam, dict(lr=0.01))],
+    ids=["SGD", "SparseAdam"],
+)
+def test_step_in_backward_with_tables_of_their_own(opt_cls, kw):
+    models = ensemble(shared=False)
+    for m in models:
+        m.proj.requires_grad_(False)  # SparseAdam takes sparse gradients only
+    ref = copy.deepcopy(models)
+    sib = parsum.StepInBackward(models, opt_cls, **kw)
+    opts = [opt_cls([m.table], **kw) for m in ref]
+    x = torch.randn(8, DIM)
+    before = [m.table.detach().clone() for m in models]
+    for _ in range(2):
+        parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2).sum().backward()
+        sum(m(x) for m in ref).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for m, r, b in zip(models, ref, before):
+        assert m.table.grad is None
+        torch.testing.assert_close(m.table, r.table)
+        assert not torch.equal(m.table.detach(), b)
+
+
+def test_compensated_flatgrad_keeps_small_sparse_additions():
+    table = nn.Parameter(torch.zeros(ROWS, 1))
+
+    class Row(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = table
+
+        def forward(self, c):
+            return parsum.take_rows(self.table, torch.tensor([7])) * c
+
+    flat = parsum.FlatGrad([table], compensated=True)
+    models = [Row()]
+    for c in [1.0] + [1e-8] * 100:  # micro-batches into one .grad
+        parsum.sum_models(models, torch.tensor(c)).sum().backward()
+    want = torch.tensor(math.fsum([1.0] + [1e-8] * 100), dtype=torch.float32)
+    assert table.grad[7, 0] == want != 1.0
+    assert table.grad._base is flat.flat and table.grad.count_nonzero() == 1
+
+
+@pytest.mark.parametrize("with_flat", [False, True])
+def test_failed_backward_changes_no_sparse_grad(with_flat):
+    class Raise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("boom in backward")
+
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(DIM, K)
+
+        def forward(self, x):
+            return Raise.apply(self.lin(x))
+
+    models = ensemble(n=4)
+    (table,) = tables(models)
+    models.insert(3, Fails())
+    flat = parsum.FlatGrad(models) if with_flat else None
+    x = torch.randn(8, DIM)
+    with pytest.raises(parsum.ParsumError, match=r"model 3 \(Fails\) raised ValueError"):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    if flat is None:
+        assert table.grad is None
+    else:
+        assert table.grad._base is flat.flat and table.grad.count_nonzero() == 0
