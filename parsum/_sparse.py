@@ -6,8 +6,9 @@
 # forward does not. ``take_rows`` returns the same values and gives ``weight`` a coalesced
 # sparse COO gradient instead (one sparse dim, the rows; the other dims dense, as
 # ``nn.Embedding(sparse=True)`` does): the touched rows sorted, each once. Its cost is a sort of
-# the index and one pass over the touched rows. Duplicate rows in one call are summed in the
-# wide dtype of NOTE [ Compensated summation ] (float64 for float32) and rounded once.
+# the index and one pass over the touched rows. Duplicate rows in one call are summed by
+# ``coalesce()`` in the gradient's dtype, as ``weight[index]``'s gradient sums them: a float64
+# accumulator measured 1.5x the cost of the whole coalesce (35 against 25 us for 64 rows of 512).
 #
 # Across models (a table several models sample from), ``RowSparseAccumulator`` keeps the
 # gradients as they come, in model order, and reduces them at the end over the union of their
@@ -94,20 +95,31 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             "carry a sparse gradient; index the weight directly (weight[index]) there, or, in "
             "sum_models, use engine='autograd' or 'auto'"
         )
-    flat = index.reshape(-1)
+    flat = index.reshape(-1).long()
+    if flat.device.type == "cpu":
+        try:  # index_select checks the bounds itself on the CPU; negatives land here too
+            rows = _TakeRows.apply(weight, flat)
+        except IndexError:
+            rows = _TakeRows.apply(weight, _in_range(flat, weight))
+    else:  # an index out of range would be a device-side assert: check first
+        rows = _TakeRows.apply(weight, _in_range(flat, weight))
+    return rows if index.dim() == 1 else rows.view(*index.shape, *weight.shape[1:])
+
+
+def _in_range(flat: Tensor, weight: Tensor) -> Tensor:
+    """``flat`` with negative row numbers counted from the end; a ParsumError if any is out of
+    range."""
     n_rows = weight.shape[0]
-    if flat.numel():
-        low, high = (int(v) for v in torch.aminmax(flat))
-        if low < -n_rows or high >= n_rows:
-            bad = low if low < -n_rows else high
-            raise ParsumError(
-                f"{_WHERE}: index holds row {bad}, outside [-{n_rows}, {n_rows}) for a weight "
-                f"of shape {tuple(weight.shape)}"
-            )
-        if low < 0:
-            flat = torch.where(flat < 0, flat + n_rows, flat)
-    rows = _TakeRows.apply(weight, flat.long())
-    return rows.view(*index.shape, *weight.shape[1:])
+    if not flat.numel():
+        return flat
+    low, high = (int(v) for v in torch.aminmax(flat))
+    if low < -n_rows or high >= n_rows:
+        bad = low if low < -n_rows else high
+        raise ParsumError(
+            f"{_WHERE}: index holds row {bad}, outside [-{n_rows}, {n_rows}) for a weight "
+            f"of shape {tuple(weight.shape)}"
+        )
+    return torch.where(flat < 0, flat + n_rows, flat) if low < 0 else flat
 
 
 class _TakeRows(torch.autograd.Function):
@@ -129,16 +141,9 @@ class _TakeRows(torch.autograd.Function):
 def row_sparse(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
     """The coalesced sparse tensor of ``shape`` whose row ``index[k]`` holds ``values[k]``,
     duplicate rows summed (NOTE [ Row-sparse gradients ])."""
-    rows, inverse = torch.unique(index, sorted=True, return_inverse=True)
-    if rows.numel() == index.numel():  # no duplicates: a permutation, no sum
-        summed = torch.empty_like(values).index_copy_(0, inverse, values)
-    else:
-        wide = WIDE.get(values.dtype, values.dtype)
-        summed = torch.zeros(
-            (rows.numel(), *values.shape[1:]), dtype=wide, device=values.device
-        ).index_add_(0, inverse, values.to(wide))
-        summed = summed.to(values.dtype)
-    return _coalesced(rows, summed, shape)
+    return torch.sparse_coo_tensor(
+        index.unsqueeze(0), values, shape, check_invariants=False
+    ).coalesce()
 
 
 def _coalesced(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
