@@ -10,8 +10,9 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -162,15 +163,18 @@ def vmap_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
     return step
 
 
+Key = TypeVar("Key", bound=Hashable)
+
+
 def interleaved(
-    methods: dict[str, Callable[[], None]], rounds: int, warmup: int = 3
-) -> dict[str, float]:
+    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3
+) -> dict[Key, float]:
     """Median seconds per call of each method, the methods run in turn, round by round, so
     that drift of the machine affects them alike."""
     for fn in methods.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    times: dict[Key, list[float]] = {name: [] for name in methods}
     for _ in range(rounds):
         for name, fn in methods.items():
             start = time.perf_counter()
