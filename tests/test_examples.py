@@ -1,0 +1,66 @@
+"""The examples and the sparse benchmark run end to end, in small sizes, and print their figures."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT / pathlib.Path(script).parent,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_slide_like():
+    pytest.importorskip("sklearn")
+    out = run(
+        "examples/slide_like.py",
+        "--hidden",
+        "2048",
+        "--active",
+        "16",
+        "--tables",
+        "2",
+        "--epochs",
+        "1",
+    )
+    lines = [line for line in out.splitlines() if "test accuracy" in line]
+    assert [line.split()[0] for line in lines] == ["sampled", "sampled", "dense"]
+    accuracies = [float(line.split("accuracy")[1].split()[0]) for line in lines]
+    assert all(0.1 < a <= 1.0 for a in accuracies)  # better than chance on 10 classes
+    assert "faster per epoch" in out
+
+
+def test_train_ensemble():
+    pytest.importorskip("sklearn")
+    pytest.importorskip("tqdm")
+    out = run("examples/train_ensemble.py", "--members", "2", "--epochs", "1")
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:4]}
+    assert rows["plain"] == rows["parsum"]  # the same accuracy from the same weights
+    assert "parsum speedup over the plain PyTorch loop" in out
+
+
+def test_bench_sparse(tmp_path):
+    out = run(
+        "benchmarks/bench_sparse.py",
+        "--rounds",
+        "2",
+        "--models",
+        "2",
+        "--max-log2",
+        "9",
+        "--json",
+        str(tmp_path / "out.json"),
+    )
+    assert "growth from 256 to 512 rows" in out
+    assert (tmp_path / "out.json").exists()
