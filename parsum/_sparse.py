@@ -12,9 +12,10 @@
 #
 # Across models (a table several models sample from), ``RowSparseAccumulator`` keeps the
 # gradients as they come, in model order, and reduces them at the end over the union of their
-# rows: a float64 accumulator for float32 and narrower, TwoSum with a compensation for float64,
-# the same rules as every other reduction; rows enter in the order of the parts, so the bits
-# depend only on the order of the models. Nothing of the table's size is allocated unless one
+# rows: a row that one part holds passes through as it is; the others are summed in a float64
+# accumulator for float32 and narrower, with TwoSum and a compensation for float64, the same
+# rules as every other reduction. A row's entries are added in the order of the parts, so the
+# bits depend only on the order of the models. Nothing of the table's size is allocated unless one
 # of the gradients is dense (a model that uses the whole table), which makes the sum dense.
 #
 # torch.func transforms (vmap, vjp, grad) cannot carry sparse gradients, so ``take_rows``
@@ -190,29 +191,40 @@ class RowSparseAccumulator:
                 dense.add(p if p.layout == torch.strided else p.to_dense())
             return dense.result()
         parts = [p if p.is_coalesced() else p.coalesce() for p in parts]
-        if len(parts) == 1:
-            return parts[0]
-        indices = [p._indices()[0] for p in parts]
-        rows = torch.unique(torch.cat(indices), sorted=True)
-        positions = [torch.searchsorted(rows, ix) for ix in indices]
         first = parts[0]
+        if len(parts) == 1:
+            return first
+        index = torch.cat([p._indices()[0] for p in parts])
+        rows, order = index.sort(stable=True)  # a row's entries stay in the order of the parts
+        values = torch.cat([p._values() for p in parts]).index_select(0, order)
+        if not bool((rows[1:] == rows[:-1]).any()):  # no row in two parts: nothing to add
+            return _coalesced(rows, values, first.shape)
+        rows, inverse, counts = torch.unique_consecutive(
+            rows, return_inverse=True, return_counts=True
+        )
         shape = (rows.numel(), *first.shape[1:])
         wide = WIDE.get(first.dtype)
-        if wide is not None:
+        if wide is not None:  # index_add_ adds in the order of the entries
             total = torch.zeros(shape, dtype=wide, device=first.device)
-            for pos, p in zip(positions, parts):
-                total.index_add_(0, pos, p._values().to(wide))
+            total.index_add_(0, inverse, values.to(wide))
             return _coalesced(rows, total.to(first.dtype), first.shape)
-        return _coalesced(rows, _two_sum_rows(shape, positions, parts), first.shape)
+        return _coalesced(rows, _two_sum_rows(shape, inverse, counts, values), first.shape)
 
 
-def _two_sum_rows(shape: tuple[int, ...], positions: list[Tensor], parts: list[Tensor]) -> Tensor:
-    """Neumaier's sum of the parts' rows into ``shape`` (NOTE [ Compensated summation ])."""
-    first = parts[0]
-    s = torch.zeros(shape, dtype=first.dtype, device=first.device)
+def _two_sum_rows(
+    shape: tuple[int, ...], inverse: Tensor, counts: Tensor, values: Tensor
+) -> Tensor:
+    """Neumaier's sum of ``values[k]`` into row ``inverse[k]`` of ``shape``, the entries of a
+    row in order (NOTE [ Compensated summation ]); ``inverse`` is sorted, ``counts`` gives
+    each row's number of entries."""
+    s = torch.zeros(shape, dtype=values.dtype, device=values.device)
     c = torch.zeros_like(s)
-    for pos, p in zip(positions, parts):
-        x = p._values()
+    # An entry's rank among its row's entries: one TwoSum per rank, each row at most once.
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(inverse.numel(), device=inverse.device) - starts[inverse]
+    for k in range(int(counts.max())):
+        at = (rank == k).nonzero().squeeze(1)
+        pos, x = inverse.index_select(0, at), values.index_select(0, at)
         old = s.index_select(0, pos)
         t = old + x
         z = t - old

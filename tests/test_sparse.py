@@ -226,6 +226,31 @@ def test_shared_table_reduction_is_compensated_float64():
     assert sum(g.to_dense() for g in grads)[2].item() == 0.0
 
 
+def test_row_sparse_reduction_of_disjoint_and_overlapping_rows():
+    shape = torch.Size([30, 2])
+    for dtype in (torch.float32, torch.float64):
+        for rows in ([[5, 1], [7], [0, 29]], [[5, 1], [7, 5], [1, 29, 5]]):
+            parts = [
+                torch.sparse_coo_tensor(
+                    [r], torch.randn(len(r), 2, dtype=dtype), shape, check_invariants=True
+                )
+                for r in rows
+            ]
+            acc = RowSparseAccumulator()
+            for p in parts:
+                acc.add(p)
+            total = acc.result()
+            want = sorted({row for r in rows for row in r})
+            assert total.is_coalesced() and total._indices().tolist() == [want]
+            dense = torch.stack([p.to_dense() for p in parts]).double()
+            exact = [[math.fsum(dense[:, i, j].tolist()) for j in range(2)] for i in range(30)]
+            exact = torch.tensor(exact, dtype=torch.float64).to(dtype)
+            if dtype == torch.float32:  # summed in float64 and rounded once
+                assert torch.equal(total.to_dense(), exact)
+            else:  # Neumaier: within an ulp of the exact sum
+                torch.testing.assert_close(total.to_dense(), exact, rtol=2**-52, atol=0)
+
+
 def test_row_sparse_reduction_propagates_inf_and_nan():
     values = [[math.inf], [1.0], [math.nan], [2.0]]
     rows = [[0], [0], [1], [3]]
