@@ -1,5 +1,6 @@
 """parsum: parallel, compensated and deterministic sums of PyTorch models."""
 
+from . import distributed
 from ._api import sum_models
 from ._config import config
 from ._errors import ParsumError
@@ -21,6 +22,8 @@ __all__ = [
     # lower level
     "ParallelSum",
     "compensated_sum",
+    # across processes
+    "distributed",
     # errors
     "ParsumError",
 ]

@@ -1,0 +1,167 @@
+"""sum_models across processes (torch.distributed): each rank sums its own models, and every rank
+gets the sum over all ranks.
+
+# NOTE [ Cross-rank sum ]
+# forward: each rank computes the sum of its own models with ``parsum.sum_models`` (its thread
+# pool, its compensated reduction). The ranks then exchange, with one small ``all_gather``,
+# whether that succeeded and a checksum of their output's structure, shapes and dtypes: a
+# failure or a mismatch on one rank becomes an error on every rank at once, instead of a hang
+# in the next collective. Then they all-gather their sums, and every rank adds them in rank
+# order in a compensated accumulator (float64 for float32; NOTE [ Compensated summation ]), so
+# every rank holds the same bits whatever the timing. Each rank's sum is rounded to its dtype
+# once before the exchange.
+# backward: every rank computes the same loss from the replicated result, so the gradient that
+# reaches it is the same on every rank; it goes on unchanged (not world_size times) to the
+# rank's own sum, whose backward gives each model's parameters their gradients as a
+# single-process run would. An input that every rank passed gets, on every rank, the sum over
+# all ranks' models: ``_SumGradsAcrossRanks``, an identity in forward, all-gathers the input
+# gradients in backward and adds them in rank order. A failure inside backward cannot be
+# announced (the failing rank leaves the backward), so the other ranks get their error from
+# the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from ._api import sum_models as _local_sum
+from ._errors import ParsumError
+from ._summation import CompensatedAccumulator
+
+_WHERE = "parsum.distributed.sum_models"
+
+
+def sum_models(
+    models: Sequence[Callable[..., Any]], *args: Any, group: Any = None, **kwargs: Any
+) -> Any:
+    """The sum of every rank's models, identical on every rank (``torch.distributed``).
+
+    Each rank passes its own models, for example ``all_models[rank::world_size]``, and the
+    same arguments; each computes its local sum with :func:`parsum.sum_models` on its own
+    threads, and the ranks add their sums in rank order, compensated, so the result has the
+    same bits on every rank. Launch with ``torchrun`` and call
+    ``torch.distributed.init_process_group`` first (gloo on CPU, NCCL for CUDA tensors).
+
+    Backward: when every rank computes the same loss from the result and calls backward,
+    every rank's input gradient equals the single-process input gradient (the sum over all
+    ranks' models), and each rank's parameters get the gradients a single-process run gives
+    them; nothing is multiplied by the world size.
+
+    Run under ``torchrun --nproc-per-node 2 script.py`` (``examples/distributed_ensemble.py``):
+
+    >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
+    >>> rank, size = dist.get_rank(), dist.get_world_size()  # doctest: +SKIP
+    >>> y = parsum.distributed.sum_models(all_models[rank::size], x)  # doctest: +SKIP
+    >>> y.pow(2).mean().backward()  # doctest: +SKIP
+
+    Args:
+        models: this rank's models, non-empty.
+        *args: passed to every model; the same on every rank.
+        group: the process group, or None for the default one.
+        **kwargs: ``weights`` (for this rank's models), ``n_jobs``, ``engine``,
+            ``chunk_size`` and ``step_in_backward`` as in :func:`parsum.sum_models`; any other
+            keyword goes to the models.
+
+    Returns:
+        The sum over all ranks' models, with the structure of one model's output.
+
+    Raises:
+        ParsumError: when torch.distributed is not initialized, when this rank's models fail
+            (naming the model), or when another rank's failed or returned another structure,
+            shape or dtype (naming the ranks).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParsumError(
+            f"{_WHERE}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (launch with torchrun)"
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = _status_device(group)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    wanted = [j for j, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad]
+    if wanted and torch.is_grad_enabled():
+        synced = _SumGradsAcrossRanks.apply(group, *[leaves[j] for j in wanted])
+        for j, t in zip(wanted, synced):
+            leaves[j] = t
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+    error: Exception | None = None
+    local_leaves: list[Tensor] = []
+    out_spec = None
+    try:
+        local = _local_sum(models, *args, **kwargs)
+        local_leaves, out_spec = pytree.tree_flatten(local)
+    except Exception as exc:  # announced to the other ranks before it is raised here
+        error = exc
+    signature = repr([(tuple(t.shape), str(t.dtype)) for t in local_leaves]) + repr(out_spec)
+    status = torch.tensor([int(error is not None), zlib.crc32(signature.encode())], device=device)
+    statuses = [torch.empty_like(status) for _ in range(world)]
+    dist.all_gather(statuses, status, group=group)
+    if error is not None:
+        raise error
+    failed = [r for r, s in enumerate(statuses) if int(s[0])]
+    if failed:
+        raise ParsumError(
+            f"{_WHERE}: rank(s) {failed} failed in forward (see their errors); rank {rank} "
+            "stops too"
+        )
+    differ = [r for r, s in enumerate(statuses) if int(s[1]) != int(status[1])]
+    if differ:
+        raise ParsumError(
+            f"{_WHERE}: rank(s) {differ} returned another output structure, shape or dtype than "
+            f"rank {rank} ({signature}); every rank's models must return the same"
+        )
+    assert out_spec is not None
+    total = _SumAcrossRanks.apply(group, *local_leaves)
+    return pytree.tree_unflatten(list(total), out_spec)
+
+
+def _status_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sum_in_rank_order(tensor: Tensor, group: Any) -> Tensor:
+    """Every rank's ``tensor`` added in rank order, compensated: the same bits on every rank."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    total = CompensatedAccumulator()
+    for t in gathered:
+        total.add(t)
+    return total.result()
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """forward: the sum over ranks of each leaf; backward: the gradient, unchanged, to this
+    rank's own sum (NOTE [ Cross-rank sum ])."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *leaves: Tensor) -> tuple[Tensor, ...]:
+        return tuple(_sum_in_rank_order(t.detach(), group) for t in leaves)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *grads)
+
+
+class _SumGradsAcrossRanks(torch.autograd.Function):
+    """forward: the inputs as they are; backward: each input's gradient summed over ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *(_sum_in_rank_order(g, ctx.group) for g in grads))

@@ -1,0 +1,165 @@
+"""parsum.distributed.sum_models with 2 gloo processes on 127.0.0.1, against a single-process
+sum_models over all the models: outputs, input gradients, parameter gradients, and failures."""
+
+import datetime
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import parsum
+from tests.test_errors import Boom, BoomBackward
+from tests.zoo import IN, OUT, clone_models, param_grads, zoo
+
+WORLD = 2
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, timeout_s: float = 30, backend: str = "gloo") -> None:
+    """Run ``scenario`` on WORLD spawned ranks; a failed assertion in any rank fails here."""
+    args = (scenario, free_port(), timeout_s, backend)
+    mp.spawn(_rank_main, args=args, nprocs=WORLD, join=True)
+
+
+def _rank_main(rank: int, scenario: str, port: int, timeout_s: float, backend: str) -> None:
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        SCENARIOS[scenario](rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _same_on_every_rank(t: torch.Tensor) -> None:
+    gathered = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(gathered, t.contiguous())
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks hold different bits"
+
+
+def _agrees_with_one_process(rank: int) -> None:
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    weights = [0.5 + 0.25 * i for i in range(len(models))]
+    torch.manual_seed(5)
+    x = torch.randn(9, IN, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    mine = models[rank::WORLD]
+    y = parsum.distributed.sum_models(mine, x, weights=weights[rank::WORLD])
+    (y**2).sum().backward()
+    y_ref = parsum.sum_models(ref, x_ref, weights=weights, n_jobs=1)
+    (y_ref**2).sum().backward()
+    plain = sum(w * m(x_ref.detach()) for w, m in zip(weights, clone_models(models)))
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(y, plain, **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)  # not WORLD times it
+    for got, want in zip(param_grads(mine), param_grads(ref[rank::WORLD])):
+        torch.testing.assert_close(got, want, **TOL)
+    _same_on_every_rank(y)
+    _same_on_every_rank(x.grad)
+    # A pytree output and no input gradient: every rank still agrees.
+    with torch.no_grad():
+        pair = parsum.distributed.sum_models([lambda t: {"a": t, "b": 2 * t}] * (rank + 1), x)
+    torch.testing.assert_close(pair["b"], 2 * pair["a"])
+    torch.testing.assert_close(pair["a"], 3 * x.detach())
+
+
+def _forward_failure(rank: int) -> None:
+    mine = [nn.Linear(IN, OUT)] + ([Boom()] if rank == 1 else [])
+    x = torch.randn(4, IN)
+    if rank == 1:
+        with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\) raised ValueError"):
+            parsum.distributed.sum_models(mine, x)
+    else:
+        with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in forward"):
+            parsum.distributed.sum_models(mine, x)
+    assert all(p.grad is None for p in mine[0].parameters())
+    # The ranks are still in step: the next call works.
+    y = parsum.distributed.sum_models(mine[:1], x)
+    _same_on_every_rank(y)
+
+
+def _mismatch(rank: int) -> None:
+    mine = [nn.Linear(IN, OUT + rank)]
+    with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
+        parsum.distributed.sum_models(mine, torch.randn(4, IN))
+
+
+def _backward_failure(rank: int) -> None:
+    mine = [nn.Linear(IN, OUT)] + ([BoomBackward()] if rank == 1 else [])
+    x = torch.randn(4, IN, requires_grad=True)
+    y = parsum.distributed.sum_models(mine, x)
+    start = time.monotonic()
+    if rank == 1:
+        with pytest.raises(parsum.ParsumError, match=r"model 1 \(BoomBackward\) raised"):
+            y.sum().backward()
+    else:  # waits for rank 1's input gradient: an error by the timeout, not a hang
+        with pytest.raises(RuntimeError):
+            y.sum().backward()
+        assert time.monotonic() - start < 30
+
+
+def _nccl(rank: int) -> None:
+    models = [m.cuda() for m in zoo()]
+    x = torch.randn(9, IN, device="cuda", requires_grad=True)
+    dist.broadcast(x.data, 0)
+    y = parsum.distributed.sum_models(models[rank::WORLD], x)
+    y.sum().backward()
+    y_ref = sum(m(x.detach()) for m in models)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    _same_on_every_rank(y)
+
+
+SCENARIOS = {
+    "agree": _agrees_with_one_process,
+    "forward_failure": _forward_failure,
+    "mismatch": _mismatch,
+    "backward_failure": _backward_failure,
+    "nccl": _nccl,
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario", ["agree", "forward_failure", "mismatch"])
+def test_two_processes(scenario):
+    launch(scenario)
+
+
+@pytest.mark.timeout(120)
+def test_backward_failure_ends_every_rank_within_the_timeout():
+    launch("backward_failure", timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    not (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= WORLD
+        and dist.is_nccl_available()
+    ),
+    reason="NCCL needs two CUDA devices",
+)
+def test_nccl_on_two_gpus():
+    launch("nccl", backend="nccl")
+
+
+def test_needs_an_initialized_process_group():
+    with pytest.raises(parsum.ParsumError, match=r"torch.distributed is not initialized"):
+        parsum.distributed.sum_models([nn.Linear(IN, OUT)], torch.randn(2, IN))
