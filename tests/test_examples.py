@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.test_distributed import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -64,3 +66,36 @@ def test_bench_sparse(tmp_path):
     )
     assert "growth from 256 to 512 rows" in out
     assert (tmp_path / "out.json").exists()
+
+
+def test_distributed_ensemble_under_torchrun():
+    pytest.importorskip("sklearn")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(ROOT / "examples/distributed_ensemble.py"),
+            "--members",
+            "4",
+            "--epochs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT / "examples",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "2 processes, 4 members (2 on rank 0): test accuracy" in done.stdout
+
+
+def test_bench_distributed():
+    out = run(
+        "benchmarks/bench_distributed.py", "--rounds", "2", "--workloads", "heterogeneous-tiny"
+    )
+    assert "64 MLPs" in out and "dist-2" in out
