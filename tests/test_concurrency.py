@@ -246,3 +246,18 @@ def test_model_outputs_are_not_kept_until_backward():
     assert len(outputs) == 6 and all(r() is None for r in outputs)
     y.sum().backward()
     assert x.grad is not None
+
+
+def test_helpers_stop_at_exit_and_start_again():
+    # _Pool.stop runs at interpreter exit (atexit): helpers must end, and a later call works.
+    models = zoo()
+    x = torch.randn(5, IN)
+    want = parsum.sum_models(models, x, n_jobs=1)
+    parsum.sum_models(models, x, n_jobs=2)
+    helpers = [t for t in threading.enumerate() if t.name.startswith("parsum-worker")]
+    assert helpers and _pool.pool_size() >= 1
+    _pool._pool.stop()
+    assert _pool.pool_size() == 0
+    assert not any(t.is_alive() for t in helpers)
+    torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), want, rtol=0, atol=0)
+    assert _pool.pool_size() >= 1
