@@ -80,7 +80,7 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             f"{_WHERE}: weight is {what}; expected a dense tensor of at least one dimension"
         )
     if not isinstance(index, Tensor) or index.dtype not in (torch.int64, torch.int32):
-        what = f"dtype {index.dtype}" if isinstance(index, Tensor) else type(index).__name__
+        what = f"{index.dtype} tensor" if isinstance(index, Tensor) else type(index).__name__
         raise ParsumError(
             f"{_WHERE}: index is a {what}; expected an int64 or int32 tensor of row numbers "
             "(for a boolean mask, take mask.nonzero().squeeze(1))"
