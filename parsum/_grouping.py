@@ -21,7 +21,9 @@ whether threads pay.
 # cores, forward + backward): 64 MLPs of widths 16-48 at batch 32 (about 50K parameter-rows
 # each) were slower on 2 threads than on 1, as was the hand-split ceiling; 16 MLPs of widths
 # 128-512 at batch 64 (1M-38M each) were 1.2x faster on 2. So with n_jobs left at its default,
-# engine="auto" stays in the calling thread below AUTO_THREADS_MIN_PARAM_ROWS per model.
+# engine="auto" stays in the calling thread below AUTO_THREADS_MIN_PARAM_ROWS per model. A table
+# read through ``take_rows`` counts the elements its last call gathered, not its size: a model
+# that samples 64 rows of a 65536-row table does the work of 64 rows.
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units and ``chunk_size`` alone, never on ``n_jobs``,
@@ -37,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ._engines import VMAP_FAILED, ModelParams, Unit
+from ._sparse import sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
 # AUTO_STACK_MAX_PARAM_ROWS parameter-rows each (NOTE [ Stacked groups ]).
@@ -118,7 +121,11 @@ def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
 
 
 def _param_rows(mp: ModelParams, rows: int) -> int:
-    return sum(p.numel() for p in mp.tensors) * rows
+    total = 0
+    for p in mp.tensors:
+        gathered = sampled_elements(p)  # a table read by take_rows: its rows touched count
+        total += p.numel() * rows if gathered is None else gathered
+    return total
 
 
 def _stackable(

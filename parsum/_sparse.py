@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -33,6 +35,31 @@ from ._errors import ParsumError
 from ._summation import WIDE, CompensatedAccumulator
 
 _WHERE = "take_rows"
+
+# id(weight) -> (weight, elements its last take_rows gathered): what a step costs for a table,
+# which counts its rows touched, not its size, in sum_models' cost estimates.
+_sampled: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+
+
+def sampled_elements(p: Tensor) -> int | None:
+    """Elements the last ``take_rows`` call on ``p`` gathered, or None if it never ran."""
+    entry = _sampled.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def _note_sampled(weight: Tensor, elements: int) -> None:
+    entry = _sampled.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        if entry[1] != elements:
+            _sampled[id(weight)] = (entry[0], elements)
+        return
+    key = id(weight)
+
+    def forget(ref: weakref.ref[Tensor]) -> None:
+        if _sampled.get(key, (None,))[0] is ref:
+            del _sampled[key]
+
+    _sampled[key] = (weakref.ref(weight, forget), elements)
 
 
 def take_rows(weight: Tensor, index: Tensor) -> Tensor:
@@ -97,6 +124,7 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             "sum_models, use engine='autograd' or 'auto'"
         )
     flat = index.reshape(-1).long()
+    _note_sampled(weight, flat.numel() * (weight.numel() // max(weight.shape[0], 1)))
     if flat.device.type == "cpu":
         try:  # index_select checks the bounds itself on the CPU; negatives land here too
             rows = _TakeRows.apply(weight, flat)

@@ -3,6 +3,7 @@ across models in sum_models, with optimizers, FlatGrad and StepInBackward."""
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -543,3 +544,27 @@ def test_failed_backward_changes_no_sparse_grad(with_flat):
         assert table.grad is None
     else:
         assert table.grad._base is flat.flat and table.grad.count_nonzero() == 0
+
+
+def test_a_sampled_table_counts_its_rows_touched_in_the_thread_decision():
+    # A large table read through take_rows is a small model's work: with n_jobs left to parsum,
+    # auto keeps such models in the calling thread (NOTE [ Threads that pay ]).
+    from parsum._engines import ModelParams
+    from parsum._grouping import threads_pay
+    from parsum._sparse import sampled_elements
+
+    torch.manual_seed(0)
+    big = nn.Parameter(torch.randn(200_000, DIM))
+    models = [Sampled(big, k) for k in range(4)]
+    x = torch.randn(8, DIM)
+    params = [ModelParams.of(m) for m in models]
+    assert sampled_elements(big) is None
+    assert threads_pay(params, x.shape[0])  # 800K elements per model, times the batch
+    parsum.sum_models(models, x)
+    assert sampled_elements(big) == 8 * K * DIM
+    assert not threads_pay(params, x.shape[0])
+    seen = []
+    for m in models:
+        m.register_forward_hook(lambda *_: seen.append(threading.current_thread()))
+    parsum.sum_models(models, x, chunk_size=1)
+    assert seen == [threading.current_thread()] * len(models)
