@@ -37,6 +37,7 @@ from ._errors import ParsumError
 from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
+_PARSUM_KEYWORDS = ("weights", "n_jobs", "engine", "chunk_size", "step_in_backward")
 
 
 def sum_models(
@@ -85,6 +86,9 @@ def sum_models(
         )
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _status_device(group)
+    # The models' arguments are the same on every rank; parsum's own keywords (weights for this
+    # rank's models) are the rank's alone.
+    own = {k: kwargs.pop(k) for k in _PARSUM_KEYWORDS if k in kwargs}
     leaves, spec = pytree.tree_flatten((args, kwargs))
     wanted = [j for j, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad]
     if wanted and torch.is_grad_enabled():
@@ -92,6 +96,7 @@ def sum_models(
         for j, t in zip(wanted, synced):
             leaves[j] = t
         args, kwargs = pytree.tree_unflatten(leaves, spec)
+    kwargs = {**kwargs, **own}
     error: Exception | None = None
     local_leaves: list[Tensor] = []
     out_spec = None

@@ -74,6 +74,14 @@ def _agrees_with_one_process(rank: int) -> None:
         torch.testing.assert_close(got, want, **TOL)
     _same_on_every_rank(y)
     _same_on_every_rank(x.grad)
+    # Weights as a tensor with its own gradient: each rank's for its own models.
+    w_all = torch.tensor(weights, dtype=torch.float64, requires_grad=True)
+    w_mine = w_all.detach()[rank::WORLD].clone().requires_grad_()
+    x.grad = None
+    (parsum.distributed.sum_models(mine, x, weights=w_mine) ** 2).sum().backward()
+    (parsum.sum_models(ref, x_ref.detach(), weights=w_all) ** 2).sum().backward()
+    torch.testing.assert_close(w_mine.grad, w_all.grad[rank::WORLD], **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
     # A pytree output and no input gradient: every rank still agrees.
     with torch.no_grad():
         pair = parsum.distributed.sum_models([lambda t: {"a": t, "b": 2 * t}] * (rank + 1), x)
