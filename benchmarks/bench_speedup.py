@@ -104,11 +104,16 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
         ax.set_xlabel("workers")
         ax.set_xticks(jobs)
     axes[0].set_ylabel("speedup over plain loop, 1 thread")
-    axes[-1].legend(fontsize=7)
+    # One legend for the figure, with every method any panel drew (vmap only where it ran).
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
     fig.suptitle(
         f"parsum, forward + backward, {cores} cores, torch {torch.__version__}", fontsize=9
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -119,7 +124,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default="speedup.json")
     parser.add_argument("--png", default="speedup.png")
+    parser.add_argument("--replot", metavar="JSON", help="only draw --png from saved results")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        seconds = saved["results"][0]["seconds"]
+        jobs = sorted(
+            int(k.split()[1]) for k in seconds if k.split()[-1].isdigit() and "parsum" in k
+        )
+        plot(saved["results"], jobs, args.png, saved["cores"])
+        print(f"wrote {args.png}")
+        return
     jobs = [int(j) for j in args.jobs.split(",")]
     cases = [c for c in CASES if args.workloads == "all" or c[0] in args.workloads.split(",")]
     cores = parsum._config.usable_cores()

@@ -99,3 +99,12 @@ def test_bench_distributed():
         "benchmarks/bench_distributed.py", "--rounds", "2", "--workloads", "heterogeneous-tiny"
     )
     assert "64 MLPs" in out and "dist-2" in out
+
+
+def test_bench_speedup_replots_saved_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    saved = ROOT / "benchmarks/results/speedup-2cores.json"
+    out = run(
+        "benchmarks/bench_speedup.py", "--replot", str(saved), "--png", str(tmp_path / "p.png")
+    )
+    assert "wrote" in out and (tmp_path / "p.png").stat().st_size > 0
