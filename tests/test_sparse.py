@@ -11,6 +11,7 @@ from torch import nn
 
 import parsum
 from parsum._sparse import RowSparseAccumulator, row_sparse
+from tests.test_errors import _FailingBackward
 
 ROWS, DIM, K = 50, 4, 3
 
@@ -516,22 +517,13 @@ def test_compensated_flatgrad_keeps_small_sparse_additions():
 
 @pytest.mark.parametrize("with_flat", [False, True])
 def test_failed_backward_changes_no_sparse_grad(with_flat):
-    class Raise(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise ValueError("boom in backward")
-
     class Fails(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(DIM, K)
 
         def forward(self, x):
-            return Raise.apply(self.lin(x))
+            return _FailingBackward.apply(self.lin(x))
 
     models = ensemble(n=4)
     (table,) = tables(models)
