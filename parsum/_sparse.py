@@ -224,18 +224,24 @@ class RowSparseAccumulator:
             return first
         index = torch.cat([p._indices()[0] for p in parts])
         rows, order = index.sort(stable=True)  # a row's entries stay in the order of the parts
-        values = torch.cat([p._values() for p in parts]).index_select(0, order)
         if not bool((rows[1:] == rows[:-1]).any()):  # no row in two parts: nothing to add
+            values = torch.cat([p._values() for p in parts]).index_select(0, order)
             return _coalesced(rows, values, first.shape)
+        wide = WIDE.get(first.dtype)
+        if wide is not None:
+            # Part after part into the wide rows, so each row's terms are added in part order;
+            # cheaper than index_add_ of the sorted entries, which copies every value twice.
+            rows = torch.unique_consecutive(rows)
+            total = torch.zeros((rows.numel(), *first.shape[1:]), dtype=wide, device=rows.device)
+            for p in parts:
+                where = torch.searchsorted(rows, p._indices()[0])
+                total.index_add_(0, where, p._values().to(wide))
+            return _coalesced(rows, total.to(first.dtype), first.shape)
         rows, inverse, counts = torch.unique_consecutive(
             rows, return_inverse=True, return_counts=True
         )
         shape = (rows.numel(), *first.shape[1:])
-        wide = WIDE.get(first.dtype)
-        if wide is not None:  # index_add_ adds in the order of the entries
-            total = torch.zeros(shape, dtype=wide, device=first.device)
-            total.index_add_(0, inverse, values.to(wide))
-            return _coalesced(rows, total.to(first.dtype), first.shape)
+        values = torch.cat([p._values() for p in parts]).index_select(0, order)
         return _coalesced(rows, _two_sum_rows(shape, inverse, counts, values), first.shape)
 
 
