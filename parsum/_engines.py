@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
 from ._sparse import GradSum, add_grad
@@ -35,22 +36,42 @@ from ._sparse import GradSum, add_grad
 # failing again on every call (a model vmap cannot run once rarely runs later).
 VMAP_FAILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+# The engine call under torch.autograd.grad (private; autograd.grad itself where it is gone).
+_run_engine: Callable[..., tuple[Tensor | None, ...]] | None = getattr(
+    torch.autograd.graph, "_engine_run_backward", None
+)
+
 # A pullback takes the output leaves' cotangents and whether to keep its graph for another
 # call, and gives (argument grads, parameter grads).
 Pullback = Callable[[Sequence[Tensor], bool], tuple[list[Tensor | None], list[Tensor | None]]]
 
 
+# Argument types that are pytree leaves: a call made of these alone needs no pytree walk.
+_PLAIN_LEAVES = (Tensor, int, float, bool, str, type(None))
+
+
 @dataclass
 class CallArgs:
-    """The positional and keyword arguments of a call, flattened to leaves."""
+    """The positional and keyword arguments of a call, flattened to leaves.
+
+    ``spec`` is None for a flat call (every argument a tensor or a scalar), the usual case:
+    ``leaves`` are then the positional arguments followed by the keyword values, and building
+    the arguments for each model needs no pytree walk.
+    """
 
     leaves: list[Any]
-    spec: pytree.TreeSpec
+    spec: pytree.TreeSpec | None
     tensor_positions: list[int]
     grad_positions: list[int] = field(default_factory=list)
+    n_args: int = 0
+    keywords: tuple[str, ...] = ()
 
     @classmethod
     def flatten(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallArgs:
+        leaves: list[Any] = [*args, *kwargs.values()]
+        if all(isinstance(leaf, _PLAIN_LEAVES) for leaf in leaves):
+            positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+            return cls(leaves, None, positions, n_args=len(args), keywords=tuple(kwargs))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         return cls(leaves, spec, positions)
@@ -61,12 +82,17 @@ class CallArgs:
         for j, t in zip(self.tensor_positions, tensors):
             leaves[j] = t
         grads = [j for j, need in zip(self.tensor_positions, grad_mask) if need]
-        return CallArgs(leaves, self.spec, self.tensor_positions, grads)
+        return CallArgs(leaves, self.spec, self.tensor_positions, grads, self.n_args, self.keywords)
 
     def build(self, replaced: dict[int, Tensor] | None = None) -> tuple[tuple[Any, ...], dict]:
         leaves = self.leaves
         if replaced:
-            leaves = [replaced.get(j, leaf) for j, leaf in enumerate(leaves)]
+            leaves = list(leaves)
+            for j, t in replaced.items():
+                leaves[j] = t
+        if self.spec is None:
+            n = self.n_args
+            return tuple(leaves[:n]), dict(zip(self.keywords, leaves[n:]))
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return tuple(args), kwargs
 
@@ -133,6 +159,33 @@ class ModelParams:
         return info
 
 
+def pull_back(
+    outputs: Sequence[GradientEdge],
+    inputs: Sequence[Tensor],
+    cotangents: Sequence[Tensor],
+    retain_graph: bool,
+) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)``.
+
+    The cotangents are the sum's own gradients, whose shapes and dtypes match the outputs, so
+    the checks and conversions of ``autograd.grad``'s Python wrapper (about 10 us a call here,
+    a tenth of a tiny model's pullback) are skipped where the engine can be called directly.
+    """
+    if _run_engine is None or has_torch_function([*cotangents, *inputs]):
+        return torch.autograd.grad(
+            outputs, inputs, cotangents, retain_graph=retain_graph, allow_unused=True
+        )
+    return _run_engine(
+        tuple(outputs),
+        tuple(cotangents),
+        retain_graph,
+        False,
+        tuple(inputs),
+        True,
+        accumulate_grad=False,
+    )
+
+
 def plain_forward(model: Callable[..., Any], call: CallArgs) -> Any:
     """Run the model with no graph (no grad, inference mode, or nothing to differentiate)."""
     args, kwargs = call.build()
@@ -152,7 +205,7 @@ def autograd_forward(
     # that grows with M.
     roots = [
         get_gradient_edge(o) if isinstance(o, Tensor) and o.requires_grad else None
-        for o in pytree.tree_leaves(out)
+        for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
     ]
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
@@ -164,7 +217,7 @@ def autograd_forward(
         if not pairs or not wrt:
             return [None] * n_args, [None] * len(params.tensors)
         outs, cots = zip(*pairs)
-        grads = torch.autograd.grad(outs, wrt, cots, retain_graph=retain_graph, allow_unused=True)
+        grads = pull_back(outs, wrt, cots, retain_graph)
         return list(grads[:n_args]), list(grads[n_args:])
 
     return out, pullback
@@ -367,7 +420,7 @@ def stacked_forward(
         if not pairs or not wrt:
             return [None] * n_args, [[None] * len(mp.tensors) for mp in params]
         outs, cots = zip(*pairs)
-        grads = torch.autograd.grad(outs, wrt, cots, retain_graph=retain_graph, allow_unused=True)
+        grads = pull_back(outs, wrt, cots, retain_graph)
         by_name: list[Sequence[Tensor | None]] = [
             [None] * n if g is None else g.unbind(0) for g in grads[n_args:]
         ]

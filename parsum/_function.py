@@ -109,7 +109,12 @@ class SumPlan:
         return None if self.weights is None else self.weights[i]
 
 
+_LEAF = pytree.tree_structure(torch.empty(0))
+
+
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
+    if isinstance(out, Tensor):  # the usual output: no pytree walk
+        return [out], (_LEAF, ((out.shape, out.dtype, out.device),))
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
         raise ParsumError(
