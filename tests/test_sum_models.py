@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import parsum
+from parsum import _engines as engines
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
 ENGINES = ["autograd", "vjp", "auto"]
@@ -408,3 +409,56 @@ def test_tensor_hooks_run_once_on_the_whole_gradient(engine):
     plain_sum(ref, x).pow(2).sum().backward()
     assert calls == {"parsum": 1, "plain": 1}
     assert_same_grads(models, ref)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(IN, OUT)
+
+    def forward(self, x, *, scale, power=1):
+        return self.a(x) * scale**power
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_flat_call_with_keyword_tensors_and_scalars(n_jobs):
+    # A call of tensors and scalars only takes the path without pytree walks.
+    torch.manual_seed(0)
+    models = [Scaled().double() for _ in range(3)]
+    ref_models = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    x_ref, s_ref = (t.detach().clone().requires_grad_() for t in (x, s))
+    y = parsum.sum_models(models, x, scale=s, power=2, n_jobs=n_jobs)
+    y_ref = sum(m(x_ref, scale=s_ref, power=2) for m in ref_models)
+    (y**2).sum().backward()
+    (y_ref**2).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(s.grad, s_ref.grad)
+    assert_same_grads(models, ref_models)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: its __torch_function__ sends pullbacks through autograd.grad."""
+
+
+@pytest.mark.parametrize("how", ["engine", "autograd.grad", "subclass input"])
+def test_pullbacks_give_the_same_bits_through_either_entry_point(monkeypatch, how):
+    torch.manual_seed(0)
+    models = zoo(torch.float32)
+    x = torch.randn(5, IN)
+
+    def grads(ms, inp):
+        inp = inp.detach().clone().requires_grad_()
+        parsum.sum_models(ms, inp, n_jobs=2, engine="autograd").pow(2).sum().backward()
+        return [inp.grad, *param_grads(ms)]
+
+    want = grads(clone_models(models), x)
+    if how == "autograd.grad":
+        monkeypatch.setattr(engines, "_run_engine", None)
+    got = grads(models, x.as_subclass(Tagged) if how == "subclass input" else x)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert torch.equal(g.as_subclass(torch.Tensor), w)
