@@ -231,11 +231,15 @@ class RowSparseAccumulator:
         if wide is not None:
             # Part after part into the wide rows, so each row's terms are added in part order;
             # cheaper than index_add_ of the sorted entries, which copies every value twice.
-            rows = torch.unique_consecutive(rows)
+            rows, inverse = torch.unique_consecutive(rows, return_inverse=True)
+            where = torch.empty_like(inverse).index_copy_(0, order, inverse)  # entry -> row
             total = torch.zeros((rows.numel(), *first.shape[1:]), dtype=wide, device=rows.device)
+            start = 0
             for p in parts:
-                where = torch.searchsorted(rows, p._indices()[0])
-                total.index_add_(0, where, p._values().to(wide))
+                values = p._values()
+                stop = start + values.shape[0]
+                total.index_add_(0, where[start:stop], values.to(wide))
+                start = stop
             return _coalesced(rows, total.to(first.dtype), first.shape)
         rows, inverse, counts = torch.unique_consecutive(
             rows, return_inverse=True, return_counts=True
