@@ -80,7 +80,15 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 64
         desc = f"8 small CNNs on 28x28 images, 8-24 channels, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 1, 28, 28))
-    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    if name == "mixed-sizes":
+        # Many small members and a few large ones, built in that order: chunks of equal model
+        # counts put the large ones together at the end.
+        models = [mlp(64, (32, 64)[i % 2], 1 + i % 2, 10) for i in range(24)]
+        models += [mlp(64, (512, 768)[i % 2], 2, 10) for i in range(8)]
+        b = batch or 128
+        desc = f"24 MLPs of widths 32-64 then 8 of widths 512-768, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
+    raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, 'mixed-sizes')}")
 
 
 WORKLOADS = (

@@ -10,12 +10,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from . import _config, _pool
+from . import _config
 from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
-from ._grouping import chunk_units, plan_units, threads_pay
+from ._grouping import chunk_units, cost_chunks, estimated_cost, plan_units, threads_pay
 
 _WHERE = "sum_models"
 
@@ -65,8 +65,9 @@ def sum_models(
             ``"auto"`` (``parsum.config``'s engine if set, else: groups of 8 or more small
             identical models stacked, the rest by autograd; with ``n_jobs`` left unset, small
             models run in the calling thread, where threads do not pay).
-        chunk_size: models per task; it alone decides the order of additions. Default: the
-            models split into at most 16 chunks.
+        chunk_size: models per task; with the models' shapes and the batch rows it decides
+            the order of additions, never ``n_jobs``. Default: at most 16 chunks of about
+            equal estimated cost (parameters times batch rows, plus a per-model overhead).
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and
             its gradients are dropped instead of stored (``.grad`` stays None).
@@ -97,7 +98,10 @@ def sum_models(
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     rows = _rows(tensors)
     units = plan_units(models, model_params, engine, rows, chunk_size)
-    chunks = chunk_units(units, chunk_size or _pool.default_chunk_size(len(models)))
+    if chunk_size:
+        chunks = chunk_units(units, chunk_size)
+    else:  # NOTE [ Chunks ] in _grouping
+        chunks = cost_chunks(units, [estimated_cost(mp, rows) for mp in model_params])
     # NOTE [ Threads that pay ] in _grouping.
     if (
         engine == "auto"

@@ -108,3 +108,10 @@ def test_bench_speedup_replots_saved_results(tmp_path):
         "benchmarks/bench_speedup.py", "--replot", str(saved), "--png", str(tmp_path / "p.png")
     )
     assert "wrote" in out and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bench_chunks(tmp_path):
+    args = ["--rounds", "1", "--jobs", "1,2", "--workloads", "mixed-sizes"]
+    out = run("benchmarks/bench_chunks.py", *args, "--json", str(tmp_path / "chunks.json"))
+    assert "costliest chunk / (total / 16), estimated: cost chunks" in out
+    assert (tmp_path / "chunks.json").exists()

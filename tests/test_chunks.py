@@ -1,0 +1,101 @@
+"""Default chunks: about equal estimated cost, from shapes alone, never from n_jobs."""
+
+import random
+
+import pytest
+import torch
+
+import parsum
+from parsum import _api, _grouping
+from parsum._engines import ModelParams, Unit
+from parsum._grouping import MAX_CHUNKS, cost_chunks, estimated_cost
+from tests.zoo import IN, mlp, param_grads
+
+
+def units_of(n):
+    return [Unit((i,), "autograd") for i in range(n)]
+
+
+def chunk_costs(chunks, costs):
+    return [sum(costs[u] for u in chunk) for chunk in chunks]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunks_cover_the_units_in_order_and_are_balanced(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 80)
+    costs = [rng.choice([1, 10, 1000]) * rng.randint(1, 9) for _ in range(n)]
+    chunks = cost_chunks(units_of(n), costs)
+    assert [u for chunk in chunks for u in chunk] == list(range(n))
+    assert all(len(chunk) > 0 for chunk in chunks)
+    assert len(chunks) <= min(MAX_CHUNKS, n)
+    # A chunk holds the units whose midpoints fall in its share: at most a share and a unit.
+    share = sum(costs) / min(MAX_CHUNKS, n)
+    assert max(chunk_costs(chunks, costs)) <= share + max(costs)
+
+
+def test_a_costly_model_gets_a_chunk_of_its_own_and_cheap_ones_share():
+    costs = [1] * 24 + [10] * 8  # 32 models: by count, 16 chunks of 2 would hold up to 20
+    chunks = cost_chunks(units_of(32), costs)
+    assert max(chunk_costs(chunks, costs)) == 10
+    assert all(len(chunk) == 1 for chunk in chunks if chunk.start >= 24)
+    assert len(chunks) <= MAX_CHUNKS
+
+
+def test_a_stacked_group_counts_its_models_costs():
+    units = [Unit((0, 1, 2, 3), "stacked"), *(Unit((i,), "autograd") for i in (4, 5, 6))]
+    chunks = cost_chunks(units, [5] * 7)  # the group costs 20 of 35: a chunk alone
+    assert chunks == [range(0, 1), range(1, 2), range(2, 4)]
+
+
+def test_cost_is_parameters_times_rows_plus_overhead_and_ignores_sampling():
+    model = mlp([8])
+    n_elements = sum(p.numel() for p in model.parameters())
+    assert estimated_cost(ModelParams.of(model), 5) == (
+        _grouping.MODEL_OVERHEAD_PARAM_ROWS + 5 * n_elements
+    )
+    # A take_rows table counts one row per batch row, whatever its last call gathered, so the
+    # chunks never depend on the data.
+    table = torch.nn.Parameter(torch.randn(1000, 4))
+    holder = torch.nn.Module()
+    holder.table = table
+    costs = []
+    for n_rows in (3, 300):
+        parsum.take_rows(table, torch.arange(n_rows))
+        costs.append(estimated_cost(ModelParams.of(holder), 7))
+    assert costs[0] == costs[1] == _grouping.MODEL_OVERHEAD_PARAM_ROWS + 7 * 4
+
+
+def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkeypatch):
+    seen = []
+
+    def spy(units, model_costs):
+        chunks = cost_chunks(units, model_costs)
+        seen.append(chunks)
+        return chunks
+
+    monkeypatch.setattr(_api, "cost_chunks", spy)
+    monkeypatch.setattr(_grouping, "MODEL_OVERHEAD_PARAM_ROWS", 0)
+    models = [mlp([4]) for _ in range(20)] + [mlp([400, 400]) for _ in range(2)]
+    x = torch.randn(3, IN)
+    parsum.sum_models(models, x, engine="autograd", n_jobs=1)
+    assert seen[-1][-2:] == [range(20, 21), range(21, 22)]  # the large ones alone
+    assert len(seen[-1]) < MAX_CHUNKS  # the small ones share few chunks
+    parsum.sum_models(models, x, engine="autograd", n_jobs=1, chunk_size=2)
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("engine", ["autograd", "auto"])
+def test_uneven_chunks_are_bitwise_identical_for_any_n_jobs(monkeypatch, engine):
+    monkeypatch.setattr(_grouping, "MODEL_OVERHEAD_PARAM_ROWS", 0)
+    results = []
+    for n_jobs in (1, 2, 3):
+        torch.manual_seed(1)
+        models = [mlp([3 + i % 5]) for i in range(20)] + [mlp([64, 64]) for _ in range(3)]
+        x = torch.randn(6, IN, requires_grad=True)
+        y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
+        (y.sin() * 1e3).sum().backward()
+        results.append([y, x.grad, *param_grads(models)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
