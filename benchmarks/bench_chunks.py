@@ -28,7 +28,7 @@ from common import interleaved, loss_of, workload
 
 import parsum
 from parsum._engines import ModelParams
-from parsum._grouping import chunk_units, cost_chunks, estimated_cost, plan_units
+from parsum._grouping import Batch, chunk_units, cost_chunks, estimated_cost, plan_units
 
 WORKLOADS = ("mixed-sizes", "heterogeneous-medium")
 
@@ -36,9 +36,9 @@ WORKLOADS = ("mixed-sizes", "heterogeneous-medium")
 def spread(models, x, chunk_size: int | None) -> float:
     """Estimated cost of the costliest chunk over a sixteenth of the total."""
     params = [ModelParams.of(m) for m in models]
-    rows = x.shape[0]
-    units = plan_units(models, params, "autograd", rows, None)
-    costs = [estimated_cost(mp, rows) for mp in params]
+    batch = Batch.of([x])
+    units = plan_units(models, params, "autograd", batch, None)
+    costs = [estimated_cost(mp, batch) for mp in params]
     chunks = chunk_units(units, chunk_size) if chunk_size else cost_chunks(units, costs)
     per_chunk = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
     return max(per_chunk) / (sum(per_chunk) / 16)

@@ -15,7 +15,14 @@ from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
-from ._grouping import chunk_units, cost_chunks, estimated_cost, plan_units, threads_pay
+from ._grouping import (
+    Batch,
+    chunk_units,
+    cost_chunks,
+    estimated_cost,
+    plan_units,
+    threads_pay,
+)
 
 _WHERE = "sum_models"
 
@@ -96,17 +103,17 @@ def sum_models(
     model_params = [ModelParams.of(m) for m in models]
     params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
-    rows = _rows(tensors)
-    units = plan_units(models, model_params, engine, rows, chunk_size)
+    batch = Batch.of(tensors)
+    units = plan_units(models, model_params, engine, batch, chunk_size)
     if chunk_size:
         chunks = chunk_units(units, chunk_size)
     else:  # NOTE [ Chunks ] in _grouping
-        chunks = cost_chunks(units, [estimated_cost(mp, rows) for mp in model_params])
+        chunks = cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params])
     # NOTE [ Threads that pay ] in _grouping.
     if (
         engine == "auto"
         and _config.n_jobs_is_default(n_jobs)
-        and not threads_pay(model_params, rows)
+        and not threads_pay(model_params, batch)
     ):
         n_workers = 1
     plan = SumPlan(
@@ -235,11 +242,6 @@ def _collect_params(
             model_slots.append(slot)
         slots.append(model_slots)
     return params, slots, [u > 1 for u in users]
-
-
-def _rows(tensors: list[Tensor]) -> int:
-    """Batch rows of the call, for the cost estimates: the first tensor argument's first dim."""
-    return next((t.shape[0] for t in tensors if t.dim() > 0), 1)
 
 
 def _forward_in_order(model_params: list[ModelParams], engine: str) -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 
 import parsum
 from parsum._engines import ModelParams
-from parsum._grouping import plan_units
+from parsum._grouping import Batch, plan_units
 from tests.test_errors import Boom
 from tests.test_sum_models import TOL, assert_same_grads, run_both
 from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads
@@ -36,7 +36,9 @@ def family(dtype=torch.float32, seed=0):
 
 def groups(models, engine, x=None, chunk_size=None):
     x = torch.randn(4, IN) if x is None else x
-    units = plan_units(models, [ModelParams.of(m) for m in models], engine, x.shape[0], chunk_size)
+    units = plan_units(
+        models, [ModelParams.of(m) for m in models], engine, Batch.of([x]), chunk_size
+    )
     return [u.models for u in units if u.engine == "stacked"]
 
 
