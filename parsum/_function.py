@@ -226,19 +226,19 @@ def run_forward(
                     accs = [CompensatedAccumulator() for _ in leaves]
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
-                with torch.no_grad():
-                    if grouped:
-                        _add_group(plan, members, run.stacked or [], weight_tensor, accs)
-                        continue
-                    (i,) = members
-                    w = plan.weight(i, weight_tensor)
-                    values = [leaf.detach() for leaf in leaves]
-                    if keep_outputs:
-                        outputs[i] = values
-                    if w is not None:
-                        values = [v * w for v in values]
-                    for acc, v in zip(accs, values):
-                        acc.add(v)
+                # Detached values and weights: no graph is recorded, with no grad-mode switch.
+                if grouped:
+                    _add_group(plan, members, run.stacked or [], weight_tensor, accs)
+                    continue
+                (i,) = members
+                w = plan.weight(i, weight_tensor)
+                values = [leaf.detach() for leaf in leaves]
+                if keep_outputs:
+                    outputs[i] = values
+                if w is not None:
+                    values = [v * w for v in values]
+                for acc, v in zip(accs, values):
+                    acc.add(v)
         return accs
 
     def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
