@@ -34,7 +34,7 @@ from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._sparse import GradSum, add_grad, merge_grads
+from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
@@ -431,36 +431,41 @@ class ParallelSum(torch.autograd.Function):
                 assert flat is not None
                 flat.write(to_flat)
 
+        shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
+
         def backward_chunk(k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
             arg_accs: dict[int, GradSum] = {}
             shared_accs: dict[int, GradSum] = {}
-            for u in plan.chunks[k]:
-                unit = plan.units[u]
-                pullback = pullbacks[u]
-                if not keep_graph:
-                    pullbacks[u] = None
-                assert pullback is not None
-                weights = [plan.weight(i, weight_tensor) for i in unit.models]
-                try:
-                    arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
-                except Exception as exc:
-                    raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
-                del pullback
-                for j, g in enumerate(arg_grads):
-                    if g is not None:
-                        add_grad(arg_accs, j, g)
-                del arg_grads
-                for i, grads in zip(unit.models, model_grads):
-                    route_param_grads(i, grads, shared_accs)
-                del model_grads, grads
-                for i in unit.models if ctx.weight_needs_grad else ():
-                    out = outputs[i]
+            # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
+            # RowSparseAccumulator, which coalesces them all at once.
+            with coalesce_later(shared_params):
+                for u in plan.chunks[k]:
+                    unit = plan.units[u]
+                    pullback = pullbacks[u]
                     if not keep_graph:
-                        outputs[i] = None
-                    assert out is not None
-                    weight_grads[i] = sum(  # type: ignore[assignment]
-                        (g * o).sum() for g, o in zip(grad_outputs, out)
-                    )
+                        pullbacks[u] = None
+                    assert pullback is not None
+                    weights = [plan.weight(i, weight_tensor) for i in unit.models]
+                    try:
+                        arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
+                    except Exception as exc:
+                        raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
+                    del pullback
+                    for j, g in enumerate(arg_grads):
+                        if g is not None:
+                            add_grad(arg_accs, j, g)
+                    del arg_grads
+                    for i, grads in zip(unit.models, model_grads):
+                        route_param_grads(i, grads, shared_accs)
+                    del model_grads, grads
+                    for i in unit.models if ctx.weight_needs_grad else ():
+                        out = outputs[i]
+                        if not keep_graph:
+                            outputs[i] = None
+                        assert out is not None
+                        weight_grads[i] = sum(  # type: ignore[assignment]
+                            (g * o).sum() for g, o in zip(grad_outputs, out)
+                        )
             return arg_accs, shared_accs
 
         def consume(k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:

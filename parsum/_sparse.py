@@ -12,11 +12,16 @@
 #
 # Across models (a table several models sample from), ``RowSparseAccumulator`` keeps the
 # gradients as they come, in model order, and reduces them at the end over the union of their
-# rows: a row that one part holds passes through as it is; the others are summed in a float64
+# rows: a row that one entry holds passes through as it is; the others are summed in a float64
 # accumulator for float32 and narrower, with TwoSum and a compensation for float64, the same
 # rules as every other reduction. A row's entries are added in the order of the parts, so the
 # bits depend only on the order of the models. Nothing of the table's size is allocated unless one
 # of the gradients is dense (a model that uses the whole table), which makes the sum dense.
+#
+# Inside ``sum_models``' pullbacks, ``take_rows`` leaves the gradients of such a shared table
+# uncoalesced (``coalesce_later``): the accumulator sorts all entries once anyway, and sums a
+# model's own duplicate rows with the others, in float64. A coalesce per model cost about 8% of
+# a step of the sampled ensemble in bench_sparse.py.
 #
 # torch.func transforms (vmap, vjp, grad) cannot carry sparse gradients, so ``take_rows``
 # refuses to run under them; ``sum_models``' engine "auto" then runs such models one by one with
@@ -25,7 +30,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -151,11 +159,31 @@ def _in_range(flat: Tensor, weight: Tensor) -> Tensor:
     return torch.where(flat < 0, flat + n_rows, flat) if low < 0 else flat
 
 
+class _Deferred(threading.local):
+    ids: frozenset[int] = frozenset()
+
+
+_deferred = _Deferred()
+
+
+@contextlib.contextmanager
+def coalesce_later(weights: Iterable[Tensor]) -> Iterator[None]:
+    """In this thread, ``take_rows`` leaves the gradients of ``weights`` uncoalesced: they go to
+    a ``RowSparseAccumulator``, which sums duplicate rows itself (NOTE [ Row-sparse gradients ])."""
+    saved = _deferred.ids
+    _deferred.ids = frozenset(id(w) for w in weights)
+    try:
+        yield
+    finally:
+        _deferred.ids = saved
+
+
 class _TakeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: Tensor, index: Tensor) -> Tensor:
         ctx.save_for_backward(index)
         ctx.weight_shape = weight.shape
+        ctx.weight_id = id(weight)  # alive until backward: a parameter of the models
         return weight.index_select(0, index)
 
     @staticmethod
@@ -164,6 +192,8 @@ class _TakeRows(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None
         (index,) = ctx.saved_tensors
+        if ctx.weight_id in _deferred.ids:
+            return _uncoalesced(index, grad, ctx.weight_shape), None
         return row_sparse(index, grad, ctx.weight_shape), None
 
 
@@ -173,6 +203,10 @@ def row_sparse(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
     return torch.sparse_coo_tensor(
         index.unsqueeze(0), values, shape, check_invariants=False
     ).coalesce()
+
+
+def _uncoalesced(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+    return torch.sparse_coo_tensor(index.unsqueeze(0), values, shape, check_invariants=False)
 
 
 def _coalesced(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
@@ -186,8 +220,9 @@ def _is_row_sparse(g: Tensor) -> bool:
 
 
 class RowSparseAccumulator:
-    """Compensated sum of one parameter's gradients, some or all row-sparse, in the order
-    added; see NOTE [ Row-sparse gradients ]. Tensors added are borrowed, never written to."""
+    """Compensated sum of one parameter's gradients, some or all row-sparse (coalesced or
+    not), in the order added; see NOTE [ Row-sparse gradients ]. Tensors added are borrowed,
+    never written to."""
 
     __slots__ = ("_parts",)
 
@@ -216,21 +251,21 @@ class RowSparseAccumulator:
         if not all(_is_row_sparse(p) for p in parts):
             dense = CompensatedAccumulator()
             for p in parts:
-                dense.add(p if p.layout == torch.strided else p.to_dense())
+                dense.add(p if p.layout == torch.strided else p.coalesce().to_dense())
             return dense.result()
-        parts = [p if p.is_coalesced() else p.coalesce() for p in parts]
         first = parts[0]
-        if len(parts) == 1:
+        if len(parts) == 1 and first.is_coalesced():
             return first
         index = torch.cat([p._indices()[0] for p in parts])
-        rows, order = index.sort(stable=True)  # a row's entries stay in the order of the parts
-        if not bool((rows[1:] == rows[:-1]).any()):  # no row in two parts: nothing to add
+        rows, order = index.sort(stable=True)  # a row's entries stay in the order added
+        if not bool((rows[1:] == rows[:-1]).any()):  # every row once: nothing to add
             values = torch.cat([p._values() for p in parts]).index_select(0, order)
             return _coalesced(rows, values, first.shape)
         wide = WIDE.get(first.dtype)
         if wide is not None:
-            # Part after part into the wide rows, so each row's terms are added in part order;
-            # cheaper than index_add_ of the sorted entries, which copies every value twice.
+            # Part after part into the wide rows, so each row's terms are added in the order
+            # of the entries; cheaper than index_add_ of the sorted entries, which copies every
+            # value twice.
             rows, inverse = torch.unique_consecutive(rows, return_inverse=True)
             where = torch.empty_like(inverse).index_copy_(0, order, inverse)  # entry -> row
             total = torch.zeros((rows.numel(), *first.shape[1:]), dtype=wide, device=rows.device)
