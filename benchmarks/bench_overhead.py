@@ -7,9 +7,11 @@
    time the reductions of a medium step take against the whole step.
 
 Every method runs once per round, interleaved, after a warm-up; medians over the rounds and
-ratios measured in this one process.
+ratios measured in this one process. Gradients accumulate into ``.grad`` from step to step;
+with ``--zero-grad`` every method first sets them to None, as ``optimizer.zero_grad()`` does,
+so autograd stores each gradient instead of adding it to the last one.
 
-    python benchmarks/bench_overhead.py [--rounds 40] [--json out.json]
+    python benchmarks/bench_overhead.py [--rounds 40] [--zero-grad] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,14 +29,24 @@ from parsum._summation import CompensatedAccumulator
 ENGINES = ("autograd", "vjp", "stacked", "auto")
 
 
-def overhead(name: str, batch: int | None, rounds: int) -> dict[str, float]:
+def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict[str, float]:
     w = workload(name, batch)
     models, x = w.models, w.x
 
-    def parsum_step(engine: str):
-        return lambda: loss_of(parsum.sum_models(models, x, n_jobs=1, engine=engine)).backward()
+    def zeroed(step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for m in models:
+                m.zero_grad(set_to_none=True)
+            step()
 
-    methods = {"plain-1t": one_thread(lambda: plain_step(models, x))}
+        return run if zero_grad else step
+
+    def parsum_step(engine: str):
+        return zeroed(
+            lambda: loss_of(parsum.sum_models(models, x, n_jobs=1, engine=engine)).backward()
+        )
+
+    methods = {"plain-1t": one_thread(zeroed(lambda: plain_step(models, x)))}
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
             continue
@@ -113,11 +125,15 @@ def reduction(rounds: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--zero-grad", action="store_true", help="set .grad to None each step")
     parser.add_argument("--json", help="write the medians (seconds) and ratios to this file")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds")
+    print(
+        f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds; "
+        + ("grads set to None before each step" if args.zero_grad else "grads accumulate")
+    )
     results = {
-        name: overhead(name, batch, args.rounds)
+        name: overhead(name, batch, args.rounds, args.zero_grad)
         for name, batch in (
             ("heterogeneous-tiny", None),
             ("identical-tiny", None),

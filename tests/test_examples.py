@@ -115,3 +115,9 @@ def test_bench_chunks(tmp_path):
     out = run("benchmarks/bench_chunks.py", *args, "--json", str(tmp_path / "chunks.json"))
     assert "costliest chunk / (total / 16), estimated: cost chunks" in out
     assert (tmp_path / "chunks.json").exists()
+
+
+def test_bench_overhead(tmp_path):
+    out = run("benchmarks/bench_overhead.py", "--rounds", "1", "--zero-grad")
+    assert "grads set to None before each step" in out
+    assert "parsum autograd" in out and "of the step" in out
