@@ -32,15 +32,16 @@ whether threads pay.
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
 # never on ``n_jobs``, so the order of additions, hence the bits, are the same for any number of
 # workers. With ``chunk_size`` given, a chunk holds that many models. Without, the units are cut
-# into at most MAX_CHUNKS consecutive chunks of about equal estimated cost, so that no chunk
+# into min(MAX_CHUNKS, units) consecutive chunks of about equal estimated cost, so that no chunk
 # holds far more work than another: with as many workers as chunks, the slowest chunk is the
 # call's time. The estimate is computed from shapes only, never from timings, which differ
 # between calls and would change the bits with them: a model costs its parameters' and frozen
-# tensors' elements times the batch rows, plus MODEL_OVERHEAD_PARAM_ROWS for its Python and
-# autograd work. Fitted here (1 thread, forward + backward of MLPs of 0.1M to 580M
-# parameter-rows, 2.3 vCPUs): about 250 us a model plus 65 us per million parameter-rows, so
-# the overhead weighs as about 4M parameter-rows. A table read through ``take_rows`` counts one
-# row per batch row (its last call's rows would make the chunks depend on the data).
+# tensors' elements times the batch rows (a convolution's times the positions it slides over,
+# NOTE [ Threads that pay ]), plus MODEL_OVERHEAD_PARAM_ROWS for its Python and autograd work.
+# Fitted here (1 thread, forward + backward of MLPs of 0.1M to 580M parameter-rows, 2 vCPUs):
+# about 250 us a model plus 65 us per million parameter-rows, so the overhead weighs as about
+# 4M parameter-rows. A table read through ``take_rows`` counts one row per batch row (its last
+# call's rows would make the chunks depend on the data).
 """
 
 from __future__ import annotations
@@ -167,11 +168,14 @@ def estimated_cost(mp: ModelParams, batch: Batch) -> int:
 
 
 def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range]:
-    """Consecutive units in at most MAX_CHUNKS chunks of about equal cost (NOTE [ Chunks ]).
+    """Consecutive units in ``min(MAX_CHUNKS, len(units))`` chunks of about equal cost
+    (NOTE [ Chunks ]).
 
-    A unit goes to chunk ``floor(k * midpoint / total)``, its midpoint being the cost of the
-    units before it plus half its own: every chunk gets about ``total / k``, and a unit costlier
-    than that gets a chunk of its own.
+    A unit first goes to chunk ``floor(k * midpoint / total)``, its midpoint being the cost of
+    the units before it plus half its own: every chunk gets about ``total / k``, and a unit
+    costlier than that gets a chunk of its own. Then the costliest chunks of several units are
+    halved until there are k: workers that claim chunks as they finish balance better with
+    more of them, and with no more models than MAX_CHUNKS, each gets a chunk of its own.
     """
     costs = [sum(model_costs[i] for i in unit.models) for unit in units]
     total, k = sum(costs), min(MAX_CHUNKS, len(units))
@@ -185,6 +189,16 @@ def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range
         current = index
         before += cost
     chunks.append(range(start, len(units)))
+    chunk_costs = [sum(costs[u] for u in chunk) for chunk in chunks]
+    while len(chunks) < k:  # one chunk has two units at least, as len(units) >= k
+        c = max((c for c in range(len(chunks)) if len(chunks[c]) > 1), key=chunk_costs.__getitem__)
+        chunk, whole = chunks[c], chunk_costs[c]
+        cut, before = chunk.start + 1, costs[chunk.start]
+        while cut < chunk.stop - 1 and 2 * before + costs[cut] <= whole:
+            before += costs[cut]  # the second part starts at the first unit past the middle
+            cut += 1
+        chunks[c : c + 1] = [range(chunk.start, cut), range(cut, chunk.stop)]
+        chunk_costs[c : c + 1] = [sum(costs[chunk.start : cut]), sum(costs[cut : chunk.stop])]
     return chunks
 
 

@@ -28,7 +28,7 @@ def test_chunks_cover_the_units_in_order_and_are_balanced(seed):
     chunks = cost_chunks(units_of(n), costs)
     assert [u for chunk in chunks for u in chunk] == list(range(n))
     assert all(len(chunk) > 0 for chunk in chunks)
-    assert len(chunks) <= min(MAX_CHUNKS, n)
+    assert len(chunks) == min(MAX_CHUNKS, n)  # as many as allowed: workers balance better
     # A chunk holds the units whose midpoints fall in its share: at most a share and a unit.
     share = sum(costs) / min(MAX_CHUNKS, n)
     assert max(chunk_costs(chunks, costs)) <= share + max(costs)
@@ -39,13 +39,18 @@ def test_a_costly_model_gets_a_chunk_of_its_own_and_cheap_ones_share():
     chunks = cost_chunks(units_of(32), costs)
     assert max(chunk_costs(chunks, costs)) == 10
     assert all(len(chunk) == 1 for chunk in chunks if chunk.start >= 24)
-    assert len(chunks) <= MAX_CHUNKS
+    assert len(chunks) == MAX_CHUNKS
 
 
-def test_a_stacked_group_counts_its_models_costs():
+def test_no_more_models_than_chunks_gives_each_a_chunk():
+    assert cost_chunks(units_of(5), [1, 100, 1, 1, 50]) == [range(i, i + 1) for i in range(5)]
+
+
+def test_a_stacked_group_counts_its_models_costs(monkeypatch):
+    monkeypatch.setattr(_grouping, "MAX_CHUNKS", 2)
     units = [Unit((0, 1, 2, 3), "stacked"), *(Unit((i,), "autograd") for i in (4, 5, 6))]
     chunks = cost_chunks(units, [5] * 7)  # the group costs 20 of 35: a chunk alone
-    assert chunks == [range(0, 1), range(1, 2), range(2, 4)]
+    assert chunks == [range(0, 1), range(1, 4)]
 
 
 def test_cost_is_parameters_times_rows_plus_overhead_and_ignores_sampling():
@@ -80,7 +85,7 @@ def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkey
     x = torch.randn(3, IN)
     parsum.sum_models(models, x, engine="autograd", n_jobs=1)
     assert seen[-1][-2:] == [range(20, 21), range(21, 22)]  # the large ones alone
-    assert len(seen[-1]) < MAX_CHUNKS  # the small ones share few chunks
+    assert len(seen[-1]) == MAX_CHUNKS  # the small ones share the other 14
     parsum.sum_models(models, x, engine="autograd", n_jobs=1, chunk_size=2)
     assert len(seen) == 1
 
