@@ -31,11 +31,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -131,8 +133,10 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             "carry a sparse gradient; index the weight directly (weight[index]) there, or, in "
             "sum_models, use engine='autograd' or 'auto'"
         )
+    _note_sampled(weight, index.numel() * (weight.numel() // max(weight.shape[0], 1)))
+    if weight.dim() == 2:
+        return _embedding_rows(weight, index)
     flat = index.reshape(-1).long()
-    _note_sampled(weight, flat.numel() * (weight.numel() // max(weight.shape[0], 1)))
     if flat.device.type == "cpu":
         try:  # index_select checks the bounds itself on the CPU; negatives land here too
             rows = _TakeRows.apply(weight, flat)
@@ -140,7 +144,37 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             rows = _TakeRows.apply(weight, _in_range(flat, weight))
     else:  # an index out of range would be a device-side assert: check first
         rows = _TakeRows.apply(weight, _in_range(flat, weight))
-    return rows if index.dim() == 1 else rows.view(*index.shape, *weight.shape[1:])
+    return rows if index.dim() == 1 else rows.view(index.shape + weight.shape[1:])
+
+
+def _embedding_rows(weight: Tensor, index: Tensor) -> Tensor:
+    """take_rows of a matrix: ``F.embedding(sparse=True)``, forward and backward in C++ (a
+    custom Function cost 2x its time here), with a hook on its backward node that coalesces the
+    gradient it makes (NOTE [ Row-sparse gradients ])."""
+    if index.device.type == "cpu":
+        try:  # embedding checks the bounds itself on the CPU; negatives land here too
+            rows = F.embedding(index, weight, sparse=True)
+        except IndexError:
+            flat = _in_range(index.reshape(-1), weight)
+            rows = F.embedding(flat.view(index.shape), weight, sparse=True)
+    else:  # an index out of range would be a device-side assert: check first
+        flat = _in_range(index.reshape(-1), weight)
+        rows = F.embedding(flat.view(index.shape), weight, sparse=True)
+    node = rows.grad_fn
+    if node is not None:
+        node.register_hook(functools.partial(_coalesce_grad, id(weight)))
+    return rows
+
+
+def _coalesce_grad(
+    weight_id: int, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor, ...]
+) -> tuple[Tensor | None, ...] | None:
+    """Hook on embedding's backward node: its gradient for the weight, coalesced, unless
+    ``coalesce_later`` holds the weight (alive until then: a parameter of the models)."""
+    (grad,) = grad_inputs
+    if grad is None or weight_id in _deferred.ids:
+        return None
+    return (grad.coalesce(),)
 
 
 def _in_range(flat: Tensor, weight: Tensor) -> Tensor:

@@ -66,7 +66,7 @@ def assert_row_sparse_like(grad, dense_grad, **tol):
     rows = grad._indices()[0]
     assert torch.equal(rows, torch.unique(rows)), "rows sorted, each once"
     torch.testing.assert_close(grad.to_dense(), dense_grad, **tol)
-    touched = dense_grad.abs().sum(1) > 0
+    touched = dense_grad.abs().reshape(dense_grad.shape[0], -1).sum(1) > 0
     assert set(rows.tolist()) >= set(touched.nonzero().squeeze(1).tolist())
 
 
@@ -84,8 +84,10 @@ def assert_row_sparse_like(grad, dense_grad, **tol):
     ],
     ids=["duplicates", "negative-2d", "int32", "empty", "scalar"],
 )
-def test_take_rows_is_weight_index_with_a_row_sparse_grad(index):
-    weight = torch.randn(ROWS, DIM, requires_grad=True)
+# A matrix goes through F.embedding and a coalescing hook, other shapes through a Function.
+@pytest.mark.parametrize("shape", [(ROWS, DIM), (ROWS,), (ROWS, 2, 3)], ids=["2d", "1d", "3d"])
+def test_take_rows_is_weight_index_with_a_row_sparse_grad(index, shape):
+    weight = torch.randn(*shape, requires_grad=True)
     ref = weight.detach().clone().requires_grad_()
     out = parsum.take_rows(weight, index)
     out_ref = ref[index.long()]
@@ -122,8 +124,9 @@ class Densify(torch.autograd.Function):
         return g.to_dense()
 
 
-def test_gradcheck_float64():
-    weight = torch.randn(20, 3, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("shape", [(20, 3), (20, 2, 2)])
+def test_gradcheck_float64(shape):
+    weight = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([3, 3, -1, 7, 0, 3])
     assert torch.autograd.gradcheck(lambda w: parsum.take_rows(Densify.apply(w), index), (weight,))
 
