@@ -137,7 +137,7 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             "sum_models, use engine='autograd' or 'auto'"
         )
     _note_sampled(weight, index.numel() * (weight.numel() // max(weight.shape[0], 1)))
-    if weight.dim() == 2:
+    if weight.dim() == 2 and not weight.is_complex():  # embedding's autograd refuses complex
         return _embedding_rows(weight, index)
     flat = index.reshape(-1).long()
     if flat.device.type == "cpu":

@@ -100,6 +100,20 @@ def test_take_rows_is_weight_index_with_a_row_sparse_grad(index, shape):
     assert_row_sparse_like(grad, grad_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.complex64])
+def test_take_rows_dtypes(dtype):
+    # embedding's autograd refuses complex outputs: those take the Function path.
+    weight = torch.randn(ROWS, DIM, dtype=dtype, requires_grad=True)
+    ref = weight.detach().clone().requires_grad_()
+    index = torch.tensor([[3, 7], [3, 0]])
+    out = parsum.take_rows(weight, index)
+    cot = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, weight, cot)
+    (grad_ref,) = torch.autograd.grad(ref[index], ref, cot)
+    assert torch.equal(out, ref[index]) and grad.dtype == dtype and grad.is_coalesced()
+    assert_row_sparse_like(grad, grad_ref)
+
+
 def test_take_rows_keeps_trailing_dims():
     weight = torch.randn(10, 2, 3, requires_grad=True)
     index = torch.tensor([[1, 1], [9, 0]])
