@@ -37,7 +37,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -140,29 +140,28 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
     if weight.dim() == 2 and not weight.is_complex():  # embedding's autograd refuses complex
         return _embedding_rows(weight, index)
     flat = index.reshape(-1).long()
-    if flat.device.type == "cpu":
-        try:  # index_select checks the bounds itself on the CPU; negatives land here too
-            rows = _TakeRows.apply(weight, flat)
-        except IndexError:
-            rows = _TakeRows.apply(weight, _in_range(flat, weight))
-    else:  # an index out of range would be a device-side assert: check first
-        rows = _TakeRows.apply(weight, _in_range(flat, weight))
+    rows = _in_bounds(lambda i: _TakeRows.apply(weight, i), flat, weight)
     return rows if index.dim() == 1 else rows.view(index.shape + weight.shape[1:])
+
+
+def _in_bounds(take: Callable[[Tensor], Tensor], index: Tensor, weight: Tensor) -> Tensor:
+    """``take(index)`` with negative row numbers counted from the end and a ParsumError for
+    any out of range. On the CPU the gather checks the bounds itself, so the index is checked
+    only when it raises (negatives land there too); elsewhere an index out of range would be a
+    device-side assert, so it is checked first."""
+    if index.device.type == "cpu":
+        try:
+            return take(index)
+        except IndexError:
+            pass
+    return take(_in_range(index.reshape(-1), weight).view(index.shape))
 
 
 def _embedding_rows(weight: Tensor, index: Tensor) -> Tensor:
     """take_rows of a matrix: ``F.embedding(sparse=True)``, forward and backward in C++ (a
     custom Function cost 2x its time here), with a hook on its backward node that coalesces the
     gradient it makes (NOTE [ Row-sparse gradients ])."""
-    if index.device.type == "cpu":
-        try:  # embedding checks the bounds itself on the CPU; negatives land here too
-            rows = F.embedding(index, weight, sparse=True)
-        except IndexError:
-            flat = _in_range(index.reshape(-1), weight)
-            rows = F.embedding(flat.view(index.shape), weight, sparse=True)
-    else:  # an index out of range would be a device-side assert: check first
-        flat = _in_range(index.reshape(-1), weight)
-        rows = F.embedding(flat.view(index.shape), weight, sparse=True)
+    rows = _in_bounds(lambda i: F.embedding(i, weight, sparse=True), index, weight)
     node = rows.grad_fn
     if node is not None:
         node.register_hook(functools.partial(_coalesce_grad, id(weight)))
@@ -237,9 +236,7 @@ class _TakeRows(torch.autograd.Function):
 def row_sparse(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
     """The coalesced sparse tensor of ``shape`` whose row ``index[k]`` holds ``values[k]``,
     duplicate rows summed (NOTE [ Row-sparse gradients ])."""
-    return torch.sparse_coo_tensor(
-        index.unsqueeze(0), values, shape, check_invariants=False
-    ).coalesce()
+    return _uncoalesced(index, values, shape).coalesce()
 
 
 def _uncoalesced(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
