@@ -28,7 +28,7 @@ from common import interleaved, loss_of, workload
 
 import parsum
 from parsum._engines import ModelParams
-from parsum._grouping import Batch, chunk_units, cost_chunks, estimated_cost, plan_units
+from parsum._grouping import Batch, chunks_of, estimated_cost, plan_units
 
 WORKLOADS = ("mixed-sizes", "heterogeneous-medium")
 
@@ -39,7 +39,7 @@ def spread(models, x, chunk_size: int | None) -> float:
     batch = Batch.of([x])
     units = plan_units(models, params, "autograd", batch, None)
     costs = [estimated_cost(mp, batch) for mp in params]
-    chunks = chunk_units(units, chunk_size) if chunk_size else cost_chunks(units, costs)
+    chunks = chunks_of(units, params, batch, chunk_size)  # as sum_models cuts them
     per_chunk = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
     return max(per_chunk) / (sum(per_chunk) / 16)
 

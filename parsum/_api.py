@@ -15,14 +15,7 @@ from ._engines import CallArgs, ModelParams
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
-from ._grouping import (
-    Batch,
-    chunk_units,
-    cost_chunks,
-    estimated_cost,
-    plan_units,
-    threads_pay,
-)
+from ._grouping import Batch, chunks_of, plan_units, threads_pay
 
 _WHERE = "sum_models"
 
@@ -105,10 +98,7 @@ def sum_models(
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
     units = plan_units(models, model_params, engine, batch, chunk_size)
-    if chunk_size:
-        chunks = chunk_units(units, chunk_size)
-    else:  # NOTE [ Chunks ] in _grouping
-        chunks = cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params])
+    chunks = chunks_of(units, model_params, batch, chunk_size)
     # NOTE [ Threads that pay ] in _grouping.
     if (
         engine == "auto"

@@ -157,14 +157,20 @@ def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
 
 def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     """A model's cost in parameter-rows, from shapes alone (NOTE [ Chunks ])."""
-    total = MODEL_OVERHEAD_PARAM_ROWS
-    positions = _conv_positions(mp, batch)
-    for t in [*mp.tensors, *mp.state]:
-        if sampled_elements(t) is not None:  # a take_rows table: one row per batch row
-            total += t.numel() // max(t.shape[0], 1) * batch.rows
-        else:
-            total += t.numel() * batch.rows * positions.get(id(t), 1)
-    return total
+    tensors = [*mp.tensors, *mp.state]
+    return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
+
+
+def chunks_of(
+    units: Sequence[Unit],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    chunk_size: int | None,
+) -> list[range]:
+    """A call's chunks: ``chunk_size`` models each, else of about equal cost (NOTE [ Chunks ])."""
+    if chunk_size:
+        return chunk_units(units, chunk_size)
+    return cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params])
 
 
 def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range]:
@@ -202,15 +208,23 @@ def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range
     return chunks
 
 
-def _param_rows(mp: ModelParams, batch: Batch) -> int:
+def _param_rows(
+    mp: ModelParams, batch: Batch, tensors: Sequence[Tensor] | None = None, last_call: bool = True
+) -> int:
+    """Elements of ``tensors`` (default: the trainable parameters) times the batch rows, a
+    convolution's times its positions. A table read by take_rows counts its rows touched: the
+    elements its last call gathered with ``last_call``, else one row per batch row (a cost
+    that must not depend on the data)."""
     total = 0
     positions = _conv_positions(mp, batch)
-    for p in mp.tensors:
-        gathered = sampled_elements(p)  # a table read by take_rows: its rows touched count
+    for t in mp.tensors if tensors is None else tensors:
+        gathered = sampled_elements(t)
         if gathered is None:
-            total += p.numel() * batch.rows * positions.get(id(p), 1)
-        else:
+            total += t.numel() * batch.rows * positions.get(id(t), 1)
+        elif last_call:
             total += gathered
+        else:
+            total += t.numel() // max(t.shape[0], 1) * batch.rows
     return total
 
 

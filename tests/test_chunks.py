@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parsum
-from parsum import _api, _grouping
+from parsum import _grouping
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
 from tests.zoo import IN, mlp, param_grads
@@ -79,7 +79,7 @@ def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkey
         seen.append(chunks)
         return chunks
 
-    monkeypatch.setattr(_api, "cost_chunks", spy)
+    monkeypatch.setattr(_grouping, "cost_chunks", spy)
     monkeypatch.setattr(_grouping, "MODEL_OVERHEAD_PARAM_ROWS", 0)
     models = [mlp([4]) for _ in range(20)] + [mlp([400, 400]) for _ in range(2)]
     x = torch.randn(3, IN)
