@@ -31,9 +31,9 @@ class _FailingBackward(torch.autograd.Function):
 
 
 class BoomBackward(nn.Module):
-    def __init__(self):
+    def __init__(self, n_in=IN, n_out=OUT):
         super().__init__()
-        self.lin = nn.Linear(IN, OUT)
+        self.lin = nn.Linear(n_in, n_out)
 
     def forward(self, x):
         return _FailingBackward.apply(self.lin(x))

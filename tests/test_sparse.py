@@ -12,7 +12,7 @@ from torch import nn
 import parsum
 from parsum import _sparse
 from parsum._sparse import RowSparseAccumulator, coalesce_later, row_sparse
-from tests.test_errors import _FailingBackward
+from tests.test_errors import BoomBackward
 
 ROWS, DIM, K = 50, 4, 3
 
@@ -555,20 +555,12 @@ def test_compensated_flatgrad_keeps_small_sparse_additions():
 
 @pytest.mark.parametrize("with_flat", [False, True])
 def test_failed_backward_changes_no_sparse_grad(with_flat):
-    class Fails(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(DIM, K)
-
-        def forward(self, x):
-            return _FailingBackward.apply(self.lin(x))
-
     models = ensemble(n=4)
     (table,) = tables(models)
-    models.insert(3, Fails())
+    models.insert(3, BoomBackward(DIM, K))
     flat = parsum.FlatGrad(models) if with_flat else None
     x = torch.randn(8, DIM)
-    with pytest.raises(parsum.ParsumError, match=r"model 3 \(Fails\) raised ValueError"):
+    with pytest.raises(parsum.ParsumError, match=r"model 3 \(BoomBackward\) raised ValueError"):
         parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
     if flat is None:
         assert table.grad is None
