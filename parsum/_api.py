@@ -16,6 +16,7 @@ from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
 from ._grouping import Batch, chunks_of, plan_units, threads_pay
+from ._sparse import has_user_hooks
 
 _WHERE = "sum_models"
 
@@ -202,7 +203,7 @@ def _check_step_in_backward(
                 "pass each model once (use weights to count it twice)"
             )
         for name, p in zip(mp.names, mp.tensors):
-            if p._backward_hooks:
+            if has_user_hooks(p):
                 raise ParsumError(
                     f"{_WHERE}: parameter {name!r} of models[{i}] ({type(model).__name__}) has "
                     "a gradient hook (register_hook); step_in_backward consumes gradients "

@@ -34,7 +34,7 @@ from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
+from ._sparse import GradSum, add_grad, coalesce_later, has_user_hooks, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
@@ -480,8 +480,9 @@ class ParallelSum(torch.autograd.Function):
         # autograd runs them again on what this backward returns. They are held back during
         # the pullbacks and run once, on the whole gradient, as in plain PyTorch
         # (step_in_backward, which consumes gradients here, refuses parameters with hooks).
+        # take_rows' own hook stays: it only coalesces, so running it twice changes nothing.
         held_back = any(unit.engine != "vjp" for unit in plan.units)
-        held = [p for p in plan.params if held_back and p._backward_hooks]
+        held = [p for p in plan.params if held_back and has_user_hooks(p)]
         try:
             with torch.no_grad(), _hooks_held(held):
                 _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)

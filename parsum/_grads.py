@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ._errors import ParsumError
+from ._sparse import has_user_hooks
 from ._summation import compensated_add_
 
 _WHERE = "FlatGrad"
@@ -317,10 +318,11 @@ def has_flat_grads(params: Sequence[Tensor]) -> bool:
     return bool(_owners) and any(owner_of(p) is not None for p in params)
 
 
-def _has_user_hooks(param: Tensor) -> bool:
-    """Whether a parameter that a FlatGrad owns has hooks besides the FlatGrad's own."""
+def _hooked_by_user(param: Tensor) -> bool:
+    """Whether a parameter that a FlatGrad owns has hooks besides the FlatGrad's own (and
+    take_rows', which only coalesces)."""
     post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    return bool(param._backward_hooks) or len(post) > 1
+    return has_user_hooks(param) or len(post) > 1
 
 
 @dataclass
@@ -344,7 +346,7 @@ class FlatWrites:
         owners: dict[int, FlatGrad] = {}
         for k, (p, acc) in enumerate(zip(params, accumulates)):
             owner = owner_of(p) if acc else None
-            if owner is None or _has_user_hooks(p):
+            if owner is None or _hooked_by_user(p):
                 continue
             flat, index = owner
             owners[id(flat)] = flat

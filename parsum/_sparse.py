@@ -6,9 +6,14 @@
 # forward does not. ``take_rows`` returns the same values and gives ``weight`` a coalesced
 # sparse COO gradient instead (one sparse dim, the rows; the other dims dense, as
 # ``nn.Embedding(sparse=True)`` does): the touched rows sorted, each once. Its cost is a sort of
-# the index and one pass over the touched rows. A matrix goes through ``F.embedding(sparse=True)``
-# and a hook on its backward node that coalesces (the hook alone costs about 18 us a step here;
-# a custom Function cost twice the whole embedding op); other shapes through ``_TakeRows``.
+# the index and one pass over the touched rows. A matrix goes through ``F.embedding(sparse=True)``,
+# forward and backward in C++ (a custom Function cost twice the whole embedding op); other
+# shapes through ``_TakeRows``. Both give the rows as they come; a hook that ``take_rows``
+# puts on the weight once, the first time it reads it, coalesces the weight's gradient, after
+# autograd has added up every use of the weight in the backward. A hook on each call's
+# backward node cost about 18 us a step here, 8% of a step of bench_sparse.py's sampled layer;
+# the weight's own hook about 6 us. The hook stays on the weight: a sparse gradient that
+# reaches it from elsewhere is coalesced too (the same values), and ``torch.save`` leaves it out.
 # Duplicate rows in one call are summed by ``coalesce()`` in the gradient's dtype, as
 # ``weight[index]``'s gradient sums them: a float64 accumulator measured 1.5x the cost of the
 # whole coalesce (35 against 25 us for 64 rows of 512).
@@ -21,7 +26,7 @@
 # bits depend only on the order of the models. Nothing of the table's size is allocated unless one
 # of the gradients is dense (a model that uses the whole table), which makes the sum dense.
 #
-# Inside ``sum_models``' pullbacks, ``take_rows`` leaves the gradients of such a shared table
+# Inside ``sum_models``' pullbacks, the hook leaves the gradients of such a shared table
 # uncoalesced (``coalesce_later``): the accumulator sorts all entries once anyway, and sums a
 # model's own duplicate rows with the others, in float64. A coalesce per model cost about 8% of
 # a step of the sampled ensemble in bench_sparse.py.
@@ -34,13 +39,11 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -49,30 +52,79 @@ from ._summation import WIDE, CompensatedAccumulator
 
 _WHERE = "take_rows"
 
-# id(weight) -> (weight, elements its last take_rows gathered): what a step costs for a table,
-# which counts its rows touched, not its size, in sum_models' cost estimates.
-_sampled: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+
+class _Table:
+    """What take_rows keeps of a weight it has read (alive as long as the weight)."""
+
+    __slots__ = ("elements", "hooked", "ref")
+
+    def __init__(self, ref: weakref.ref[Tensor]) -> None:
+        self.ref = ref
+        self.elements = 0  # gathered by the last call: what a step costs in sum_models' estimates
+        self.hooked = False  # whether the weight carries the hook that coalesces its gradients
+
+
+_tables: dict[int, _Table] = {}
+_tables_lock = threading.Lock()
 
 
 def sampled_elements(p: Tensor) -> int | None:
     """Elements the last ``take_rows`` call on ``p`` gathered, or None if it never ran."""
-    entry = _sampled.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+    entry = _tables.get(id(p))
+    return entry.elements if entry is not None and entry.ref() is p else None
 
 
-def _note_sampled(weight: Tensor, elements: int) -> None:
-    entry = _sampled.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        if entry[1] != elements:
-            _sampled[id(weight)] = (entry[0], elements)
-        return
+def _note_table(weight: Tensor, elements: int) -> None:
+    """Record the elements this call gathers, and hook ``weight`` once so that its gradients
+    are coalesced (NOTE [ Row-sparse gradients ])."""
+    entry = _tables.get(id(weight))
+    if entry is None or entry.ref() is not weight:
+        entry = _new_table(weight)
+    entry.elements = elements
+    if not entry.hooked and weight.requires_grad:
+        with _tables_lock:  # workers may read one table at once: one hook only
+            if not entry.hooked:
+                weight.register_hook(_CoalesceHook(id(weight)))
+                entry.hooked = True
+
+
+def _new_table(weight: Tensor) -> _Table:
     key = id(weight)
 
     def forget(ref: weakref.ref[Tensor]) -> None:
-        if _sampled.get(key, (None,))[0] is ref:
-            del _sampled[key]
+        entry = _tables.get(key)
+        if entry is not None and entry.ref is ref:
+            del _tables[key]
 
-    _sampled[key] = (weakref.ref(weight, forget), elements)
+    with _tables_lock:
+        entry = _tables.get(key)
+        if entry is None or entry.ref() is not weight:
+            entry = _tables[key] = _Table(weakref.ref(weight, forget))
+        return entry
+
+
+class _CoalesceHook:
+    """The gradient hook of a table: its sparse gradient coalesced, unless ``coalesce_later``
+    holds the table in this thread. Dense and coalesced gradients pass as they are."""
+
+    __slots__ = ("weight_id",)
+    __torch_unserializable__ = True  # torch.save leaves it out, without a warning
+
+    def __init__(self, weight_id: int) -> None:
+        self.weight_id = weight_id
+
+    def __call__(self, grad: Tensor | None) -> Tensor | None:
+        if grad is None or grad.layout != torch.sparse_coo or grad.is_coalesced():
+            return None
+        if self.weight_id in _deferred.ids:
+            return None
+        return grad.coalesce()
+
+
+def has_user_hooks(p: Tensor) -> bool:
+    """Whether ``p`` has gradient hooks other than the one ``take_rows`` puts on a table."""
+    hooks = p._backward_hooks
+    return hooks is not None and any(not isinstance(h, _CoalesceHook) for h in hooks.values())
 
 
 def take_rows(weight: Tensor, index: Tensor) -> Tensor:
@@ -84,7 +136,9 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
     gradients; SGD (without weight decay or momentum) leaves the untouched rows as they were.
     The index may be computed inside forward from values (hashing, top-k): it needs no
     gradient. Autograd's accumulation into ``.grad`` drops the coalesced flag, as it does for
-    ``nn.Embedding(sparse=True)``; ``.grad.coalesce()`` then costs a sort of the rows.
+    ``nn.Embedding(sparse=True)``; ``.grad.coalesce()`` then costs a sort of the rows. The first
+    call on a weight that requires grad puts a gradient hook on it that coalesces every sparse
+    gradient reaching it, once per backward; ``torch.save`` and ``copy.deepcopy`` leave it out.
 
     >>> import torch, parsum
     >>> table = torch.nn.Parameter(torch.ones(1000, 4))
@@ -125,7 +179,7 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             f"{_WHERE}: index is a {what}; expected an int64 or int32 tensor of row numbers "
             "(for a boolean mask, take mask.nonzero().squeeze(1))"
         )
-    if index.device != weight.device:
+    if not (index.is_cpu and weight.is_cpu) and index.device != weight.device:
         raise ParsumError(
             f"{_WHERE}: index is on {index.device}, weight on {weight.device}; expected both on "
             "one device"
@@ -136,47 +190,31 @@ def take_rows(weight: Tensor, index: Tensor) -> Tensor:
             "carry a sparse gradient; index the weight directly (weight[index]) there, or, in "
             "sum_models, use engine='autograd' or 'auto'"
         )
-    _note_sampled(weight, index.numel() * (weight.numel() // max(weight.shape[0], 1)))
+    _note_table(weight, index.numel() * (weight.numel() // max(weight.shape[0], 1)))
     if weight.dim() == 2 and not weight.is_complex():  # embedding's autograd refuses complex
-        return _embedding_rows(weight, index)
+        return _in_bounds(_embedding, weight, index)
     flat = index.reshape(-1).long()
-    rows = _in_bounds(lambda i: _TakeRows.apply(weight, i), flat, weight)
+    rows = _in_bounds(_TakeRows.apply, weight, flat)
     return rows if index.dim() == 1 else rows.view(index.shape + weight.shape[1:])
 
 
-def _in_bounds(take: Callable[[Tensor], Tensor], index: Tensor, weight: Tensor) -> Tensor:
-    """``take(index)`` with negative row numbers counted from the end and a ParsumError for
-    any out of range. On the CPU the gather checks the bounds itself, so the index is checked
-    only when it raises (negatives land there too); elsewhere an index out of range would be a
-    device-side assert, so it is checked first."""
-    if index.device.type == "cpu":
+def _embedding(weight: Tensor, index: Tensor) -> Tensor:
+    return torch.embedding(weight, index, -1, False, True)  # F.embedding(sparse=True), direct
+
+
+def _in_bounds(take: Callable[[Tensor, Tensor], Tensor], weight: Tensor, index: Tensor) -> Tensor:
+    """``take(weight, index)`` with negative row numbers counted from the end and a ParsumError
+    for any out of range. On the CPU the gather checks the bounds itself, so the index is
+    checked only when it raises (negatives land there too); elsewhere an index out of range
+    would be a device-side assert, so it is checked first. (Python work here costs far more in
+    a step than in timeit: ``index.device.type``, 0.3 us in timeit, measured 3-4% of
+    bench_sparse's sampled step, ``is_cpu`` nothing.)"""
+    if index.is_cpu:
         try:
-            return take(index)
+            return take(weight, index)
         except IndexError:
             pass
-    return take(_in_range(index.reshape(-1), weight).view(index.shape))
-
-
-def _embedding_rows(weight: Tensor, index: Tensor) -> Tensor:
-    """take_rows of a matrix: ``F.embedding(sparse=True)``, forward and backward in C++ (a
-    custom Function cost 2x its time here), with a hook on its backward node that coalesces the
-    gradient it makes (NOTE [ Row-sparse gradients ])."""
-    rows = _in_bounds(lambda i: F.embedding(i, weight, sparse=True), index, weight)
-    node = rows.grad_fn
-    if node is not None:
-        node.register_hook(functools.partial(_coalesce_grad, id(weight)))
-    return rows
-
-
-def _coalesce_grad(
-    weight_id: int, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor, ...]
-) -> tuple[Tensor | None, ...] | None:
-    """Hook on embedding's backward node: its gradient for the weight, coalesced, unless
-    ``coalesce_later`` holds the weight (alive until then: a parameter of the models)."""
-    (grad,) = grad_inputs
-    if grad is None or weight_id in _deferred.ids:
-        return None
-    return (grad.coalesce(),)
+    return take(weight, _in_range(index.reshape(-1), weight).view(index.shape))
 
 
 def _in_range(flat: Tensor, weight: Tensor) -> Tensor:
@@ -219,7 +257,6 @@ class _TakeRows(torch.autograd.Function):
     def forward(ctx, weight: Tensor, index: Tensor) -> Tensor:
         ctx.save_for_backward(index)
         ctx.weight_shape = weight.shape
-        ctx.weight_id = id(weight)  # alive until backward: a parameter of the models
         return weight.index_select(0, index)
 
     @staticmethod
@@ -228,9 +265,7 @@ class _TakeRows(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None
         (index,) = ctx.saved_tensors
-        if ctx.weight_id in _deferred.ids:
-            return _uncoalesced(index, grad, ctx.weight_shape), None
-        return row_sparse(index, grad, ctx.weight_shape), None
+        return _uncoalesced(index, grad, ctx.weight_shape), None  # the weight's hook coalesces
 
 
 def row_sparse(index: Tensor, values: Tensor, shape: torch.Size) -> Tensor:

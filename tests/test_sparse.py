@@ -2,8 +2,10 @@
 across models in sum_models, with optimizers, FlatGrad and StepInBackward."""
 
 import copy
+import gc
 import math
 import threading
+import warnings
 
 import pytest
 import torch
@@ -84,7 +86,8 @@ def assert_row_sparse_like(grad, dense_grad, **tol):
     ],
     ids=["duplicates", "negative-2d", "int32", "empty", "scalar"],
 )
-# A matrix goes through F.embedding and a coalescing hook, other shapes through a Function.
+# A matrix goes through torch.embedding, other shapes through a Function; the weight's hook
+# coalesces both.
 @pytest.mark.parametrize("shape", [(ROWS, DIM), (ROWS,), (ROWS, 2, 3)], ids=["2d", "1d", "3d"])
 def test_take_rows_is_weight_index_with_a_row_sparse_grad(index, shape):
     weight = torch.randn(*shape, requires_grad=True)
@@ -161,6 +164,82 @@ def test_no_grad_and_a_weight_that_needs_none():
     with torch.no_grad():
         out = parsum.take_rows(weight.requires_grad_(), index)
     assert not out.requires_grad and torch.equal(out, weight[index])
+
+
+# -- the hook that coalesces a table's gradient --------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(ROWS, DIM), (ROWS, 2, 2)], ids=["embedding", "function"])
+def test_one_coalesce_for_every_use_of_a_table_in_a_backward(shape):
+    weight = torch.randn(*shape, requires_grad=True)
+    first, second = torch.tensor([9, 3, 9]), torch.tensor([3, 0])
+    loss = parsum.take_rows(weight, first).sum() + 2 * parsum.take_rows(weight, second).sum()
+    (grad,) = torch.autograd.grad(loss, weight)
+    assert grad.is_coalesced() and grad._indices().tolist() == [[0, 3, 9]]
+    assert grad._values().reshape(3, -1)[:, 0].tolist() == [2.0, 3.0, 2.0]
+    assert len(weight._backward_hooks) == 1  # put on once, at the first call
+
+
+def test_the_hook_waits_for_a_table_to_need_a_gradient():
+    weight = torch.randn(ROWS, DIM)
+    parsum.take_rows(weight, torch.tensor([1]))
+    assert not weight._backward_hooks
+    weight.requires_grad_()
+    (grad,) = torch.autograd.grad(parsum.take_rows(weight, torch.tensor([4, 1, 4])).sum(), weight)
+    assert grad.is_coalesced() and grad._indices().tolist() == [[1, 4]]
+
+
+def test_the_hook_coalesces_other_sparse_gradients_and_passes_dense_ones():
+    weight = torch.randn(ROWS, DIM, requires_grad=True)
+    parsum.take_rows(weight, torch.tensor([0]))
+    index = torch.tensor([6, 2, 6])
+    (sparse,) = torch.autograd.grad(
+        nn.functional.embedding(index, weight, sparse=True).sum(), weight
+    )
+    assert sparse.is_coalesced() and sparse._indices().tolist() == [[2, 6]]
+    (dense,) = torch.autograd.grad(weight[index].sum(), weight)
+    assert dense.layout == torch.strided and dense[6, 0] == 2.0
+
+
+def test_a_hooked_table_saves_and_copies_without_its_hook(tmp_path):
+    model = Sampled(nn.Parameter(torch.randn(ROWS, DIM)), seed=0)
+    model(torch.randn(2, DIM))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.save warns about hooks it cannot save
+        torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    twin = copy.deepcopy(model)
+    for other in (loaded, twin):
+        assert not other.table._backward_hooks
+        assert torch.equal(other.table, model.table)
+        other(torch.randn(3, DIM)).sum().backward()  # hooked again at its first call
+        assert len(other.table._backward_hooks) == 1
+        assert other.table.grad.coalesce()._nnz() <= 3 * K
+
+
+def test_threads_reading_a_new_table_put_one_hook_on_it():
+    for _ in range(20):
+        weight = torch.randn(ROWS, DIM, requires_grad=True)
+        start = threading.Barrier(8)
+
+        def read(weight, start):
+            start.wait(timeout=10)
+            parsum.take_rows(weight, torch.tensor([1, 2]))
+
+        threads = [threading.Thread(target=read, args=(weight, start)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        assert len(weight._backward_hooks) == 1
+
+
+def test_tables_are_forgotten_with_their_weights():
+    before = len(_sparse._tables)
+    for _ in range(50):
+        parsum.take_rows(torch.randn(ROWS, DIM, requires_grad=True), torch.tensor([1]))
+    gc.collect()
+    assert len(_sparse._tables) <= before
 
 
 def test_cost_follows_the_rows_touched_not_the_table():
@@ -531,6 +610,27 @@ def test_step_in_backward_with_tables_of_their_own(opt_cls, kw):
             touched = torch.zeros(ROWS, dtype=torch.bool)
             touched[m.rows(torch.tanh(m.proj(x))).flatten()] = True
             assert torch.equal(changed, touched)
+
+
+def test_step_in_backward_steps_with_coalesced_rows_and_refuses_a_users_hook():
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.extend(p.grad.is_coalesced() for g in self.param_groups for p in g["params"])
+            return super().step(closure)
+
+    models = ensemble(n=2, shared=False)
+    for m in models:
+        m.proj.requires_grad_(False)
+    sib = parsum.StepInBackward(models, Recording, lr=0.1)
+    x = torch.randn(8, DIM)
+    for _ in range(2):  # the second call finds take_rows' hook on the tables: accepted
+        parsum.sum_models(models, x, step_in_backward=sib).sum().backward()
+    assert seen == [True] * 4
+    models[1].table.register_hook(lambda g: g)
+    with pytest.raises(parsum.ParsumError, match=r"'table' of models\[1\] .* gradient hook"):
+        parsum.sum_models(models, x, step_in_backward=sib)
 
 
 def test_compensated_flatgrad_keeps_small_sparse_additions():
