@@ -22,7 +22,8 @@
 # gradients as they come, in model order, and reduces them at the end over the union of their
 # rows: a row that one entry holds passes through as it is; the others are summed in a float64
 # accumulator for float32 and narrower, with TwoSum and a compensation for float64, the same
-# rules as every other reduction. A row's entries are added in the order of the parts, so the
+# rules as every other reduction. When no row holds more than two entries, one addition in the
+# dtype itself gives the same bits. A row's entries are added in the order of the parts, so the
 # bits depend only on the order of the models. Nothing of the table's size is allocated unless one
 # of the gradients is dense (a model that uses the whole table), which makes the sum dense.
 #
@@ -330,6 +331,16 @@ class RowSparseAccumulator:
         if not bool((rows[1:] == rows[:-1]).any()):  # every row once: nothing to add
             values = torch.cat([p._values() for p in parts]).index_select(0, order)
             return _coalesced(rows, values, first.shape)
+        if not bool((rows[2:] == rows[:-2]).any()):
+            # No row holds more than two entries: their sum, rounded once in their own dtype,
+            # has the bits of the wide (or compensated) sum rounded to it, since rounding twice
+            # is harmless for one addition when the wide format has 2p + 2 bits or more
+            # (Figueroa). The reduction of 4 x 64 rows of 512 in bench_sparse: 0.23 against 0.37 ms.
+            rows, inverse = torch.unique_consecutive(rows, return_inverse=True)
+            where = torch.empty_like(inverse).index_copy_(0, order, inverse)  # entry -> row
+            values = torch.cat([p._values() for p in parts])
+            total = values.new_zeros((rows.numel(), *first.shape[1:]))
+            return _coalesced(rows, total.index_add_(0, where, values), first.shape)
         wide = WIDE.get(first.dtype)
         if wide is not None:
             # Part after part into the wide rows, so each row's terms are added in the order

@@ -354,6 +354,43 @@ def test_row_sparse_reduction_of_disjoint_and_overlapping_rows():
                 torch.testing.assert_close(total.to_dense(), exact, rtol=2**-52, atol=0)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64]
+)
+def test_rows_of_two_entries_are_the_correctly_rounded_sum(dtype):
+    # No row with three entries: one addition in the dtype itself (its own branch), which
+    # must give the bits of the exact sum rounded once, as the wide path does.
+    torch.manual_seed(0)
+    n_rows, width = 40, 16
+    rows = [torch.randperm(n_rows)[:25], torch.randperm(n_rows)[:25]]
+    real = torch.float32 if dtype == torch.complex64 else dtype
+    span = 6 if dtype == torch.float16 else 30  # far-apart exponents, no overflow
+    scale = 2.0 ** torch.randint(-span, span, (2, 25, width))
+    values = (torch.randn(2, 25, width, dtype=torch.float64) * scale).to(real)
+    values[1, :5] = -values[0, :5] * (1 + 2.0**-10)  # cancellation where rows meet
+    if dtype == torch.complex64:
+        values = torch.complex(values, values.flip(1))
+    acc = RowSparseAccumulator()
+    for r, v in zip(rows, values):
+        acc.add(torch.sparse_coo_tensor(r.unsqueeze(0), v, (n_rows, width), check_invariants=True))
+    total = acc.result()
+    assert total.is_coalesced() and total._values().dtype == dtype
+    dense = [
+        torch.zeros(n_rows, width, dtype=dtype).index_copy_(0, r, v) for r, v in zip(rows, values)
+    ]
+
+    def exact(parts):
+        terms = torch.stack([p.double() for p in parts]).reshape(2, -1).T.tolist()
+        sums = torch.tensor([math.fsum(t) for t in terms], dtype=torch.float64)
+        return sums.reshape(n_rows, width).to(real)
+
+    if dtype == torch.complex64:
+        want = torch.complex(exact([d.real for d in dense]), exact([d.imag for d in dense]))
+    else:
+        want = exact(dense)
+    assert torch.equal(total.to_dense(), want)
+
+
 def test_row_sparse_reduction_propagates_inf_and_nan():
     values = [[math.inf], [1.0], [math.nan], [2.0]]
     rows = [[0], [0], [1], [3]]
