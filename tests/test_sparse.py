@@ -262,11 +262,17 @@ def test_cost_follows_the_rows_touched_not_the_table():
         (torch.zeros(3, 2), [0, 1], r"index is a list"),
         (torch.zeros(3, 2), torch.tensor([0, 3]), r"index holds row 3, outside \[-3, 3\)"),
         (torch.zeros(3, 2), torch.tensor([-4, 1]), r"index holds row -4, outside \[-3, 3\)"),
+        (torch.zeros(3, 2, 2), torch.tensor([5]), r"index holds row 5, outside \[-3, 3\)"),
+        (torch.zeros(3, 2, device="meta"), torch.tensor([0]), r"index is on cpu, weight on meta"),
     ],
 )
 def test_bad_input(weight, index, match):
+    if isinstance(weight, torch.Tensor) and weight.layout == torch.strided:
+        weight.requires_grad_()
     with pytest.raises(parsum.ParsumError, match=match):
         parsum.take_rows(weight, index)
+    if isinstance(weight, torch.Tensor):  # a failed call changes nothing
+        assert not weight._backward_hooks and _sparse.sampled_elements(weight) is None
 
 
 def test_refused_under_torch_func():
