@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from ._engines import VMAP_FAILED, ModelParams, Unit
-from ._sparse import sampled_elements
+from ._sparse import any_sampled, sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
 # AUTO_STACK_MAX_PARAM_ROWS parameter-rows each (NOTE [ Stacked groups ]).
@@ -215,9 +215,12 @@ def _param_rows(
     convolution's times its positions. A table read by take_rows counts its rows touched: the
     elements its last call gathered with ``last_call``, else one row per batch row (a cost
     that must not depend on the data)."""
-    total = 0
+    tensors = mp.tensors if tensors is None else tensors
     positions = _conv_positions(mp, batch)
-    for t in mp.tensors if tensors is None else tensors:
+    if not positions and not any_sampled():  # the common case, on every call
+        return sum([t.numel() for t in tensors]) * batch.rows
+    total = 0
+    for t in tensors:
         gathered = sampled_elements(t)
         if gathered is None:
             total += t.numel() * batch.rows * positions.get(id(t), 1)

@@ -72,6 +72,11 @@ _tables: dict[int, _Table] = {}
 _tables_lock = threading.Lock()
 
 
+def any_sampled() -> bool:
+    """Whether any tensor alive has been read by ``take_rows``."""
+    return bool(_tables)
+
+
 def sampled_elements(p: Tensor) -> int | None:
     """Elements the last ``take_rows`` call on ``p`` gathered, or None if it never ran."""
     entry = _tables.get(id(p))
