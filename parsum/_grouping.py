@@ -82,21 +82,25 @@ def plan_units(
         return [Unit((i,), engine) for i in range(len(models))]
     auto = engine == "auto"
     min_models = AUTO_STACK_MIN_MODELS if auto else 2
-    # Models of one parameter layout first: structure keys cost far more, and this runs on every
-    # call, so only layouts with enough models get them.
+    # Models of one parameter layout first: the sharing check and structure keys cost far more,
+    # and this runs on every call, so only layouts with enough models get them.
     layouts: dict[Hashable, list[int]] = {}
-    for i in _stackable(models, model_params):
-        if auto and models[i] in VMAP_FAILED:
-            continue
-        mp = model_params[i]
-        if not auto or _param_rows(mp, batch) <= AUTO_STACK_MAX_PARAM_ROWS:
-            layout = (type(models[i]), tuple(p.shape for p in mp.tensors))
-            layouts.setdefault(layout, []).append(i)
+    for i, (model, mp) in enumerate(zip(models, model_params)):
+        if isinstance(model, nn.Module) and mp.tensors and not (auto and model in VMAP_FAILED):
+            layouts.setdefault((type(model), tuple(p.shape for p in mp.tensors)), []).append(i)
+    candidates = [same for same in layouts.values() if len(same) >= min_models]
+    stackable = set(_stackable(models, model_params)) if candidates else set()
     groups: dict[Hashable, list[int]] = {}
-    for same_layout in layouts.values():
-        if len(same_layout) < min_models:
+    for same_layout in candidates:
+        members = [
+            i
+            for i in same_layout
+            if i in stackable
+            and (not auto or _param_rows(model_params[i], batch) <= AUTO_STACK_MAX_PARAM_ROWS)
+        ]
+        if len(members) < min_models:
             continue
-        for i in same_layout:
+        for i in members:
             key = structure_key(model_params[i])
             if key is not None:
                 groups.setdefault(key, []).append(i)
