@@ -277,21 +277,20 @@ def structure_key(mp: ModelParams) -> Hashable | None:
     """What two models must share to run as one stacked group; None if this one cannot."""
     parts: list[Hashable] = []
     for module in mp.modules:
+        attributes = vars(module)  # this runs for every candidate model on every call
         if (
-            module._forward_hooks
-            or module._forward_pre_hooks
-            or module._backward_hooks
-            or module._backward_pre_hooks
-            or (module.training and module._buffers)
+            attributes["_forward_hooks"]
+            or attributes["_forward_pre_hooks"]
+            or attributes["_backward_hooks"]
+            or attributes["_backward_pre_hooks"]
+            or (attributes["training"] and attributes["_buffers"])
         ):
             return None
-        attributes = vars(module)
-        config = tuple(
-            (k, _value_key(attributes[k])) for k in sorted(attributes.keys() - _INTERNAL)
-        )
-        parts.append((type(module), module.training, tuple(module._modules), config))
-    parts.append(tuple(_tensor_key(n, p) for n, p in zip(mp.names, mp.tensors)))
-    parts.append(tuple(_tensor_key(n, t) for n, t in zip(mp.state_names, mp.state)))
+        own = attributes.keys() - _INTERNAL
+        config = tuple([(k, _value_key(attributes[k])) for k in sorted(own)]) if own else ()
+        parts.append((type(module), attributes["training"], tuple(attributes["_modules"]), config))
+    parts.append(tuple([_tensor_key(n, p) for n, p in zip(mp.names, mp.tensors)]))
+    parts.append(tuple([_tensor_key(n, t) for n, t in zip(mp.state_names, mp.state)]))
     return tuple(parts)
 
 
@@ -300,7 +299,7 @@ _INTERNAL = frozenset(vars(nn.Module()))
 
 
 def _tensor_key(name: str, t: Tensor) -> Hashable:
-    return (name, tuple(t.shape), t.dtype, t.device, t.layout)
+    return (name, t.shape, t.dtype, t.device, t.layout)  # torch.Size hashes as a tuple
 
 
 def _value_key(v: Any) -> Hashable:
