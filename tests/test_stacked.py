@@ -84,6 +84,9 @@ def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
     hooked = [mlp([8]) for _ in range(3)]
     hooked[1][0].register_forward_hook(lambda *a: None)
     assert groups(hooked, "stacked") == [(0, 2)]
+    eight = [mlp([8]) for _ in range(8)]  # model 0 shares a layer with a model of another layout
+    other = nn.Sequential(eight[0][0], nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, OUT))
+    assert groups([*eight, other], "stacked") == [tuple(range(1, 8))]
     act = nn.Tanh()  # a shared module without state is harmless
     assert groups([nn.Sequential(nn.Linear(IN, OUT), act) for _ in range(2)], "stacked") == [(0, 1)]
 
