@@ -2,7 +2,11 @@
 
 1. Per-call overhead: one training step (forward + backward) of parsum.sum_models with
    n_jobs=1, per engine, against the plain loop sum(m(x) for m in models) with 1 intra-op
-   thread (parsum with n_jobs=1 also runs its models with 1 intra-op thread).
+   thread (parsum with n_jobs=1 also runs its models with 1 intra-op thread). A reference row,
+   "pullbacks only", is the autograd engine's design with nothing else: each model's graph
+   pulled back on its own (torch.autograd.backward(out_i, g, inputs=params_i)) after a plain
+   sum of the detached outputs; no planning, no compensated sums, no checks. What parsum costs
+   beyond that row is its per-call bookkeeping.
 2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
    time the reductions of a medium step take against the whole step.
 
@@ -46,7 +50,10 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
             lambda: loss_of(parsum.sum_models(models, x, n_jobs=1, engine=engine)).backward()
         )
 
-    methods = {"plain-1t": one_thread(zeroed(lambda: plain_step(models, x)))}
+    methods = {
+        "plain-1t": one_thread(zeroed(lambda: plain_step(models, x))),
+        "pullbacks only": one_thread(zeroed(lambda: pullbacks_only(models, x))),
+    }
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
             continue
@@ -59,6 +66,15 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
         extra = (t - base) / len(models) * 1e6
         print(f"{method:>18} {t * 1e3:9.2f} {base / t:16.2f} {extra:15.1f}")
     return medians
+
+
+def pullbacks_only(models: list[torch.nn.Module], x: torch.Tensor) -> None:
+    """One engine run per model, gradients stored by autograd; the sum and loss as usual."""
+    outs = [m(x) for m in models]
+    y = sum(o.detach() for o in outs).requires_grad_()  # type: ignore[union-attr]
+    loss_of(y).backward()
+    for m, out in zip(models, outs):
+        torch.autograd.backward(out, y.grad, inputs=list(m.parameters()))
 
 
 def naive_sum(xs: list[torch.Tensor]) -> torch.Tensor:
