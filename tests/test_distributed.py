@@ -3,6 +3,8 @@ sum_models over all the models: outputs, input gradients, parameter gradients, a
 
 import datetime
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -171,3 +173,29 @@ def test_nccl_on_two_gpus():
 def test_needs_an_initialized_process_group():
     with pytest.raises(parsum.ParsumError, match=r"torch.distributed is not initialized"):
         parsum.distributed.sum_models([nn.Linear(IN, OUT)], torch.randn(2, IN))
+
+
+RELEASE_SCRIPT = """
+import os, torch, torch.distributed as dist
+import parsum
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # imports torch._dynamo, as training does
+dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(t for t in threads if "gloo" in t))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_destroy_process_group_stops_gloo_threads_when_parsum_is_imported_first():
+    # NOTE [ Releasing the process group ]. Without the import of parsum this prints gloo's
+    # three threads on torch 2.13.
+    done = subprocess.run(
+        [sys.executable, "-c", RELEASE_SCRIPT % free_port()],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

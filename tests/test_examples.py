@@ -90,7 +90,7 @@ def test_distributed_ensemble_under_torchrun():
         timeout=100,
         cwd=ROOT / "examples",
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
     assert "2 processes, 4 members (2 on rank 0): test accuracy" in done.stdout
 
 
