@@ -24,9 +24,9 @@ gets the sum over all ranks.
 # first imported. torch imports it lazily (``torch.optim`` does, through ``torch._dynamo``), so a
 # script that builds its optimizer after ``init_process_group`` pins the default group for the
 # life of the process: ``destroy_process_group`` then leaves gloo's threads running into
-# interpreter shutdown, which aborted the distributed example ("terminate called without an
-# active exception") in about 1 run in 30 under load. Importing it here, before any group
-# exists, binds those defaults to None.
+# interpreter shutdown, where the process can abort ("terminate called without an active
+# exception"; 8 in 76 runs of a torch-only script under load, 0 in 100 with the module
+# imported first). Importing it here, before any group exists, binds those defaults to None.
 """
 
 from __future__ import annotations
