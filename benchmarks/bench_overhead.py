@@ -5,8 +5,12 @@
    thread (parsum with n_jobs=1 also runs its models with 1 intra-op thread). A reference row,
    "pullbacks only", is the autograd engine's design with nothing else: each model's graph
    pulled back on its own (torch.autograd.backward(out_i, g, inputs=params_i)) after a plain
-   sum of the detached outputs; no planning, no compensated sums, no checks. What parsum costs
-   beyond that row is its per-call bookkeeping.
+   sum of the detached outputs; no planning, no compensated sums, no checks. A second one,
+   "function floor", is the least that any design which returns every parameter's gradient from
+   one ``torch.autograd.Function`` (as ``ParallelSum`` does) can cost: the models' forwards
+   inside the Function, a naive sum, and in its backward one gradient capture per model
+   (accumulate_grad=False), returned for autograd to accumulate into ``.grad``. What parsum
+   costs beyond that row is its per-call bookkeeping.
 2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
    time the reductions of a medium step take against the whole step.
 
@@ -26,8 +30,10 @@ from collections.abc import Callable
 
 import torch
 from common import interleaved, loss_of, one_thread, plain_step, workload
+from torch.autograd.graph import get_gradient_edge
 
 import parsum
+from parsum._engines import pull_back
 from parsum._summation import CompensatedAccumulator
 
 ENGINES = ("autograd", "vjp", "stacked", "auto")
@@ -53,6 +59,7 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
     methods = {
         "plain-1t": one_thread(zeroed(lambda: plain_step(models, x))),
         "pullbacks only": one_thread(zeroed(lambda: pullbacks_only(models, x))),
+        "function floor": one_thread(zeroed(function_floor(models, x))),
     }
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
@@ -75,6 +82,29 @@ def pullbacks_only(models: list[torch.nn.Module], x: torch.Tensor) -> None:
     loss_of(y).backward()
     for m, out in zip(models, outs):
         torch.autograd.backward(out, y.grad, inputs=list(m.parameters()))
+
+
+def function_floor(models: list[torch.nn.Module], x: torch.Tensor) -> Callable[[], None]:
+    """A step through the simplest autograd.Function that fans out per-model pullbacks."""
+    params = [tuple(m.parameters()) for m in models]
+    everything = [p for ps in params for p in ps]
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor, *_params: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                ctx.outs = [m(x) for m in models]
+            return naive_sum([o.detach() for o in ctx.outs])
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            grads: list[torch.Tensor | None] = []
+            for out, wrt in zip(ctx.outs, params):  # autograd.grad, minus its Python checks
+                grads += pull_back([get_gradient_edge(out)], wrt, [grad], False)
+            ctx.outs = None
+            return (None, *grads)
+
+    return lambda: loss_of(Floor.apply(x, *everything)).backward()
 
 
 def naive_sum(xs: list[torch.Tensor]) -> torch.Tensor:
