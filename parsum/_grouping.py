@@ -13,7 +13,9 @@ whether threads pay.
 # engine="stacked" stacks every group of two or more such models; engine="auto" only groups of
 # small models, where vmap pays: 16 MLPs at 1 thread measured vmap against the plain loop at
 # 1.44x for 0.57M parameter-rows (parameters x batch rows) per model, 1.05-1.08x at 0.9-1.7M,
-# 0.84x at 6.7M; 64 tiny MLPs (55K) 7.3x.
+# 0.84x at 6.7M; 64 tiny MLPs (55K) 7.3x. Smaller groups pay less, for vmap's cost per group:
+# 48 tiny MLPs in groups of k architectures, n_jobs=1, against the plain loop, stacked/autograd
+# measured 0.33/0.58 (k=2), 0.48/0.62 (4), 0.58/0.61 (6), 0.65/0.60 (8): hence groups of 8.
 #
 # NOTE [ Threads that pay ]
 # A model's Python work (module calls, autograd bookkeeping) holds the GIL, so threads pay only
