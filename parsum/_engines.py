@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
@@ -105,7 +106,9 @@ class ModelParams:
         names: the trainable parameters' names, for ``functional_call``.
         tensors: the trainable parameters, each once: what the pullback differentiates.
         buffers: every buffer, each once.
-        training_buffers: the buffers of submodules in training mode, which forward may update.
+        training_buffers: the running statistics of normalization layers in training mode,
+            which forward updates and a failed call restores (NOTE [ Failed calls change
+            nothing ] in ``_function``).
         modules: every submodule, each once, the model included.
         state_names, state: the frozen parameters and the buffers, with their names (what
             ``functional_call`` must also be given to run another model's state).
@@ -153,6 +156,7 @@ class ModelParams:
                         state.append(p)
             own_buffers = module._buffers
             if own_buffers:
+                restored = module.training and isinstance(module, _NormBase)
                 for name, b in own_buffers.items():
                     if b is None or id(b) in seen_tensors:
                         continue
@@ -160,7 +164,7 @@ class ModelParams:
                     buffers.append(b)
                     state_names.append(prefix + name)
                     state.append(b)
-                    if module.training:
+                    if restored:
                         training_buffers.append(b)
             children = module._modules
             if children:

@@ -13,8 +13,12 @@
 #
 # NOTE [ Failed calls change nothing ]
 # backward raises before returning any gradient, so autograd accumulates nothing from this node
-# into any ``.grad``. forward restores the buffers of modules in training mode (BatchNorm running
-# statistics) to what they were before the call.
+# into any ``.grad``. forward restores the running statistics of normalization layers in
+# training mode (BatchNorm, InstanceNorm: torch.nn's modules that update buffers in forward) to
+# what they were before the call. Other buffers are not copied: a copy of every buffer on every
+# call cost 18.9 ms a step against the plain loop's 1.0 ms for 8 small models with a 1024 x 1024
+# mask buffer each. A custom module that updates a buffer in forward therefore keeps the update
+# of a failed call, as it does in the plain loop.
 """
 
 from __future__ import annotations
@@ -288,7 +292,7 @@ def _add_group(
 
 
 class _BufferSnapshot:
-    """Copies of the buffers of modules in training mode, to undo a failed forward."""
+    """Copies of the running statistics a forward updates, to undo a failed one."""
 
     def __init__(self, model_params: Sequence[ModelParams]) -> None:
         seen = {id(b): b for mp in model_params for b in mp.training_buffers}

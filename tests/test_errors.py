@@ -156,6 +156,34 @@ def test_failed_forward_restores_batchnorm_buffers():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+class CountsCalls(nn.Module):
+    """Updates a buffer of its own in forward, as a custom statistic would."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_failed_forward_keeps_custom_buffer_updates_as_the_plain_loop():
+    # Only normalization layers' running statistics are copied and restored; copying every
+    # buffer on every call would cost more than the step for a large constant buffer.
+    models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT)), CountsCalls()]
+    models.append(Boom())
+    stats = [b.clone() for b in models[0].buffers()]
+    with pytest.raises(parsum.ParsumError, match="model 2"):
+        parsum.sum_models(models, torch.randn(8, IN), n_jobs=1)
+    assert all(torch.equal(a, b) for a, b in zip(stats, models[0].buffers()))
+    assert models[1].calls.item() == 1  # what `sum(m(x) for m in models)` leaves too
+    with pytest.raises(ValueError, match="boom"):
+        sum(m(torch.randn(8, IN)) for m in models)
+    assert models[1].calls.item() == 2
+
+
 def test_vjp_engine_refuses_buffer_updates_with_a_hint():
     models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))]
     x = torch.randn(8, IN, requires_grad=True)

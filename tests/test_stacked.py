@@ -10,7 +10,7 @@ from torch import nn
 
 import parsum
 from parsum._engines import ModelParams
-from parsum._grouping import Batch, plan_units
+from parsum._grouping import AUTO_STACK_MAX_STATE_ELEMENTS, Batch, plan_units
 from tests.test_errors import Boom
 from tests.test_sum_models import TOL, assert_same_grads, run_both
 from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads
@@ -55,6 +55,32 @@ def test_auto_groups_only_many_small_models():
     big = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M parameters x 4 rows
     assert groups(big, "auto") == []
     assert groups(big, "stacked") == [tuple(range(8))]
+
+
+class WithBuffer(nn.Module):
+    def __init__(self, elements):
+        super().__init__()
+        self.body = mlp([8])
+        self.register_buffer("scale", torch.ones(elements))
+
+    def forward(self, x):
+        return self.body(x) * self.scale[0]
+
+
+def test_auto_does_not_stack_models_with_large_buffers():
+    # Buffers and frozen parameters are stacked on every call: a copy the compute must pay for.
+    small = [WithBuffer(AUTO_STACK_MAX_STATE_ELEMENTS).eval() for _ in range(8)]
+    assert groups(small, "auto") == [tuple(range(8))]
+    large = [WithBuffer(AUTO_STACK_MAX_STATE_ELEMENTS + 1).eval() for _ in range(8)]
+    assert groups(large, "auto") == []
+    assert groups(large, "stacked") == [tuple(range(8))]
+    frozen = [mlp([8]).requires_grad_(False) for _ in range(8)]
+    for m in frozen:
+        m[0].weight.requires_grad_(True)
+    assert groups(frozen, "auto") == [tuple(range(8))]  # small frozen parameters: stacked
+    x = torch.randn(4, IN)
+    want = sum(m(x) for m in large)
+    assert torch.allclose(parsum.sum_models(large, x), want, atol=1e-6)
 
 
 def leaky(slope):
