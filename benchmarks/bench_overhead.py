@@ -13,6 +13,9 @@
    costs beyond that row is its per-call bookkeeping.
 2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
    time the reductions of a medium step take against the whole step.
+3. Large buffers: 8 small models that each hold a 1024 x 1024 constant buffer (a mask), in
+   training and in eval mode, against the plain loop: a cost that grows with the buffers
+   would show here (a copy of every buffer per call to undo a failed one, or stacking them).
 
 Every method runs once per round, interleaved, after a warm-up; medians over the rounds and
 ratios measured in this one process. Gradients accumulate into ``.grad`` from step to step;
@@ -20,6 +23,7 @@ with ``--zero-grad`` every method first sets them to None, as ``optimizer.zero_g
 so autograd stores each gradient instead of adding it to the last one.
 
     python benchmarks/bench_overhead.py [--rounds 40] [--zero-grad] [--json out.json]
+        [--only overhead|reduction|buffers]
 """
 
 from __future__ import annotations
@@ -168,25 +172,71 @@ def reduction(rounds: int) -> dict[str, float]:
     return results
 
 
+class Masked(torch.nn.Module):
+    """A small MLP whose output is scaled by a slice of a large constant buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)
+        )
+        self.register_buffer("mask", torch.tril(torch.ones(1024, 1024)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.mask[: x.shape[0], :64]
+
+
+def large_buffers(rounds: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    models = [Masked() for _ in range(8)]
+    x = torch.randn(64, 64)
+
+    def in_mode(training: bool, step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for m in models:
+                m.train(training)
+            step()
+
+        return run
+
+    methods = {}
+    for mode, training in (("train", True), ("eval", False)):
+        methods[f"plain-1t {mode}"] = in_mode(training, one_thread(lambda: plain_step(models, x)))
+        methods[f"parsum {mode}"] = in_mode(
+            training, lambda: loss_of(parsum.sum_models(models, x, n_jobs=1)).backward()
+        )
+    medians = interleaved(methods, rounds)
+    print("\nlarge buffers: 8 MLPs of width 64, batch 64, each with a 1024 x 1024 buffer")
+    print(f"{'mode':>6} {'plain-1t ms':>12} {'parsum ms':>10} {'plain-1t / parsum':>18}")
+    for mode in ("train", "eval"):
+        base, ours = medians[f"plain-1t {mode}"], medians[f"parsum {mode}"]
+        print(f"{mode:>6} {base * 1e3:12.2f} {ours * 1e3:10.2f} {base / ours:18.2f}")
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--zero-grad", action="store_true", help="set .grad to None each step")
     parser.add_argument("--json", help="write the medians (seconds) and ratios to this file")
+    parser.add_argument("--only", choices=("overhead", "reduction", "buffers"))
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds; "
         + ("grads set to None before each step" if args.zero_grad else "grads accumulate")
     )
-    results = {
-        name: overhead(name, batch, args.rounds, args.zero_grad)
+    results: dict[str, dict[str, float]] = {}
+    if args.only in (None, "overhead"):
         for name, batch in (
             ("heterogeneous-tiny", None),
             ("identical-tiny", None),
             ("heterogeneous-medium", 64),
-        )
-    }
-    results["reduction"] = reduction(args.rounds)
+        ):
+            results[name] = overhead(name, batch, args.rounds, args.zero_grad)
+    if args.only in (None, "reduction"):
+        results["reduction"] = reduction(args.rounds)
+    if args.only in (None, "buffers"):
+        results["large_buffers"] = large_buffers(args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
