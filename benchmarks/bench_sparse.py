@@ -17,20 +17,24 @@ the table, for R = 2^8 ... 2^16, at one intra-op thread:
 
 Every method runs once per round, for every table size, interleaved, after a warm-up (the dense
 steps in a round robin of their own, with a tenth of the rounds); medians over the rounds,
-ratios measured in this one process. Targets (issue): take_rows and ens/model grow by less than 1.5x
-from the smallest to the largest table, and are no slower than embedding at any size.
+ratios measured in this one process. Against embedding, each round's take_rows (or ens/model)
+time is divided by the same round's embedding time; the table shows the median of those ratios
+and a 95% bootstrap interval of it, so that noise is not read as a difference. Targets (issue):
+take_rows and ens/model grow by less than 1.5x from the smallest to the largest table, and are
+no slower than embedding at any size.
 
-    python benchmarks/bench_sparse.py [--rounds 200] [--models 4] [--json out.json]
+    python benchmarks/bench_sparse.py [--rounds 600] [--models 4] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable
 
 import torch
-from common import interleaved
+from common import interleaved, interleaved_rounds, paired_ratio
 from torch import nn
 
 import parsum
@@ -134,7 +138,7 @@ def methods_for(n_rows: int, n_models: int, lr: float = 1e-3) -> dict[str, Calla
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=600)
     parser.add_argument("--models", type=int, default=4)
     parser.add_argument("--min-log2", type=int, default=8)
     parser.add_argument("--max-log2", type=int, default=16)
@@ -148,7 +152,7 @@ def main() -> None:
         f"ensembles of {args.models} models, per model)"
     )
     header = "".join(f"{n + ('/m' if n in per_model else ''):>14}" for n in names)
-    print(f"{'rows':>7}{header}{'take/emb':>10}{'ens/emb':>9}")
+    print(f"{'rows':>7}{header}{'take/emb [95%]':>22}{'ens/emb [95%]':>22}")
     # Every size's methods in one round robin, so that drift of the machine over the run
     # cannot pass for growth with the table's size. The dense steps get a round robin of their
     # own: each writes a gradient of the whole table, which would flush the caches of the
@@ -160,23 +164,38 @@ def main() -> None:
         for name, fn in methods_for(n_rows, args.models).items()
     }
     dense = {key: fn for key, fn in methods.items() if key[1] == "dense"}
-    times = interleaved({k: f for k, f in methods.items() if k not in dense}, args.rounds, 10)
+    rounds = interleaved_rounds(
+        {k: f for k, f in methods.items() if k not in dense}, args.rounds, 10
+    )
+    times = {key: statistics.median(ts) for key, ts in rounds.items()}
     times.update(interleaved(dense, max(args.rounds // 10, 5), 2))
     results = []
     for n_rows in sizes:
         ms = {n: times[n_rows, n] * 1e3 / (args.models if n in per_model else 1) for n in names}
-        results.append({"rows": n_rows, **ms})
+        # Ratios of the two steps timed in the same round, with the interval of their median.
+        emb = rounds[n_rows, "embedding"]
+        ratios = {
+            "take_rows": paired_ratio(rounds[n_rows, "take_rows"], emb),
+            "ens": paired_ratio([t / args.models for t in rounds[n_rows, "ens"]], emb),
+        }
+        results.append({"rows": n_rows, **ms, "against_embedding": ratios})
         cells = "".join(f"{ms[n]:14.3f}" for n in names)
-        take, ens = ms["take_rows"] / ms["embedding"], ms["ens"] / ms["embedding"]
-        print(f"{n_rows:>7}{cells}{take:10.2f}{ens:9.2f}")
+        shown = "".join(f"{r:10.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in ratios.values())
+        print(f"{n_rows:>7}{cells}{shown}")
     first, last = results[0], results[-1]
     print(f"growth from {first['rows']} to {last['rows']} rows (target < 1.5x for take_rows, ens):")
     print("  " + "  ".join(f"{n} {last[n] / first[n]:.2f}x" for n in names))
-    worst = {n: max(r[n] / r["embedding"] for r in results) for n in ("take_rows", "ens")}
-    print(
-        "  slowest against embedding at any size (target <= 1.0): "
-        + "  ".join(f"{n} {v:.2f}x" for n, v in worst.items())
-    )
+    print("against embedding, per-round ratios (target <= 1.0 at every size):")
+    for n in ("take_rows", "ens"):
+        per_size = [(r["rows"], *r["against_embedding"][n]) for r in results]
+        rows, ratio, lo, hi = max(per_size, key=lambda t: t[1])
+        slower = [size for size, _, low, _ in per_size if low > 1.0]
+        verdict = (
+            f"slower at {slower} rows (interval above 1.0)"
+            if slower
+            else "not slower at any size (no interval above 1.0)"
+        )
+        print(f"  {n}: highest {ratio:.3f}x [{lo:.3f}, {hi:.3f}] at {rows} rows; {verdict}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
