@@ -106,7 +106,7 @@ class ModelParams:
         names: the trainable parameters' names, for ``functional_call``.
         tensors: the trainable parameters, each once: what the pullback differentiates.
         buffers: every buffer, each once.
-        training_buffers: the running statistics of normalization layers in training mode,
+        restored_buffers: the running statistics of normalization layers in training mode,
             which forward updates and a failed call restores (NOTE [ Failed calls change
             nothing ] in ``_function``).
         modules: every submodule, each once, the model included.
@@ -117,7 +117,7 @@ class ModelParams:
     names: list[str]
     tensors: list[Tensor]
     buffers: list[Tensor] = field(default_factory=list)
-    training_buffers: list[Tensor] = field(default_factory=list)
+    restored_buffers: list[Tensor] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     state_names: list[str] = field(default_factory=list)
     state: list[Tensor] = field(default_factory=list)
@@ -131,7 +131,7 @@ class ModelParams:
         if not isinstance(model, nn.Module):
             return info
         names, tensors, state_names, state = info.names, info.tensors, info.state_names, info.state
-        buffers, training_buffers, modules = info.buffers, info.training_buffers, info.modules
+        buffers, restored_buffers, modules = info.buffers, info.restored_buffers, info.modules
         seen_modules: set[int] = set()
         seen_tensors: set[int] = set()
         stack: list[tuple[str, nn.Module]] = [("", model)]
@@ -165,7 +165,7 @@ class ModelParams:
                     state_names.append(prefix + name)
                     state.append(b)
                     if restored:
-                        training_buffers.append(b)
+                        restored_buffers.append(b)
             children = module._modules
             if children:
                 stack.extend(
