@@ -104,15 +104,7 @@ def plan_units(
         members = [
             i
             for i in same_layout
-            if i in stackable
-            and (
-                not auto
-                or (
-                    _param_rows(model_params[i], batch) <= AUTO_STACK_MAX_PARAM_ROWS
-                    and sum([t.numel() for t in model_params[i].state])
-                    <= AUTO_STACK_MAX_STATE_ELEMENTS
-                )
-            )
+            if i in stackable and (not auto or _small_enough(model_params[i], batch))
         ]
         if len(members) < min_models:
             continue
@@ -138,6 +130,14 @@ def plan_units(
         elif found[0] == i:
             units.append(Unit(found, "stacked"))
     return units
+
+
+def _small_enough(mp: ModelParams, batch: Batch) -> bool:
+    """Whether engine="auto" stacks this model (NOTE [ Stacked groups ])."""
+    return (
+        _param_rows(mp, batch) <= AUTO_STACK_MAX_PARAM_ROWS
+        and sum([t.numel() for t in mp.state]) <= AUTO_STACK_MAX_STATE_ELEMENTS
+    )
 
 
 class Batch(NamedTuple):
