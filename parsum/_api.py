@@ -83,6 +83,13 @@ def sum_models(
             index and type, with the original exception chained). A failed call changes no
             ``.grad`` and restores the buffers of modules in training mode.
     """
+    if torch._C._are_functorch_transforms_active():
+        raise ParsumError(
+            f"{_WHERE}: called inside a torch.func transform (grad, vmap, jacrev, ...); the "
+            "workers run the models and their pullbacks with torch.autograd, outside the "
+            "transform: differentiate with torch.autograd.grad or "
+            "torch.autograd.functional.jacobian, or sum the models plainly inside the transform"
+        )
     models = _check_models(models)
     settings = _config.current_settings()
     engine = _config.check_engine(engine, _WHERE)
@@ -95,6 +102,7 @@ def sum_models(
     call = CallArgs.flatten(args, kwargs)
     tensors = [call.leaves[j] for j in call.tensor_positions]
     model_params = [ModelParams.of(m) for m in models]
+    _check_initialized(models, model_params)
     params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
@@ -146,6 +154,18 @@ def _check_models(models: Any) -> list[Callable[..., Any]]:
                 "not callable; expected an nn.Module or another callable"
             )
     return models
+
+
+def _check_initialized(models: list[Callable[..., Any]], model_params: list[ModelParams]) -> None:
+    for i, (model, mp) in enumerate(zip(models, model_params)):
+        if mp.uninitialized is not None:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) has lazy parameters that are "
+                f"not initialized yet, in {mp.uninitialized}; parsum needs every "
+                "parameter's shape before the forwards run: call the model once first (for "
+                "example on one batch under torch.no_grad()), as DistributedDataParallel and "
+                "torch.func also require"
+            )
 
 
 def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Tensor | None]:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
@@ -112,6 +113,8 @@ class ModelParams:
         modules: every submodule, each once, the model included.
         state_names, state: the frozen parameters and the buffers, with their names (what
             ``functional_call`` must also be given to run another model's state).
+        uninitialized: where lazy parameters are not initialized yet (a ``LazyLinear``
+            before its first call), as "submodule 'name' (type)", or None.
     """
 
     names: list[str]
@@ -121,6 +124,7 @@ class ModelParams:
     modules: list[nn.Module] = field(default_factory=list)
     state_names: list[str] = field(default_factory=list)
     state: list[Tensor] = field(default_factory=list)
+    uninitialized: str | None = None
 
     @classmethod
     def of(cls, model: Callable[..., Any]) -> ModelParams:
@@ -142,6 +146,9 @@ class ModelParams:
                 continue
             seen_modules.add(key)
             modules.append(module)
+            if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+                where = f"submodule {prefix[:-1]!r}" if prefix else "the model itself"
+                info.uninitialized = info.uninitialized or f"{where} ({type(module).__name__})"
             own = module._parameters
             if own:
                 for name, p in own.items():

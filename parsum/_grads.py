@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedParameter
 
 from ._errors import ParsumError
 from ._sparse import has_user_hooks
@@ -238,6 +239,12 @@ def _collect_params(items: Any) -> list[Tensor]:
     def add(p: Tensor, where: str) -> None:
         if not p.requires_grad or id(p) in seen:
             return
+        if isinstance(p, UninitializedParameter):
+            raise ParsumError(
+                f"{_WHERE}: {where} is a lazy parameter that is not initialized yet, so its "
+                "size is unknown; call its module once first (for example on one batch under "
+                "torch.no_grad())"
+            )
         if not p.is_leaf:
             raise ParsumError(
                 f"{_WHERE}: {where} is a tensor computed from others (grad_fn "

@@ -58,6 +58,19 @@ def test_nested_calls_do_not_deadlock(n_jobs):
         torch.testing.assert_close(a, b)
 
 
+def test_nested_calls_in_models_that_auto_would_stack():
+    # Identical models are vmapped as one group, where the inner call refuses to run inside a
+    # transform; auto then runs the group one model at a time.
+    torch.manual_seed(0)
+    models = [Nested(2, n_jobs=1) for _ in range(8)]
+    ref = [PlainNested(m) for m in clone_models(models)]
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, engine="auto").pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
 def test_concurrent_callers():
     n_threads, rounds = 4, 5
     torch.manual_seed(0)

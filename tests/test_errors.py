@@ -184,6 +184,51 @@ def test_failed_forward_keeps_custom_buffer_updates_as_the_plain_loop():
     assert models[1].calls.item() == 2
 
 
+@pytest.mark.parametrize("engine", ["auto", "autograd", "stacked"])
+def test_lazy_model_not_yet_initialized_is_named(engine):
+    # parsum needs every parameter's shape before the forwards run (to plan and to pass the
+    # parameters to its autograd Function), as DistributedDataParallel does.
+    def models():
+        torch.manual_seed(0)
+        return [mlp([6]), nn.Sequential(nn.Linear(IN, 5), nn.Tanh(), nn.LazyLinear(OUT))]
+
+    lazy = models()
+    x = torch.randn(8, IN)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"models\[1\] \(Sequential\) has lazy parameters .* submodule '2' \(LazyLinear\)",
+    ):
+        parsum.sum_models(lazy, x, engine=engine)
+    assert all(g is None for g in param_grads(lazy))
+    with pytest.raises(parsum.ParsumError, match=r"in the model itself \(LazyLinear\)"):
+        parsum.sum_models([nn.LazyLinear(OUT)], x, engine=engine)
+
+    with torch.no_grad():  # what the message asks for: one call initializes the shapes
+        lazy[1](x)
+    plain = clone_models(lazy)
+    parsum.sum_models(lazy, x, engine=engine).square().sum().backward()
+    sum(m(x) for m in plain).square().sum().backward()
+    for got, want in zip(param_grads(lazy), param_grads(plain)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_with_what_to_use(transform):
+    models = [mlp([4]) for _ in range(2)]
+    x = torch.randn(3, IN)
+
+    def total(x):
+        return parsum.sum_models(models, x).sum(-1)
+
+    run = {
+        "grad": lambda: torch.func.grad(lambda x: total(x).sum())(x),
+        "vmap": lambda: torch.func.vmap(total)(x),
+    }[transform]
+    with pytest.raises(parsum.ParsumError, match=r"inside a torch\.func transform.*autograd\.grad"):
+        run()
+    assert all(g is None for g in param_grads(models))
+
+
 def test_vjp_engine_refuses_buffer_updates_with_a_hint():
     models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))]
     x = torch.randn(8, IN, requires_grad=True)

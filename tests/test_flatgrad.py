@@ -421,6 +421,10 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated):
         ([nn.Linear(2, 2).weight * 2], r"params_or_modules\[0\] is a tensor computed"),
         ([nn.Linear(2, 2).requires_grad_(False)], "no trainable parameter"),
         ([], "no trainable parameter"),
+        (
+            [nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3))],
+            r"params_or_modules\[0\]\.1\.weight is a lazy parameter that is not initialized",
+        ),
     ],
 )
 def test_bad_input(arg, match):
