@@ -462,3 +462,29 @@ def test_pullbacks_give_the_same_bits_through_either_entry_point(monkeypatch, ho
         assert (g is None) == (w is None)
         if g is not None:
             assert torch.equal(g.as_subclass(torch.Tensor), w)
+
+
+class Checkpointed(nn.Module):
+    """Recomputes its hidden layer in backward instead of keeping it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(IN, width), nn.Linear(width, OUT)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.hidden(t)), x, use_reentrant=False
+        )
+        return self.head(h)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_activation_checkpointing_inside_models(n_jobs):
+    # The recomputation runs inside each model's pullback, in the workers.
+    torch.manual_seed(0)
+    models = [Checkpointed(w) for w in (3, 5, 7)]
+    x = torch.randn(6, IN, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, n_jobs=n_jobs)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert_same_grads(models, ref_models)
