@@ -25,13 +25,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
+from torch._C import _functions as autograd_functions
 from torch.utils import _pytree as pytree
 
 from . import _pool
@@ -327,6 +328,33 @@ def _engine_keeps_graph() -> bool:
         return True
 
 
+_SECOND_BACKWARD = (
+    b"parsum: sum_models' backward is not differentiable (it was run with create_graph=True, "
+    b"and a second backward reached the gradients it returned); double backward through "
+    b"sum_models, such as a gradient penalty, needs the plain sum of the models"
+)
+
+
+def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., Any]:
+    """``torch.autograd.function.once_differentiable``, but a backward run with
+    ``create_graph=True`` always marks the gradients it returns so that differentiating them
+    raises: torch's decorator marks them only when the incoming gradients require grad, and
+    otherwise lets a second backward drop sum_models' second-order terms without a word."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not create_graph:
+            return grads
+        marked = [None if g is None else g.detach().requires_grad_() for g in grads]
+        error = autograd_functions.DelayedError(_SECOND_BACKWARD, len(grads))
+        return error(*marked)  # type: ignore[arg-type]  # None passes, as in torch's decorator
+
+    return wrapper
+
+
 class ParallelSum(torch.autograd.Function):
     """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
 
@@ -334,7 +362,8 @@ class ParallelSum(torch.autograd.Function):
     build their own front end; ``sum_models`` is the normal door, since it checks the arguments
     and builds the ``SumPlan``. Inputs: ``(plan, *argument_tensors, [weight_tensor], *params)``
     in the order the plan describes; outputs: the summed output leaves (``plan.out_spec`` gives
-    their structure). backward is ``once_differentiable``; after a backward with
+    their structure). backward is once differentiable (a second backward through the
+    gradients it returns raises); after a backward with
     ``retain_graph=True`` it may run again.
 
     >>> import torch, parsum
@@ -363,7 +392,7 @@ class ParallelSum(torch.autograd.Function):
         return tuple(result.leaves)
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         plan: SumPlan = ctx.plan
         pullbacks: list[UnitPullback | None] | None = ctx.pullbacks

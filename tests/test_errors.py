@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, zoo
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,6 +236,23 @@ def test_vjp_engine_refuses_buffer_updates_with_a_hint():
         parsum.sum_models(models, x, engine="vjp")
     parsum.sum_models(models, x, engine="auto").sum().backward()  # auto picks autograd
     assert x.grad is not None
+
+
+def test_double_backward_raises_instead_of_dropping_second_order_terms():
+    # A gradient penalty: torch's once_differentiable would return the first-order gradient
+    # as a constant here (the incoming gradient does not require grad), and the penalty's
+    # backward would drop sum_models' second-order term without a word.
+    torch.manual_seed(0)
+    models = [mlp([4]) for _ in range(2)]
+    x = torch.randn(3, IN, requires_grad=True)
+    loss = parsum.sum_models(models, x).pow(2).sum() + x.pow(3).sum()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    x_ref = x.detach().clone().requires_grad_()
+    loss_ref = plain_sum(clone_models(models), x_ref).pow(2).sum() + x_ref.pow(3).sum()
+    (g_ref,) = torch.autograd.grad(loss_ref, x_ref, create_graph=True)
+    torch.testing.assert_close(g, g_ref)  # the first-order gradient is right
+    with pytest.raises(RuntimeError, match="sum_models' backward is not differentiable"):
+        g.pow(2).sum().backward()
 
 
 def test_second_backward_without_retain_graph():
