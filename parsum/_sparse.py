@@ -352,46 +352,41 @@ class RowSparseAccumulator:
         if len(parts) == 1 and first.is_coalesced():
             return first
         index = torch.cat([p._indices()[0] for p in parts])
-        rows, order = index.sort(stable=True)  # a row's entries stay in the order added
-        if not bool((rows[1:] == rows[:-1]).any()):  # every row once: nothing to add
-            values = torch.cat([p._values() for p in parts]).index_select(0, order)
-            return _coalesced(rows, values, first.shape)
-        if not bool((rows[2:] == rows[:-2]).any()):
+        # The distinct rows, sorted; each entry's position among them, in the order added. One
+        # unique instead of a stable sort, a check for duplicates and unique_consecutive: 30 us
+        # less for the 4 x 64 entries of bench_sparse's ensemble at 256 rows, 12 us more when
+        # every row is hit once.
+        rows, where, counts = torch.unique(index, return_inverse=True, return_counts=True)
+        shape = (rows.numel(), *first.shape[1:])
+        if rows.numel() == index.numel():  # every row once: nothing to add, only to sort
+            values = torch.cat([p._values() for p in parts])
+            return _coalesced(rows, values.index_select(0, where.argsort()), first.shape)
+        most = int(counts.max())
+        wide = WIDE.get(first.dtype)
+        if most > 2 and wide is not None:
+            # Part after part into the wide rows, so each row's terms are added in the order
+            # of the entries; cheaper than index_add_ of all entries at once, which copies every
+            # value twice.
+            total = torch.zeros(shape, dtype=wide, device=rows.device)
+            start = 0
+            for p in parts:
+                part = p._values()
+                stop = start + part.shape[0]
+                total.index_add_(0, where[start:stop], part.to(wide))
+                start = stop
+            return _coalesced(rows, total.to(first.dtype), first.shape)
+        values = torch.cat([p._values() for p in parts])
+        if most == 2:
             # No row holds more than two entries: their sum, rounded once in their own dtype,
             # has the bits of the wide (or compensated) sum rounded to it, since rounding twice
             # is harmless for one addition when the wide format has 2p + 2 bits or more
             # (Figueroa). The reduction of 4 x 64 rows of 512 in bench_sparse: 0.23 against 0.37 ms.
-            rows, where = _entry_rows(rows, order)
-            values = torch.cat([p._values() for p in parts])
-            total = values.new_zeros((rows.numel(), *first.shape[1:]))
-            return _coalesced(rows, total.index_add_(0, where, values), first.shape)
-        wide = WIDE.get(first.dtype)
-        if wide is not None:
-            # Part after part into the wide rows, so each row's terms are added in the order
-            # of the entries; cheaper than index_add_ of the sorted entries, which copies every
-            # value twice.
-            rows, where = _entry_rows(rows, order)
-            total = torch.zeros((rows.numel(), *first.shape[1:]), dtype=wide, device=rows.device)
-            start = 0
-            for p in parts:
-                values = p._values()
-                stop = start + values.shape[0]
-                total.index_add_(0, where[start:stop], values.to(wide))
-                start = stop
-            return _coalesced(rows, total.to(first.dtype), first.shape)
-        rows, inverse, counts = torch.unique_consecutive(
-            rows, return_inverse=True, return_counts=True
-        )
-        shape = (rows.numel(), *first.shape[1:])
-        values = torch.cat([p._values() for p in parts]).index_select(0, order)
-        return _coalesced(rows, _two_sum_rows(shape, inverse, counts, values), first.shape)
-
-
-def _entry_rows(sorted_rows: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
-    """The distinct rows of ``sorted_rows``, and for each entry in the order added (``order``
-    sorted them), the position of its row among them."""
-    rows, inverse = torch.unique_consecutive(sorted_rows, return_inverse=True)
-    return rows, torch.empty_like(inverse).index_copy_(0, order, inverse)
+            total = values.new_zeros(shape).index_add_(0, where, values)
+            return _coalesced(rows, total, first.shape)
+        order = where.argsort(stable=True)  # each row's entries together, in the order added
+        values = values.index_select(0, order)
+        total = _two_sum_rows(shape, where.index_select(0, order), counts, values)
+        return _coalesced(rows, total, first.shape)
 
 
 def _two_sum_rows(
