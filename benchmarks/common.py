@@ -208,16 +208,20 @@ def interleaved_rounds(
 
 
 def paired_ratio(
-    numerator: list[float], denominator: list[float], resamples: int = 2000
+    numerator: list[float],
+    denominator: list[float],
+    resamples: int = 2000,
+    level: float = 0.95,
 ) -> tuple[float, float, float]:
-    """Median of the per-round ratios of two methods timed in the same rounds, with a 95%
-    bootstrap interval of that median (seeded): an interval that holds 1.0 means the two are
-    not told apart at this precision."""
+    """Median of the per-round ratios of two methods timed in the same rounds, with a
+    bootstrap interval of that median at ``level`` (seeded): an interval that holds 1.0 means
+    the two are not told apart at this precision."""
     ratios = [a / b for a, b in zip(numerator, denominator)]
     draw = random.Random(0).choices
     medians = sorted(statistics.median(draw(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1 - level) / 2
     return (
         statistics.median(ratios),
-        medians[int(0.025 * resamples)],
-        medians[int(0.975 * resamples) - 1],
+        medians[int(tail * resamples)],
+        medians[int((1 - tail) * resamples) - 1],
     )
