@@ -172,48 +172,44 @@ def main() -> None:
     )
     times = {key: statistics.median(ts) for key, ts in rounds.items()}
     times.update(interleaved(dense, max(args.rounds // 10, 5), 2))
+    # "At every size" is one claim over all sizes: with a 95% interval per size, one size in
+    # twenty lies off 1.0 by chance at exact parity. The verdict takes intervals at the level
+    # that keeps the claim at 95% (Bonferroni over the sizes); the table shows 95% ones.
+    family = 1 - 0.05 / len(sizes)
     results = []
     for n_rows in sizes:
         ms = {n: times[n_rows, n] * 1e3 / (args.models if n in per_model else 1) for n in names}
         # Ratios of the two steps timed in the same round, with the interval of their median.
         emb = rounds[n_rows, "embedding"]
-        ratios = {
-            "take_rows": paired_ratio(rounds[n_rows, "take_rows"], emb),
-            "ens": paired_ratio([t / args.models for t in rounds[n_rows, "ens"]], emb),
+        steps = {
+            "take_rows": rounds[n_rows, "take_rows"],
+            "ens": [t / args.models for t in rounds[n_rows, "ens"]],
         }
+        ratios = {n: paired_ratio(ts, emb) for n, ts in steps.items()}
+        for n, ts in steps.items():
+            ratios[f"{n}_family"] = paired_ratio(ts, emb, 10_000, family)[1:]
         results.append({"rows": n_rows, **ms, "against_embedding": ratios})
         cells = "".join(f"{ms[n]:14.3f}" for n in names)
-        shown = "".join(f"{r:10.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in ratios.values())
+        shown = "".join(f"{r:10.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in map(ratios.get, steps))
         print(f"{n_rows:>7}{cells}{shown}")
     first, last = results[0], results[-1]
     print(f"growth from {first['rows']} to {last['rows']} rows (target < 1.5x for take_rows, ens):")
     print("  " + "  ".join(f"{n} {last[n] / first[n]:.2f}x" for n in names))
-    # "At every size" is one claim over all sizes: with a 95% interval per size, one size in
-    # twenty lies off 1.0 by chance at exact parity. The verdict takes intervals at the level
-    # that keeps the claim at 95% (Bonferroni over the sizes); the table shows 95% ones.
-    family = 1 - 0.05 / len(sizes)
     print(
         "against embedding, per-round ratios (target <= 1.0 at every size; verdict with "
         f"{family:.1%} intervals, 95% for all {len(sizes)} sizes together):"
     )
     for n in ("take_rows", "ens"):
-        per_size = [(r["rows"], *r["against_embedding"][n]) for r in results]
-        rows, ratio, lo, hi = max(per_size, key=lambda t: t[1])
-        wide = []
-        for size in sizes:
-            mine = rounds[size, n]
-            if n == "ens":
-                mine = [t / args.models for t in mine]
-            wide.append((size, *paired_ratio(mine, rounds[size, "embedding"], 10_000, family)))
-        for r, (_, _, wlo, whi) in zip(results, wide):
-            r["against_embedding"][f"{n}_family"] = [wlo, whi]
-        slower = [size for size, _, low, _ in wide if low > 1.0]
+        per_size = [(r["rows"], r["against_embedding"]) for r in results]
+        rows, highest = max(per_size, key=lambda t: t[1][n][0])
+        ratio, lo, hi = highest[n]
+        wlo, whi = highest[f"{n}_family"]
+        slower = [size for size, r in per_size if r[f"{n}_family"][0] > 1.0]
         verdict = (
             f"slower at {slower} rows (interval above 1.0)"
             if slower
             else "not slower at any size (no interval above 1.0)"
         )
-        _, _, wlo, whi = next(w for w in wide if w[0] == rows)
         print(
             f"  {n}: highest {ratio:.3f}x at {rows} rows, 95% [{lo:.3f}, {hi:.3f}], "
             f"{family:.1%} [{wlo:.3f}, {whi:.3f}]; {verdict}"
