@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -172,13 +173,21 @@ class _Job:
 
 class _Pool:
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._forget_helpers()
         # Helpers left running into interpreter shutdown would meet it wherever they are; stop
         # them first. (Aborts at exit with a gloo group turned out to come mostly from a
         # pinned process group: NOTE [ Releasing the process group ] in distributed.py.)
         atexit.register(self.stop)
+        # A forked child has only the thread that forked: without this it would count the
+        # parent's helpers as its own and run every job alone, or wait forever on the pool's
+        # lock if another thread held it at the fork.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_helpers)
+
+    def _forget_helpers(self) -> None:
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
 
     def stop(self) -> None:
         """End every helper thread (at exit); a later job starts new ones."""

@@ -4,7 +4,9 @@ Every test here runs under a short timeout: a deadlock fails fast instead of han
 """
 
 import gc
+import multiprocessing
 import threading
+import time
 import warnings
 import weakref
 
@@ -274,3 +276,58 @@ def test_helpers_stop_at_exit_and_start_again():
     assert not any(t.is_alive() for t in helpers)
     torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), want, rtol=0, atol=0)
     assert _pool.pool_size() >= 1
+
+
+class _Sleepy(nn.Module):
+    """Records the thread it runs on and sleeps, so that every thread of a job gets a chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.threads = set()
+
+    def forward(self, x):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        return self.lin(x)
+
+
+def _sum_in_child(models, x, want, results):
+    # Plain values only go back: a tensor sent through the queue would need this process alive.
+    try:
+        for m in models:
+            m.threads.clear()
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        y.sum().backward()
+        names = set().union(*(m.threads for m in models))
+        error = (y - want).abs().max().item()
+        results.put((error, all(m.lin.weight.grad is not None for m in models), sorted(names)))
+    except BaseException as exc:  # the parent asserts on what comes back
+        results.put(repr(exc))
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_forked_child_starts_its_own_helpers():
+    # A child forked after the parent's helpers started has none of them: it must start its
+    # own instead of running every chunk in the caller (or waiting on a lock held at the fork).
+    if _config.usable_cores() < 2:
+        pytest.skip("needs 2 usable cores")
+    models = [_Sleepy() for _ in range(4)]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=2)  # the parent's helpers are running now
+    assert _pool.pool_size() >= 1
+    with torch.no_grad():
+        want = plain_sum(models, x)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()
+    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, results))
+    child.start()
+    child.join(timeout=40)
+    assert child.exitcode == 0
+    got = results.get()
+    assert not isinstance(got, str), got
+    error, have_grads, names = got
+    assert error < 1e-5 and have_grads
+    assert any(name.startswith("parsum-worker") for name in names), names
