@@ -22,8 +22,9 @@
 # count: fixing it keeps every model's own result, not only the reduction, the same for any
 # n_jobs. With many models that is 1 thread per task and the cores go to models side by side.
 # ``torch.set_num_threads`` is per thread under OpenMP; the caller's value is restored after the
-# job. Grad mode, inference mode and autocast are thread-local in PyTorch and do not cross
-# threads: they are captured in the caller and re-entered by every helper.
+# job. Grad mode, inference mode, autocast and CUDA's current device and stream are
+# thread-local in PyTorch and do not cross threads: they are captured in the caller and
+# re-entered by every helper (``ThreadState``).
 """
 
 from __future__ import annotations
@@ -63,11 +64,19 @@ def default_chunk_size(n_items: int) -> int:
 
 @dataclass(frozen=True)
 class ThreadState:
-    """The caller's thread-local autograd state, to re-enter in helper threads."""
+    """The caller's thread-local state that models depend on, to re-enter in helper threads.
+
+    Besides grad mode, inference mode and autocast: with CUDA in use, the current device (a
+    model that creates ``device="cuda"`` tensors must get the caller's) and its current stream.
+    A helper on another stream than the caller's would read inputs before the caller's stream
+    wrote them, and the caller would read outputs before they were written.
+    """
 
     grad_enabled: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
+    cuda_device: int | None = None
+    cuda_stream: Any = None
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -78,7 +87,20 @@ class ThreadState:
                     autocast.append((device, torch.get_autocast_dtype(device)))
             except RuntimeError:  # device type not built into this torch
                 continue
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(autocast))
+        cuda_device: int | None = None
+        cuda_stream = None
+        if torch.cuda.is_initialized():
+            # The current device's stream only: asking for another device's would create a
+            # CUDA context there.
+            cuda_device = torch.cuda.current_device()
+            cuda_stream = torch.cuda.current_stream(cuda_device)
+        return cls(
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            tuple(autocast),
+            cuda_device,
+            cuda_stream,
+        )
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
@@ -88,6 +110,9 @@ class ThreadState:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
+            if self.cuda_device is not None:
+                stack.enter_context(torch.cuda.device(self.cuda_device))
+                stack.enter_context(torch.cuda.stream(self.cuda_stream))
             yield
 
 

@@ -198,6 +198,54 @@ def test_grad_mode_crosses_into_workers():
     assert seen == [False] * 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stream_and_device_cross_into_workers():
+    # Helpers must run on the caller's stream (in backward: the one autograd gives the node),
+    # or they would race with it; and "cuda" must mean the caller's device.
+    if _config.usable_cores() < 2:
+        pytest.skip("needs 2 usable cores")
+    device = torch.cuda.device_count() - 1
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            here = (torch.cuda.current_stream(device), torch.cuda.current_device())
+            seen.append(("forward", threading.current_thread().name, *here))
+            out = self.lin(x) + torch.ones(OUT, device="cuda")
+            out.register_hook(
+                lambda g: seen.append(
+                    (
+                        "backward",
+                        threading.current_thread().name,
+                        torch.cuda.current_stream(device),
+                        torch.cuda.current_device(),
+                    )
+                )
+            )
+            return out
+
+    models = [Probe().to(device) for _ in range(4)]
+    x = torch.randn(64, IN, device=device, requires_grad=True)
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+            y.square().sum().backward()
+            with torch.no_grad():
+                want = plain_sum(models, x)
+        stream.synchronize()
+    torch.testing.assert_close(y.detach(), want)
+    assert {(phase, s, d) for phase, _, s, d in seen} == {
+        ("forward", stream, device),
+        ("backward", stream, device),
+    }
+    assert any(name.startswith("parsum-worker") for _, name, _, _ in seen)
+
+
 def test_n_jobs_resolution_follows_joblib():
     cores = _config.usable_cores()
     assert _config.resolve_n_jobs(None, "t") == cores
