@@ -3,8 +3,9 @@
 The ensemble's prediction is the average of its members' logits,
 ``parsum.sum_models(models, x, weights=[1/M] * M)``. The same ensemble, from the same initial
 weights and on the same batches, is also trained with the plain PyTorch loop
-``sum(w * m(x) for ...)``; both are timed in this one run, and the script prints the test
-accuracy of each, the time per epoch and parsum's speedup.
+``sum(w * m(x) for ...)``. The two train in lockstep, one step of each in turn (which goes first
+alternates), each step timed on its own: a machine whose speed drifts slows both alike. The
+script prints the test accuracy of each, the time per epoch and parsum's speedup.
 
     python examples/train_ensemble.py [--members 12] [--epochs 6] [--batch-size 64]
 """
@@ -54,29 +55,52 @@ def parsum_ensemble(models, x, weights):
     return parsum.sum_models(models, x, weights=weights)
 
 
-def train(name, forward, models, data, args) -> tuple[float, list[float]]:
-    x_tr, y_tr, x_te, y_te = data
-    weights = [1.0 / len(models)] * len(models)
-    params = [p for m in models for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=args.lr)
-    loss_fn = nn.CrossEntropyLoss()
+class Trainer:
+    """One copy of the ensemble, its optimizer, and the time its steps took."""
+
+    def __init__(self, forward, models, lr: float) -> None:
+        self.forward = forward
+        self.models = models
+        self.weights = [1.0 / len(models)] * len(models)
+        self.opt = torch.optim.Adam([p for m in models for p in m.parameters()], lr=lr)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.seconds = 0.0
+        self.loss = 0.0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.forward(self.models, x, self.weights), y)
+        loss.backward()
+        self.opt.step()
+        self.seconds += time.perf_counter() - start
+        self.loss = loss.item()
+
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return (self.forward(self.models, x, self.weights).argmax(1) == y).float().mean().item()
+
+
+def train(trainers: dict[str, Trainer], data, args) -> dict[str, list[float]]:
+    """Train every trainer on the same batches, one step of each in turn; seconds per epoch."""
+    x_tr, y_tr, _, _ = data
     order = torch.Generator().manual_seed(args.seed)
-    epoch_times = []
+    epoch_times: dict[str, list[float]] = {name: [] for name in trainers}
+    turns = list(trainers.values())
     for epoch in range(args.epochs):
         perm = torch.randperm(len(x_tr), generator=order)
-        batches = perm.split(args.batch_size)
-        start = time.perf_counter()
-        bar = tqdm(batches, desc=f"{name:>7} epoch {epoch + 1}/{args.epochs}", leave=False)
-        for idx in bar:
-            opt.zero_grad()
-            loss = loss_fn(forward(models, x_tr[idx], weights), y_tr[idx])
-            loss.backward()
-            opt.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        epoch_times.append(time.perf_counter() - start)
-    with torch.no_grad():
-        accuracy = (forward(models, x_te, weights).argmax(1) == y_te).float().mean().item()
-    return accuracy, epoch_times
+        for t in turns:
+            t.seconds = 0.0
+        bar = tqdm(
+            perm.split(args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}", leave=False
+        )
+        for k, idx in enumerate(bar):
+            for t in turns if k % 2 == 0 else turns[::-1]:
+                t.step(x_tr[idx], y_tr[idx])
+            bar.set_postfix({f"{name} loss": f"{t.loss:.3f}" for name, t in trainers.items()})
+        for name, t in trainers.items():
+            epoch_times[name].append(t.seconds)
+    return epoch_times
 
 
 def main() -> None:
@@ -100,15 +124,18 @@ def main() -> None:
     )
 
     # Same initial weights, same batches: only the way the sum is computed differs.
-    results = {}
-    for name, forward in (("plain", plain_ensemble), ("parsum", parsum_ensemble)):
-        results[name] = train(name, forward, copy.deepcopy(models), data, args)
+    trainers = {
+        "plain": Trainer(plain_ensemble, copy.deepcopy(models), args.lr),
+        "parsum": Trainer(parsum_ensemble, copy.deepcopy(models), args.lr),
+    }
+    epoch_times = train(trainers, data, args)
 
     print(f"{'':8}{'test accuracy':>15}{'s / epoch (median)':>21}")
-    for name, (accuracy, times) in results.items():
-        print(f"{name:8}{accuracy:>15.4f}{statistics.median(times):>21.3f}")
+    for name, t in trainers.items():
+        accuracy = t.accuracy(data[2], data[3])
+        print(f"{name:8}{accuracy:>15.4f}{statistics.median(epoch_times[name]):>21.3f}")
     # The first epoch includes warm-up (thread start, allocator): medians skip its effect.
-    speedup = statistics.median(results["plain"][1]) / statistics.median(results["parsum"][1])
+    speedup = statistics.median(epoch_times["plain"]) / statistics.median(epoch_times["parsum"])
     print(f"parsum speedup over the plain PyTorch loop: {speedup:.2f}x")
 
 
