@@ -186,13 +186,15 @@ def run_forward(
     def models_of(chunks: range) -> list[int]:
         return sorted(i for k in chunks for u in plan.chunks[k] for i in plan.units[u].models)
 
-    def first_mismatch(models: list[int]) -> ParsumError | None:
+    def raise_first_mismatch(models: list[int]) -> None:
+        # Raised where it is built, never held in a variable: a frame on the error's own
+        # traceback that held it would make a cycle, keeping the models' graphs alive until
+        # the garbage collector runs.
         ref = signatures[0]
         for i in models:
             sig = signatures[i]
             if ref is not None and sig is not None and sig != ref:
-                return _describe_mismatch(plan, i, sig, ref)
-        return None
+                raise _describe_mismatch(plan, i, sig, ref) from None
 
     failed_chunks: list[int] = []
 
@@ -248,9 +250,7 @@ def run_forward(
         return accs
 
     def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
-        error = first_mismatch(models_of(range(k, k + 1)))
-        if error is not None:
-            raise error
+        raise_first_mismatch(models_of(range(k, k + 1)))
         if not totals:
             totals.extend(CompensatedAccumulator() for _ in accs)
         for total, acc in zip(totals, accs):
@@ -264,9 +264,7 @@ def run_forward(
         # The chunks before the first failed one all ran; an output mismatch among them or in
         # that chunk is the error to report, the first in model order.
         last = min(failed_chunks) + 1 if failed_chunks else len(plan.chunks)
-        error = first_mismatch(models_of(range(last)))
-        if error is not None:
-            raise error from None
+        raise_first_mismatch(models_of(range(last)))
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
@@ -529,11 +527,10 @@ class ParallelSum(torch.autograd.Function):
             if flat is not None:
                 flat.rollback()
             if stepped:
-                error = ParsumError(
+                raise ParsumError(
                     f"{exc}; the optimizer step (step_in_backward) already ran for models "
                     f"{sorted(stepped)}, whose parameters changed"
-                )
-                raise error from (exc.__cause__ or exc)
+                ) from (exc.__cause__ or exc)
             raise
         if flat is not None:
             flat.commit()

@@ -143,7 +143,7 @@ class _Job:
 
     def _claim(self) -> int | None:
         with self._lock:
-            if self.failures or self._next_claim >= self.n_tasks:
+            if self.task is None or self.failures or self._next_claim >= self.n_tasks:
                 return None
             k = self._next_claim
             self._next_claim += 1
@@ -181,6 +181,15 @@ class _Job:
                 self.consume(j, item)
             except BaseException as exc:
                 self._fail(j, exc)
+
+    def close(self) -> BaseException | None:
+        """After the job: hold no models, tensors or errors (a helper may still hold the job
+        in the queue); give the failure of the smallest chunk, if any."""
+        with self._lock:
+            self.task = self.consume = None
+            failures, self.failures = self.failures, {}
+            self._pending.clear()
+        return failures[min(failures)] if failures else None
 
     def work(self) -> None:
         """Claim and run chunks until none is left (called by the caller and by helpers)."""
@@ -313,7 +322,11 @@ def _run_job(job: _Job, threads: int) -> None:
         job.work()
         job.done.wait()
     finally:
-        # Helpers may still hold the job in the queue: let it keep no models or tensors alive.
-        job.task = job.consume = None
-    if job.failures:
-        raise job.failures[min(job.failures)]
+        failure = job.close()
+    if failure is not None:
+        # The error's traceback holds this frame and the frames of job.work(), whose job no
+        # longer holds the error: no reference cycle keeps the models' graphs alive.
+        try:
+            raise failure
+        finally:
+            failure = None

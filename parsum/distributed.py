@@ -120,7 +120,10 @@ def sum_models(
     statuses = [torch.empty_like(status) for _ in range(world)]
     dist.all_gather(statuses, status, group=group)
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            error = None  # this frame is on the error's traceback: no cycle through it
     failed = [r for r, s in enumerate(statuses) if int(s[0])]
     if failed:
         raise ParsumError(

@@ -152,6 +152,63 @@ def test_repeated_calls_free_graphs_and_grow_nothing():
     assert live_tensors() <= before + 2
 
 
+class _Failing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("backward failed")
+
+
+def _failed_call(kind, n_jobs):
+    """One sum_models call that fails in ``kind``; weak references to its models and the
+    activations they made."""
+    activations = []
+
+    class Model(nn.Module):
+        def __init__(self, role):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+            self.role = role
+
+        def forward(self, x):
+            h = self.lin(x)
+            activations.append(weakref.ref(h))
+            if self.role == "forward":
+                raise ValueError("forward failed")
+            if self.role == "backward":
+                return _Failing.apply(h)
+            return h[:1] if self.role == "mismatch" else torch.sin(h)
+
+    models = [Model("ok"), Model(kind), Model("ok")]
+    x = torch.randn(3, IN)
+    try:
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1).sum().backward()
+    except parsum.ParsumError:
+        pass
+    else:
+        raise AssertionError("the call did not fail")
+    return [weakref.ref(m) for m in models] + activations
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("kind", ["forward", "backward", "mismatch"])
+def test_failed_calls_leave_no_reference_cycle(kind, n_jobs):
+    # With the garbage collector off (as some training loops run), a failed call must free its
+    # models' graphs as soon as its error is dropped: an error held by a frame on its own
+    # traceback, or by the pool's job, would keep them until a collection.
+    gc.collect()
+    gc.disable()
+    try:
+        refs = [r for _ in range(5) for r in _failed_call(kind, n_jobs)]
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert alive == 0
+
+
 def test_thread_counts_inside_and_after():
     seen = []
 
