@@ -6,6 +6,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
@@ -55,8 +56,9 @@ def sum_models(
             may differ. A module may appear more than once (it then counts more than once).
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
-        weights: optional sequence of floats, or a 1-D tensor, of length ``len(models)``; a
-            tensor that requires grad gets ``dL/dw_i = <dL/dy, models[i](x)>``.
+        weights: optional sequence of floats (a 1-D numpy array too), or a 1-D tensor, of
+            length ``len(models)``; a tensor that requires grad gets
+            ``dL/dw_i = <dL/dy, models[i](x)>``.
         n_jobs: threads, joblib's convention: ``None`` takes ``parsum.config``, then
             ``joblib.parallel_config``, else all usable cores; -1 all cores, -2 all but one;
             1 runs in the calling thread with no pool. Never more threads than usable cores.
@@ -178,6 +180,13 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
                 f"length len(models) = {n_models}"
             )
         return None, weights
+    if isinstance(weights, np.ndarray):  # weights computed with numpy: its floats, as a list
+        if weights.ndim != 1:
+            raise ParsumError(
+                f"{_WHERE}: weights is a numpy array of shape {weights.shape}; expected 1-D, "
+                f"of length len(models) = {n_models}"
+            )
+        weights = weights.tolist()
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
         raise ParsumError(
             f"{_WHERE}: weights is a {type(weights).__name__}; expected a sequence of floats "

@@ -1,6 +1,7 @@
 """Bad input and failing models: ParsumError naming the argument, value, index and type;
 a failed call changes nothing and the pool stays usable."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -50,6 +51,8 @@ class BoomBackward(nn.Module):
         ([mlp([3])] * 2, dict(weights=torch.ones(2, 1)), r"weights has shape \(2, 1\)"),
         ([mlp([3])] * 2, dict(weights=[1.0, "a"]), r"weights\[1\] is 'a' \(str\)"),
         ([mlp([3])] * 2, dict(weights=0.5), "weights is a float"),
+        ([mlp([3])] * 2, dict(weights=np.ones((2, 1))), r"numpy array of shape \(2, 1\)"),
+        ([mlp([3])] * 2, dict(weights=np.array([True, False])), r"weights\[0\] is True"),
         ([mlp([3])], dict(n_jobs=0), "sum_models: invalid n_jobs=0"),
         ([mlp([3])], dict(n_jobs="2"), "invalid n_jobs='2'"),
         ([mlp([3])], dict(n_jobs=True), "invalid n_jobs=True"),

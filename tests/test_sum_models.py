@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -73,6 +74,14 @@ def test_weights(engine, weights_kind):
     assert_same_grads(models, ref_models, **tol)
     if weights_kind == "tensor_grad":
         torch.testing.assert_close(w.grad, w_ref.grad, **tol)
+
+
+def test_numpy_weights_are_its_floats():
+    models = zoo()
+    x = torch.randn(4, IN)
+    values = np.linspace(-1.0, 2.0, len(models))  # float64, as numpy makes them
+    want = parsum.sum_models(models, x, weights=[float(v) for v in values])
+    torch.testing.assert_close(parsum.sum_models(models, x, weights=values), want, rtol=0, atol=0)
 
 
 def test_average_with_float32_weight_tensor_keeps_output_dtype():
