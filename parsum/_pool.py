@@ -22,9 +22,9 @@
 # count: fixing it keeps every model's own result, not only the reduction, the same for any
 # n_jobs. With many models that is 1 thread per task and the cores go to models side by side.
 # ``torch.set_num_threads`` is per thread under OpenMP; the caller's value is restored after the
-# job. Grad mode, inference mode, autocast and CUDA's current device and stream are
-# thread-local in PyTorch and do not cross threads: they are captured in the caller and
-# re-entered by every helper (``ThreadState``).
+# job. Grad mode, inference mode, autocast, the default device, saved-tensor hooks and CUDA's
+# current device and stream are thread-local in PyTorch and do not cross threads: they are
+# captured in the caller and re-entered by every helper (``ThreadState``).
 """
 
 from __future__ import annotations
@@ -62,19 +62,27 @@ def default_chunk_size(n_items: int) -> int:
     return max(1, math.ceil(n_items / 16))
 
 
+# torch's saved-tensor hooks in effect (private; where gone, no hooks are carried over).
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 @dataclass(frozen=True)
 class ThreadState:
     """The caller's thread-local state that models depend on, to re-enter in helper threads.
 
-    Besides grad mode, inference mode and autocast: with CUDA in use, the current device (a
-    model that creates ``device="cuda"`` tensors must get the caller's) and its current stream.
-    A helper on another stream than the caller's would read inputs before the caller's stream
+    Grad mode, inference mode and autocast; the default device (``torch.set_default_device``,
+    ``with torch.device(...)``), which tensors a model creates land on; the saved-tensor hooks
+    (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``), which what a model saves
+    for backward goes through. With CUDA in use, the current device and its current stream: a
+    helper on another stream than the caller's would read inputs before the caller's stream
     wrote them, and the caller would read outputs before they were written.
     """
 
     grad_enabled: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
+    default_device: torch.device | None = None
+    saved_tensor_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
     cuda_device: int | None = None
     cuda_stream: Any = None
 
@@ -87,6 +95,7 @@ class ThreadState:
                     autocast.append((device, torch.get_autocast_dtype(device)))
             except RuntimeError:  # device type not built into this torch
                 continue
+        default_device = torch.get_default_device()
         cuda_device: int | None = None
         cuda_stream = None
         if torch.cuda.is_initialized():
@@ -98,6 +107,8 @@ class ThreadState:
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
             tuple(autocast),
+            None if default_device.type == "cpu" else default_device,
+            _top_saved_tensor_hooks(False) if _top_saved_tensor_hooks is not None else None,
             cuda_device,
             cuda_stream,
         )
@@ -110,6 +121,12 @@ class ThreadState:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
+            if self.default_device is not None:
+                stack.enter_context(self.default_device)
+            if self.saved_tensor_hooks is not None:
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(*self.saved_tensor_hooks)
+                )
             if self.cuda_device is not None:
                 stack.enter_context(torch.cuda.device(self.cuda_device))
                 stack.enter_context(torch.cuda.stream(self.cuda_stream))

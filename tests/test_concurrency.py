@@ -255,6 +255,45 @@ def test_grad_mode_crosses_into_workers():
     assert seen == [False] * 4
 
 
+def test_default_device_and_saved_tensor_hooks_cross_into_workers():
+    # Both are thread-local in PyTorch: a helper must see the caller's, or the tensors a model
+    # creates land elsewhere and what it saves for backward skips the hooks (save_on_cpu).
+    if _config.usable_cores() < 2:
+        pytest.skip("needs 2 usable cores")
+    seen, packed = [], []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(IN, OUT)
+
+        def forward(self, x):
+            seen.append((threading.current_thread().name, torch.empty(0).device.type))
+            return torch.tanh(self.lin(x))
+
+    def pack(t):
+        packed.append(threading.current_thread().name)
+        return t
+
+    models = [Probe() for _ in range(4)]
+    x = torch.randn(3, IN, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.no_grad():
+            want = plain_sum(models, x)
+        plain_sum(models, x)
+        n_plain = len(packed)
+        packed.clear()
+        seen.clear()
+        with torch.device("meta"):
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), want)
+    assert {device for _, device in seen} == {"meta"}
+    assert any(name.startswith("parsum-worker") for name, _ in seen)
+    assert len(packed) == n_plain
+    assert any(name.startswith("parsum-worker") for name in packed)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_stream_and_device_cross_into_workers():
     # Helpers must run on the caller's stream (in backward: the one autograd gives the node),
