@@ -62,8 +62,16 @@ def default_chunk_size(n_items: int) -> int:
     return max(1, math.ceil(n_items / 16))
 
 
-# torch's saved-tensor hooks in effect (private; where gone, no hooks are carried over).
-_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+def _saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The saved-tensor hooks in effect in this thread (through a private torch function;
+    where it is gone, none are carried over)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(False)  # ignore_is_tracing
+    except TypeError:  # a torch whose function takes no argument
+        return top()
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ class ThreadState:
             torch.is_inference_mode_enabled(),
             tuple(autocast),
             None if default_device.type == "cpu" else default_device,
-            _top_saved_tensor_hooks(False) if _top_saved_tensor_hooks is not None else None,
+            _saved_tensor_hooks(),
             cuda_device,
             cuda_stream,
         )
