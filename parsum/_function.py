@@ -99,6 +99,13 @@ class SumPlan:
                 "; engine='vjp' cannot run a model that updates buffers in forward (BatchNorm "
                 "in training mode): use engine='autograd' or 'auto'"
             )
+        if self.engine == "vjp" and any(
+            isinstance(m, torch.jit.ScriptModule) for m in self.model_params[i].modules
+        ):
+            hint = (
+                "; engine='vjp' cannot run TorchScript modules (torch.func.functional_call "
+                "refuses them): use engine='autograd' or 'auto'"
+            )
         if unit is not None and unit.engine == "stacked":
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
             hint += "; engine='autograd' runs each model on its own"

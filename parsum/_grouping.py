@@ -293,6 +293,8 @@ def structure_key(mp: ModelParams) -> Hashable | None:
     """What two models must share to run as one stacked group; None if this one cannot."""
     parts: list[Hashable] = []
     for module in mp.modules:
+        if isinstance(module, torch.jit.ScriptModule):  # functional_call cannot run TorchScript
+            return None
         attributes = vars(module)  # this runs for every candidate model on every call
         if (
             attributes["_forward_hooks"]

@@ -13,7 +13,7 @@ from parsum._engines import ModelParams
 from parsum._grouping import AUTO_STACK_MAX_STATE_ELEMENTS, Batch, plan_units
 from tests.test_errors import Boom
 from tests.test_sum_models import TOL, assert_same_grads, run_both
-from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads
+from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads, plain_sum
 
 
 def family(dtype=torch.float32, seed=0):
@@ -115,6 +115,37 @@ def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
     assert groups([*eight, other], "stacked") == [tuple(range(1, 8))]
     act = nn.Tanh()  # a shared module without state is harmless
     assert groups([nn.Sequential(nn.Linear(IN, OUT), act) for _ in range(2)], "stacked") == [(0, 1)]
+
+
+_JIT_DEPRECATED = "ignore:.*torch.jit.script.* is deprecated:DeprecationWarning"
+
+
+@pytest.mark.filterwarnings(_JIT_DEPRECATED)
+@pytest.mark.parametrize("engine", ["stacked", "auto"])
+@pytest.mark.parametrize("scripted", ["model", "layer"])
+def test_torchscript_models_run_one_by_one(engine, scripted):
+    # functional_call cannot run TorchScript modules: they are never stacked, not an error.
+    def make():
+        if scripted == "model":
+            return torch.jit.script(mlp([8]))
+        return nn.Sequential(torch.jit.script(nn.Linear(IN, 8)), nn.Tanh(), nn.Linear(8, OUT))
+
+    torch.manual_seed(0)
+    models = [make() for _ in range(8)]
+    torch.manual_seed(0)
+    ref = [make() for _ in range(8)]
+    assert groups(models, engine) == []
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, engine=engine, n_jobs=2).square().sum().backward()
+    plain_sum(ref, x).square().sum().backward()
+    assert_same_grads(models, ref)
+
+
+@pytest.mark.filterwarnings(_JIT_DEPRECATED)
+def test_vjp_engine_names_torchscript():
+    models = [torch.jit.script(mlp([8])) for _ in range(2)]
+    with pytest.raises(parsum.ParsumError, match="engine='vjp' cannot run TorchScript"):
+        parsum.sum_models(models, torch.randn(3, IN), engine="vjp")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
