@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from . import _config
-from ._engines import CallArgs, ModelParams
+from ._engines import CallArgs, ModelParams, module_of
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
@@ -54,6 +54,8 @@ def sum_models(
     Args:
         models: non-empty sequence of callables, normally ``nn.Module``s whose architectures
             may differ. A module may appear more than once (it then counts more than once).
+            A bound method of a module (``m.encode``) or a ``functools.partial`` trains that
+            module's parameters; another callable gets no parameter gradients.
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
         weights: optional sequence of floats (a 1-D numpy array too), or a 1-D tensor, of
@@ -105,6 +107,8 @@ def sum_models(
     tensors = [call.leaves[j] for j in call.tensor_positions]
     model_params = [ModelParams.of(m) for m in models]
     _check_initialized(models, model_params)
+    if engine == "vjp":
+        _check_vjp_models(models, model_params)
     params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
@@ -170,6 +174,17 @@ def _check_initialized(models: list[Callable[..., Any]], model_params: list[Mode
             )
 
 
+def _check_vjp_models(models: list[Callable[..., Any]], model_params: list[ModelParams]) -> None:
+    for i, (model, mp) in enumerate(zip(models, model_params)):
+        if mp.tensors and not isinstance(model, nn.Module):
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] is a {type(model).__name__} of a "
+                f"{type(module_of(model)).__name__}; engine='vjp' runs nn.Modules through "
+                "torch.func.functional_call, which calls forward only: use engine='autograd' "
+                "or 'auto' for bound methods and partials of modules"
+            )
+
+
 def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Tensor | None]:
     if weights is None:
         return None, None
@@ -218,7 +233,7 @@ def _check_step_in_backward(
     index: list[int | None] = []
     seen: dict[int, int] = {}
     for i, (model, mp) in enumerate(zip(models, model_params)):
-        j = sib.index(model)
+        j = sib.index(module_of(model) or model)
         if mp.tensors and j is None:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) is not one of "

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, clone_models, mlp, plain_sum, zoo
+from tests.zoo import IN, OUT, TwoHeads, clone_models, mlp, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,3 +260,23 @@ def test_with_a_flatgrad_over_the_same_models():
     for p, r in zip(trainable(models), trainable(ref)):
         torch.testing.assert_close(p, r)
     assert flat.flat.abs().sum() == 0
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_bound_methods_step_their_module(n_jobs):
+    # A StepInBackward over the modules steps them when sum_models gets their bound methods.
+    torch.manual_seed(0)
+    owners = [TwoHeads() for _ in range(3)]
+    ref = clone_models(owners)
+    sib = parsum.StepInBackward(owners, torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(trainable(ref), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(5, IN)
+        y = parsum.sum_models([o.encode for o in owners], x, step_in_backward=sib, n_jobs=n_jobs)
+        y.pow(2).mean().backward()
+        assert all(p.grad is None for p in trainable(owners))
+        plain_sum([o.encode for o in ref], x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(trainable(owners), trainable(ref)):
+        torch.testing.assert_close(p, q)

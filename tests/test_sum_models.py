@@ -1,6 +1,7 @@
 """sum_models against the plain PyTorch expression, float64 and gradcheck."""
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 
 import parsum
 from parsum import _engines as engines
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import IN, OUT, TwoHeads, clone_models, mlp, param_grads, plain_sum, zoo
 
 ENGINES = ["autograd", "vjp", "auto"]
 N_JOBS = [1, 2, 3]
@@ -217,6 +218,36 @@ def test_plain_callables_and_non_module_models():
         assert torch.autograd.gradcheck(
             lambda x, e=engine: parsum.sum_models(fns, x, engine=e, n_jobs=2), (x,)
         )
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", ["autograd", "stacked", "auto"])
+def test_bound_methods_and_partials_of_modules_train_their_module(engine, n_jobs):
+    # m.encode and functools.partial(m, ...) use m's parameters: they get gradients, as in the
+    # plain loop; a module used by two entries gets the sum of both.
+    torch.manual_seed(0)
+    owners = [TwoHeads() for _ in range(3)]
+    ref = clone_models(owners)
+
+    def entries(ms):
+        return [ms[0].encode, functools.partial(ms[1].encode, scale=2.0), ms[2], ms[2].encode]
+
+    x = torch.randn(5, IN, dtype=torch.float32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = parsum.sum_models(entries(owners), x, engine=engine, n_jobs=n_jobs)
+    y.square().sum().backward()
+    plain_sum(entries(ref), x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[torch.float32])
+    assert_same_grads(owners, ref, **TOL[torch.float32])
+    assert all(p.grad is not None for p in owners[2].parameters())
+
+
+def test_vjp_engine_refuses_bound_methods_with_what_to_use():
+    owner = TwoHeads()
+    x = torch.randn(3, IN)
+    with pytest.raises(parsum.ParsumError, match=r"models\[1\] is a method of a TwoHeads"):
+        parsum.sum_models([owner, owner.encode], x, engine="vjp")
+    assert owner.body[0].weight.grad is None
 
 
 def bn_models():

@@ -70,6 +70,21 @@ def zoo(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Module]:
     return [m.to(dtype) for m in models]
 
 
+class TwoHeads(nn.Module):
+    """A module with a method besides forward, as encoders often have."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp([6])
+        self.head = nn.Linear(OUT, OUT)
+
+    def encode(self, x, scale=1.0):
+        return self.body(x) * scale
+
+    def forward(self, x):
+        return self.head(self.encode(x))
+
+
 def clone_models(models: list[nn.Module]) -> list[nn.Module]:
     """Deep copies that keep object identity inside the list (a module repeated stays shared)."""
     return copy.deepcopy(models)
