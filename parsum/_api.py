@@ -55,7 +55,8 @@ def sum_models(
         models: non-empty sequence of callables, normally ``nn.Module``s whose architectures
             may differ. A module may appear more than once (it then counts more than once).
             A bound method of a module (``m.encode``) or a ``functools.partial`` trains that
-            module's parameters; another callable gets no parameter gradients.
+            module's parameters; another callable is differentiated with respect to its
+            arguments only, and raises if it reaches a tensor that needs a gradient otherwise.
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
         weights: optional sequence of floats (a 1-D numpy array too), or a 1-D tensor, of

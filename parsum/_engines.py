@@ -34,6 +34,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
+from ._errors import ParsumError
 from ._sparse import GradSum, add_grad
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
@@ -246,6 +247,8 @@ def autograd_forward(
         get_gradient_edge(o) if isinstance(o, Tensor) and o.requires_grad else None
         for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
     ]
+    if not params.tensors and module_of(model) is None:
+        _check_no_captured_leaves(roots, list(inputs.values()))
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
 
@@ -260,6 +263,32 @@ def autograd_forward(
         return list(grads[:n_args]), list(grads[n_args:])
 
     return out, pullback
+
+
+def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Tensor]) -> None:
+    """Raise if a plain callable's graph reaches a tensor that requires grad besides its own
+    arguments (``lambda x: m(x)``): parsum differentiates with respect to what it knows, so
+    that tensor's gradient would be lost without a word."""
+    own_ids = {id(t) for t in own}
+    seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
+    stack: list[Any] = [edge.node for edge in roots if edge is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node holds its leaf
+        if isinstance(leaf, Tensor):
+            if id(leaf) not in own_ids:
+                raise ParsumError(
+                    f"its autograd graph reaches a tensor of shape {tuple(leaf.shape)} that "
+                    "requires grad and is not one of its arguments (a parameter or tensor it "
+                    "captures, as in lambda x: m(x)); parsum would give it no gradient: pass "
+                    "the module or its bound method (m, m.encode) as the model, or the tensor "
+                    "as an argument"
+                )
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def vjp_forward(

@@ -242,6 +242,29 @@ def test_bound_methods_and_partials_of_modules_train_their_module(engine, n_jobs
     assert all(p.grad is not None for p in owners[2].parameters())
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_callables_that_capture_what_needs_a_gradient_raise(n_jobs):
+    # A lambda around a module, or one that captures a tensor that requires grad, would lose
+    # that gradient: parsum says so instead, naming the model, and changes nothing.
+    owner = TwoHeads()
+    table = torch.randn(IN, OUT, requires_grad=True)
+    outer = table * 2  # a tensor of the caller's graph
+    x = torch.randn(3, IN, requires_grad=True)
+    for i, bad in enumerate(
+        [lambda x: owner(x), lambda x: x @ table, lambda x: x @ outer, lambda x: owner.head.bias]
+    ):
+        models = [owner, bad]
+        with pytest.raises(parsum.ParsumError, match=r"model 1 \(function\) raised .* not one of"):
+            parsum.sum_models(models, x, n_jobs=n_jobs, engine="autograd")
+        assert x.grad is None and table.grad is None
+        assert all(p.grad is None for p in owner.parameters()), i
+    fine = [lambda x: x @ table.detach(), lambda x: torch.sin(x) @ table.detach(), owner.encode]
+    parsum.sum_models(fine, x, n_jobs=n_jobs).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    plain_sum(fine, x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
 def test_vjp_engine_refuses_bound_methods_with_what_to_use():
     owner = TwoHeads()
     x = torch.randn(3, IN)
