@@ -284,8 +284,9 @@ def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Te
                     f"its autograd graph reaches a tensor of shape {tuple(leaf.shape)} that "
                     "requires grad and is not one of its arguments (a parameter or tensor it "
                     "captures, as in lambda x: m(x)); parsum would give it no gradient: pass "
-                    "the module or its bound method (m, m.encode) as the model, or the tensor "
-                    "as an argument"
+                    "the module or its bound method (m, m.encode) as the model, wrap the "
+                    "function in an nn.Module (nn.Sequential(m, nn.Softmax(-1))), or pass the "
+                    "tensor as an argument"
                 )
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
