@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -61,12 +62,10 @@ def config(
     Raises:
         ParsumError: for an invalid value, before anything is changed.
     """
-    if n_jobs is not None:
-        check_n_jobs(n_jobs, "parsum.config")
+    n_jobs = check_n_jobs(n_jobs, "parsum.config")
     if engine is not None:
         check_engine(engine, "parsum.config")
-    if chunk_size is not None:
-        check_chunk_size(chunk_size, "parsum.config")
+    chunk_size = check_chunk_size(chunk_size, "parsum.config")
     old = _local.settings
     _local.settings = replace(
         old,
@@ -80,15 +79,20 @@ def config(
         _local.settings = old
 
 
+def _is_integer(value: object) -> bool:
+    # numbers.Integral takes numpy's integers too (parameter grids give them); bool is not one.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_n_jobs(n_jobs: object, where: str) -> int | None:
     if n_jobs is None:
         return None
-    if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0:
+    if not _is_integer(n_jobs) or n_jobs == 0:
         raise ParsumError(
             f"{where}: invalid n_jobs={n_jobs!r}; expected None, a positive int, or a negative "
             "int (-1 = all cores, -2 = all but one, ...)"
         )
-    return n_jobs
+    return int(n_jobs)  # type: ignore[call-overload]
 
 
 def check_engine(engine: object, where: str) -> str:
@@ -121,11 +125,11 @@ def check_model_sequence(
 def check_chunk_size(chunk_size: object, where: str) -> int | None:
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not _is_integer(chunk_size) or chunk_size < 1:  # type: ignore[operator]
         raise ParsumError(
             f"{where}: invalid chunk_size={chunk_size!r}; expected None or a positive int"
         )
-    return chunk_size
+    return int(chunk_size)  # type: ignore[call-overload]
 
 
 @functools.cache
@@ -149,7 +153,7 @@ def resolve_n_jobs(n_jobs: int | None, where: str) -> int:
     ``None`` falls back to ``parsum.config``, then ``joblib.parallel_config``, then all usable
     cores. Negative values count back from the number of cores (-1 = all, -2 = all but one).
     """
-    check_n_jobs(n_jobs, where)
+    n_jobs = check_n_jobs(n_jobs, where)
     if n_jobs is None:
         n_jobs = _local.settings.n_jobs
     if n_jobs is None:

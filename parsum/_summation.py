@@ -238,7 +238,7 @@ def compensated_sum(
                 f"{t.device}; tensors[0] has shape {tuple(first.shape)}, dtype {first.dtype}, "
                 f"device {first.device}"
             )
-    _config.check_chunk_size(chunk_size, where)
+    chunk_size = _config.check_chunk_size(chunk_size, where)
     workers = _config.resolve_n_jobs(n_jobs, where)
     size = chunk_size or _config.current_settings().chunk_size
     chunks = _pool.chunk_ranges(len(items), size or _pool.default_chunk_size(len(items)))

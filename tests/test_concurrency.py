@@ -11,6 +11,7 @@ import warnings
 import weakref
 
 import joblib
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -354,6 +355,30 @@ def test_n_jobs_resolution_follows_joblib():
         with parsum.config(n_jobs=2):
             assert _config.resolve_n_jobs(None, "t") == 2  # parsum.config wins over joblib
             assert _config.resolve_n_jobs(5, "t") == 5  # an explicit argument wins over both
+
+
+def test_numpy_integers_count_as_ints():
+    # Parameter grids (sklearn, numpy) hand out numpy integers; bools and floats stay refused.
+    n_jobs, chunk_size = np.int64(2), np.int32(1)
+    assert _config.resolve_n_jobs(np.int64(-1), "t") == _config.usable_cores()
+    assert type(_config.check_n_jobs(n_jobs, "t")) is int
+    models = zoo()
+    x = torch.randn(5, IN)
+    want = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    got = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=chunk_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with parsum.config(n_jobs=n_jobs, chunk_size=chunk_size):
+        torch.testing.assert_close(parsum.sum_models(models, x), want, rtol=0, atol=0)
+    xs = [torch.randn(4) for _ in range(5)]
+    torch.testing.assert_close(
+        parsum.compensated_sum(xs, n_jobs=n_jobs, chunk_size=chunk_size),
+        parsum.compensated_sum(xs, n_jobs=2, chunk_size=1),
+        rtol=0,
+        atol=0,
+    )
+    for bad in (True, 2.0, np.float64(2.0)):
+        with pytest.raises(parsum.ParsumError, match="invalid n_jobs"):
+            parsum.sum_models(models, x, n_jobs=bad)
 
 
 def test_config_is_thread_local_and_restored():
