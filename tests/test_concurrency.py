@@ -236,23 +236,27 @@ def test_thread_counts_inside_and_after():
     torch.set_num_threads(cores)
 
 
+class Probe(nn.Module):
+    """A small model that calls ``record()`` as its forward starts, in whichever thread runs it."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.record = record
+
+    def forward(self, x):
+        self.record()
+        return torch.tanh(self.lin(x))
+
+
 def test_grad_mode_crosses_into_workers():
     seen = []
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
-
-        def forward(self, x):
-            seen.append(torch.is_grad_enabled())
-            return self.lin(x)
-
-    parsum.sum_models([Probe() for _ in range(4)], torch.randn(2, IN), n_jobs=2, chunk_size=1)
+    models = [Probe(lambda: seen.append(torch.is_grad_enabled())) for _ in range(4)]
+    parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
     assert seen == [True] * 4  # graphs are built in the workers
     seen.clear()
     with torch.no_grad():
-        parsum.sum_models([Probe() for _ in range(4)], torch.randn(2, IN), n_jobs=2, chunk_size=1)
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
     assert seen == [False] * 4
 
 
@@ -263,20 +267,14 @@ def test_default_device_and_saved_tensor_hooks_cross_into_workers():
         pytest.skip("needs 2 usable cores")
     seen, packed = [], []
 
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
-
-        def forward(self, x):
-            seen.append((threading.current_thread().name, torch.empty(0).device.type))
-            return torch.tanh(self.lin(x))
+    def record():
+        seen.append((threading.current_thread().name, torch.empty(0).device.type))
 
     def pack(t):
         packed.append(threading.current_thread().name)
         return t
 
-    models = [Probe() for _ in range(4)]
+    models = [Probe(record) for _ in range(4)]
     x = torch.randn(3, IN, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.no_grad():
@@ -304,28 +302,15 @@ def test_cuda_stream_and_device_cross_into_workers():
     device = torch.cuda.device_count() - 1
     seen = []
 
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
+    def record(phase):
+        # "cuda" must mean the caller's device, and the stream the caller's.
+        made_on = torch.ones(1, device="cuda").device.index
+        here = (torch.cuda.current_stream(device), torch.cuda.current_device(), made_on)
+        seen.append((phase, threading.current_thread().name, *here))
 
-        def forward(self, x):
-            here = (torch.cuda.current_stream(device), torch.cuda.current_device())
-            seen.append(("forward", threading.current_thread().name, *here))
-            out = self.lin(x) + torch.ones(OUT, device="cuda")
-            out.register_hook(
-                lambda g: seen.append(
-                    (
-                        "backward",
-                        threading.current_thread().name,
-                        torch.cuda.current_stream(device),
-                        torch.cuda.current_device(),
-                    )
-                )
-            )
-            return out
-
-    models = [Probe().to(device) for _ in range(4)]
+    models = [Probe(lambda: record("forward")).to(device) for _ in range(4)]
+    for m in models:
+        m.register_full_backward_hook(lambda *grads: record("backward"))
     x = torch.randn(64, IN, device=device, requires_grad=True)
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
@@ -336,11 +321,11 @@ def test_cuda_stream_and_device_cross_into_workers():
                 want = plain_sum(models, x)
         stream.synchronize()
     torch.testing.assert_close(y.detach(), want)
-    assert {(phase, s, d) for phase, _, s, d in seen} == {
-        ("forward", stream, device),
-        ("backward", stream, device),
+    assert {(phase, s, d, made) for phase, _, s, d, made in seen} == {
+        ("forward", stream, device, device),
+        ("backward", stream, device, device),
     }
-    assert any(name.startswith("parsum-worker") for _, name, _, _ in seen)
+    assert any(name.startswith("parsum-worker") for _, name, *_ in seen)
 
 
 def test_n_jobs_resolution_follows_joblib():
