@@ -248,7 +248,8 @@ def autograd_forward(
         for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
     ]
     if not params.tensors and module_of(model) is None:
-        _check_no_captured_leaves(roots, list(inputs.values()))
+        arguments = [t for t in call.leaves if isinstance(t, Tensor)]  # also those it set to
+        _check_no_captured_leaves(roots, [*inputs.values(), *arguments])  # require grad itself
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
 

@@ -264,6 +264,16 @@ def test_callables_that_capture_what_needs_a_gradient_raise(n_jobs):
     plain_sum(fine, x_ref).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
 
+    def slope(t, scale):  # differentiates with respect to an argument it marks itself
+        t = t.requires_grad_()
+        return torch.autograd.grad(torch.sin(t).sum(), t, create_graph=True)[0] * scale
+
+    scale = torch.tensor(3.0, requires_grad=True)
+    got = parsum.sum_models([slope, slope], torch.linspace(0, 1, 5), scale, n_jobs=n_jobs)
+    got.sum().backward()
+    torch.testing.assert_close(got, 6 * torch.cos(torch.linspace(0, 1, 5)))
+    torch.testing.assert_close(scale.grad, 2 * torch.cos(torch.linspace(0, 1, 5)).sum())
+
 
 def test_vjp_engine_refuses_bound_methods_with_what_to_use():
     owner = TwoHeads()
