@@ -248,8 +248,9 @@ def autograd_forward(
         for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
     ]
     if not params.tensors and module_of(model) is None:
-        arguments = [t for t in call.leaves if isinstance(t, Tensor)]  # also those it set to
-        _check_no_captured_leaves(roots, [*inputs.values(), *arguments])  # require grad itself
+        # Every tensor argument is its own, also one it marked to require grad itself.
+        arguments = [t for t in call.leaves if isinstance(t, Tensor)]
+        _check_no_captured_leaves(roots, [*inputs.values(), *arguments])
     wrt = [*inputs.values(), *params.tensors]
     n_args = len(inputs)
 
