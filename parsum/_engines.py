@@ -13,7 +13,10 @@
 #   stack's backward. One call for the whole group: worth it for small models, whose time goes
 #   to per-call overhead. The argument gradients come out summed over the group.
 # All pull back with respect to the same things: the tensor arguments that need a gradient and
-# the models' trainable parameters, in ``ModelParams.tensors`` order.
+# the models' trainable parameters, in ``ModelParams.tensors`` order. A model's parameters are
+# those of its module (``module_of``: the model, or the module of a bound method or partial);
+# a plain callable has none, so under "autograd" its graph is checked to reach no other tensor
+# that requires grad, whose gradient would otherwise be lost.
 """
 
 from __future__ import annotations
