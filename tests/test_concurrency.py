@@ -269,6 +269,7 @@ def test_default_device_and_saved_tensor_hooks_cross_into_workers():
 
     def record():
         seen.append((threading.current_thread().name, torch.empty(0).device.type))
+        time.sleep(0.02)  # long enough for the helper to take a chunk too
 
     def pack(t):
         packed.append(threading.current_thread().name)
@@ -307,6 +308,7 @@ def test_cuda_stream_and_device_cross_into_workers():
         made_on = torch.ones(1, device="cuda").device.index
         here = (torch.cuda.current_stream(device), torch.cuda.current_device(), made_on)
         seen.append((phase, threading.current_thread().name, *here))
+        time.sleep(0.02)  # long enough for the helper to take a chunk too
 
     models = [Probe(lambda: record("forward")).to(device) for _ in range(4)]
     for m in models:
@@ -442,7 +444,7 @@ class _Sleepy(nn.Module):
 
     def forward(self, x):
         self.threads.add(threading.current_thread().name)
-        time.sleep(0.05)
+        time.sleep(0.1)
         return self.lin(x)
 
 
