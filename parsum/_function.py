@@ -286,15 +286,17 @@ def _add_group(
     accs: list[CompensatedAccumulator],
 ) -> None:
     """Add a stacked group's weighted outputs (models along dim 0) with one wide reduction."""
-    w = None
+    w: Tensor | list[float] | None = None
     if weight_tensor is not None:
         w = weight_tensor.detach()[list(members)]
     elif plan.weights is not None:
-        w = torch.tensor([plan.weights[i] for i in members], dtype=torch.float64)
+        w = [plan.weights[i] for i in members]
     for acc, leaf in zip(accs, stacked):
         v = leaf.detach()
         if w is not None:
-            v = v * w.to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+            # On the output's device, whatever the default device or the weights' device.
+            wv = torch.as_tensor(w, dtype=v.dtype, device=v.device)
+            v = v * wv.view(-1, *([1] * (v.dim() - 1)))
         acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
 
 
@@ -552,7 +554,9 @@ class ParallelSum(torch.autograd.Function):
                 assert weight_tensor is not None
                 weight_grad = torch.stack(
                     [
-                        torch.zeros((), dtype=weight_tensor.dtype) if g is None else g
+                        torch.zeros((), dtype=weight_tensor.dtype, device=weight_tensor.device)
+                        if g is None
+                        else g
                         for g in weight_grads
                     ]
                 ).to(weight_tensor.dtype)

@@ -117,6 +117,26 @@ def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
     assert groups([nn.Sequential(nn.Linear(IN, OUT), act) for _ in range(2)], "stacked") == [(0, 1)]
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_weighted_group_under_another_default_device(n_jobs):
+    # The group's weights are made on the outputs' device: not on the default device (with
+    # torch.set_default_device("cuda") and CPU models), nor on the weight tensor's (CPU
+    # weights, CUDA models), either of which failed with a device mismatch.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(8)]
+    x = torch.randn(5, IN)
+    weights = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0]
+    w_tensor = torch.tensor(weights, dtype=torch.float64, requires_grad=True)
+    want = plain_sum(models, x, weights=weights)
+    with torch.device("meta"):
+        got = parsum.sum_models(models, x, weights=weights, engine="stacked", n_jobs=n_jobs)
+        got_t = parsum.sum_models(models, x, weights=w_tensor, engine="stacked", n_jobs=n_jobs)
+    got_t.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_t, want)
+    assert w_tensor.grad is not None and w_tensor.grad.device.type == "cpu"
+
+
 _JIT_DEPRECATED = "ignore:.*torch.jit.script.* is deprecated:DeprecationWarning"
 
 
