@@ -552,13 +552,11 @@ class ParallelSum(torch.autograd.Function):
             weight_grad = None
             if ctx.weight_needs_grad:
                 assert weight_tensor is not None
+                # On the weights' device, which may differ from the models' (CPU weights,
+                # CUDA models, as in the plain loop's w[i] * m_i(x)).
+                like = dict(dtype=weight_tensor.dtype, device=weight_tensor.device)
                 weight_grad = torch.stack(
-                    [
-                        torch.zeros((), dtype=weight_tensor.dtype, device=weight_tensor.device)
-                        if g is None
-                        else g
-                        for g in weight_grads
-                    ]
-                ).to(weight_tensor.dtype)
+                    [torch.zeros((), **like) if g is None else g.to(**like) for g in weight_grads]
+                )
             grads_in.append(weight_grad)
         return (None, *grads_in, *param_grads)
