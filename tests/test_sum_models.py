@@ -561,3 +561,21 @@ def test_activation_checkpointing_inside_models(n_jobs):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert_same_grads(models, ref_models)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("engine", ["autograd", "stacked"])
+def test_cuda_models_with_cpu_weights(engine):
+    # The plain loop allows w[i] * m_i(x) with CPU weights and CUDA models; so does parsum,
+    # and the weights' gradient comes back on the CPU.
+    torch.manual_seed(0)
+    models = [mlp([8]).cuda() for _ in range(8)]
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device="cuda")
+    w = torch.linspace(-1, 2, 8, dtype=torch.float64, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    parsum.sum_models(models, x, weights=w, engine=engine, n_jobs=2).square().sum().backward()
+    plain_sum(ref, x, weights=w_ref).square().sum().backward()
+    assert w.grad.device.type == "cpu"
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-5)
+    assert_same_grads(models, ref, rtol=1e-4, atol=1e-5)
