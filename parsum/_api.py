@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from . import _config
+from . import _config, _pool
 from ._engines import CallArgs, ModelParams, module_of
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
@@ -115,12 +115,12 @@ def sum_models(
     batch = Batch.of(tensors)
     units = plan_units(models, model_params, engine, batch, chunk_size)
     chunks = chunks_of(units, model_params, batch, chunk_size)
-    # NOTE [ Threads that pay ] in _grouping.
+    # NOTE [ Threads that pay ] in _grouping; NOTE [ Saved-tensor hooks ] in _pool.
     if (
         engine == "auto"
         and _config.n_jobs_is_default(n_jobs)
         and not threads_pay(model_params, batch)
-    ):
+    ) or (n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active()):
         n_workers = 1
     plan = SumPlan(
         models=models,

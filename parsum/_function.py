@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch._C import _functions as autograd_functions
 from torch.utils import _pytree as pytree
@@ -42,6 +43,12 @@ from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
 from ._sparse import GradSum, add_grad, coalesce_later, has_user_hooks, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
+
+# Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
+# around sum_models stops its recomputation with one once it has what it needs.
+_CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
+    t for t in [getattr(torch.utils.checkpoint, "_StopRecomputationError", None)] if t is not None
+)
 
 # (structure, ((shape, dtype, device) per leaf)) of one model's output.
 Signature = tuple[pytree.TreeSpec, tuple[tuple[torch.Size, torch.dtype, torch.device], ...]]
@@ -221,6 +228,8 @@ def run_forward(
                 run = unit_forward(
                     unit, plan.models, call, plan.model_params, build_graph, plan.engine == "auto"
                 )
+            except _CONTROL_FLOW:
+                raise
             except Exception as exc:
                 raise plan.model_error(unit.models[0], "forward", exc, unit) from exc
             pullbacks[u] = run.pullback

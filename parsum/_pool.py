@@ -22,9 +22,17 @@
 # count: fixing it keeps every model's own result, not only the reduction, the same for any
 # n_jobs. With many models that is 1 thread per task and the cores go to models side by side.
 # ``torch.set_num_threads`` is per thread under OpenMP; the caller's value is restored after the
-# job. Grad mode, inference mode, autocast, the default device, saved-tensor hooks and CUDA's
-# current device and stream are thread-local in PyTorch and do not cross threads: they are
-# captured in the caller and re-entered by every helper (``ThreadState``).
+# job. Grad mode, inference mode, autocast, the default device and CUDA's current device and
+# stream are thread-local in PyTorch and do not cross threads: they are captured in the caller
+# and re-entered by every helper (``ThreadState``).
+#
+# NOTE [ Saved-tensor hooks ]
+# Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are
+# thread-local too, but a call made under them runs in the calling thread instead
+# (``sum_models`` sets one worker): they are not written for threads, and non-reentrant
+# checkpointing around ``sum_models`` matches the tensors it recomputes to those saved by the
+# order they were saved in, which threads would shuffle (measured: its metadata check failed
+# with 2 workers; tensors of one shape could be swapped without a word).
 """
 
 from __future__ import annotations
@@ -62,16 +70,18 @@ def default_chunk_size(n_items: int) -> int:
     return max(1, math.ceil(n_items / 16))
 
 
-def _saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The saved-tensor hooks in effect in this thread (through a private torch function;
-    where it is gone, none are carried over)."""
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in effect in this thread (``saved_tensors_hooks``,
+    ``save_on_cpu``, non-reentrant checkpointing around the call); read through a private
+    torch function (NOTE [ Saved-tensor hooks ]). Where it is gone, False: answering True would
+    keep every call in one thread."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
-        return None
+        return False
     try:
-        return top(False)  # ignore_is_tracing
+        return top(False) is not None  # ignore_is_tracing
     except TypeError:  # a torch whose function takes no argument
-        return top()
+        return top() is not None
 
 
 @dataclass(frozen=True)
@@ -79,18 +89,17 @@ class ThreadState:
     """The caller's thread-local state that models depend on, to re-enter in helper threads.
 
     Grad mode, inference mode and autocast; the default device (``torch.set_default_device``,
-    ``with torch.device(...)``), which tensors a model creates land on; the saved-tensor hooks
-    (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``), which what a model saves
-    for backward goes through. With CUDA in use, the current device and its current stream: a
-    helper on another stream than the caller's would read inputs before the caller's stream
-    wrote them, and the caller would read outputs before they were written.
+    ``with torch.device(...)``), which tensors a model creates land on. With CUDA in use, the
+    current device and its current stream: a helper on another stream than the caller's would
+    read inputs before the caller's stream wrote them, and the caller would read outputs
+    before they were written. (Saved-tensor hooks are not carried: under them a call stays in
+    the calling thread, NOTE [ Saved-tensor hooks ].)
     """
 
     grad_enabled: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
     default_device: torch.device | None = None
-    saved_tensor_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
     cuda_device: int | None = None
     cuda_stream: Any = None
 
@@ -116,7 +125,6 @@ class ThreadState:
             torch.is_inference_mode_enabled(),
             tuple(autocast),
             None if default_device.type == "cpu" else default_device,
-            _saved_tensor_hooks(),
             cuda_device,
             cuda_stream,
         )
@@ -131,10 +139,6 @@ class ThreadState:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             if self.default_device is not None:
                 stack.enter_context(self.default_device)
-            if self.saved_tensor_hooks is not None:
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(*self.saved_tensor_hooks)
-                )
             if self.cuda_device is not None:
                 stack.enter_context(torch.cuda.device(self.cuda_device))
                 stack.enter_context(torch.cuda.stream(self.cuda_stream))

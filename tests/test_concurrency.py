@@ -260,38 +260,73 @@ def test_grad_mode_crosses_into_workers():
     assert seen == [False] * 4
 
 
-def test_default_device_and_saved_tensor_hooks_cross_into_workers():
-    # Both are thread-local in PyTorch: a helper must see the caller's, or the tensors a model
-    # creates land elsewhere and what it saves for backward skips the hooks (save_on_cpu).
+def test_default_device_crosses_into_workers():
+    # Thread-local in PyTorch: a helper must see the caller's, or the tensors a model creates
+    # (torch.zeros(n) in forward) land on another device.
     if _config.usable_cores() < 2:
         pytest.skip("needs 2 usable cores")
-    seen, packed = [], []
+    seen = []
 
     def record():
         seen.append((threading.current_thread().name, torch.empty(0).device.type))
         time.sleep(0.02)  # long enough for the helper to take a chunk too
 
-    def pack(t):
-        packed.append(threading.current_thread().name)
-        return t
-
     models = [Probe(record) for _ in range(4)]
     x = torch.randn(3, IN, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.no_grad():
-            want = plain_sum(models, x)
-        plain_sum(models, x)
-        n_plain = len(packed)
-        packed.clear()
-        seen.clear()
-        with torch.device("meta"):
-            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    with torch.no_grad():
+        want = plain_sum(models, x)
+    seen.clear()
+    with torch.device("meta"):
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     y.sum().backward()
     torch.testing.assert_close(y.detach(), want)
     assert {device for _, device in seen} == {"meta"}
     assert any(name.startswith("parsum-worker") for name, _ in seen)
+
+
+def test_calls_under_saved_tensor_hooks_stay_in_the_calling_thread():
+    # NOTE [ Saved-tensor hooks ]: what the models save goes through the caller's hooks, in
+    # the caller's thread and in model order, as in the plain loop.
+    packed = []
+
+    def pack(t):
+        packed.append(threading.current_thread().name)
+        return t
+
+    models = [Probe(lambda: None) for _ in range(4)]
+    x = torch.randn(3, IN, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        plain_sum(models, x)
+        n_plain, names_plain = len(packed), set(packed)
+        packed.clear()
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    y.sum().backward()
     assert len(packed) == n_plain
-    assert any(name.startswith("parsum-worker") for name in packed)
+    assert set(packed) == names_plain == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_checkpoint_around_sum_models(n_jobs, early_stop):
+    # Non-reentrant checkpointing recomputes the whole sum in backward, matching what it
+    # recomputes to what was saved by order, and stops early with an exception of its own.
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    models = zoo()
+    ref = clone_models(models)
+    x = torch.randn(5, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with set_checkpoint_early_stop(early_stop):
+        y = checkpoint(
+            lambda t: parsum.sum_models(models, t, n_jobs=n_jobs, chunk_size=1),
+            x,
+            use_reentrant=False,
+        )
+        y.square().sum().backward()
+    plain_sum(ref, x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
