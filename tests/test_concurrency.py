@@ -18,7 +18,17 @@ from torch import nn
 
 import parsum
 from parsum import _config, _pool
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import (
+    IN,
+    OUT,
+    Probe,
+    clone_models,
+    mlp,
+    param_grads,
+    plain_sum,
+    thread_recorder,
+    zoo,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,7 +223,7 @@ def test_failed_calls_leave_no_reference_cycle(kind, n_jobs):
 def test_thread_counts_inside_and_after():
     seen = []
 
-    class Probe(nn.Module):
+    class NoParams(nn.Module):
         def forward(self, x):
             seen.append((threading.current_thread().name, torch.get_num_threads()))
             return torch.zeros(x.shape[0], OUT)
@@ -223,7 +233,7 @@ def test_thread_counts_inside_and_after():
         seen.clear()
         torch.set_num_threads(cores)
         parsum.sum_models(
-            [Probe() for _ in range(n_models)], torch.randn(2, IN), n_jobs=-1, chunk_size=1
+            [NoParams() for _ in range(n_models)], torch.randn(2, IN), n_jobs=-1, chunk_size=1
         )
         workers = len({name for name, _ in seen})
         intra = {n for _, n in seen}
@@ -231,22 +241,9 @@ def test_thread_counts_inside_and_after():
         assert workers * max(intra) <= cores
         assert torch.get_num_threads() == cores
     torch.set_num_threads(1)
-    parsum.sum_models([Probe(), Probe()], torch.randn(2, IN), n_jobs=2)
+    parsum.sum_models([NoParams(), NoParams()], torch.randn(2, IN), n_jobs=2)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(cores)
-
-
-class Probe(nn.Module):
-    """A small model that calls ``record()`` as its forward starts, in whichever thread runs it."""
-
-    def __init__(self, record):
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-        self.record = record
-
-    def forward(self, x):
-        self.record()
-        return torch.tanh(self.lin(x))
 
 
 def test_grad_mode_crosses_into_workers():
@@ -469,30 +466,14 @@ def test_helpers_stop_at_exit_and_start_again():
     assert _pool.pool_size() >= 1
 
 
-class _Sleepy(nn.Module):
-    """Records the thread it runs on and sleeps, so that every thread of a job gets a chunk."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-        self.threads = set()
-
-    def forward(self, x):
-        self.threads.add(threading.current_thread().name)
-        time.sleep(0.1)
-        return self.lin(x)
-
-
-def _sum_in_child(models, x, want, results):
+def _sum_in_child(models, x, want, names, results):
     # Plain values only go back: a tensor sent through the queue would need this process alive.
     try:
-        for m in models:
-            m.threads.clear()
+        names.clear()  # this process's copy: the threads the child's own call runs on
         y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
         y.sum().backward()
-        names = set().union(*(m.threads for m in models))
         error = (y - want).abs().max().item()
-        results.put((error, all(m.lin.weight.grad is not None for m in models), sorted(names)))
+        results.put((error, all(m.lin.weight.grad is not None for m in models), sorted(set(names))))
     except BaseException as exc:  # the parent asserts on what comes back
         results.put(repr(exc))
 
@@ -505,7 +486,8 @@ def test_forked_child_starts_its_own_helpers():
     # own instead of running every chunk in the caller (or waiting on a lock held at the fork).
     if _config.usable_cores() < 2:
         pytest.skip("needs 2 usable cores")
-    models = [_Sleepy() for _ in range(4)]
+    names = []
+    models = [Probe(thread_recorder(names, 0.1)) for _ in range(4)]
     x = torch.randn(5, IN)
     parsum.sum_models(models, x, n_jobs=2)  # the parent's helpers are running now
     assert _pool.pool_size() >= 1
@@ -513,7 +495,7 @@ def test_forked_child_starts_its_own_helpers():
         want = plain_sum(models, x)
     ctx = multiprocessing.get_context("fork")
     results = ctx.SimpleQueue()
-    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, results))
+    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, names, results))
     child.start()
     child.join(timeout=40)
     assert child.exitcode == 0

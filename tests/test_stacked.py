@@ -2,7 +2,6 @@
 that a grouped call gives what the plain PyTorch expression gives."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -13,7 +12,17 @@ from parsum._engines import ModelParams
 from parsum._grouping import AUTO_STACK_MAX_STATE_ELEMENTS, Batch, plan_units
 from tests.test_errors import Boom
 from tests.test_sum_models import TOL, assert_same_grads, run_both
-from tests.zoo import IN, OUT, ConvNet, clone_models, mlp, param_grads, plain_sum
+from tests.zoo import (
+    IN,
+    OUT,
+    ConvNet,
+    Probe,
+    clone_models,
+    mlp,
+    param_grads,
+    plain_sum,
+    thread_recorder,
+)
 
 
 def family(dtype=torch.float32, seed=0):
@@ -325,24 +334,10 @@ def test_flat_grad_and_step_in_backward():
             torch.testing.assert_close(p, q)
 
 
-class Sleepy(nn.Module):
-    """A small model whose forward sleeps (releasing the GIL) and records its thread."""
-
-    def __init__(self, seen):
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-        self.seen = seen
-
-    def forward(self, x):
-        self.seen.append(threading.current_thread().name)
-        time.sleep(0.005)
-        return self.lin(x)
-
-
 @pytest.mark.timeout(60)
 def test_auto_keeps_small_models_in_the_calling_thread_unless_told():
     seen = []
-    models = [Sleepy(seen) for _ in range(6)]
+    models = [Probe(thread_recorder(seen, 0.005)) for _ in range(6)]
     x = torch.randn(2, IN)
     parsum.sum_models(models, x, chunk_size=1)
     assert set(seen) == {threading.current_thread().name}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import torch
 from torch import nn
@@ -83,6 +85,30 @@ class TwoHeads(nn.Module):
 
     def forward(self, x):
         return self.head(self.encode(x))
+
+
+class Probe(nn.Module):
+    """A small model that calls ``record()`` as its forward starts, in whichever thread runs it."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.record = record
+
+    def forward(self, x):
+        self.record()
+        return torch.tanh(self.lin(x))
+
+
+def thread_recorder(seen: list[str], seconds: float):
+    """A ``record`` for Probe: note the running thread in ``seen``, then sleep (releasing the
+    GIL) long enough for the other threads of a job to take chunks too."""
+
+    def record() -> None:
+        seen.append(threading.current_thread().name)
+        time.sleep(seconds)
+
+    return record
 
 
 def clone_models(models: list[nn.Module]) -> list[nn.Module]:
