@@ -135,7 +135,7 @@ def sum_models(
         units=units,
         chunks=chunks,
         n_workers=n_workers,
-        forward_workers=1 if _forward_in_order(model_params, engine) else n_workers,
+        forward_workers=1 if _forward_in_order(model_params) else n_workers,
         step_in_backward=step_in_backward,
         step_index=step_index,
     )
@@ -280,22 +280,15 @@ def _collect_params(
     return params, slots, [u > 1 for u in users]
 
 
-def _forward_in_order(model_params: list[ModelParams], engine: str) -> bool:
-    """Whether the forwards must run one after the other, in model order.
-
-    When two model entries share a buffer, its updates (BatchNorm statistics) must happen in
-    the plain loop's order. With engine "vjp", ``functional_call`` swaps a module's attributes
-    for the duration of its forward, so two entries that reach one module object (a model
-    repeated, a shared submodule) must not run at once.
+def _forward_in_order(model_params: list[ModelParams]) -> bool:
+    """Whether the forwards must run one after the other, in model order: when two model
+    entries share a buffer, its updates (BatchNorm statistics) must happen in the plain loop's
+    order. (Engines "vjp" and "stacked" swap tensors in shadows of the modules, never in the
+    modules themselves, so entries that share a module may run at once: NOTE [ Shadow modules ].)
     """
     buffer_owner: dict[int, int] = {}
-    module_owner: dict[int, int] = {}
     for i, mp in enumerate(model_params):
         for b in mp.buffers:
             if buffer_owner.setdefault(id(b), i) != i:
                 return True
-        if engine == "vjp":
-            for module in mp.modules:
-                if module_owner.setdefault(id(module), i) != i:
-                    return True
     return False
