@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
 from ._errors import ParsumError
-from ._sparse import GradSum, add_grad
+from ._sparse import GradSum, add_grad, has_user_hooks
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
 # failing again on every call (a model vmap cannot run once rarely runs later).
@@ -60,9 +61,14 @@ VMAP_FAILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # modules are never written to. Made on every call (about 1 us a module), so it is never stale.
 
 
-def shadow_module(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
+def shadow_module(
+    module: nn.Module,
+    replace: dict[int, Tensor] | None = None,
+    memo: dict[int, nn.Module] | None = None,
+) -> nn.Module:
     """A copy of ``module``'s tree whose parameter, buffer and submodule dicts are its own
-    (NOTE [ Shadow modules ]); a submodule reached twice is shadowed once."""
+    (NOTE [ Shadow modules ]); a submodule reached twice is shadowed once. ``replace`` maps
+    ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is."""
     if isinstance(module, torch.jit.ScriptModule):  # functional_call refuses it, with a message
         return module
     memo = {} if memo is None else memo
@@ -72,14 +78,26 @@ def shadow_module(module: nn.Module, memo: dict[int, nn.Module] | None = None) -
     copy = module.__class__.__new__(module.__class__)
     memo[id(module)] = copy
     state = dict(vars(module))
-    state["_parameters"] = dict(state["_parameters"])
+    own = state["_parameters"]
+    state["_parameters"] = (
+        {k: replace.get(id(p), p) for k, p in own.items()} if replace else dict(own)
+    )
     state["_buffers"] = dict(state["_buffers"])
     state["_modules"] = {
-        name: None if child is None else shadow_module(child, memo)
+        name: None if child is None else shadow_module(child, replace, memo)
         for name, child in state["_modules"].items()
     }
     object.__setattr__(copy, "__dict__", state)
     return copy
+
+
+def rebind(model: Callable[..., Any], shadow: nn.Module) -> Callable[..., Any]:
+    """``model`` calling ``shadow`` instead of its module (``module_of``)."""
+    if isinstance(model, functools.partial):
+        return functools.partial(rebind(model.func, shadow), *model.args, **model.keywords)
+    if isinstance(model, nn.Module):
+        return shadow
+    return types.MethodType(model.__func__, shadow)  # type: ignore[attr-defined]
 
 
 # The engine call under torch.autograd.grad (private; autograd.grad itself where it is gone).
@@ -277,7 +295,21 @@ def autograd_forward(
     model: Callable[..., Any], call: CallArgs, params: ModelParams
 ) -> tuple[Any, Pullback]:
     """Run the model on detached inputs under enable_grad; pull back with autograd.grad."""
+    # NOTE [ Hooks run once ]: differentiating with respect to a parameter would run its
+    # tensor hooks (register_hook) in the pullback, and autograd runs them again on the whole
+    # gradient that ParallelSum returns. Such a parameter is read through an alias, a view of
+    # it in a shadow of the module (NOTE [ Shadow modules ]), and the pullback takes the alias'
+    # gradient: the hooks run once, on the whole gradient, as in the plain loop, and the
+    # user's tensors are never written to (taking the hooks off the parameter for a while
+    # raced with other threads' backward passes and crashed the interpreter).
+    wrt_params = params.tensors
     with torch.enable_grad():
+        if any(has_user_hooks(p) for p in params.tensors):
+            aliases = {id(p): p.view_as(p) for p in params.tensors if has_user_hooks(p)}
+            module = module_of(model)
+            assert module is not None
+            model = rebind(model, shadow_module(module, aliases))
+            wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
         out = model(*args, **kwargs)
@@ -292,7 +324,7 @@ def autograd_forward(
         # Every tensor argument is its own, also one it marked to require grad itself.
         arguments = [t for t in call.leaves if isinstance(t, Tensor)]
         _check_no_captured_leaves(roots, [*inputs.values(), *arguments])
-    wrt = [*inputs.values(), *params.tensors]
+    wrt = [*inputs.values(), *wrt_params]
     n_args = len(inputs)
 
     def pullback(

@@ -24,9 +24,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._sparse import GradSum, add_grad, coalesce_later, has_user_hooks, merge_grads
+from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
@@ -323,19 +322,6 @@ class _BufferSnapshot:
                 buffer.copy_(saved)
 
 
-@contextlib.contextmanager
-def _hooks_held(params: list[Tensor]) -> Iterator[None]:
-    """Take the tensor hooks off ``params`` for a while (NOTE [ Hooks run once ])."""
-    saved = [(p, p._backward_hooks) for p in params]
-    for p, _ in saved:
-        p._backward_hooks = None
-    try:
-        yield
-    finally:
-        for p, hooks in saved:
-            p._backward_hooks = hooks
-
-
 def _engine_keeps_graph() -> bool:
     """Whether the running backward was asked to keep the graph (retain_graph=True)."""
     try:
@@ -525,16 +511,11 @@ class ParallelSum(torch.autograd.Function):
             for slot, acc in shared_accs.items():
                 merge_grads(shared_totals, slot, acc)
 
-        # NOTE [ Hooks run once ]: the models' graphs reach each parameter's own leaf, so
-        # torch.autograd.grad in the workers would run the parameter's tensor hooks, and
-        # autograd runs them again on what this backward returns. They are held back during
-        # the pullbacks and run once, on the whole gradient, as in plain PyTorch
-        # (step_in_backward, which consumes gradients here, refuses parameters with hooks).
-        # take_rows' own hook stays: it only coalesces, so running it twice changes nothing.
-        held_back = any(unit.engine != "vjp" for unit in plan.units)
-        held = [p for p in plan.params if held_back and has_user_hooks(p)]
+        # The parameters' tensor hooks run once, on what this returns: NOTE [ Hooks run once ]
+        # in _engines. (step_in_backward, which consumes gradients here, refuses parameters
+        # with hooks.)
         try:
-            with torch.no_grad(), _hooks_held(held):
+            with torch.no_grad():
                 _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
                 for slot, acc in shared_totals.items():
                     if flat is not None and slot in flat:
