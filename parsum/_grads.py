@@ -73,10 +73,18 @@ def _forget(ids: list[int]) -> None:
 
 @dataclass
 class _Slot:
-    param: Tensor
+    """A parameter's place in a buffer. The parameter is held weakly: its hook holds the
+    FlatGrad, so a strong reference back would be a cycle through C++, which the garbage
+    collector cannot see (every FlatGrad and its models stayed alive for good)."""
+
+    ref: weakref.ref[Tensor]
     key: BufferKey
     view: Tensor
     comp: Tensor | None
+
+    @property
+    def param(self) -> Tensor | None:
+        return self.ref()
 
 
 class FlatGrad:
@@ -145,7 +153,7 @@ class FlatGrad:
             comp = self._comps.get(key)
             self._slots.append(
                 _Slot(
-                    p,
+                    weakref.ref(p),
                     key,
                     _slot_view(self._buffers[key], p, start),
                     None if comp is None else _slot_view(comp, p, start),
@@ -154,15 +162,15 @@ class FlatGrad:
         # Versions before the copies below: a buffer nothing was copied into is known zero.
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         with torch.no_grad():
-            for slot in self._slots:
-                if slot.param.grad is not None:
-                    slot.view.copy_(_dense(slot.param.grad))
+            for p, slot in zip(params, self._slots):
+                if p.grad is not None:
+                    slot.view.copy_(_dense(p.grad))
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
         self._note_written()
-        for index, slot in enumerate(self._slots):
-            self._take_over(index, slot)
-        weakref.finalize(self, _forget, [id(slot.param) for slot in self._slots])
+        for index, p in enumerate(params):
+            self._take_over(index, p)
+        weakref.finalize(self, _forget, [id(p) for p in params])
 
     # -- public -------------------------------------------------------------------------------
 
@@ -184,8 +192,8 @@ class FlatGrad:
 
     @property
     def params(self) -> list[Tensor]:
-        """The parameters with a slot, in slot order."""
-        return [slot.param for slot in self._slots]
+        """The parameters with a slot, in slot order (those still alive)."""
+        return [p for slot in self._slots if (p := slot.param) is not None]
 
     def zero_(self) -> FlatGrad:
         """Zero every buffer and point every ``.grad`` at its view again."""
@@ -193,7 +201,9 @@ class FlatGrad:
             for buffer in (*self._buffers.values(), *self._comps.values()):
                 buffer.zero_()
         for slot in self._slots:
-            slot.param.grad = slot.view
+            p = slot.param
+            if p is not None:
+                p.grad = slot.view
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
         return self
@@ -204,14 +214,14 @@ class FlatGrad:
 
     # -- internal -----------------------------------------------------------------------------
 
-    def _take_over(self, index: int, slot: _Slot) -> None:
-        previous = owner_of(slot.param)
+    def _take_over(self, index: int, p: Tensor) -> None:
+        previous = owner_of(p)
         if previous is not None:
             previous[0]._release(previous[1])
-        _owners[id(slot.param)] = (weakref.ref(self), index)
-        slot.param.grad = slot.view
+        _owners[id(p)] = (weakref.ref(self), index)
+        p.grad = self._slots[index].view
         hook = functools.partial(self._reattach, index)
-        self._hooks[index] = slot.param.register_post_accumulate_grad_hook(hook)
+        self._hooks[index] = p.register_post_accumulate_grad_hook(hook)
 
     def _release(self, index: int) -> None:
         handle = self._hooks.pop(index, None)
@@ -334,6 +344,7 @@ def _hooked_by_user(param: Tensor) -> bool:
 
 @dataclass
 class _Write:
+    param: Tensor  # held for the backward's duration
     slot: _Slot
     owner: FlatGrad
     fresh: bool  # .grad was None or is known zero: the write copies
@@ -357,7 +368,7 @@ class FlatWrites:
                 continue
             flat, index = owner
             owners[id(flat)] = flat
-            self._writes[k] = _Write(flat._slots[index], flat, fresh=p.grad is None)
+            self._writes[k] = _Write(p, flat._slots[index], flat, fresh=p.grad is None)
         # Decide from the versions before anything below writes.
         known_zero: dict[tuple[int, BufferKey], bool] = {}
         for flat in owners.values():
@@ -367,7 +378,7 @@ class FlatWrites:
                 if flat.compensated and flat._comp_versions.get(key) != version:
                     flat._comps[key].zero_()
         for write in self._writes.values():
-            slot, grad = write.slot, write.slot.param.grad
+            slot, grad = write.slot, write.param.grad
             if grad is None:
                 continue
             if grad is not slot.view and not _is_view_of(grad, slot.view):
@@ -443,7 +454,7 @@ class FlatWrites:
 
     def commit(self) -> None:
         for write in self._writes.values():
-            write.slot.param.grad = write.slot.view
+            write.param.grad = write.slot.view
         for flat in {id(w.owner): w.owner for w in self._writes.values()}.values():
             flat._note_written()
 
