@@ -169,10 +169,11 @@ class _Job:
         self._pending: dict[int, Any] = {}
         self._next_consume = 0
         self._consuming = False
+        self._cancelled = False
 
     def _claim(self) -> int | None:
         with self._lock:
-            if self.task is None or self.failures or self._next_claim >= self.n_tasks:
+            if self._stopped() or self._next_claim >= self.n_tasks:
                 return None
             k = self._next_claim
             self._next_claim += 1
@@ -182,7 +183,17 @@ class _Job:
     def _release(self) -> None:
         with self._lock:
             self._running -= 1
-            if self._running == 0 and (self.failures or self._next_claim >= self.n_tasks):
+            if self._running == 0 and (self._stopped() or self._next_claim >= self.n_tasks):
+                self.done.set()
+
+    def _stopped(self) -> bool:
+        return self.task is None or self._cancelled or bool(self.failures)
+
+    def cancel(self) -> None:
+        """Start no chunk any more; ``done`` is set once the running ones have finished."""
+        with self._lock:
+            self._cancelled = True
+            if self._running == 0:
                 self.done.set()
 
     def _fail(self, k: int, exc: BaseException) -> None:
@@ -348,8 +359,16 @@ def _run_job(job: _Job, threads: int) -> None:
     _pool.ensure_helpers(threads - 1)
     _pool.submit(job, threads - 1)
     try:
-        job.work()
-        job.done.wait()
+        try:
+            job.work()
+            job.done.wait()
+        except BaseException:
+            # Interrupted in the caller (KeyboardInterrupt, an exception from a signal handler):
+            # the chunks that helpers are running finish before the error leaves, so that none
+            # writes gradients, statistics or optimizer steps after the caller rolled back.
+            job.cancel()
+            job.done.wait()
+            raise
     finally:
         failure = job.close()
     if failure is not None:

@@ -6,10 +6,12 @@ a short timeout, so a deadlock fails fast.
 """
 
 import gc
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 
 import pytest
@@ -183,3 +185,57 @@ def test_a_flatgrad_nobody_holds_lives_as_long_as_its_parameters():
     # ... which the FlatGrad's hook moves back into its buffer
     assert models[1].bias.grad.data_ptr() >= base.data_ptr()
     assert models[1].bias.grad.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises in the caller, as KeyboardInterrupt would."""
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delay):
+        ctx.delay = delay
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.delay)
+        return g, None
+
+
+class _Slow(nn.Module):
+    """A linear model whose backward takes ``delay`` seconds (with the GIL released)."""
+
+    def __init__(self, delay):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.delay = delay
+
+    def forward(self, x):
+        return _SlowBackward.apply(self.lin(x), self.delay)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_an_interrupted_backward_leaves_no_work_behind():
+    # Interrupted while waiting for a helper's chunk, the caller rolled back and returned, and
+    # the helper's chunk wrote into the FlatGrad afterwards.
+    models = [_Slow(0.0), _Slow(1.0)]
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(4, IN)
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupted):
+            y.sum().backward()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    right_after = flat.flat.clone()
+    time.sleep(1.5)
+    assert torch.equal(flat.flat, right_after)
+    assert not flat.flat.any(), "a failed backward changed the gradients"
