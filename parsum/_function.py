@@ -24,8 +24,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,6 +324,24 @@ class _BufferSnapshot:
                 buffer.copy_(saved)
 
 
+class _Announcer(threading.local):
+    hook: Callable[[], object] | None = None
+
+
+_announcer = _Announcer()
+
+
+@contextlib.contextmanager
+def announcing_backward_failures(hook: Callable[[], object] | None) -> Iterator[None]:
+    """Calls of ``ParallelSum`` made inside the block call ``hook()`` when their backward
+    fails, before raising (``parsum.distributed``: NOTE [ Cross-rank sum ])."""
+    saved, _announcer.hook = _announcer.hook, hook
+    try:
+        yield
+    finally:
+        _announcer.hook = saved
+
+
 def _engine_keeps_graph() -> bool:
     """Whether the running backward was asked to keep the graph (retain_graph=True)."""
     try:
@@ -389,6 +409,7 @@ class ParallelSum(torch.autograd.Function):
         ctx.pullbacks = result.pullbacks
         ctx.outputs = result.outputs
         ctx.weight_needs_grad = weight_needs_grad
+        ctx.announce_failure = _announcer.hook
         if weight_tensor is not None:
             ctx.save_for_backward(weight_tensor)
         return tuple(result.leaves)
@@ -525,6 +546,8 @@ class ParallelSum(torch.autograd.Function):
         except BaseException as exc:
             if flat is not None:
                 flat.rollback()
+            if ctx.announce_failure is not None:
+                ctx.announce_failure()
             if stepped:
                 raise ParsumError(
                     f"{exc}; the optimizer step (step_in_backward) already ran for models "

@@ -15,9 +15,13 @@ gets the sum over all ranks.
 # rank's own sum, whose backward gives each model's parameters their gradients as a
 # single-process run would. An input that every rank passed gets, on every rank, the sum over
 # all ranks' models: ``_SumGradsAcrossRanks``, an identity in forward, all-gathers the input
-# gradients in backward and adds them in rank order. A failure inside backward cannot be
-# announced (the failing rank leaves the backward), so the other ranks get their error from
-# the process group's timeout.
+# gradients in backward and adds them in rank order. Before that all-gather the ranks exchange
+# whether their backward succeeded: a rank whose own sum fails in backward takes part in that
+# exchange from its failure path (``announcing_backward_failures``) before it raises, so every
+# rank raises, none waits for a gradient that will not come, and none takes the failed rank's
+# next collective for this one (which gave uninitialised gradients and then a gloo abort).
+# With no input that needs a gradient there is no exchange in backward, and none is needed:
+# each rank's parameters get their gradients from its own models alone.
 #
 # NOTE [ Releasing the process group ]
 # torch.distributed.nn.functional declares ``group=group.WORLD`` defaults, evaluated when it is
@@ -31,6 +35,7 @@ gets the sum over all ranks.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +49,7 @@ from torch.utils import _pytree as pytree
 
 from ._api import sum_models as _local_sum
 from ._errors import ParsumError
+from ._function import announcing_backward_failures
 from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
@@ -110,8 +116,10 @@ def sum_models(
     error: Exception | None = None
     local_leaves: list[Tensor] = []
     out_spec = None
+    announce = functools.partial(_exchange_backward_status, group, device, 1)
     try:
-        local = _local_sum(models, *args, **kwargs)
+        with announcing_backward_failures(announce if wanted else None):
+            local = _local_sum(models, *args, **kwargs)
         local_leaves, out_spec = pytree.tree_flatten(local)
     except Exception as exc:  # announced to the other ranks before it is raised here
         error = exc
@@ -145,6 +153,14 @@ def _status_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _exchange_backward_status(group: Any, device: torch.device, failed: int) -> list[int]:
+    """Tell every rank whether this one's backward failed; the ranks that did."""
+    status = torch.tensor([failed], device=device)
+    statuses = [torch.empty_like(status) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(statuses, status, group=group)
+    return [r for r, s in enumerate(statuses) if int(s[0])]
 
 
 def _sum_in_rank_order(tensor: Tensor, group: Any) -> Tensor:
@@ -182,4 +198,12 @@ class _SumGradsAcrossRanks(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *(_sum_in_rank_order(g, ctx.group) for g in grads))
+        group = ctx.group
+        failed = _exchange_backward_status(group, _status_device(group), 0)
+        if failed:
+            raise ParsumError(
+                f"{_WHERE}: rank(s) {failed} failed in backward (see their errors); rank "
+                f"{dist.get_rank(group)} stops too, and no gradient of this backward reaches "
+                "its inputs"
+            )
+        return (None, *(_sum_in_rank_order(g, group) for g in grads))

@@ -5,7 +5,6 @@ import datetime
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -113,17 +112,26 @@ def _mismatch(rank: int) -> None:
 
 
 def _backward_failure(rank: int) -> None:
+    # Rank 1's model fails once in backward and training goes on: rank 0 used to complete its
+    # step with an input gradient from uninitialised memory, and rank 1 then aborted on a
+    # collective mismatch. Now both raise, and both stay in step.
+    torch.manual_seed(0)
     mine = [nn.Linear(IN, OUT)] + ([BoomBackward()] if rank == 1 else [])
     x = torch.randn(4, IN, requires_grad=True)
     y = parsum.distributed.sum_models(mine, x)
-    start = time.monotonic()
     if rank == 1:
         with pytest.raises(parsum.ParsumError, match=r"model 1 \(BoomBackward\) raised"):
             y.sum().backward()
-    else:  # waits for rank 1's input gradient: an error by the timeout, not a hang
-        with pytest.raises(RuntimeError):
+    else:
+        with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in backward"):
             y.sum().backward()
-        assert time.monotonic() - start < 30
+    assert x.grad is None
+    for _ in range(3):  # training goes on with the models that work
+        x.grad = None
+        y = parsum.distributed.sum_models(mine[:1], x)
+        y.pow(2).sum().backward()
+        _same_on_every_rank(y)
+        _same_on_every_rank(x.grad)
 
 
 def _nccl(rank: int) -> None:
@@ -153,8 +161,8 @@ def test_two_processes(scenario):
 
 
 @pytest.mark.timeout(120)
-def test_backward_failure_ends_every_rank_within_the_timeout():
-    launch("backward_failure", timeout_s=5)
+def test_a_backward_failure_raises_on_every_rank_and_keeps_them_in_step():
+    launch("backward_failure", timeout_s=20)
 
 
 @pytest.mark.timeout(120)
