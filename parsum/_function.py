@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import Tensor
-from torch._C import _functions as autograd_functions
 from torch.utils import _pytree as pytree
 
 from . import _pool
@@ -351,17 +350,34 @@ def _engine_keeps_graph() -> bool:
 
 
 _SECOND_BACKWARD = (
-    b"parsum: sum_models' backward is not differentiable (it was run with create_graph=True, "
-    b"and a second backward reached the gradients it returned); double backward through "
-    b"sum_models, such as a gradient penalty, needs the plain sum of the models"
+    "parsum: sum_models' backward is not differentiable (it was run with create_graph=True, "
+    "and a second backward reached the gradients it returned); double backward through "
+    "sum_models, such as a gradient penalty, needs the plain sum of the models"
 )
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """The gradients a backward with ``create_graph=True`` returned, as they are; their
+    backward raises. Its inputs also include every tensor ``sum_models`` differentiated
+    (arguments, weights, parameters), so that a second backward with respect to any of them
+    reaches it and raises: with the gradients alone as inputs, ``torch.autograd.grad(penalty,
+    params)`` found no path to the parameters and returned None without a word."""
+
+    @staticmethod
+    def forward(ctx: Any, n_grads: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(g.view_as(g) for g in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
+        raise ParsumError(_SECOND_BACKWARD)
 
 
 def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., Any]:
     """``torch.autograd.function.once_differentiable``, but a backward run with
-    ``create_graph=True`` always marks the gradients it returns so that differentiating them
-    raises: torch's decorator marks them only when the incoming gradients require grad, and
-    otherwise lets a second backward drop sum_models' second-order terms without a word."""
+    ``create_graph=True`` always returns gradients whose differentiation raises, with respect
+    to anything (``_NotDifferentiable``): torch's decorator marks them only when the incoming
+    gradients require grad, and otherwise lets a second backward drop sum_models'
+    second-order terms without a word."""
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
@@ -370,9 +386,15 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
             grads = backward(ctx, *grad_outputs)
         if not create_graph:
             return grads
-        marked = [None if g is None else g.detach().requires_grad_() for g in grads]
-        error = autograd_functions.DelayedError(_SECOND_BACKWARD, len(grads))
-        return error(*marked)  # type: ignore[arg-type]  # None passes, as in torch's decorator
+        present = [g for g in grads if g is not None]
+        plan: SumPlan = ctx.plan
+        anchors = [
+            t
+            for t in [*ctx.call_tensors, *plan.params]
+            if isinstance(t, Tensor) and t.requires_grad
+        ]
+        marked = iter(_NotDifferentiable.apply(len(present), *present, *anchors))
+        return tuple(None if g is None else next(marked) for g in grads)
 
     return wrapper
 
@@ -410,6 +432,7 @@ class ParallelSum(torch.autograd.Function):
         ctx.outputs = result.outputs
         ctx.weight_needs_grad = weight_needs_grad
         ctx.announce_failure = _announcer.hook
+        ctx.call_tensors = tensors[: n_args + int(plan.has_weight_tensor)]
         if weight_tensor is not None:
             ctx.save_for_backward(weight_tensor)
         return tuple(result.leaves)

@@ -239,3 +239,36 @@ def test_an_interrupted_backward_leaves_no_work_behind():
     time.sleep(1.5)
     assert torch.equal(flat.flat, right_after)
     assert not flat.flat.any(), "a failed backward changed the gradients"
+
+
+@pytest.mark.parametrize("second", ["grad_params", "backward_inputs", "grad_x"])
+def test_a_second_backward_with_respect_to_anything_raises(second):
+    # A gradient penalty differentiated with respect to the parameters (or given as inputs=)
+    # used to find no path to them and give None without a word.
+    torch.manual_seed(0)
+    models = _identical(3)
+    params = [p for m in models for p in m.parameters()]
+    x = torch.randn(4, IN, requires_grad=True)
+    loss = parsum.sum_models(models, x, engine="autograd").pow(2).sum()
+    grads = torch.autograd.grad(loss, [x, *params], create_graph=True)
+    penalty = sum(g.pow(2).sum() for g in grads)
+    with pytest.raises(parsum.ParsumError, match="sum_models' backward is not differentiable"):
+        if second == "grad_params":
+            torch.autograd.grad(penalty, params, allow_unused=True)
+        elif second == "backward_inputs":
+            penalty.backward(inputs=params)
+        else:
+            torch.autograd.grad(penalty, x)
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_without_a_second_backward_gives_the_plain_gradients():
+    torch.manual_seed(0)
+    models = _identical(3)
+    ref = clone_models(models)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x).pow(2).sum().backward(create_graph=True)
+    plain_sum(ref, x).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a.detach(), b)
