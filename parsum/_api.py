@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,6 +106,7 @@ def sum_models(
     weight_list, weight_tensor = _check_weights(weights, len(models))
 
     call = CallArgs.flatten(args, kwargs)
+    _check_hidden_tensors(call)
     tensors = [call.leaves[j] for j in call.tensor_positions]
     model_params = [ModelParams.of(m) for m in models]
     _check_initialized(models, model_params)
@@ -163,6 +165,29 @@ def _check_models(models: Any) -> list[Callable[..., Any]]:
     return models
 
 
+def _check_hidden_tensors(call: CallArgs) -> None:
+    """Refuse an argument that holds a tensor needing a gradient where parsum cannot see it (a
+    dataclass, a plain object): the plain loop gives it a gradient, parsum would give none."""
+    if call.spec is None:  # tensors and scalars only
+        return
+    for leaf in call.leaves:
+        if isinstance(leaf, (Tensor, str, bytes, numbers.Number)) or leaf is None:
+            continue
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found = {f.name: getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)}
+        else:
+            found = getattr(leaf, "__dict__", None) or {}
+        for name, value in found.items():
+            if isinstance(value, Tensor) and value.requires_grad:
+                raise ParsumError(
+                    f"{_WHERE}: an argument is a {type(leaf).__name__} whose {name!r} is a "
+                    "tensor that requires grad; parsum gives gradients to the tensors it finds "
+                    "in args and kwargs (also in tuples, lists, dicts and namedtuples), so "
+                    "this one would get none: pass the tensor itself, or register the class "
+                    "as a pytree node (torch.utils._pytree.register_dataclass)"
+                )
+
+
 def _check_initialized(models: list[Callable[..., Any]], model_params: list[ModelParams]) -> None:
     for i, (model, mp) in enumerate(zip(models, model_params)):
         if mp.uninitialized is not None:
@@ -177,6 +202,13 @@ def _check_initialized(models: list[Callable[..., Any]], model_params: list[Mode
 
 def _check_vjp_models(models: list[Callable[..., Any]], model_params: list[ModelParams]) -> None:
     for i, (model, mp) in enumerate(zip(models, model_params)):
+        if mp.loose:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) holds tensor attribute(s) "
+                f"{mp.loose} that require grad and are not parameters; engine='vjp' "
+                "differentiates parameters only (functional_call): register them as "
+                "nn.Parameter, or use engine='autograd' or 'auto'"
+            )
         if mp.tensors and not isinstance(model, nn.Module):
             raise ParsumError(
                 f"{_WHERE}: models[{i}] is a {type(model).__name__} of a "
@@ -246,6 +278,13 @@ def _check_step_in_backward(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) is models[{seen[j]}] again; "
                 "with step_in_backward each model steps right after its one pullback, so "
                 "pass each model once (use weights to count it twice)"
+            )
+        if mp.loose:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) holds tensor attribute(s) "
+                f"{mp.loose} that require grad and are not parameters, which its optimizer "
+                "does not step; step_in_backward would drop their gradients: register them "
+                "as nn.Parameter"
             )
         for name, p in zip(mp.names, mp.tensors):
             if has_user_hooks(p):

@@ -82,6 +82,10 @@ def shadow_module(
     state["_parameters"] = (
         {k: replace.get(id(p), p) for k, p in own.items()} if replace else dict(own)
     )
+    if replace:  # a plain tensor attribute too (``ModelParams.loose``)
+        for name, value in state.items():
+            if isinstance(value, Tensor) and id(value) in replace:
+                state[name] = replace[id(value)]
     state["_buffers"] = dict(state["_buffers"])
     state["_modules"] = {
         name: None if child is None else shadow_module(child, replace, memo)
@@ -177,6 +181,9 @@ class ModelParams:
             ``functional_call`` must also be given to run another model's state).
         uninitialized: where lazy parameters are not initialized yet (a ``LazyLinear``
             before its first call), as "submodule 'name' (type)", or None.
+        loose: the names of plain tensor attributes that require grad and are leaves
+            (``self.temperature = torch.ones(1, requires_grad=True)``): not parameters, but
+            the plain loop gives them a ``.grad``, so they are among ``tensors`` too.
     """
 
     names: list[str]
@@ -187,6 +194,7 @@ class ModelParams:
     state_names: list[str] = field(default_factory=list)
     state: list[Tensor] = field(default_factory=list)
     uninitialized: str | None = None
+    loose: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: Callable[..., Any]) -> ModelParams:
@@ -226,6 +234,17 @@ class ModelParams:
                     else:
                         state_names.append(prefix + name)
                         state.append(p)
+            for name, value in vars(module).items():
+                if (
+                    isinstance(value, Tensor)
+                    and value.requires_grad
+                    and value.is_leaf
+                    and id(value) not in seen_tensors
+                ):
+                    seen_tensors.add(id(value))
+                    names.append(prefix + name)
+                    tensors.append(value)
+                    info.loose.append(prefix + name)
             own_buffers = module._buffers
             if own_buffers:
                 restored = module.training and isinstance(module, _NormBase)

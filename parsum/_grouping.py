@@ -291,6 +291,8 @@ def _holds_state(t: Any) -> bool:
 
 def structure_key(mp: ModelParams) -> Hashable | None:
     """What two models must share to run as one stacked group; None if this one cannot."""
+    if mp.loose:  # functional_call swaps parameters and buffers, not plain attributes
+        return None
     parts: list[Hashable] = []
     for module in mp.modules:
         if isinstance(module, torch.jit.ScriptModule):  # functional_call cannot run TorchScript

@@ -272,3 +272,57 @@ def test_create_graph_without_a_second_backward_gives_the_plain_gradients():
     plain_sum(ref, x).pow(2).sum().backward()
     for a, b in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(a.detach(), b)
+
+
+class _Tempered(nn.Module):
+    """A model with a plain tensor attribute that requires grad (not a parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.temperature = torch.ones(1, requires_grad=True)
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+@pytest.mark.parametrize("engine", ["auto", "autograd", "stacked"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_tensor_attribute_that_requires_grad_gets_its_gradient(engine, n_jobs):
+    # It got a .grad in the plain loop and None through parsum.
+    torch.manual_seed(0)
+    models = [_Tempered() for _ in range(8)]
+    shared = torch.full((1,), 2.0, requires_grad=True)
+    models[3].temperature = models[5].temperature = shared  # one tensor, two models
+    ref = clone_models(models)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for m, r in zip(models, ref):
+        torch.testing.assert_close(m.temperature.grad, r.temperature.grad)
+        torch.testing.assert_close(m.lin.weight.grad, r.lin.weight.grad)
+
+
+def test_a_tensor_attribute_is_refused_where_it_would_lose_its_gradient():
+    models = [_Tempered(), _Tempered()]
+    with pytest.raises(parsum.ParsumError, match=r"models\[0\] \(_Tempered\) holds tensor attr"):
+        parsum.sum_models(models, torch.randn(2, IN), engine="vjp")
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    with pytest.raises(parsum.ParsumError, match=r"\['temperature'\].*register them as"):
+        parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
+
+
+def test_a_tensor_inside_a_dataclass_argument_is_refused():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    models = [lambda b: b.x * 2, lambda b: b.x * 3]
+    batch = Batch(torch.randn(2, IN, requires_grad=True))
+    with pytest.raises(parsum.ParsumError, match=r"an argument is a Batch whose 'x' is a tensor"):
+        parsum.sum_models(models, batch)
+    # Without a gradient to lose, it passes through to the models as it is.
+    plain = Batch(batch.x.detach())
+    torch.testing.assert_close(parsum.sum_models(models, plain), plain.x * 5)
