@@ -263,6 +263,7 @@ def _check_step_in_backward(
             f"{_WHERE}: step_in_backward is a {type(sib).__name__}; expected a "
             "parsum.StepInBackward or None"
         )
+    sib._stepped.clear()  # a new step begins (NOTE [ Gradients from outside the sum ])
     index: list[int | None] = []
     seen: dict[int, int] = {}
     for i, (model, mp) in enumerate(zip(models, model_params)):

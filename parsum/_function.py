@@ -341,6 +341,14 @@ def announcing_backward_failures(hook: Callable[[], object] | None) -> Iterator[
         _announcer.hook = saved
 
 
+def _at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward ends (autograd's final callbacks, which
+    DistributedDataParallel uses too); where they are missing, it is not run."""
+    queue = getattr(torch.autograd.Variable._execution_engine, "queue_callback", None)
+    if queue is not None:
+        queue(callback)
+
+
 def _engine_keeps_graph() -> bool:
     """Whether the running backward was asked to keep the graph (retain_graph=True)."""
     try:
@@ -462,6 +470,8 @@ class ParallelSum(torch.autograd.Function):
         arg_totals: dict[int, GradSum] = {}
         shared_totals: dict[int, GradSum] = {}
         sib = plan.step_in_backward
+        if sib is not None:  # NOTE [ Gradients from outside the sum ] in _fused
+            _at_end_of_backward(sib._stepped.clear)
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
         accumulates = (

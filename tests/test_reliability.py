@@ -326,3 +326,32 @@ def test_a_tensor_inside_a_dataclass_argument_is_refused():
     # Without a gradient to lose, it passes through to the models as it is.
     plain = Batch(batch.x.detach())
     torch.testing.assert_close(parsum.sum_models(models, plain), plain.x * 5)
+
+
+def test_a_gradient_from_outside_the_sum_after_a_fused_step_raises():
+    # An L2 term on a parameter in the loss: the fused step ran without it and the gradient
+    # lingered in .grad into the next step (weights off by 5.6e-3 after 3 SGD steps).
+    torch.manual_seed(0)
+    models = [nn.Linear(IN, OUT) for _ in range(3)]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, IN)
+    y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2)
+    loss = y.pow(2).sum() + 0.1 * models[1].weight.pow(2).sum()
+    with pytest.raises(parsum.ParsumError, match=r"'weight' of models\[1\] \(Linear\) got a grad"):
+        loss.backward()
+    assert models[1].weight.grad is None  # nothing lingers into the next step
+    # Without the outside term, training goes on; a plain backward after it is not refused.
+    parsum.sum_models(models, x, step_in_backward=sib).pow(2).sum().backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+    models[0](x).sum().backward()
+    assert models[0].weight.grad is not None
+
+
+def test_a_step_in_backward_and_its_models_are_freed():
+    models = [nn.Linear(IN, OUT) for _ in range(2)]
+    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
+    parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib).sum().backward()
+    refs = [weakref.ref(models[0].weight), weakref.ref(sib)]
+    del models, sib
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
