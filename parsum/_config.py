@@ -38,6 +38,16 @@ def current_settings() -> _Settings:
 
 
 @contextlib.contextmanager
+def settings_entered(settings: _Settings) -> Iterator[None]:
+    """Enter settings captured in another thread (a helper running the caller's chunks)."""
+    old, _local.settings = _local.settings, settings
+    try:
+        yield
+    finally:
+        _local.settings = old
+
+
+@contextlib.contextmanager
 def config(
     n_jobs: int | None = None, engine: str | None = None, chunk_size: int | None = None
 ) -> Iterator[None]:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
@@ -173,8 +174,9 @@ class ModelParams:
         names: the trainable parameters' names, for ``functional_call``.
         tensors: the trainable parameters, each once: what the pullback differentiates.
         buffers: every buffer, each once.
-        restored_buffers: the running statistics of normalization layers in training mode,
-            which forward updates and a failed call restores (NOTE [ Failed calls change
+        restored_buffers: the buffers that torch.nn's modules update in forward in training
+            mode (normalization layers' running statistics, spectral normalization's
+            vectors), which a failed call restores (NOTE [ Failed calls change
             nothing ] in ``_function``).
         modules: every submodule, each once, the model included.
         state_names, state: the frozen parameters and the buffers, with their names (what
@@ -247,7 +249,7 @@ class ModelParams:
                     info.loose.append(prefix + name)
             own_buffers = module._buffers
             if own_buffers:
-                restored = module.training and isinstance(module, _NormBase)
+                restored = module.training and _updates_buffers_in_forward(module)
                 for name, b in own_buffers.items():
                     if b is None or id(b) in seen_tensors:
                         continue
@@ -263,6 +265,22 @@ class ModelParams:
                     [(f"{prefix}{n}.", c) for n, c in reversed(children.items()) if c is not None]
                 )
         return info
+
+
+# torch.nn modules that update their buffers in forward in training mode: normalization layers'
+# running statistics, and spectral normalization's power-iteration vectors (the
+# parametrization, and the older hook whose buffers sit on the module it normalizes).
+_SPECTRAL_NORM = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", None)
+_BUFFER_UPDATING: tuple[type, ...] = (
+    (_NormBase, _SPECTRAL_NORM) if isinstance(_SPECTRAL_NORM, type) else (_NormBase,)
+)
+
+
+def _updates_buffers_in_forward(module: nn.Module) -> bool:
+    if isinstance(module, _BUFFER_UPDATING):
+        return True
+    hooks = module._forward_pre_hooks
+    return bool(hooks) and any(isinstance(h, SpectralNormHook) for h in hooks.values())
 
 
 def module_of(model: Callable[..., Any]) -> nn.Module | None:
@@ -473,10 +491,13 @@ def unit_forward(
         except Exception:
             if not fall_back:
                 raise
-            VMAP_FAILED.update(group)  # type: ignore[arg-type]
             # vmap cannot run every forward (data-dependent control flow, .item()): run the
             # models one by one instead, which also names the model when one of them fails.
-            return _one_by_one(unit, models, call, model_params, build_graph)
+            # Only a group that runs that way is marked as one vmap cannot run; a call that
+            # fails anyway (a bad batch) says nothing about vmap.
+            run = _one_by_one(unit, models, call, model_params, build_graph)
+            VMAP_FAILED.update(group)  # type: ignore[arg-type]
+            return run
     (i,) = unit.models
     if not build_graph:
         return UnitRun([plain_forward(models[i], call)], None)

@@ -13,12 +13,14 @@
 #
 # NOTE [ Failed calls change nothing ]
 # backward raises before returning any gradient, so autograd accumulates nothing from this node
-# into any ``.grad``. forward restores the running statistics of normalization layers in
-# training mode (BatchNorm, InstanceNorm: torch.nn's modules that update buffers in forward) to
-# what they were before the call. Other buffers are not copied: copying every buffer of a module
-# in training mode on every call made 8 small models with a 1024 x 1024 mask buffer each run at
-# 0.13x the plain loop (``bench_overhead.py --only buffers``; 0.60x without the copies). A
-# custom module that updates a buffer in forward therefore keeps the update of a failed call, as
+# into any ``.grad``. forward restores the buffers that torch.nn's modules update in forward in
+# training mode (the running statistics of BatchNorm and InstanceNorm, the vectors of spectral
+# normalization) to what they were before the call. A failed backward leaves them as forward
+# left them, as in the plain loop, whose forward ran too. Other buffers are not copied:
+# copying every buffer of a module in training mode on every call made 8 small models with a
+# 1024 x 1024 mask buffer each run at 0.13x the plain loop (``bench_overhead.py --only
+# buffers``; 0.60x without the copies). A custom module that updates a buffer in forward
+# therefore keeps the update of a failed call, as
 # it does in the plain loop.
 """
 

@@ -374,7 +374,10 @@ class FlatWrites:
         for flat in owners.values():
             for key, buffer in flat._buffers.items():
                 version = buffer._version
-                known_zero[id(flat), key] = flat._zero_versions.get(key) == version
+                # A write through .grad.data bumps no version: the buffer is read to be sure.
+                known_zero[id(flat), key] = flat._zero_versions.get(key) == version and not bool(
+                    buffer.any()
+                )
                 if flat.compensated and flat._comp_versions.get(key) != version:
                     flat._comps[key].zero_()
         for write in self._writes.values():

@@ -88,8 +88,10 @@ def saved_tensor_hooks_active() -> bool:
 class ThreadState:
     """The caller's thread-local state that models depend on, to re-enter in helper threads.
 
-    Grad mode, inference mode and autocast; the default device (``torch.set_default_device``,
-    ``with torch.device(...)``), which tensors a model creates land on. With CUDA in use, the
+    Grad mode, inference mode and autocast; ``parsum.config`` (a model that calls sum_models
+    itself must get the caller's settings in any thread, or its bits would depend on n_jobs);
+    the default device (``torch.set_default_device``, ``with torch.device(...)``), which
+    tensors a model creates land on. With CUDA in use, the
     current device and its current stream: a helper on another stream than the caller's would
     read inputs before the caller's stream wrote them, and the caller would read outputs
     before they were written. (Saved-tensor hooks are not carried: under them a call stays in
@@ -102,6 +104,7 @@ class ThreadState:
     default_device: torch.device | None = None
     cuda_device: int | None = None
     cuda_stream: Any = None
+    settings: Any = None  # parsum.config's, for nested calls run in helpers
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -127,6 +130,7 @@ class ThreadState:
             None if default_device.type == "cpu" else default_device,
             cuda_device,
             cuda_stream,
+            _config.current_settings(),
         )
 
     @contextlib.contextmanager
@@ -142,6 +146,7 @@ class ThreadState:
             if self.cuda_device is not None:
                 stack.enter_context(torch.cuda.device(self.cuda_device))
                 stack.enter_context(torch.cuda.stream(self.cuda_stream))
+            stack.enter_context(_config.settings_entered(self.settings))
             yield
 
 

@@ -6,9 +6,11 @@
 # float32, float16, bfloat16 (and complex64): the running sum is kept in float64 (complex128)
 # and rounded once at the end. The error of that sum, n * 2**-53 * sum(|x|), is below the
 # Kahan-Babuska-Neumaier bound in float32, 2 * n * 2**-48 * sum(|x|), so the result is the
-# float32 rounding of the exact sum unless the terms cancel by a factor of about 2**28 / n. It
-# costs one kernel per addition (measured 2.2-2.5x a naive add chain, against 5-8x for TwoSum
-# in float32).
+# float32 rounding of the exact sum unless the terms cancel by a factor of about 2**28 / n, or
+# the float64 sum lands exactly halfway between two float32 values, where the second rounding
+# has lost what lay below float64's last bit ([1, 2**-24, 2**-60] gives 1, not 1 + 2**-23).
+# It costs one kernel per addition (measured 2.2-2.5x a naive add chain, against 5-8x for
+# TwoSum in float32, which breaking those ties would need).
 #
 # float64 (and complex128), which has no wider type: Neumaier's compensated sum. Every addition
 # ``s + x`` is done with Knuth's branch-free TwoSum, which yields the rounded sum ``t`` and its
@@ -145,7 +147,9 @@ class CompensatedAccumulator:
             return s.to(self._dtype)
         if self._comp is None:
             return s if self._owned else s.clone()
-        return torch.where(torch.isfinite(s), s + self._comp, s)
+        # A zero compensation leaves s as it is: -0.0 + 0.0 would give +0.0 where the plain
+        # sum gives -0.0.
+        return torch.where(torch.isfinite(s) & (self._comp != 0), s + self._comp, s)
 
 
 def compensated_add_(totals: TensorList, comps: TensorList, xs: TensorList) -> None:
@@ -225,6 +229,11 @@ def compensated_sum(
             shape, dtype or device, or ``chunk_size`` / ``n_jobs`` is invalid.
     """
     where = "compensated_sum"
+    if isinstance(tensors, Tensor) and tensors.dim() == 0:
+        raise ParsumError(
+            f"{where}: tensors is a 0-d tensor ({tensors.item()!r}); expected a sequence of "
+            "tensors, or a tensor whose first dimension indexes the terms"
+        )
     items = list(tensors) if not isinstance(tensors, Tensor) else list(tensors.unbind(0))
     if not items:
         raise ParsumError(f"{where}: tensors is empty; expected at least one tensor")

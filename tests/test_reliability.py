@@ -355,3 +355,91 @@ def test_a_step_in_backward_and_its_models_are_freed():
     del models, sib
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+class _SeesConfig(nn.Module):
+    """Records the parsum.config its forward runs under, in whichever thread runs it."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(parsum._config.current_settings())
+        time.sleep(0.01)  # long enough for a helper to take a chunk
+        return self.lin(x)
+
+
+def test_helpers_run_under_the_callers_config():
+    # A nested call in a helper used the helper's own (default) settings.
+    seen = []
+    models = [_SeesConfig(seen) for _ in range(4)]
+    with parsum.config(chunk_size=3, engine="autograd"):
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
+        expected = parsum._config.current_settings()
+    assert len(seen) == 4 and all(s == expected for s in seen)
+
+
+def test_a_failed_call_does_not_stop_stacking_for_good():
+    from parsum._engines import VMAP_FAILED
+
+    models = _identical(8)
+    with pytest.raises(parsum.ParsumError):
+        parsum.sum_models(models, torch.randn(4, IN + 1), engine="auto")  # a bad batch
+    assert not any(m in VMAP_FAILED for m in models)
+    x = torch.randn(4, IN)
+    torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(models, x))
+
+
+def test_compensated_sum_edge_cases():
+    with pytest.raises(parsum.ParsumError, match="compensated_sum: tensors is a 0-d tensor"):
+        parsum.compensated_sum(torch.tensor(1.0))
+    negative_zero = [torch.tensor([-0.0], dtype=torch.float64)] * 3
+    assert torch.signbit(parsum.compensated_sum(negative_zero)).all()
+    assert torch.signbit(negative_zero[0] + negative_zero[1] + negative_zero[2]).all()
+
+
+def test_a_write_through_grad_data_after_zero_is_accumulated():
+    models = [nn.Linear(IN, OUT), nn.Linear(IN, OUT)]
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models)
+    flat.zero_()
+    models[0].weight.grad.data.add_(1.0)  # bumps no version counter
+    ref[0].weight.grad = torch.ones_like(ref[0].weight)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x).sum().backward()
+    plain_sum(ref, x).sum().backward()
+    torch.testing.assert_close(models[0].weight.grad, ref[0].weight.grad)
+
+
+class _FailsSometimes(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.fail = False
+
+    def forward(self, x):
+        out = self.inner(x)
+        if self.fail:
+            raise ValueError("a bad batch")
+        return out
+
+
+@pytest.mark.parametrize("kind", ["parametrization", "hook"])
+def test_a_failed_forward_restores_spectral_norm_vectors(kind):
+    torch.manual_seed(0)
+    if kind == "parametrization":
+        inner = nn.utils.parametrizations.spectral_norm(nn.Linear(IN, OUT))
+    else:
+        inner = nn.utils.spectral_norm(nn.Linear(IN, OUT))
+    model = _FailsSometimes(inner)
+    models = [model, nn.Linear(IN, OUT)]
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fail = True
+    with pytest.raises(parsum.ParsumError, match="a bad batch"):
+        parsum.sum_models(models, x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
