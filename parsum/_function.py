@@ -343,6 +343,21 @@ def announcing_backward_failures(hook: Callable[[], object] | None) -> Iterator[
         _announcer.hook = saved
 
 
+# NOTE [ Device threads ]
+# PyTorch's autograd engine runs the backward nodes of CUDA tensors on one thread per device,
+# and picks a node's thread by the device of its incoming gradients. A pullback started from a
+# helper thread queues its CUDA nodes on that device thread; when that thread is the one running
+# ParallelSum.backward, waiting for the helpers, neither ever moves (seen on an H100: the
+# default hung forever in backward). There the pullbacks run in the calling thread, which the
+# engine allows as a reentrant backward; the forwards keep their threads. With gradients on the
+# CPU, backward runs on a CPU thread, and a helper's CUDA nodes find the device thread free.
+
+
+def _on_device_thread(grad_outputs: Sequence[Tensor | None]) -> bool:
+    """Whether this backward runs on one of autograd's device threads (NOTE [ Device threads ])."""
+    return any(g is not None and g.device.type != "cpu" for g in grad_outputs)
+
+
 def _at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward ends (autograd's final callbacks, which
     DistributedDataParallel uses too); where they are missing, it is not run."""
@@ -572,7 +587,9 @@ class ParallelSum(torch.autograd.Function):
         # with hooks.)
         try:
             with torch.no_grad():
-                _pool.run_ordered(backward_chunk, len(plan.chunks), plan.n_workers, consume)
+                # NOTE [ Device threads ]
+                workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
+                _pool.run_ordered(backward_chunk, len(plan.chunks), workers, consume)
                 for slot, acc in shared_totals.items():
                     if flat is not None and slot in flat:
                         flat.write([(slot, acc.result())])

@@ -1,0 +1,185 @@
+"""Every path on every device: forward and backward against the plain loop on the CPU, and on
+CUDA where a GPU is (skipped without one; CI has none).
+
+On CUDA, PyTorch runs backward on a device thread, where the default used to hang forever (NOTE
+[ Device threads ] in ``_function``). A hang waits in C++, where a signal cannot interrupt it, so
+every test here has a thread-method timeout: it dumps the stacks and ends the worker, and the test
+fails instead of stalling the suite.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+
+pytestmark = pytest.mark.timeout(90, method="thread")
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _models(kind, device):
+    torch.manual_seed(0)
+    # Identical models: auto and stacked vmap them as one group.
+    models = [mlp([16]) for _ in range(8)] if kind == "identical" else zoo()
+    return [m.to(device) for m in models]
+
+
+def _assert_like_plain(models, ref, x, x_ref, **kwargs):
+    y = parsum.sum_models(models, x, **kwargs)
+    y_ref = plain_sum(ref, x_ref, weights=kwargs.get("weights"))
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("engine", ["auto", "autograd", "vjp", "stacked"])
+@pytest.mark.parametrize("n_jobs", [1, 2, 4, None])
+@pytest.mark.parametrize("kind", ["identical", "zoo"])
+def test_forward_and_backward(device, engine, n_jobs, kind):
+    models = _models(kind, device)
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    _assert_like_plain(models, ref, x, x_ref, engine=engine, n_jobs=n_jobs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_weight_tensor_gets_its_gradient(device, n_jobs):
+    models = _models("identical", device)
+    ref = clone_models(models)
+    w = torch.linspace(0.5, 1.5, len(models), device=device, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    x = torch.randn(5, IN, device=device)
+    y = parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
+    y_ref = plain_sum(ref, x, weights=w_ref)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compensated", [False, True])
+def test_flatgrad(device, compensated):
+    models = _models("zoo", device)
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    x = torch.randn(5, IN, device=device)
+    for _ in range(2):  # accumulated over two micro-batches
+        parsum.sum_models(models, x, n_jobs=2).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b, **TOL)
+    assert flat.flat.device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_in_backward(device):
+    models = _models("zoo", device)
+    ref = clone_models(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.05)
+    opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.05)
+    x = torch.randn(5, IN, device=device)
+    for _ in range(3):
+        parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2).pow(2).sum().backward()
+        opt.zero_grad()
+        plain_sum(ref, x).pow(2).sum().backward()
+        opt.step()
+    for m, r in zip(models, ref):
+        for a, b in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+class _Bag(nn.Module):
+    """A sampled embedding table read through take_rows, plus a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(40, OUT))
+        self.head = nn.Linear(IN, OUT)
+
+    def forward(self, x, index):
+        return self.head(x) + parsum.take_rows(self.table, index)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_take_rows(device):
+    torch.manual_seed(0)
+    models = [_Bag().to(device) for _ in range(4)]
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device=device)
+    index = torch.tensor([3, 7, 3, 0, 39], device=device)
+    parsum.sum_models(models, x, index, n_jobs=2).pow(2).sum().backward()
+    sum(m.head(x) + m.table[index] for m in ref).pow(2).sum().backward()
+    for m, r in zip(models, ref):
+        torch.testing.assert_close(m.table.grad.to_dense(), r.table.grad, **TOL)
+        torch.testing.assert_close(m.head.weight.grad, r.head.weight.grad, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_bfloat16(device):
+    # Models whose outputs all come out in bfloat16 (each model must return one dtype).
+    torch.manual_seed(0)
+    models = [mlp([w]).to(device) for w in (8, 16, 24, 32)]
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = parsum.sum_models(models, x, n_jobs=2)
+        y_ref = plain_sum(ref, x)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=0.05, atol=0.05)
+    y.float().pow(2).sum().backward()
+    y_ref.float().pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b, rtol=0.1, atol=0.1)
+
+
+@needs_cuda
+def test_two_streams():
+    # Two calls on two streams, each consumed on its own stream; the gradients add up.
+    models = _models("zoo", "cuda")
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            y = parsum.sum_models(models, x, n_jobs=2)
+            y.pow(2).sum().backward()
+            outs.append(y)
+    torch.cuda.synchronize()
+    y_ref = plain_sum(ref, x)
+    y_ref.pow(2).sum().backward()
+    for y in outs:
+        torch.testing.assert_close(y, y_ref, **TOL)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, 2 * b, **TOL)
+
+
+class _OnCuda(nn.Module):
+    """A CPU model whose output moves to the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.lin(x.cpu()).cuda()
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_a_cpu_model_beside_cuda_models(n_jobs):
+    models = [*_models("zoo", "cuda"), _OnCuda()]
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device="cuda", requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    _assert_like_plain(models, ref, x, x_ref, n_jobs=n_jobs)
