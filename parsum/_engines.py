@@ -236,7 +236,7 @@ class ModelParams:
                     else:
                         state_names.append(prefix + name)
                         state.append(p)
-            if _may_hold_loose_tensors(type(module)):
+            if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 for name, t in _loose_tensors(module):
                     if id(t) not in seen_tensors:
                         seen_tensors.add(id(t))
