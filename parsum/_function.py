@@ -39,7 +39,16 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from . import _pool
-from ._engines import CallArgs, ModelParams, Unit, UnitPullback, unit_forward
+from ._engines import (
+    CallArgs,
+    GraphPullback,
+    ModelParams,
+    SinglePullback,
+    Unit,
+    UnitPullback,
+    pull_back_together,
+    unit_forward,
+)
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
@@ -424,6 +433,60 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
     return wrapper
 
 
+def _joins_batch(plan: SumPlan, u: int, pullback: UnitPullback | None) -> bool:
+    """Whether a unit is pulled back in its chunk's one engine call: a model's own autograd
+    graph whose parameters no other entry uses (NOTE [ One engine call per chunk ])."""
+    if not isinstance(pullback, SinglePullback) or not isinstance(pullback.inner, GraphPullback):
+        return False
+    return not any(plan.shared[s] for s in plan.param_slots[plan.units[u].models[0]])
+
+
+def _pull_back_chunk(
+    plan: SumPlan,
+    units: range,
+    pullbacks: list[UnitPullback | None],
+    grad_outputs: Sequence[Tensor],
+    weight_tensor: Tensor | None,
+    keep_graph: bool,
+) -> Iterator[tuple[Unit, list[Tensor | None], list[list[Tensor | None]]]]:
+    """(unit, argument grads, each model's parameter grads) of a chunk's units, in order.
+
+    The units that can share one engine call get it (NOTE [ One engine call per chunk ] in
+    ``_engines``); it keeps their graphs, so that if it fails they are pulled back one at a
+    time to name the first model that fails. Every other unit is pulled back on its own.
+    """
+    together: dict[int, tuple[list[Tensor | None], list[Tensor | None]]] = {}
+    batch = [u for u in units if _joins_batch(plan, u, pullbacks[u])]
+    if len(batch) > 1:
+        items = []
+        for u in batch:
+            pullback = pullbacks[u]
+            assert isinstance(pullback, SinglePullback)
+            assert isinstance(pullback.inner, GraphPullback)
+            w = plan.weight(plan.units[u].models[0], weight_tensor)
+            items.append((pullback.inner, pullback.cotangents(grad_outputs, w)))
+        with contextlib.suppress(Exception):  # a failing model is found below, one at a time
+            together = dict(zip(batch, pull_back_together(items, retain_graph=True)))
+        del items
+    for u in units:
+        unit = plan.units[u]
+        pullback = pullbacks[u]
+        if not keep_graph:
+            pullbacks[u] = None
+        if u in together:
+            arg_grads, param_grads = together.pop(u)
+            yield unit, arg_grads, [param_grads]
+            continue
+        assert pullback is not None
+        weights = [plan.weight(i, weight_tensor) for i in unit.models]
+        try:
+            arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
+        except Exception as exc:
+            raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
+        del pullback
+        yield unit, arg_grads, model_grads
+
+
 class ParallelSum(torch.autograd.Function):
     """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
 
@@ -546,18 +609,9 @@ class ParallelSum(torch.autograd.Function):
             # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
             # RowSparseAccumulator, which coalesces them all at once.
             with coalesce_later(shared_params):
-                for u in plan.chunks[k]:
-                    unit = plan.units[u]
-                    pullback = pullbacks[u]
-                    if not keep_graph:
-                        pullbacks[u] = None
-                    assert pullback is not None
-                    weights = [plan.weight(i, weight_tensor) for i in unit.models]
-                    try:
-                        arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
-                    except Exception as exc:
-                        raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
-                    del pullback
+                for unit, arg_grads, model_grads in _pull_back_chunk(
+                    plan, plan.chunks[k], pullbacks, grad_outputs, weight_tensor, keep_graph
+                ):
                     for j, g in enumerate(arg_grads):
                         if g is not None:
                             add_grad(arg_accs, j, g)
