@@ -64,8 +64,11 @@ def sum_models(
             length ``len(models)``; a tensor that requires grad gets
             ``dL/dw_i = <dL/dy, models[i](x)>``.
         n_jobs: threads, joblib's convention: ``None`` takes ``parsum.config``, then
-            ``joblib.parallel_config``, else all usable cores; -1 all cores, -2 all but one;
-            1 runs in the calling thread with no pool. Never more threads than usable cores.
+            ``joblib.parallel_config``, else the thread budget (``torch.get_num_threads()``
+            capped by the usable cores: under torchrun, each process's share); -1 the whole
+            budget, -2 all of it but one; 1 runs in the calling thread with no pool. Never
+            more threads than usable cores. Intra-op threads per task are the budget over the
+            chunks, never decided by ``n_jobs``.
         engine: ``"autograd"`` (each model's own autograd graph), ``"vjp"``
             (``torch.func.vjp`` over ``functional_call``; pure models only), ``"stacked"``
             (structurally identical models vmapped as one group, the others by autograd) or

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import joblib
+import torch
 from joblib.parallel import get_active_backend
 from torch import Tensor, nn
 
@@ -152,6 +153,13 @@ def usable_cores() -> int:
     return max(1, int(joblib.cpu_count()))
 
 
+def thread_budget() -> int:
+    """The threads this call may use, workers times intra-op threads: ``torch.get_num_threads()``
+    (which follows ``OMP_NUM_THREADS``, ``torch.set_num_threads`` and torchrun's setting of one
+    per process), capped by the usable cores. NOTE [ Thread budget ] in ``_pool``."""
+    return max(1, min(torch.get_num_threads(), usable_cores()))
+
+
 def n_jobs_is_default(n_jobs: int | None) -> bool:
     """Whether nobody chose a worker count: not the call, parsum.config or joblib."""
     return n_jobs is None and _local.settings.n_jobs is None and get_active_backend()[1] is None
@@ -160,17 +168,19 @@ def n_jobs_is_default(n_jobs: int | None) -> bool:
 def resolve_n_jobs(n_jobs: int | None, where: str) -> int:
     """Turn ``n_jobs`` into a positive worker count, following joblib's conventions.
 
-    ``None`` falls back to ``parsum.config``, then ``joblib.parallel_config``, then all usable
-    cores. Negative values count back from the number of cores (-1 = all, -2 = all but one).
+    ``None`` falls back to ``parsum.config``, then ``joblib.parallel_config``, then the thread
+    budget (``thread_budget``). Negative values count back from the budget (-1 = all of it,
+    -2 = all but one), so that P processes on one host, each with its share of threads, stay
+    within their share.
     """
     n_jobs = check_n_jobs(n_jobs, where)
     if n_jobs is None:
         n_jobs = _local.settings.n_jobs
     if n_jobs is None:
         n_jobs = check_n_jobs(get_active_backend()[1], "joblib.parallel_config")
-    cores = usable_cores()
+    budget = thread_budget()
     if n_jobs is None:
-        return cores
+        return budget
     if n_jobs < 0:
-        return max(1, cores + 1 + n_jobs)
+        return max(1, budget + 1 + n_jobs)
     return n_jobs

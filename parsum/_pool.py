@@ -16,15 +16,26 @@
 #
 # NOTE [ Thread control ]
 # A job uses at most min(n_jobs, chunks, usable cores) threads, caller included. Every task runs
-# with usable_cores // min(usable_cores, chunks) intra-op threads, so workers x intra-op threads
-# <= usable cores. That count depends on the chunks, never on n_jobs, because some PyTorch
-# kernels (convolution weight gradients, large reductions) give other bits with another thread
-# count: fixing it keeps every model's own result, not only the reduction, the same for any
-# n_jobs. With many models that is 1 thread per task and the cores go to models side by side.
-# ``torch.set_num_threads`` is per thread under OpenMP; the caller's value is restored after the
-# job. Grad mode, inference mode, autocast, the default device and CUDA's current device and
-# stream are thread-local in PyTorch and do not cross threads: they are captured in the caller
-# and re-entered by every helper (``ThreadState``).
+# with budget // min(budget, chunks) intra-op threads, the budget being the threads the caller
+# may use (NOTE [ Thread budget ]), so by default workers x intra-op threads <= the budget. That
+# count depends on the chunks and the budget, never on n_jobs, because some PyTorch kernels
+# (convolution weight gradients, large reductions) give other bits with another thread count:
+# fixing it keeps every model's own result, not only the reduction, the same for any n_jobs.
+# (The bits depend on the budget as they depend on the machine.) With many models that is 1
+# thread per task and the cores go to models side by side. ``torch.set_num_threads`` is per
+# thread under OpenMP; the caller's value is restored after the job. Grad mode, inference mode,
+# autocast, the default device and CUDA's current device and stream are thread-local in PyTorch
+# and do not cross threads: they are captured in the caller and re-entered by every helper
+# (``ThreadState``).
+#
+# NOTE [ Thread budget ]
+# The budget is ``torch.get_num_threads()`` in the calling thread when the call starts, capped
+# by the usable cores (affinity, cgroups): what the user, ``OMP_NUM_THREADS`` or torchrun (one
+# thread per process unless told otherwise) left it. Sizing pools and intra-op threads for all
+# the machine's cores instead made P processes on one host each use every core: on 16 cores, 4
+# processes took 141-220 ms a step and 16 took 1.2-2.0 s, against 10-22 ms for one process, and
+# 6.9 ms for 4 processes once each counted its share. With a budget of 1 and n_jobs left
+# unset, a call starts no helper thread.
 #
 # NOTE [ Saved-tensor hooks ]
 # Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are
@@ -316,10 +327,11 @@ def pool_size() -> int:
     return _pool.size
 
 
-def intra_op_threads(n_tasks: int) -> int:
-    """Intra-op threads of every task of a job with ``n_tasks`` chunks (NOTE [ Thread control ])."""
-    cores = _config.usable_cores()
-    return max(1, cores // min(cores, n_tasks))
+def intra_op_threads(n_tasks: int, budget: int | None = None) -> int:
+    """Intra-op threads of every task of a job with ``n_tasks`` chunks (NOTE [ Thread control ]),
+    for ``budget`` threads (default: this thread's, ``_config.thread_budget``)."""
+    budget = _config.thread_budget() if budget is None else budget
+    return max(1, budget // min(budget, n_tasks))
 
 
 def run_ordered(
@@ -338,9 +350,9 @@ def run_ordered(
     if _local.in_task:  # nested: this thread already has its share of the cores
         _run_here(task, n_tasks, consume)
         return
+    saved_threads = torch.get_num_threads()
     intra_threads = intra_op_threads(n_tasks)
     threads = min(n_workers, n_tasks, _config.usable_cores())
-    saved_threads = torch.get_num_threads()
     torch.set_num_threads(intra_threads)
     _local.in_task = True
     try:

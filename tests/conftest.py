@@ -4,6 +4,8 @@ import sys
 import pytest
 import torch
 
+from parsum import _config
+
 # A deadlock must fail fast with every thread's stack, not hang CI (pytest-timeout also guards).
 faulthandler.enable(file=sys.stderr, all_threads=True)
 
@@ -14,3 +16,17 @@ def _fresh_seed_and_threads():
     torch.manual_seed(1234)
     yield
     assert torch.get_num_threads() == threads, "a parsum call changed torch.get_num_threads()"
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """``cores(n)`` makes parsum see n usable cores and sets the thread budget to n (what a
+    machine with n cores gives by default), so that tests pass on any machine; restored after."""
+    saved = torch.get_num_threads()
+
+    def set_cores(n: int) -> None:
+        monkeypatch.setattr(_config, "usable_cores", lambda: n)
+        torch.set_num_threads(n)
+
+    yield set_cores
+    torch.set_num_threads(saved)

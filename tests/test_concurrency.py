@@ -220,30 +220,48 @@ def test_failed_calls_leave_no_reference_cycle(kind, n_jobs):
     assert alive == 0
 
 
-def test_thread_counts_inside_and_after():
+@pytest.mark.parametrize("n_cores", [1, 2, 16])
+def test_thread_counts_inside_and_after(cores, n_cores):
     seen = []
 
     class NoParams(nn.Module):
         def forward(self, x):
             seen.append((threading.current_thread().name, torch.get_num_threads()))
+            time.sleep(0.005)  # long enough for helpers to take chunks
             return torch.zeros(x.shape[0], OUT)
 
-    cores = _config.usable_cores()
+    cores(n_cores)
     for n_models in (1, 2, 5):
         seen.clear()
-        torch.set_num_threads(cores)
         parsum.sum_models(
             [NoParams() for _ in range(n_models)], torch.randn(2, IN), n_jobs=-1, chunk_size=1
         )
         workers = len({name for name, _ in seen})
         intra = {n for _, n in seen}
-        assert intra == {_pool.intra_op_threads(n_models)}
-        assert workers * max(intra) <= cores
-        assert torch.get_num_threads() == cores
-    torch.set_num_threads(1)
-    parsum.sum_models([NoParams(), NoParams()], torch.randn(2, IN), n_jobs=2)
+        assert intra == {max(1, n_cores // min(n_cores, n_models))}
+        assert workers * max(intra) <= n_cores
+        assert torch.get_num_threads() == n_cores
+    torch.set_num_threads(1)  # a budget of 1: one thread, one intra-op thread, no helper
+    seen.clear()
+    parsum.sum_models([NoParams(), NoParams()], torch.randn(2, IN), chunk_size=1)
+    assert seen == [(threading.current_thread().name, 1)] * 2
     assert torch.get_num_threads() == 1
-    torch.set_num_threads(cores)
+
+
+@pytest.mark.parametrize("n_cores", [1, 2, 16])
+def test_the_budget_follows_torch_threads(cores, n_cores):
+    # torchrun sets one thread per process, OMP_NUM_THREADS or set_num_threads a share: parsum
+    # sizes its workers and their intra-op threads within it, not for the whole machine.
+    cores(n_cores)
+    for budget in {1, max(1, n_cores // 4), n_cores}:
+        torch.set_num_threads(budget)
+        assert _config.thread_budget() == budget
+        assert _config.resolve_n_jobs(None, "t") == budget
+        assert _config.resolve_n_jobs(-1, "t") == budget
+        assert _pool.intra_op_threads(1) == budget
+        assert _pool.intra_op_threads(16) == 1
+    torch.set_num_threads(n_cores + 8)  # more threads than cores: capped
+    assert _config.thread_budget() == n_cores
 
 
 def test_grad_mode_crosses_into_workers():
@@ -257,11 +275,10 @@ def test_grad_mode_crosses_into_workers():
     assert seen == [False] * 4
 
 
-def test_default_device_crosses_into_workers():
+def test_default_device_crosses_into_workers(cores):
     # Thread-local in PyTorch: a helper must see the caller's, or the tensors a model creates
     # (torch.zeros(n) in forward) land on another device.
-    if _config.usable_cores() < 2:
-        pytest.skip("needs 2 usable cores")
+    cores(2)  # two threads, whatever the machine
     seen = []
 
     def record():
@@ -327,11 +344,10 @@ def test_checkpoint_around_sum_models(n_jobs, early_stop):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_stream_and_device_cross_into_workers():
+def test_cuda_stream_and_device_cross_into_workers(cores):
     # Helpers must run on the caller's stream (in backward: the one autograd gives the node),
     # or they would race with it; and "cuda" must mean the caller's device.
-    if _config.usable_cores() < 2:
-        pytest.skip("needs 2 usable cores")
+    cores(2)  # two threads, whatever the machine
     device = torch.cuda.device_count() - 1
     seen = []
 
@@ -362,11 +378,12 @@ def test_cuda_stream_and_device_cross_into_workers():
     assert any(name.startswith("parsum-worker") for _, name, *_ in seen)
 
 
-def test_n_jobs_resolution_follows_joblib():
-    cores = _config.usable_cores()
-    assert _config.resolve_n_jobs(None, "t") == cores
-    assert _config.resolve_n_jobs(-1, "t") == cores
-    assert _config.resolve_n_jobs(-2, "t") == max(1, cores - 1)
+@pytest.mark.parametrize("n_cores", [1, 2, 16])
+def test_n_jobs_resolution_follows_joblib(cores, n_cores):
+    cores(n_cores)
+    assert _config.resolve_n_jobs(None, "t") == n_cores
+    assert _config.resolve_n_jobs(-1, "t") == n_cores
+    assert _config.resolve_n_jobs(-2, "t") == max(1, n_cores - 1)
     assert _config.resolve_n_jobs(-1000, "t") == 1
     assert _config.resolve_n_jobs(3, "t") == 3
     with joblib.parallel_config(n_jobs=1):
@@ -379,7 +396,7 @@ def test_n_jobs_resolution_follows_joblib():
 def test_numpy_integers_count_as_ints():
     # Parameter grids (sklearn, numpy) hand out numpy integers; bools and floats stay refused.
     n_jobs, chunk_size = np.int64(2), np.int32(1)
-    assert _config.resolve_n_jobs(np.int64(-1), "t") == _config.usable_cores()
+    assert _config.resolve_n_jobs(np.int64(-1), "t") == _config.thread_budget()
     assert type(_config.check_n_jobs(n_jobs, "t")) is int
     models = zoo()
     x = torch.randn(5, IN)
@@ -481,11 +498,10 @@ def _sum_in_child(models, x, want, names, results):
 @pytest.mark.skipif(
     "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
 )
-def test_forked_child_starts_its_own_helpers():
+def test_forked_child_starts_its_own_helpers(cores):
     # A child forked after the parent's helpers started has none of them: it must start its
     # own instead of running every chunk in the caller (or waiting on a lock held at the fork).
-    if _config.usable_cores() < 2:
-        pytest.skip("needs 2 usable cores")
+    cores(2)  # two threads, whatever the machine
     names = []
     models = [Probe(thread_recorder(names, 0.1)) for _ in range(4)]
     x = torch.randn(5, IN)

@@ -335,7 +335,9 @@ def test_flat_grad_and_step_in_backward():
 
 
 @pytest.mark.timeout(60)
-def test_auto_keeps_small_models_in_the_calling_thread_unless_told():
+@pytest.mark.parametrize("n_cores", [1, 2, 16])
+def test_auto_keeps_small_models_in_the_calling_thread_unless_told(cores, n_cores):
+    cores(n_cores)
     seen = []
     models = [Probe(thread_recorder(seen, 0.005)) for _ in range(6)]
     x = torch.randn(2, IN)
@@ -343,7 +345,8 @@ def test_auto_keeps_small_models_in_the_calling_thread_unless_told():
     assert set(seen) == {threading.current_thread().name}
     seen.clear()
     parsum.sum_models(models, x, chunk_size=1, n_jobs=2)  # an explicit n_jobs is obeyed
-    assert len(set(seen)) == 2
+    assert len(set(seen)) == min(2, n_cores)
     seen.clear()
-    parsum.sum_models(models, x, chunk_size=1, engine="autograd")
-    assert len(set(seen)) == min(2, parsum._config.usable_cores())
+    parsum.sum_models(models, x, chunk_size=1, engine="autograd")  # threads up to the budget
+    assert (len(set(seen)) > 1) == (n_cores > 1)
+    assert len(set(seen)) <= min(6, n_cores)
