@@ -468,8 +468,9 @@ def test_model_outputs_are_not_kept_until_backward():
     assert x.grad is not None
 
 
-def test_helpers_stop_at_exit_and_start_again():
+def test_helpers_stop_at_exit_and_start_again(cores):
     # _Pool.stop runs at interpreter exit (atexit): helpers must end, and a later call works.
+    cores(2)
     models = zoo()
     x = torch.randn(5, IN)
     want = parsum.sum_models(models, x, n_jobs=1)
