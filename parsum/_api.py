@@ -17,7 +17,13 @@ from ._engines import CallArgs, ModelParams, module_of
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, run_forward
 from ._fused import StepInBackward
-from ._grouping import Batch, chunks_of, plan_units, threads_pay
+from ._grouping import (
+    INTRA_OP_ONLY_BUDGET,
+    Batch,
+    chunks_of,
+    plan_units,
+    useful_workers,
+)
 from ._sparse import has_user_hooks
 
 _WHERE = "sum_models"
@@ -119,14 +125,16 @@ def sum_models(
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
     units = plan_units(models, model_params, engine, batch, chunk_size)
-    chunks = chunks_of(units, model_params, batch, chunk_size)
-    # NOTE [ Threads that pay ] in _grouping; NOTE [ Saved-tensor hooks ] in _pool.
-    if (
-        engine == "auto"
-        and _config.n_jobs_is_default(n_jobs)
-        and not threads_pay(model_params, batch)
-    ) or (n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active()):
-        n_workers = 1
+    # NOTE [ Threads that pay ] in _grouping: with engine "auto" and n_jobs left unset, the
+    # budget and the models' sizes decide the chunks and the workers.
+    chosen = engine == "auto" and _config.n_jobs_is_default(n_jobs)
+    budget = _config.thread_budget()
+    one_chunk = chosen and chunk_size is None and budget <= INTRA_OP_ONLY_BUDGET
+    chunks = chunks_of(units, model_params, batch, chunk_size, max_chunks=1 if one_chunk else None)
+    if chosen:
+        n_workers = min(n_workers, useful_workers(model_params, batch))
+    if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
+        n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
     plan = SumPlan(
         models=models,
         call=call,

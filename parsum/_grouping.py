@@ -23,17 +23,29 @@ whether threads pay.
 # models of at most 64K such elements.
 #
 # NOTE [ Threads that pay ]
-# A model's Python work (module calls, autograd bookkeeping) holds the GIL, so threads pay only
-# when its kernels are large enough to run while another thread holds it. Measured here (2
-# cores, forward + backward): 64 MLPs of widths 16-48 at batch 32 (about 50K parameter-rows
-# each) were slower on 2 threads than on 1, as was the hand-split ceiling; 16 MLPs of widths
-# 128-512 at batch 64 (1M-38M each) were 1.2x faster on 2. So with n_jobs left at its default,
-# engine="auto" stays in the calling thread below AUTO_THREADS_MIN_PARAM_ROWS per model. A table
-# read through ``take_rows`` counts the elements its last call gathered, not its size: a model
-# that samples 64 rows of a 65536-row table does the work of 64 rows. A convolution's weights
-# count once per position of the input they slide over (its positions over the stride): 8 small
-# CNNs on 28x28 images at batch 8-16 ran 1.5x faster on 2 threads than on 1, which counting each
-# weight once (0.07-0.15M parameter-rows a model) missed.
+# With engine="auto" and n_jobs left unset, parsum chooses how the thread budget (NOTE
+# [ Thread budget ] in _pool) is spent: on intra-op threads inside each model's kernels, or on
+# workers that run different models side by side.
+# - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
+#   in the calling thread as one chunk with the whole budget, as the plain loop does. Measured
+#   on the 2-core machines, the plain loop with its 2 intra-op threads was as fast as or faster
+#   than the same models split by hand over 2 threads on every workload (tiny and medium MLPs,
+#   CNNs, wide MLPs: hand split / plain 0.59-1.02x), so no worker split can beat it there.
+# - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
+#   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
+#   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
+#   with O the models' GIL-held overhead and C their kernels, a step takes at least O and about
+#   (O + C) / workers, so more than 1 + C / O workers add nothing but contention. Costs are
+#   counted in parameter-rows (parameters times batch rows, NOTE [ Chunks ]), O as
+#   MODEL_OVERHEAD_PARAM_ROWS a model; below C / O = MIN_KERNEL_SHARE the models run in the
+#   calling thread. On 16 cores that gives 4 workers for 16 medium MLPs at batch 64 (the hand
+#   split peaked at 4-8), 10 at batch 256 (8-16), 1 for 64 tiny MLPs (the 1-thread plain loop
+#   beat every split). A table read through ``take_rows`` counts the elements its last call
+#   gathered, not its size: a model that samples 64 rows of a 65536-row table does the work of
+#   64 rows. A convolution's weights count once per position of the input they slide over (its
+#   positions over the stride): 8 small CNNs on 28x28 images at batch 8-16 ran 1.5x faster on
+#   2 threads than on 1, which counting each weight once (0.07-0.15M parameter-rows a model)
+#   missed.
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
@@ -74,9 +86,10 @@ AUTO_STACK_MIN_MODELS = 8
 MAX_CHUNKS = 16
 MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
 
-# With default n_jobs, engine="auto" runs in the calling thread when the models average fewer
-# parameter-rows than this (NOTE [ Threads that pay ]).
-AUTO_THREADS_MIN_PARAM_ROWS = 500_000
+# NOTE [ Threads that pay ]: budgets up to this go to intra-op threads; below this share of
+# kernel work over Python overhead the models run in the calling thread.
+INTRA_OP_ONLY_BUDGET = 2
+MIN_KERNEL_SHARE = 0.25
 
 
 def plan_units(
@@ -156,10 +169,11 @@ class Batch(NamedTuple):
         return cls(first.shape[0], math.prod(first.shape[2:]))
 
 
-def threads_pay(model_params: Sequence[ModelParams], batch: Batch) -> bool:
-    """Whether the models are large enough for threads to pay (NOTE [ Threads that pay ])."""
-    total = sum(_param_rows(mp, batch) for mp in model_params)
-    return total >= AUTO_THREADS_MIN_PARAM_ROWS * len(model_params)
+def useful_workers(model_params: Sequence[ModelParams], batch: Batch) -> int:
+    """The most workers that pay for these models: 1 + C / O (NOTE [ Threads that pay ])."""
+    kernels = sum(_param_rows(mp, batch) for mp in model_params)
+    share = kernels / (MODEL_OVERHEAD_PARAM_ROWS * len(model_params))
+    return 1 if share < MIN_KERNEL_SHARE else math.ceil(1 + share)
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
@@ -186,14 +200,20 @@ def chunks_of(
     model_params: Sequence[ModelParams],
     batch: Batch,
     chunk_size: int | None,
+    max_chunks: int | None = None,
 ) -> list[range]:
-    """A call's chunks: ``chunk_size`` models each, else of about equal cost (NOTE [ Chunks ])."""
+    """A call's chunks: ``chunk_size`` models each, else at most ``max_chunks`` (default
+    MAX_CHUNKS) of about equal cost (NOTE [ Chunks ])."""
     if chunk_size:
         return chunk_units(units, chunk_size)
-    return cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params])
+    if max_chunks == 1:
+        return [range(len(units))]
+    return cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params], max_chunks)
 
 
-def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range]:
+def cost_chunks(
+    units: Sequence[Unit], model_costs: Sequence[int], max_chunks: int | None = None
+) -> list[range]:
     """Consecutive units in ``min(MAX_CHUNKS, len(units))`` chunks of about equal cost
     (NOTE [ Chunks ]).
 
@@ -204,7 +224,7 @@ def cost_chunks(units: Sequence[Unit], model_costs: Sequence[int]) -> list[range
     more of them, and with no more models than MAX_CHUNKS, each gets a chunk of its own.
     """
     costs = [sum(model_costs[i] for i in unit.models) for unit in units]
-    total, k = sum(costs), min(MAX_CHUNKS, len(units))
+    total, k = sum(costs), min(max_chunks or MAX_CHUNKS, len(units))
     chunks: list[range] = []
     start = before = current = 0
     for u, cost in enumerate(costs):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parsum
-from parsum import _grouping
+from parsum import _grouping, _pool
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
 from tests.zoo import IN, mlp, param_grads
@@ -74,8 +74,8 @@ def test_cost_is_parameters_times_rows_plus_overhead_and_ignores_sampling():
 def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkeypatch):
     seen = []
 
-    def spy(units, model_costs):
-        chunks = cost_chunks(units, model_costs)
+    def spy(units, model_costs, max_chunks=None):
+        chunks = cost_chunks(units, model_costs, max_chunks)
         seen.append(chunks)
         return chunks
 
@@ -88,6 +88,37 @@ def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkey
     assert len(seen[-1]) == MAX_CHUNKS  # the small ones share the other 14
     parsum.sum_models(models, x, engine="autograd", n_jobs=1, chunk_size=2)
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("n_cores", [1, 2, 4, 16])
+def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, monkeypatch):
+    # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
+    # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
+    cores(n_cores)
+    seen = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume):
+        seen.append((n_tasks, n_workers))
+        run_ordered(task, n_tasks, n_workers, consume)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    models = [mlp([256, 256]) for _ in range(8)]
+    x = torch.randn(64, IN)
+    parsum.sum_models(models, x)
+    chunks, workers = seen[-1]
+    if n_cores <= 2:
+        assert (chunks, workers) == (1, min(n_cores, useful_workers_of(models, x)))
+    else:
+        assert chunks == len(models) and 1 < workers <= n_cores
+    parsum.sum_models(models, x, n_jobs=2)  # an explicit n_jobs: chunks as always
+    assert seen[-1] == (len(models), 2)
+
+
+def useful_workers_of(models, x):
+    from parsum._engines import ModelParams
+
+    return _grouping.useful_workers([ModelParams.of(m) for m in models], Batch.of([x]))
 
 
 @pytest.mark.parametrize("engine", ["autograd", "auto"])
@@ -109,7 +140,7 @@ def test_uneven_chunks_are_bitwise_identical_for_any_n_jobs(monkeypatch, engine)
 def test_convolutions_count_once_per_position_of_their_input():
     from torch import nn
 
-    from parsum._grouping import threads_pay
+    from parsum._grouping import useful_workers
 
     def cnn(stride=1):
         return nn.Sequential(
@@ -134,7 +165,7 @@ def test_convolutions_count_once_per_position_of_their_input():
     )
     # 1.4K weights: counted once per row the models look tiny, counted per position they are
     # 7.9M parameter-rows each, and threads pay (8 such CNNs ran 1.5x faster on 2 threads).
-    assert not threads_pay(params, Batch(8))
-    assert threads_pay(params, batch)
+    assert useful_workers(params, Batch(8)) == 1
+    assert useful_workers(params, batch) > 1
     strided = ModelParams.of(cnn(stride=2))
     assert estimated_cost(strided, batch) < estimated_cost(params[0], batch)
