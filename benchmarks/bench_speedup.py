@@ -9,15 +9,18 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
-  parsum default parsum.sum_models(models, x): n_jobs left to parsum (all cores, or the calling
-                 thread when the models are too small for threads to pay)
+  parsum default parsum.sum_models(models, x): n_jobs left to parsum (NOTE [ Threads that
+                 pay ]: the budget spent on intra-op threads, or on workers)
+  procs P        parsum.distributed.sum_models over P processes on this host (gloo on
+                 127.0.0.1), each with budget / P threads and its share of the models, as
+                 torchrun --nproc-per-node P would run them (only with --procs)
 
 Every method runs once per round, interleaved, after a warm-up; the tables give medians over
 the rounds and ratios measured in this one process (absolute times drift on shared machines).
 A JSON file and a PNG (speedup over plain-1t against workers, one line per method) are written.
 
-    python benchmarks/bench_speedup.py [--jobs 1,2] [--workloads all] [--rounds 20]
-        [--json speedup.json] [--png speedup.png] [--device cuda]
+    python benchmarks/bench_speedup.py [--jobs 1,2] [--procs 1,2] [--workloads all]
+        [--rounds 20] [--json speedup.json] [--png speedup.png] [--device cuda]
 
 With ``--device cuda`` the models and the batch live on the GPU, every method synchronizes
 the device after its step, the medium workload also runs at batch 4096, and the hand split
@@ -35,6 +38,7 @@ import torch
 from common import (
     WORKLOADS,
     HandSplit,
+    ProcessSplit,
     interleaved,
     loss_of,
     one_thread,
@@ -50,7 +54,12 @@ CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
 
 
 def methods_for(
-    name: str, batch: int | None, jobs: list[int], device: str = "cpu"
+    name: str,
+    batch: int | None,
+    jobs: list[int],
+    device: str = "cpu",
+    procs: tuple[int, ...] = (),
+    opened: list | None = None,
 ) -> tuple[str, dict]:
     w = workload(name, batch)
     models, x = [m.to(device) for m in w.models], w.x.to(device)
@@ -69,6 +78,12 @@ def methods_for(
         methods[f"parsum {p}"] = lambda p=p: loss_of(
             parsum.sum_models(models, x, n_jobs=p)
         ).backward()
+    budget = torch.get_num_threads()
+    for p in procs if device == "cpu" else ():
+        split = ProcessSplit(name, batch, p, budget)
+        if opened is not None:
+            opened.append(split)
+        methods[f"procs {p}"] = split
     if device != "cpu":  # a step ends when the device is done with it
         methods = {k: _synchronized(fn) for k, fn in methods.items()}
     return w.description, methods
@@ -95,6 +110,11 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
     if splits:
         best = min(splits, key=splits.__getitem__)
         line += f", best hand split ({best}) {splits[best] / ours:.2f}x"
+    runs = {k: t for k, t in medians.items() if k.startswith("procs")}
+    if runs:
+        best_procs = min(runs, key=runs.__getitem__)
+        line += f"; best processes ({best_procs}) against plain-1t {one / runs[best_procs]:.2f}x"
+        line += f", against parsum default {ours / runs[best_procs]:.2f}x"
     if "parsum 1" in medians:
         line += f"; parsum 1 against plain-1t {one / medians['parsum 1']:.2f}x"
     if "vmap" in medians:
@@ -109,7 +129,10 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.2), sharey=True)
+    fig, grid = plt.subplots(
+        1, len(results), figsize=(3.2 * len(results), 3.2), sharey=True, squeeze=False
+    )
+    axes = grid[0]
     for ax, r in zip(axes, results):
         s = r["seconds"]
         base = s["plain-1t"]
@@ -120,9 +143,12 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
         ax.axhline(base / s["plain"], color="gray", ls=":", label="plain, default threads")
         if "vmap" in s:
             ax.axhline(base / s["vmap"], color="green", ls="-.", label="vmap")
+        procs = sorted(int(k.split()[1]) for k in s if k.startswith("procs"))
+        if procs:
+            ax.plot(procs, [base / s[f"procs {p}"] for p in procs], "^-.", label="processes")
         ax.set_title(r["description"], fontsize=7)
-        ax.set_xlabel("workers")
-        ax.set_xticks(jobs)
+        ax.set_xlabel("workers or processes")
+        ax.set_xticks(sorted({*jobs, *procs}))
     axes[0].set_ylabel("speedup over plain loop, 1 thread")
     # One legend for the figure, with every method any panel drew (vmap only where it ran).
     handles = {}
@@ -140,6 +166,7 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="1,2", help="worker counts, e.g. 1,2,4,8,16")
+    parser.add_argument("--procs", default="", help="process counts, e.g. 1,2,4,8,16")
     parser.add_argument("--workloads", default="all", help="comma-separated names, or all")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--json", default="speedup.json")
@@ -166,10 +193,16 @@ def main() -> None:
         f"{torch.get_num_threads()} intra-op threads by default; medians of {args.rounds} "
         "interleaved rounds"
     )
+    procs = tuple(int(p) for p in args.procs.split(",") if p)
     results = []
     for name, batch in cases:
-        description, methods = methods_for(name, batch, jobs, args.device)
-        medians = interleaved(methods, args.rounds)
+        opened: list[ProcessSplit] = []
+        try:
+            description, methods = methods_for(name, batch, jobs, args.device, procs, opened)
+            medians = interleaved(methods, args.rounds)
+        finally:
+            for split in opened:
+                split.close()
         results.append(report(name, description, medians, jobs))
     with open(args.json, "w") as f:
         json.dump({"cores": cores, "torch": torch.__version__, "results": results}, f, indent=1)

@@ -225,3 +225,87 @@ def paired_ratio(
         medians[int(tail * resamples)],
         medians[int((1 - tail) * resamples) - 1],
     )
+
+
+class ProcessSplit:
+    """P processes on this host (gloo on 127.0.0.1), each with its share of the thread budget
+    (``budget // P`` intra-op threads, torchrun's way), each summing its share of the models
+    (round robin) with ``parsum.distributed.sum_models``: forward, then backward of the loss.
+
+    The processes are started once (spawn, as torchrun does) and wait for a command on a pipe,
+    so that a step can be timed in the same interleaved rounds as every other method: calling
+    the object runs one step on every rank and returns when all have finished it.
+    """
+
+    def __init__(self, name: str, batch: int | None, processes: int, budget: int) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        threads = max(1, budget // processes)
+        self.pipes = []
+        self.procs = []
+        for rank in range(processes):
+            here, there = ctx.Pipe()
+            args = (rank, processes, port, name, batch, threads, there)
+            proc = ctx.Process(target=_process_rank, args=args, daemon=True)
+            proc.start()
+            self.pipes.append(here)
+            self.procs.append(proc)
+        for pipe in self.pipes:
+            if pipe.recv() != "ready":
+                raise RuntimeError("a rank failed to start")
+
+    def __call__(self) -> None:
+        for pipe in self.pipes:
+            pipe.send("step")
+        for pipe in self.pipes:
+            reply = pipe.recv()
+            if reply != "done":
+                raise RuntimeError(f"a rank failed: {reply}")
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send("stop")
+        for proc in self.procs:
+            proc.join(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_rank(
+    rank: int, world: int, port: int, name: str, batch: int | None, threads: int, pipe
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    import parsum
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    w = workload(name, batch)
+    mine = w.models[rank::world]
+    pipe.send("ready")
+    try:
+        while pipe.recv() == "step":
+            try:
+                loss_of(parsum.distributed.sum_models(mine, w.x)).backward()
+            except Exception as exc:  # reported to the parent, which stops the run
+                pipe.send(repr(exc))
+                raise
+            pipe.send("done")
+    finally:
+        dist.destroy_process_group()

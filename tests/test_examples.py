@@ -50,6 +50,7 @@ def test_train_ensemble():
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:4]}
     assert rows["plain"] == rows["parsum"]  # the same accuracy from the same weights
     assert "parsum speedup over the plain PyTorch loop" in out
+    assert "parsum against the hand split" in out and "(the ceiling, no sum)" in out
 
 
 def test_bench_sparse(tmp_path):
@@ -94,11 +95,19 @@ def test_distributed_ensemble_under_torchrun():
     assert "2 processes, 4 members (2 on rank 0): test accuracy" in done.stdout
 
 
-def test_bench_distributed():
+def test_bench_speedup_with_processes(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = ["--rounds", "2", "--jobs", "1,2", "--procs", "1,2", "--workloads", "large"]
     out = run(
-        "benchmarks/bench_distributed.py", "--rounds", "2", "--workloads", "heterogeneous-tiny"
+        "benchmarks/bench_speedup.py",
+        *args,
+        "--json",
+        str(tmp_path / "s.json"),
+        "--png",
+        str(tmp_path / "s.png"),
     )
-    assert "64 MLPs" in out and "dist-2" in out
+    assert "procs 2" in out and "best processes" in out
+    assert (tmp_path / "s.png").stat().st_size > 0
 
 
 def test_bench_speedup_replots_saved_results(tmp_path):
