@@ -313,7 +313,7 @@ class _Pool:
                 return
             if job.done.is_set():
                 continue
-            torch.set_num_threads(job.intra_threads)
+            _set_threads(job.intra_threads)
             with job.state.entered():
                 job.work()
             del job
@@ -353,7 +353,7 @@ def run_ordered(
     saved_threads = torch.get_num_threads()
     intra_threads = intra_op_threads(n_tasks)
     threads = min(n_workers, n_tasks, _config.usable_cores())
-    torch.set_num_threads(intra_threads)
+    _set_threads(intra_threads)
     _local.in_task = True
     try:
         if threads <= 1:  # one thread: no job, no locks, no state to hand over
@@ -362,7 +362,14 @@ def run_ordered(
         _run_job(_Job(task, n_tasks, consume, ThreadState.capture(), intra_threads), threads)
     finally:
         _local.in_task = False
-        torch.set_num_threads(saved_threads)
+        _set_threads(saved_threads)
+
+
+def _set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` unless this thread already has n: the call also resets
+    MKL's process-wide thread count, which other threads' kernels read."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _run_here(
