@@ -40,8 +40,8 @@ from common import (
     HandSplit,
     ProcessSplit,
     interleaved,
-    loss_of,
     one_thread,
+    parsum_step,
     plain_step,
     vmap_step,
     workload,
@@ -70,14 +70,12 @@ def methods_for(
     if w.identical:
         step = vmap_step(models)
         methods["vmap"] = lambda: step(x)
-    methods["parsum default"] = lambda: loss_of(parsum.sum_models(models, x)).backward()
+    methods["parsum default"] = lambda: parsum_step(models, x)
     for p in jobs:
         if p > 1 and device == "cpu":
             split = HandSplit(models, p)
             methods[f"hand-split {p}"] = lambda split=split: split(x)
-        methods[f"parsum {p}"] = lambda p=p: loss_of(
-            parsum.sum_models(models, x, n_jobs=p)
-        ).backward()
+        methods[f"parsum {p}"] = lambda p=p: parsum_step(models, x, n_jobs=p)
     budget = torch.get_num_threads()
     for p in procs if device == "cpu" else ():
         split = ProcessSplit(name, batch, p, budget)

@@ -1,7 +1,9 @@
 """Workloads, baselines and the interleaved timer shared by the benchmarks.
 
 Every workload is a list of models, an input batch, and the loss ``y.pow(2).mean()`` of the
-models' sum. The baselines are what a user would run instead of parsum (BENCHMARKING.md).
+models' sum. The baselines are what a user would run instead of parsum (BENCHMARKING.md). Every
+step of every method starts with the gradients set to None, as ``optimizer.zero_grad()`` leaves
+them in a training loop.
 """
 
 from __future__ import annotations
@@ -105,9 +107,24 @@ def loss_of(y: torch.Tensor) -> torch.Tensor:
     return y.pow(2).mean()
 
 
+def zero_grads(models: list[nn.Module]) -> None:
+    """``.grad = None`` for every parameter, as ``optimizer.zero_grad()`` does."""
+    for m in models:
+        m.zero_grad(set_to_none=True)
+
+
 def plain_step(models: list[nn.Module], x: torch.Tensor) -> None:
     """The plain loop: ``sum(m(x) for m in models)``, forward and backward."""
+    zero_grads(models)
     loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+
+
+def parsum_step(models: list[nn.Module], x: torch.Tensor, **kwargs: object) -> None:
+    """``parsum.sum_models(models, x, **kwargs)``, forward and backward."""
+    import parsum
+
+    zero_grads(models)
+    loss_of(parsum.sum_models(models, x, **kwargs)).backward()
 
 
 def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
@@ -137,6 +154,7 @@ class HandSplit:
 
     @staticmethod
     def _step(share: list[nn.Module], x: torch.Tensor) -> None:
+        zero_grads(share)
         for m in share:
             loss_of(m(x)).backward()
 
@@ -167,6 +185,8 @@ def vmap_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
     ensemble = torch.vmap(one, in_dims=(0, 0, None))
 
     def step(x: torch.Tensor) -> None:
+        for p in params.values():
+            p.grad = None
         loss_of(ensemble(params, buffers, x).sum(0)).backward()
 
     return step
@@ -302,6 +322,7 @@ def _process_rank(
     try:
         while pipe.recv() == "step":
             try:
+                zero_grads(mine)
                 loss_of(parsum.distributed.sum_models(mine, w.x)).backward()
             except Exception as exc:  # reported to the parent, which stops the run
                 pipe.send(repr(exc))

@@ -320,14 +320,21 @@ def pull_back(
     inputs: Sequence[Tensor],
     cotangents: Sequence[Tensor],
     retain_graph: bool,
+    accumulate: bool = False,
 ) -> tuple[Tensor | None, ...]:
-    """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)``.
+    """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)``, or with
+    ``accumulate`` ``torch.autograd.backward(outputs, cotangents, inputs=inputs)``.
 
     The cotangents are the sum's own gradients, whose shapes and dtypes match the outputs, so
     the checks and conversions of ``autograd.grad``'s Python wrapper (about 10 us a call here,
     a tenth of a tiny model's pullback) are skipped where the engine can be called directly.
     """
     if _run_engine is None or has_torch_function([*cotangents, *inputs]):
+        if accumulate:
+            torch.autograd.backward(
+                outputs, cotangents, retain_graph=retain_graph, inputs=list(inputs)
+            )
+            return ()
         return torch.autograd.grad(
             outputs, inputs, cotangents, retain_graph=retain_graph, allow_unused=True
         )
@@ -338,7 +345,7 @@ def pull_back(
         False,
         tuple(inputs),
         True,
-        accumulate_grad=False,
+        accumulate_grad=accumulate,
     )
 
 
@@ -381,20 +388,25 @@ def autograd_forward(
         # Every tensor argument is its own, also one it marked to require grad itself.
         arguments = [t for t in call.leaves if isinstance(t, Tensor)]
         _check_no_captured_leaves(roots, [*inputs.values(), *arguments])
-    return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs))
+    aliased = wrt_params is not params.tensors
+    return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs), aliased)
 
 
 class GraphPullback:
     """The pullback of one model's own autograd graph (engine "autograd"): its output edges and
-    what it is differentiated with respect to (its argument aliases, then its parameters).
-    Several of them can be pulled back in one engine call: ``pull_back_together``."""
+    what it is differentiated with respect to (its argument aliases, then its parameters, or
+    aliases of those with hooks: ``aliased``). Several of them can be pulled back in one engine
+    call: ``pull_back_together``."""
 
-    __slots__ = ("n_args", "roots", "wrt")
+    __slots__ = ("aliased", "n_args", "roots", "wrt")
 
-    def __init__(self, roots: list[GradientEdge | None], wrt: list[Tensor], n_args: int) -> None:
+    def __init__(
+        self, roots: list[GradientEdge | None], wrt: list[Tensor], n_args: int, aliased: bool
+    ) -> None:
         self.roots = roots
         self.wrt = wrt
         self.n_args = n_args
+        self.aliased = aliased
 
     def __call__(
         self, cotangents: Sequence[Tensor], retain_graph: bool
@@ -404,9 +416,15 @@ class GraphPullback:
 
 
 def pull_back_together(
-    items: Sequence[tuple[GraphPullback, Sequence[Tensor]]], retain_graph: bool
+    items: Sequence[tuple[GraphPullback, Sequence[Tensor]]],
+    retain_graph: bool,
+    accumulate: bool = False,
 ) -> list[tuple[list[Tensor | None], list[Tensor | None]]]:
     """Each model's (argument grads, parameter grads), from one engine call for all.
+
+    With ``accumulate``, the parameters' gradients go into their ``.grad`` instead (NOTE
+    [ Accumulating in the pullback ] in ``_function``) and come back as None; the argument
+    aliases are leaves of their own, whose ``.grad`` is read and cleared.
 
     # NOTE [ One engine call per chunk ]
     # Every call into the autograd engine has a fixed cost (about 25 us here), which a
@@ -426,6 +444,17 @@ def pull_back_together(
                 outs.append(o)
                 cots.append(c)
         wrt.extend(pb.wrt)
+    if accumulate:
+        if outs and wrt:
+            pull_back(outs, wrt, cots, retain_graph, accumulate=True)
+        results: list[tuple[list[Tensor | None], list[Tensor | None]]] = []
+        for pb, _ in items:
+            arg_grads: list[Tensor | None] = []
+            for alias in pb.wrt[: pb.n_args]:
+                arg_grads.append(alias.grad)
+                alias.grad = None
+            results.append((arg_grads, [None] * (len(pb.wrt) - pb.n_args)))
+        return results
     grads: Sequence[Tensor | None] = (
         pull_back(outs, wrt, cots, retain_graph) if outs and wrt else [None] * len(wrt)
     )

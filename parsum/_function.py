@@ -52,7 +52,7 @@ from ._engines import (
 from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
+from ._sparse import GradSum, add_grad, coalesce_later, has_user_hooks, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
@@ -415,7 +415,7 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        create_graph = torch.is_grad_enabled()
+        create_graph = ctx.create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = backward(ctx, *grad_outputs)
         if not create_graph:
@@ -433,12 +433,39 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
     return wrapper
 
 
-def _joins_batch(plan: SumPlan, u: int, pullback: UnitPullback | None) -> bool:
-    """Whether a unit is pulled back in its chunk's one engine call: a model's own autograd
-    graph whose parameters no other entry uses (NOTE [ One engine call per chunk ])."""
+# NOTE [ Accumulating in the pullback ]
+# Capturing every model's parameter gradients and handing them back through ParallelSum keeps
+# them all alive until the last pullback, in fresh memory, and adds them into .grad afterwards:
+# measured here against the plain loop, 16 medium MLPs took 0.79x and 4 wide ones 0.88x, and
+# the capture alone 0.95x and 0.93x. Where the running backward would itself accumulate into a
+# parameter's ``.grad`` (``backward()``), the parameter is used by this one model, its ``.grad``
+# is None (``zero_grad()``'s default), and nothing else wants to see its gradient first (a
+# FlatGrad slot, step_in_backward, a tensor or post-accumulate hook, create_graph), the
+# pullback's engine call accumulates it into ``.grad`` itself, as the plain loop's backward
+# does, and ParallelSum returns None for it. The values are the ones a capture would give: no
+# sum is involved. A failed backward sets those ``.grad`` back to None, what they were.
+
+
+def _accumulates_plainly(p: Tensor) -> bool:
+    """A parameter whose ``.grad`` is None and that has no hook of the user's: its gradient may
+    go straight into ``.grad`` (NOTE [ Accumulating in the pullback ])."""
+    return (
+        p.grad is None
+        and not has_user_hooks(p)
+        and not getattr(p, "_post_accumulate_grad_hooks", None)
+    )
+
+
+def _graph_pullback(plan: SumPlan, u: int, pullback: UnitPullback | None) -> GraphPullback | None:
+    """The model's own autograd graph pullback, if the unit is one model pulled back by the
+    "autograd" engine whose parameters no other entry uses (NOTE [ One engine call per
+    chunk ]), reading none of them through an alias."""
     if not isinstance(pullback, SinglePullback) or not isinstance(pullback.inner, GraphPullback):
-        return False
-    return not any(plan.shared[s] for s in plan.param_slots[plan.units[u].models[0]])
+        return None
+    slots = plan.param_slots[plan.units[u].models[0]]
+    if any(plan.shared[s] for s in slots):
+        return None
+    return pullback.inner
 
 
 def _pull_back_chunk(
@@ -448,26 +475,41 @@ def _pull_back_chunk(
     grad_outputs: Sequence[Tensor],
     weight_tensor: Tensor | None,
     keep_graph: bool,
+    direct: Sequence[bool],
 ) -> Iterator[tuple[Unit, list[Tensor | None], list[list[Tensor | None]]]]:
     """(unit, argument grads, each model's parameter grads) of a chunk's units, in order.
 
     The units that can share one engine call get it (NOTE [ One engine call per chunk ] in
-    ``_engines``); it keeps their graphs, so that if it fails they are pulled back one at a
-    time to name the first model that fails. Every other unit is pulled back on its own.
+    ``_engines``): one call for the models whose parameters all go straight into ``.grad``
+    (``direct``, NOTE [ Accumulating in the pullback ]; their parameter grads come back as
+    None), one for the others. The calls keep the graphs, so that if one fails its models are
+    pulled back one at a time to name the first model that fails. Every other unit is pulled
+    back on its own.
     """
     together: dict[int, tuple[list[Tensor | None], list[Tensor | None]]] = {}
-    batch = [u for u in units if _joins_batch(plan, u, pullbacks[u])]
-    if len(batch) > 1:
-        items = []
-        for u in batch:
-            pullback = pullbacks[u]
-            assert isinstance(pullback, SinglePullback)
-            assert isinstance(pullback.inner, GraphPullback)
-            w = plan.weight(plan.units[u].models[0], weight_tensor)
-            items.append((pullback.inner, pullback.cotangents(grad_outputs, w)))
-        with contextlib.suppress(Exception):  # a failing model is found below, one at a time
-            together = dict(zip(batch, pull_back_together(items, retain_graph=True)))
-        del items
+    groups: dict[bool, list[tuple[int, GraphPullback, Sequence[Tensor]]]] = {True: [], False: []}
+    for u in units:
+        graph = _graph_pullback(plan, u, pullbacks[u])
+        if graph is None:
+            continue
+        i = plan.units[u].models[0]
+        slots = plan.param_slots[i]
+        accumulate = bool(slots) and all(direct[s] for s in slots) and not graph.aliased
+        cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+        groups[accumulate].append((u, graph, cotangents))
+    for accumulate, members in groups.items():
+        if len(members) < (1 if accumulate else 2):
+            continue
+        items = [(graph, cotangents) for _, graph, cotangents in members]
+        try:
+            results = pull_back_together(items, retain_graph=True, accumulate=accumulate)
+            together.update(zip([u for u, _, _ in members], results))
+        except Exception:  # the failing model is found below, one at a time
+            for u, _, _ in members if accumulate else ():
+                for s in plan.param_slots[plan.units[u].models[0]]:
+                    plan.params[s].grad = None  # what it was: none of it stays
+        del items, members
+    del groups
     for u in units:
         unit = plan.units[u]
         pullback = pullbacks[u]
@@ -554,11 +596,7 @@ class ParallelSum(torch.autograd.Function):
             _at_end_of_backward(sib._stepped.clear)
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
-        accumulates = (
-            [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
-            if sib is not None or has_flat_grads(plan.params)
-            else [False] * len(plan.params)
-        )
+        accumulates = [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
         # Gradients that step_in_backward consumes never reach .grad, FlatGrad or not.
         stepping = {
             s
@@ -567,8 +605,21 @@ class ParallelSum(torch.autograd.Function):
             for s in plan.param_slots[i]
         }
         to_grad = [acc and k not in stepping for k, acc in enumerate(accumulates)]
-        flat = FlatWrites(plan.params, to_grad) if any(to_grad) else None
+        flat = (
+            FlatWrites(plan.params, to_grad)
+            if any(to_grad) and has_flat_grads(plan.params)
+            else None
+        )
         stepped: list[int] = []
+        # NOTE [ Accumulating in the pullback ]
+        direct = [
+            acc
+            and not ctx.create_graph
+            and not plan.shared[k]
+            and (flat is None or k not in flat)
+            and _accumulates_plainly(p)
+            for k, (p, acc) in enumerate(zip(plan.params, to_grad))
+        ]
 
         def route_param_grads(
             i: int, grads: list[Tensor | None], shared_accs: dict[int, GradSum]
@@ -610,7 +661,7 @@ class ParallelSum(torch.autograd.Function):
             # RowSparseAccumulator, which coalesces them all at once.
             with coalesce_later(shared_params):
                 for unit, arg_grads, model_grads in _pull_back_chunk(
-                    plan, plan.chunks[k], pullbacks, grad_outputs, weight_tensor, keep_graph
+                    plan, plan.chunks[k], pullbacks, grad_outputs, weight_tensor, keep_graph, direct
                 ):
                     for j, g in enumerate(arg_grads):
                         if g is not None:
@@ -652,6 +703,9 @@ class ParallelSum(torch.autograd.Function):
         except BaseException as exc:
             if flat is not None:
                 flat.rollback()
+            for p, was_none in zip(plan.params, direct):
+                if was_none:  # accumulated in a pullback, or about to be: None before
+                    p.grad = None
             if ctx.announce_failure is not None:
                 ctx.announce_failure()
             if stepped:

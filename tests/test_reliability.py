@@ -443,3 +443,43 @@ def test_a_failed_forward_restores_spectral_norm_vectors(kind):
         parsum.sum_models(models, x)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_gradients_accumulated_in_the_pullback_equal_captured_ones(n_jobs):
+    # NOTE [ Accumulating in the pullback ]: with .grad None the pullbacks accumulate into it;
+    # with .grad set they return captured gradients; the values are the same, bit for bit.
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Linear(IN, 16 + 8 * i), nn.Tanh(), nn.Linear(16 + 8 * i, OUT))
+        for i in range(6)
+    ]
+    x = torch.randn(5, IN, requires_grad=True)
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    direct = [p.grad.clone() for m in models for p in m.parameters()]
+    x_direct = x.grad.clone()
+    for m in models:
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)  # a .grad to add to: captured, then accumulated
+    x.grad = None
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    assert all(
+        torch.equal(a, p.grad) for a, p in zip(direct, (p for m in models for p in m.parameters()))
+    )
+    assert torch.equal(x.grad, x_direct)
+
+
+def test_a_post_accumulate_hook_runs_once_with_the_whole_gradient():
+    torch.manual_seed(0)
+    models = [nn.Linear(IN, OUT) for _ in range(3)]
+    ref = clone_models(models)
+    seen = {"parsum": [], "plain": []}
+    models[1].weight.register_post_accumulate_grad_hook(
+        lambda p: seen["parsum"].append(p.grad.clone())
+    )
+    ref[1].weight.register_post_accumulate_grad_hook(lambda p: seen["plain"].append(p.grad.clone()))
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, n_jobs=2).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert len(seen["parsum"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["parsum"][0], seen["plain"][0])
