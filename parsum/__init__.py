@@ -7,6 +7,7 @@ from ._errors import ParsumError
 from ._function import ParallelSum
 from ._fused import StepInBackward
 from ._grads import FlatGrad
+from ._module import SumOfModels
 from ._sparse import take_rows
 from ._summation import compensated_sum
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     # the normal door
     "sum_models",
+    "SumOfModels",
     "config",
     "FlatGrad",
     "StepInBackward",

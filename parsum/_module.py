@@ -1,0 +1,118 @@
+"""SumOfModels: an ``nn.Module`` whose forward is ``sum_models`` over its members."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _config
+from ._api import sum_models
+from ._errors import ParsumError
+from ._fused import StepInBackward
+
+_WHERE = "SumOfModels"
+
+
+class SumOfModels(nn.Module):
+    """``sum_i w_i * members[i](*args, **kwargs)`` as an ``nn.Module``, computed by
+    :func:`parsum.sum_models`.
+
+    The members are an ``nn.ModuleList``, so the module saves and loads with ``state_dict``,
+    moves with ``.to()``, switches every member with ``.train()`` / ``.eval()``, and prints
+    them; it fits where a module is expected (a LightningModule's attribute, DDP,
+    ``torch.compile`` around its caller).
+
+    >>> import torch, parsum
+    >>> ensemble = parsum.SumOfModels([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)],
+    ...                               weights=[0.5, 0.5])
+    >>> ensemble
+    SumOfModels(
+      2 members, weights buffer, engine='auto'
+      (members): ModuleList(
+        (0-1): 2 x Linear(in_features=4, out_features=2, bias=True)
+      )
+    )
+    >>> ensemble(torch.ones(3, 4)).shape
+    torch.Size([3, 2])
+    >>> sorted(ensemble.state_dict())[:2]
+    ['members.0.bias', 'members.0.weight']
+
+    Args:
+        models: the members, ``nn.Module``s (architectures may differ).
+        weights: None, or one weight per member: floats (kept as a buffer, saved and moved
+            with the module, not trained), or a tensor; an ``nn.Parameter`` or a tensor that
+            requires grad is registered as a parameter and trained with the members.
+        n_jobs, engine, chunk_size, step_in_backward: as in :func:`parsum.sum_models`.
+
+    Raises:
+        ParsumError: for a member that is not an ``nn.Module``, weights of the wrong length or
+            shape, or an invalid ``n_jobs``, ``engine`` or ``chunk_size``.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        *,
+        weights: Sequence[float] | Tensor | None = None,
+        n_jobs: int | None = None,
+        engine: str = "auto",
+        chunk_size: int | None = None,
+        step_in_backward: StepInBackward | None = None,
+    ) -> None:
+        super().__init__()
+        found = _config.check_model_sequence(models, _WHERE, (nn.ModuleList, nn.Sequential))
+        for i, model in enumerate(found):
+            if not isinstance(model, nn.Module):
+                raise ParsumError(
+                    f"{_WHERE}: models[{i}] is a {type(model).__name__}; expected an nn.Module "
+                    "(members live in an nn.ModuleList); call parsum.sum_models for other "
+                    "callables"
+                )
+        self.members = nn.ModuleList(found)
+        self.n_jobs = _config.check_n_jobs(n_jobs, _WHERE)
+        self.engine = _config.check_engine(engine, _WHERE)
+        self.chunk_size = _config.check_chunk_size(chunk_size, _WHERE)
+        self.step_in_backward = step_in_backward
+        self.weights: Tensor | None
+        if weights is None:
+            self.register_buffer("weights", None)
+        elif isinstance(weights, Tensor) and weights.requires_grad:
+            self.weights = weights if isinstance(weights, nn.Parameter) else nn.Parameter(weights)
+        else:
+            self.register_buffer(
+                "weights", torch.as_tensor(weights, dtype=torch.get_default_dtype())
+            )
+        w = self.weights
+        if w is not None and (w.dim() != 1 or w.shape[0] != len(found)):
+            raise ParsumError(
+                f"{_WHERE}: weights has shape {tuple(w.shape)}; expected one weight per member "
+                f"({len(found)})"
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return sum_models(
+            list(self.members),
+            *args,
+            weights=self.weights,
+            n_jobs=self.n_jobs,
+            engine=self.engine,
+            chunk_size=self.chunk_size,
+            step_in_backward=self.step_in_backward,
+            **kwargs,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"{len(self.members)} members"]
+        if isinstance(self.weights, nn.Parameter):
+            parts.append("weights parameter")
+        elif self.weights is not None:
+            parts.append("weights buffer")
+        parts.append(f"engine={self.engine!r}")
+        if self.n_jobs is not None:
+            parts.append(f"n_jobs={self.n_jobs}")
+        if self.chunk_size is not None:
+            parts.append(f"chunk_size={self.chunk_size}")
+        return ", ".join(parts)
