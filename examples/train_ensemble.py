@@ -113,7 +113,7 @@ class HandSplitTrainer:
         loss = sum(self.loss_fn(m(x), y) for m in self.shares[p])
         loss.backward()  # type: ignore[union-attr]
         self.opts[p].step()
-        return float(loss)
+        return float(loss.detach())
 
     def _serve(self, p: int, tasks: queue.SimpleQueue) -> None:
         torch.set_num_threads(1)
