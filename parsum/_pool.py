@@ -334,6 +334,13 @@ def intra_op_threads(n_tasks: int, budget: int | None = None) -> int:
     return max(1, budget // min(budget, n_tasks))
 
 
+def threads_for(n_tasks: int, n_workers: int) -> int:
+    """Threads a job of ``n_tasks`` chunks runs on, caller included (1 inside a task)."""
+    if _local.in_task:
+        return 1
+    return min(n_workers, n_tasks, _config.usable_cores())
+
+
 def run_ordered(
     task: Callable[[int], Any],
     n_tasks: int,
@@ -352,7 +359,7 @@ def run_ordered(
         return
     saved_threads = torch.get_num_threads()
     intra_threads = intra_op_threads(n_tasks)
-    threads = min(n_workers, n_tasks, _config.usable_cores())
+    threads = threads_for(n_tasks, n_workers)
     _set_threads(intra_threads)
     _local.in_task = True
     try:
