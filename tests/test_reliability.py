@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, TwoHeads, clone_models, param_grads, plain_sum
+from tests.zoo import IN, OUT, TwoHeads, clone_models, doubling_hook, param_grads, plain_sum
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,16 +141,8 @@ def test_hooks_run_once_for_a_bound_method_model():
     models = [TwoHeads(), TwoHeads()]
     ref = clone_models(models)
     calls = {"parsum": 0, "plain": 0}
-
-    def doubling(key):
-        def hook(grad):
-            calls[key] += 1
-            return grad * 2
-
-        return hook
-
-    models[0].body[0].weight.register_hook(doubling("parsum"))
-    ref[0].body[0].weight.register_hook(doubling("plain"))
+    models[0].body[0].weight.register_hook(doubling_hook(calls, "parsum"))
+    ref[0].body[0].weight.register_hook(doubling_hook(calls, "plain"))
     x = torch.randn(4, IN)
     parsum.sum_models([m.encode for m in models], x, n_jobs=2).pow(2).sum().backward()
     sum(m.encode(x) for m in ref).pow(2).sum().backward()

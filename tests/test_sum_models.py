@@ -10,7 +10,17 @@ from torch import nn
 
 import parsum
 from parsum import _engines as engines
-from tests.zoo import IN, OUT, TwoHeads, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import (
+    IN,
+    OUT,
+    TwoHeads,
+    clone_models,
+    doubling_hook,
+    mlp,
+    param_grads,
+    plain_sum,
+    zoo,
+)
 
 ENGINES = ["autograd", "vjp", "auto"]
 N_JOBS = [1, 2, 3]
@@ -467,16 +477,8 @@ def test_tensor_hooks_run_once_on_the_whole_gradient(engine):
     models.append(nn.Sequential(shared, nn.Tanh(), nn.Linear(8, OUT)))  # shared by two models
     ref = clone_models(models)
     calls = {"parsum": 0, "plain": 0}
-
-    def doubling(key):
-        def hook(grad):
-            calls[key] += 1
-            return grad * 2
-
-        return hook
-
-    shared.weight.register_hook(doubling("parsum"))
-    ref[0][0].weight.register_hook(doubling("plain"))
+    shared.weight.register_hook(doubling_hook(calls, "parsum"))
+    ref[0][0].weight.register_hook(doubling_hook(calls, "plain"))
     x = torch.randn(4, IN)
     parsum.sum_models(models, x, engine=engine).pow(2).sum().backward()
     plain_sum(ref, x).pow(2).sum().backward()

@@ -111,6 +111,16 @@ def thread_recorder(seen: list[str], seconds: float):
     return record
 
 
+def doubling_hook(calls: dict[str, int], key: str):
+    """A tensor hook that counts its calls in ``calls[key]`` and doubles the gradient."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls[key] += 1
+        return grad * 2
+
+    return hook
+
+
 def clone_models(models: list[nn.Module]) -> list[nn.Module]:
     """Deep copies that keep object identity inside the list (a module repeated stays shared)."""
     return copy.deepcopy(models)
