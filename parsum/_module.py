@@ -37,15 +37,18 @@ class SumOfModels(nn.Module):
     )
     >>> ensemble(torch.ones(3, 4)).shape
     torch.Size([3, 2])
-    >>> sorted(ensemble.state_dict())[:2]
-    ['members.0.bias', 'members.0.weight']
+    >>> len(ensemble.state_dict())  # 2 members x (weight, bias), and the weights buffer
+    5
 
     Args:
         models: the members, ``nn.Module``s (architectures may differ).
         weights: None, or one weight per member: floats (kept as a buffer, saved and moved
             with the module, not trained), or a tensor; an ``nn.Parameter`` or a tensor that
             requires grad is registered as a parameter and trained with the members.
-        n_jobs, engine, chunk_size, step_in_backward: as in :func:`parsum.sum_models`.
+        n_jobs: as in :func:`parsum.sum_models`.
+        engine: as in :func:`parsum.sum_models`.
+        chunk_size: as in :func:`parsum.sum_models`.
+        step_in_backward: as in :func:`parsum.sum_models`.
 
     Raises:
         ParsumError: for a member that is not an ``nn.Module``, weights of the wrong length or
