@@ -29,6 +29,10 @@ from ._sparse import has_user_hooks
 _WHERE = "sum_models"
 
 
+# torch.compile around code that calls sum_models leaves the call eager (a graph break): its
+# pool, threads and custom Function are nothing dynamo can trace, and tracing into them took
+# 16 s for two linear models, with warnings, for no gain.
+@torch.compiler.disable
 def sum_models(
     models: Sequence[Callable[..., Any]],
     *args: Any,

@@ -22,8 +22,9 @@ class SumOfModels(nn.Module):
 
     The members are an ``nn.ModuleList``, so the module saves and loads with ``state_dict``,
     moves with ``.to()``, switches every member with ``.train()`` / ``.eval()``, and prints
-    them; it fits where a module is expected (a LightningModule's attribute, DDP,
-    ``torch.compile`` around its caller).
+    them; it fits where a module is expected (a LightningModule's attribute; wrapped in
+    DistributedDataParallel, tested). Under ``torch.compile`` the sum is a graph break: the
+    code around it compiles, the sum runs as ``sum_models`` does.
 
     >>> import torch, parsum
     >>> ensemble = parsum.SumOfModels([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)],

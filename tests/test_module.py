@@ -153,3 +153,19 @@ def test_under_distributed_data_parallel():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ddp ok" in done.stdout
+
+
+def test_torch_compile_around_it_leaves_the_sum_eager():
+    # sum_models is a graph break for dynamo: the code around it compiles, the sum runs as is.
+    torch.manual_seed(0)
+    ensemble = parsum.SumOfModels([nn.Linear(IN, OUT), nn.Linear(IN, OUT)])
+    head = nn.Linear(OUT, 1)
+
+    def loss(x):
+        return head(torch.relu(ensemble(x))).sum()
+
+    x = torch.randn(4, IN)
+    compiled = torch.compile(loss, backend="eager")
+    torch.testing.assert_close(compiled(x), loss(x))
+    compiled(x).backward()
+    assert all(p.grad is not None for p in ensemble.parameters())
