@@ -28,7 +28,7 @@ import functools
 import inspect
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -60,24 +60,30 @@ VMAP_FAILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # with its own parameter, buffer and submodule dicts, sharing everything else (the tensors,
 # hooks, settings, the training flag). The swaps happen in the shadow's dicts only; the user's
 # modules are never written to. Made on every call (about 1 us a module), so it is never stale.
+# What a forward assigns on a shadow (``self.calls += 1``, a buffer reassigned) is written back
+# to the module where the shadow ran a model's own forward (parameters read through aliases,
+# NOTE [ Hooks run once ]); under functorch ("vjp", "stacked") such values are transformed
+# tensors that must not escape, so there they are dropped: those engines take models whose
+# forward assigns nothing (in-place updates of a buffer's values do reach the buffer).
 
 
 def shadow_module(
     module: nn.Module,
     replace: dict[int, Tensor] | None = None,
-    memo: dict[int, nn.Module] | None = None,
+    memo: dict[int, tuple[nn.Module, nn.Module]] | None = None,
 ) -> nn.Module:
     """A copy of ``module``'s tree whose parameter, buffer and submodule dicts are its own
     (NOTE [ Shadow modules ]); a submodule reached twice is shadowed once. ``replace`` maps
-    ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is."""
+    ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is.
+    ``memo`` collects (module, shadow) pairs by id."""
     if isinstance(module, torch.jit.ScriptModule):  # functional_call refuses it, with a message
         return module
     memo = {} if memo is None else memo
     found = memo.get(id(module))
     if found is not None:
-        return found
+        return found[1]
     copy = module.__class__.__new__(module.__class__)
-    memo[id(module)] = copy
+    memo[id(module)] = (module, copy)
     state = dict(vars(module))
     own = state["_parameters"]
     state["_parameters"] = (
@@ -94,6 +100,30 @@ def shadow_module(
     }
     object.__setattr__(copy, "__dict__", state)
     return copy
+
+
+def write_back(pairs: Iterable[tuple[nn.Module, nn.Module]], placed: Iterable[Tensor]) -> None:
+    """What a forward assigned on shadows (``self.calls += 1``, ``self.stats = ...`` for a
+    buffer), written to the modules they shadow, as the plain loop's forward would have left
+    it; the tensors ``placed`` in the shadows instead of parameters are not written back."""
+    ours = {id(t) for t in placed}
+    for module, shadow in pairs:
+        mine, theirs = vars(module), vars(shadow)
+        for name, value in theirs.items():
+            if name == "_buffers":
+                buffers = mine["_buffers"]
+                for key, b in value.items():
+                    if buffers.get(key, _MISSING) is not b:
+                        buffers[key] = b
+            elif (
+                name not in ("_parameters", "_modules")
+                and id(value) not in ours
+                and mine.get(name, _MISSING) is not value
+            ):
+                mine[name] = value
+
+
+_MISSING = object()
 
 
 def rebind(model: Callable[..., Any], shadow: nn.Module) -> Callable[..., Any]:
@@ -368,15 +398,18 @@ def autograd_forward(
     # raced with other threads' backward passes and crashed the interpreter).
     wrt_params = params.tensors
     with torch.enable_grad():
+        shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
+        aliases: dict[int, Tensor] = {}
         if any(has_user_hooks(p) for p in params.tensors):
             aliases = {id(p): p.view_as(p) for p in params.tensors if has_user_hooks(p)}
             module = module_of(model)
             assert module is not None
-            model = rebind(model, shadow_module(module, aliases))
+            model = rebind(model, shadow_module(module, aliases, shadowed))
             wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
         out = model(*args, **kwargs)
+        write_back(shadowed.values(), aliases.values())
     # The pullback keeps the outputs' gradient edges, not the outputs: plain PyTorch frees a
     # model's output once it is summed, so holding M of them until backward would be memory
     # that grows with M.

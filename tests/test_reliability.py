@@ -475,3 +475,39 @@ def test_a_post_accumulate_hook_runs_once_with_the_whole_gradient():
     plain_sum(ref, x).pow(2).sum().backward()
     assert len(seen["parsum"]) == len(seen["plain"]) == 1
     torch.testing.assert_close(seen["parsum"][0], seen["plain"][0])
+
+
+class _Counting(nn.Module):
+    """Assigns in forward: an int attribute and a buffer replaced by a new tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.register_buffer("last_mean", torch.zeros(OUT))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        self.last_mean = out.detach().mean(0)
+        return out
+
+
+def test_what_a_forward_assigns_persists_for_a_hooked_model():
+    # A parameter with a hook is read through an alias in a shadow of its module; what the
+    # forward assigns on the shadow must reach the module, as in the plain loop.
+    torch.manual_seed(0)
+    models = [_Counting(), _Counting()]
+    ref = clone_models(models)
+    models[0].lin.weight.register_hook(lambda g: g)
+    ref[0].lin.weight.register_hook(lambda g: g)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        parsum.sum_models(models, x, n_jobs=2).sum().backward()
+        plain_sum(ref, x).sum().backward()
+    for m, r in zip(models, ref):
+        assert m.calls == r.calls == 2
+        torch.testing.assert_close(m.last_mean, r.last_mean)
+        assert "last_mean" in dict(m.named_buffers())
+    assert isinstance(models[0].lin.weight, nn.Parameter)  # not the alias
+    torch.testing.assert_close(models[0].lin.weight.grad, ref[0].lin.weight.grad)
