@@ -20,7 +20,7 @@ BLOCKS = [
 
 def test_the_guide_has_runnable_blocks():
     pages = {page for page, _, _ in BLOCKS}
-    assert {"README.md", "docs/gradients.md", "docs/sampled-rows.md"} <= pages
+    assert {"README.md", "docs/tour.md", "docs/gradients.md", "docs/sampled-rows.md"} <= pages
 
 
 @pytest.mark.timeout(60)
