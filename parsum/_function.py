@@ -590,32 +590,45 @@ class ParallelSum(torch.autograd.Function):
     @_once_differentiable
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         plan: SumPlan = ctx.plan
-        pullbacks: list[UnitPullback | None] | None = ctx.pullbacks
-        outputs: list[list[Tensor] | None] = ctx.outputs
-        if pullbacks is None:
+        if ctx.pullbacks is None:
             raise ParsumError(
                 f"{plan.where}: backward ran a second time through the same result, whose "
                 "graph was freed by the first one; pass retain_graph=True to the first "
                 "backward, or call sum_models again"
             )
+        run = _Backward(ctx, grad_outputs)
+        run.pull_back_all()
+        return run.gradients()
+
+
+class _Backward:
+    """One backward of ``ParallelSum``, step by step: route the incoming gradients
+    (``__init__``), pull back each chunk and route each model's gradients (``chunk``), reduce
+    the chunks' partials in order (``consume``, ``pull_back_all``, which undoes everything on a
+    failure), and return one gradient per input (``gradients``). NOTE [ Data flow ]."""
+
+    def __init__(self, ctx: Any, grad_outputs: Sequence[Tensor]) -> None:
+        plan: SumPlan = ctx.plan
+        self.ctx, self.plan, self.grad_outputs = ctx, plan, grad_outputs
+        self.pullbacks: list[UnitPullback | None] = ctx.pullbacks
+        self.outputs: list[list[Tensor] | None] = ctx.outputs
         # NOTE [ Freeing per-model graphs ]: keep them only when the engine keeps the graph
         # (retain_graph=True, gradcheck, jacobian); otherwise each pullback is dropped as soon
         # as it ran, so memory falls during backward as in plain PyTorch.
-        keep_graph = _engine_keeps_graph()
-        if not keep_graph:
+        self.keep_graph = _engine_keeps_graph()
+        if not self.keep_graph:
             ctx.pullbacks = ctx.outputs = None
-        weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
-        n_arg_grads = len(ctx.call.grad_positions)
-        param_grads: list[Tensor | None] = [None] * len(plan.params)
-        weight_grads: list[Tensor | None] = [None] * len(plan.models)
-        arg_totals: dict[int, GradSum] = {}
-        shared_totals: dict[int, GradSum] = {}
-        sib = plan.step_in_backward
-        if sib is not None:  # NOTE [ Gradients from outside the sum ] in _fused
-            _at_end_of_backward(sib._stepped.clear)
+        self.weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
+        self.param_grads: list[Tensor | None] = [None] * len(plan.params)
+        self.weight_grads: list[Tensor | None] = [None] * len(plan.models)
+        self.arg_totals: dict[int, GradSum] = {}
+        self.shared_totals: dict[int, GradSum] = {}
+        self.sib = plan.step_in_backward
+        if self.sib is not None:  # NOTE [ Gradients from outside the sum ] in _fused
+            _at_end_of_backward(self.sib._stepped.clear)
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
-        accumulates = [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
+        self.accumulates = [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
         # Gradients that step_in_backward consumes never reach .grad, FlatGrad or not.
         stepping = {
             s
@@ -623,153 +636,176 @@ class ParallelSum(torch.autograd.Function):
             if j is not None
             for s in plan.param_slots[i]
         }
-        to_grad = [acc and k not in stepping for k, acc in enumerate(accumulates)]
-        flat = (
+        to_grad = [acc and k not in stepping for k, acc in enumerate(self.accumulates)]
+        self.flat = (
             FlatWrites(plan.params, to_grad)
             if any(to_grad) and has_flat_grads(plan.params)
             else None
         )
-        stepped: list[int] = []
+        self.stepped: list[int] = []
         # NOTE [ Accumulating in the pullback ]
-        direct = [
+        self.direct = [
             acc
             and not ctx.create_graph
             and not plan.shared[k]
-            and (flat is None or k not in flat)
+            and (self.flat is None or k not in self.flat)
             and _accumulates_plainly(p)
             for k, (p, acc) in enumerate(zip(plan.params, to_grad))
         ]
+        self.shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
+        self.one_call = False
+        self.all_chunks: Batched | None = None
 
-        def route_param_grads(
-            i: int, grads: list[Tensor | None], shared_accs: dict[int, GradSum]
-        ) -> None:
-            slots = plan.param_slots[i]
-            j = None if plan.step_index is None else plan.step_index[i]
-            if sib is not None and j is not None and any(accumulates[s] for s in slots):
-                mine = [
-                    (p, g)
-                    for p, g, s in zip(plan.model_params[i].tensors, grads, slots)
-                    if accumulates[s]
-                ]
-                try:
-                    sib.step(j, [p for p, _ in mine], [g for _, g in mine])
-                except Exception as exc:
-                    raise plan.model_error(i, "its optimizer step", exc) from exc
-                stepped.append(i)
-                grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
-            to_flat = []
-            for slot, g in zip(slots, grads):
-                if g is None:
-                    continue
-                if plan.shared[slot]:
-                    add_grad(shared_accs, slot, g)
-                elif flat is not None and slot in flat:
-                    to_flat.append((slot, g))
-                else:
-                    param_grads[slot] = g
-            if to_flat:
-                assert flat is not None
-                flat.write(to_flat)
+    def route(self, i: int, grads: list[Tensor | None], shared_accs: dict[int, GradSum]) -> None:
+        """Model ``i``'s parameter gradients: to its optimizer step, a shared parameter's
+        accumulator, a FlatGrad slot, or what backward returns."""
+        plan, flat, accumulates = self.plan, self.flat, self.accumulates
+        slots = plan.param_slots[i]
+        j = None if plan.step_index is None else plan.step_index[i]
+        if self.sib is not None and j is not None and any(accumulates[s] for s in slots):
+            mine = [
+                (p, g)
+                for p, g, s in zip(plan.model_params[i].tensors, grads, slots)
+                if accumulates[s]
+            ]
+            try:
+                self.sib.step(j, [p for p, _ in mine], [g for _, g in mine])
+            except Exception as exc:
+                raise plan.model_error(i, "its optimizer step", exc) from exc
+            self.stepped.append(i)
+            grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
+        to_flat = []
+        for slot, g in zip(slots, grads):
+            if g is None:
+                continue
+            if plan.shared[slot]:
+                add_grad(shared_accs, slot, g)
+            elif flat is not None and slot in flat:
+                to_flat.append((slot, g))
+            else:
+                self.param_grads[slot] = g
+        if to_flat:
+            assert flat is not None
+            flat.write(to_flat)
 
-        shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
+    def chunk(self, k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
+        """Pull back chunk ``k``; its argument gradients and shared-parameter gradients summed."""
+        plan, grad_outputs = self.plan, self.grad_outputs
+        if self.one_call and self.all_chunks is None:
+            self.all_chunks = _pull_back_batched(
+                plan,
+                range(len(plan.units)),
+                self.pullbacks,
+                grad_outputs,
+                self.weight_tensor,
+                self.direct,
+            )
+        arg_accs: dict[int, GradSum] = {}
+        shared_accs: dict[int, GradSum] = {}
+        # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
+        # RowSparseAccumulator, which coalesces them all at once.
+        with coalesce_later(self.shared_params):
+            for unit, arg_grads, model_grads in _pull_back_chunk(
+                plan,
+                plan.chunks[k],
+                self.pullbacks,
+                grad_outputs,
+                self.weight_tensor,
+                self.keep_graph,
+                self.direct,
+                self.all_chunks,
+            ):
+                for j, g in enumerate(arg_grads):
+                    if g is not None:
+                        add_grad(arg_accs, j, g)
+                del arg_grads
+                for i, grads in zip(unit.models, model_grads):
+                    self.route(i, grads, shared_accs)
+                del model_grads
+                for i in unit.models if self.ctx.weight_needs_grad else ():
+                    out = self.outputs[i]
+                    if not self.keep_graph:
+                        self.outputs[i] = None
+                    assert out is not None
+                    self.weight_grads[i] = sum(  # type: ignore[assignment]
+                        (g * o).sum() for g, o in zip(grad_outputs, out)
+                    )
+        return arg_accs, shared_accs
 
-        one_call = False
-        all_chunks: Batched | None = None
+    def consume(self, k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:
+        arg_accs, shared_accs = partial
+        for j, acc in arg_accs.items():
+            merge_grads(self.arg_totals, j, acc)
+        for slot, acc in shared_accs.items():
+            merge_grads(self.shared_totals, slot, acc)
 
-        def backward_chunk(k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
-            nonlocal all_chunks
-            if one_call and all_chunks is None:
-                all_chunks = _pull_back_batched(
-                    plan, range(len(plan.units)), pullbacks, grad_outputs, weight_tensor, direct
-                )
-            arg_accs: dict[int, GradSum] = {}
-            shared_accs: dict[int, GradSum] = {}
-            # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
-            # RowSparseAccumulator, which coalesces them all at once.
-            with coalesce_later(shared_params):
-                for unit, arg_grads, model_grads in _pull_back_chunk(
-                    plan,
-                    plan.chunks[k],
-                    pullbacks,
-                    grad_outputs,
-                    weight_tensor,
-                    keep_graph,
-                    direct,
-                    all_chunks,
-                ):
-                    for j, g in enumerate(arg_grads):
-                        if g is not None:
-                            add_grad(arg_accs, j, g)
-                    del arg_grads
-                    for i, grads in zip(unit.models, model_grads):
-                        route_param_grads(i, grads, shared_accs)
-                    del model_grads, grads
-                    for i in unit.models if ctx.weight_needs_grad else ():
-                        out = outputs[i]
-                        if not keep_graph:
-                            outputs[i] = None
-                        assert out is not None
-                        weight_grads[i] = sum(  # type: ignore[assignment]
-                            (g * o).sum() for g, o in zip(grad_outputs, out)
-                        )
-            return arg_accs, shared_accs
+    def pull_back_all(self) -> None:
+        """Every chunk, on the pool; on a failure, undo what was written and raise.
 
-        def consume(k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:
-            arg_accs, shared_accs = partial
-            for j, acc in arg_accs.items():
-                merge_grads(arg_totals, j, acc)
-            for slot, acc in shared_accs.items():
-                merge_grads(shared_totals, slot, acc)
-
-        # The parameters' tensor hooks run once, on what this returns: NOTE [ Hooks run once ]
-        # in _engines. (step_in_backward, which consumes gradients here, refuses parameters
-        # with hooks.)
+        The parameters' tensor hooks run once, on what backward returns: NOTE [ Hooks run
+        once ] in _engines. (step_in_backward, which consumes gradients here, refuses
+        parameters with hooks.)
+        """
+        plan, flat = self.plan, self.flat
         try:
             with torch.no_grad():
                 # NOTE [ Device threads ]
-                workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
+                workers = 1 if _on_device_thread(self.grad_outputs) else plan.n_workers
                 # One thread runs every chunk: one engine call for all of them, made by the
                 # first chunk (under the tasks' intra-op threads). Each call inside a backward
                 # measured about 80 us here: 16 medium MLPs at one thread took 11.4 ms a step
                 # in 16 calls, 9.0 ms in one. The results are consumed chunk by chunk, in
                 # order, so the sums and bits are unchanged.
-                one_call = _pool.threads_for(len(plan.chunks), workers) <= 1
-                _pool.run_ordered(backward_chunk, len(plan.chunks), workers, consume)
-                for slot, acc in shared_totals.items():
+                self.one_call = _pool.threads_for(len(plan.chunks), workers) <= 1
+                _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume)
+                for slot, acc in self.shared_totals.items():
                     if flat is not None and slot in flat:
                         flat.write([(slot, acc.result())])
                     else:
-                        param_grads[slot] = acc.result()
+                        self.param_grads[slot] = acc.result()
         except BaseException as exc:
             if flat is not None:
                 flat.rollback()
-            for p, was_none in zip(plan.params, direct):
+            for p, was_none in zip(plan.params, self.direct):
                 if was_none:  # accumulated in a pullback, or about to be: None before
                     p.grad = None
-            if ctx.announce_failure is not None:
-                ctx.announce_failure()
-            if stepped:
+            if self.ctx.announce_failure is not None:
+                self.ctx.announce_failure()
+            if self.stepped:
                 raise ParsumError(
                     f"{exc}; the optimizer step (step_in_backward) already ran for models "
-                    f"{sorted(stepped)}, whose parameters changed"
+                    f"{sorted(self.stepped)}, whose parameters changed"
                 ) from (exc.__cause__ or exc)
             raise
         if flat is not None:
             flat.commit()
+
+    def gradients(self) -> tuple[Tensor | None, ...]:
+        """One gradient per input of ``ParallelSum.forward``: None for the plan, the
+        arguments', the weights', the parameters'."""
+        ctx, plan = self.ctx, self.plan
+        n_arg_grads = len(ctx.call.grad_positions)
         arg_results = iter(
-            [arg_totals[j].result() if j in arg_totals else None for j in range(n_arg_grads)]
+            [
+                self.arg_totals[j].result() if j in self.arg_totals else None
+                for j in range(n_arg_grads)
+            ]
         )
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]
         if plan.has_weight_tensor:
             weight_grad = None
             if ctx.weight_needs_grad:
+                weight_tensor = self.weight_tensor
                 assert weight_tensor is not None
                 # On the weights' device, which may differ from the models' (CPU weights,
                 # CUDA models, as in the plain loop's w[i] * m_i(x)).
                 like = dict(dtype=weight_tensor.dtype, device=weight_tensor.device)
                 weight_grad = torch.stack(
-                    [torch.zeros((), **like) if g is None else g.to(**like) for g in weight_grads]
+                    [
+                        torch.zeros((), **like) if g is None else g.to(**like)
+                        for g in self.weight_grads
+                    ]
                 )
             grads_in.append(weight_grad)
-        return (None, *grads_in, *param_grads)
+        return (None, *grads_in, *self.param_grads)
