@@ -66,6 +66,7 @@ whether threads pay.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -291,16 +292,18 @@ def _stackable(
     models: Sequence[Callable[..., Any]], model_params: Sequence[ModelParams]
 ) -> list[int]:
     """Modules with trainable parameters that no other entry shares a module or parameter with."""
-    users: dict[int, int] = {}
-    for mp in model_params:
-        for t in [*mp.modules, *mp.tensors]:
-            users[id(t)] = users.get(id(t), 0) + 1
+    ids = [id(t) for mp in model_params for t in (*mp.modules, *mp.tensors)]
+    users = Counter(ids)
+    shared = len(users) != len(ids)  # usually nothing is shared: no per-model check needed
     return [
         i
         for i, (model, mp) in enumerate(zip(models, model_params))
         if isinstance(model, nn.Module)
         and mp.tensors
-        and all(users[id(t)] == 1 for t in [*mp.modules, *mp.tensors] if _holds_state(t))
+        and (
+            not shared
+            or all(users[id(t)] == 1 for t in [*mp.modules, *mp.tensors] if _holds_state(t))
+        )
     ]
 
 
