@@ -169,3 +169,22 @@ def test_convolutions_count_once_per_position_of_their_input():
     assert useful_workers(params, batch) > 1
     strided = ModelParams.of(cnn(stride=2))
     assert estimated_cost(strided, batch) < estimated_cost(params[0], batch)
+
+
+def test_the_default_runs_device_models_in_the_calling_thread(cores, monkeypatch):
+    # On a GPU a model's CPU time is kernel launches: auto with n_jobs unset keeps one chunk in
+    # the calling thread, whatever the budget. The meta device stands in for one here.
+    cores(16)
+    seen = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume):
+        seen.append((n_tasks, n_workers))
+        run_ordered(task, n_tasks, n_workers, consume)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    models = [mlp([256, 256]).to("meta") for _ in range(8)]
+    with torch.no_grad():
+        y = parsum.sum_models(models, torch.empty(64, IN, device="meta"))
+    assert y.device.type == "meta"
+    assert seen[-1] == (1, 1)
