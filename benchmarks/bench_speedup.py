@@ -77,7 +77,8 @@ def methods_for(
             methods[f"hand-split {p}"] = lambda split=split: split(x)
         methods[f"parsum {p}"] = lambda p=p: parsum_step(models, x, n_jobs=p)
     budget = torch.get_num_threads()
-    for p in procs if device == "cpu" else ():
+    # Every rank needs a model of its own: no more processes than models.
+    for p in [p for p in procs if p <= len(models)] if device == "cpu" else ():
         split = ProcessSplit(name, batch, p, budget)
         if opened is not None:
             opened.append(split)
