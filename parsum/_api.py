@@ -31,7 +31,8 @@ _WHERE = "sum_models"
 
 # torch.compile around code that calls sum_models leaves the call eager (a graph break): its
 # pool, threads and custom Function are nothing dynamo can trace, and tracing into them took
-# 16 s for two linear models, with warnings, for no gain.
+# 16 s for two linear models, with warnings, for no gain. The decorator imports torch._dynamo
+# (0.8 s here, once), which building any torch.optim optimizer imports anyway.
 @torch.compiler.disable
 def sum_models(
     models: Sequence[Callable[..., Any]],
