@@ -397,11 +397,15 @@ def autograd_forward(
     # user's tensors are never written to (taking the hooks off the parameter for a while
     # raced with other threads' backward passes and crashed the interpreter).
     wrt_params = params.tensors
-    with torch.enable_grad():
-        shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
-        aliases: dict[int, Tensor] = {}
-        if any(has_user_hooks(p) for p in params.tensors):
-            aliases = {id(p): p.view_as(p) for p in params.tensors if has_user_hooks(p)}
+    # This runs for every model on every call: no context manager object, and the hook check
+    # reads one attribute a parameter unless a parameter has hooks at all.
+    hooked = [p for p in params.tensors if p._backward_hooks is not None and has_user_hooks(p)]
+    was_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)
+    try:
+        if hooked:
+            shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
+            aliases = {id(p): p.view_as(p) for p in hooked}
             module = module_of(model)
             assert module is not None
             model = rebind(model, shadow_module(module, aliases, shadowed))
@@ -409,12 +413,15 @@ def autograd_forward(
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
         out = model(*args, **kwargs)
-        write_back(shadowed.values(), aliases.values())
+        if hooked:
+            write_back(shadowed.values(), aliases.values())
+    finally:
+        torch._C._set_grad_enabled(was_enabled)
     # The pullback keeps the outputs' gradient edges, not the outputs: plain PyTorch frees a
     # model's output once it is summed, so holding M of them until backward would be memory
     # that grows with M.
     roots = [
-        get_gradient_edge(o) if isinstance(o, Tensor) and o.requires_grad else None
+        _edge(o) if isinstance(o, Tensor) and o.requires_grad else None
         for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
     ]
     if not params.tensors and module_of(model) is None:
@@ -423,6 +430,22 @@ def autograd_forward(
         _check_no_captured_leaves(roots, [*inputs.values(), *arguments])
     aliased = wrt_params is not params.tensors
     return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs), aliased)
+
+
+# Nodes of Python autograd.Functions, whose edges need the ownership token that
+# get_gradient_edge makes (the Python object alone does not keep their graph alive).
+_PYTHON_NODE: tuple[type, ...] = tuple(
+    t for t in [getattr(torch._C, "_FunctionBase", None)] if isinstance(t, type)
+)
+
+
+def _edge(t: Tensor) -> GradientEdge:
+    """``get_gradient_edge(t)``, without its checks and ownership token where a C++ node (the
+    usual case) needs neither."""
+    node = t.grad_fn
+    if node is None or not _PYTHON_NODE or isinstance(node, _PYTHON_NODE):
+        return get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
 
 
 class GraphPullback:
