@@ -51,8 +51,8 @@ from ._engines import (
 )
 from ._errors import ParsumError
 from ._fused import StepInBackward
-from ._grads import FlatWrites, engine_runs, has_flat_grads
-from ._sparse import GradSum, add_grad, coalesce_later, has_user_hooks, merge_grads
+from ._grads import FlatWrites, engine_runs_all, has_flat_grads
+from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, CompensatedAccumulator
 
 # Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
@@ -446,16 +446,6 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 # sum is involved. A failed backward sets those ``.grad`` back to None, what they were.
 
 
-def _accumulates_plainly(p: Tensor) -> bool:
-    """A parameter whose ``.grad`` is None and that has no hook of the user's: its gradient may
-    go straight into ``.grad`` (NOTE [ Accumulating in the pullback ])."""
-    return (
-        p.grad is None
-        and not has_user_hooks(p)
-        and not getattr(p, "_post_accumulate_grad_hooks", None)
-    )
-
-
 def _graph_pullback(plan: SumPlan, u: int, pullback: UnitPullback | None) -> GraphPullback | None:
     """The model's own autograd graph pullback, if the unit is one model pulled back by the
     "autograd" engine whose parameters no other entry uses (NOTE [ One engine call per
@@ -628,7 +618,7 @@ class _Backward:
             _at_end_of_backward(self.sib._stepped.clear)
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
-        self.accumulates = [engine_runs(node) for node, _ in ctx.next_functions[first_param:]]
+        self.accumulates = engine_runs_all([node for node, _ in ctx.next_functions[first_param:]])
         # Gradients that step_in_backward consumes never reach .grad, FlatGrad or not.
         stepping = {
             s
@@ -643,15 +633,20 @@ class _Backward:
             else None
         )
         self.stepped: list[int] = []
-        # NOTE [ Accumulating in the pullback ]
+        # NOTE [ Accumulating in the pullback ] (per parameter on every call: plain reads)
+        plainly = not ctx.create_graph
         self.direct = [
             acc
-            and not ctx.create_graph
-            and not plan.shared[k]
-            and (self.flat is None or k not in self.flat)
-            and _accumulates_plainly(p)
-            for k, (p, acc) in enumerate(zip(plan.params, to_grad))
+            and plainly
+            and not shared
+            and p.grad is None
+            and p._backward_hooks is None
+            and p._post_accumulate_grad_hooks is None
+            for p, acc, shared in zip(plan.params, to_grad, plan.shared)
         ]
+        if self.flat is not None:
+            flat = self.flat
+            self.direct = [d and k not in flat for k, d in enumerate(self.direct)]
         self.shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
         self.one_call = False
         self.all_chunks: Batched | None = None

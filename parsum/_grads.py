@@ -330,6 +330,17 @@ def engine_runs(node: Any) -> bool:
         return False
 
 
+def engine_runs_all(nodes: Sequence[Any]) -> list[bool]:
+    """``engine_runs`` of every node, in one C loop where none raises (the usual case)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is not None and None not in nodes:
+        try:
+            return list(map(bool, map(will_execute, nodes)))
+        except RuntimeError:  # some node is captured, not run: ask node by node
+            pass
+    return [engine_runs(node) for node in nodes]
+
+
 def has_flat_grads(params: Sequence[Tensor]) -> bool:
     """Whether any of ``params`` has a slot in a FlatGrad."""
     return bool(_owners) and any(owner_of(p) is not None for p in params)
