@@ -102,10 +102,9 @@ class ThreadState:
     Grad mode, inference mode and autocast; ``parsum.config`` (a model that calls sum_models
     itself must get the caller's settings in any thread, or its bits would depend on n_jobs);
     the default device (``torch.set_default_device``, ``with torch.device(...)``), which
-    tensors a model creates land on. With CUDA in use, the
-    current device and its current stream: a helper on another stream than the caller's would
-    read inputs before the caller's stream wrote them, and the caller would read outputs
-    before they were written. (Saved-tensor hooks are not carried: under them a call stays in
+    tensors a model creates land on. With CUDA in use, the current device and its current
+    stream: a helper on another stream than the caller's would read inputs before the
+    caller's stream wrote them, and the caller would read outputs before they were written. (Saved-tensor hooks are not carried: under them a call stays in
     the calling thread, NOTE [ Saved-tensor hooks ].)
     """
 
