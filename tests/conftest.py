@@ -1,4 +1,5 @@
 import faulthandler
+import os
 import sys
 
 import pytest
@@ -10,8 +11,16 @@ from parsum import _config
 faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
+# PARSUM_TEST_CORES=16 runs every test as on a machine with 16 usable cores (parsum's view of the
+# machine and the thread budget), to check on a small machine that the suite passes on a big one.
+_SIMULATED_CORES = int(os.environ.get("PARSUM_TEST_CORES", "0"))
+
+
 @pytest.fixture(autouse=True)
-def _fresh_seed_and_threads():
+def _fresh_seed_and_threads(monkeypatch):
+    if _SIMULATED_CORES:
+        monkeypatch.setattr(_config, "usable_cores", lambda: _SIMULATED_CORES)
+        torch.set_num_threads(_SIMULATED_CORES)
     threads = torch.get_num_threads()
     torch.manual_seed(1234)
     yield
