@@ -104,8 +104,9 @@ class ThreadState:
     the default device (``torch.set_default_device``, ``with torch.device(...)``), which
     tensors a model creates land on. With CUDA in use, the current device and its current
     stream: a helper on another stream than the caller's would read inputs before the
-    caller's stream wrote them, and the caller would read outputs before they were written. (Saved-tensor hooks are not carried: under them a call stays in
-    the calling thread, NOTE [ Saved-tensor hooks ].)
+    caller's stream wrote them, and the caller would read outputs before they were written.
+    (Saved-tensor hooks are not carried: under them a call stays in the calling thread, NOTE
+    [ Saved-tensor hooks ].)
     """
 
     grad_enabled: bool
