@@ -73,6 +73,12 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 32
         desc = f"64 identical MLPs, width 32, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 16), identical=True)
+    if name == "identical-medium":
+        # Where vmap loses to the plain loop: auto must not stack these.
+        models = [mlp(64, 256, 2, 10) for _ in range(16)]
+        b = batch or 256
+        desc = f"16 identical MLPs, width 256, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64), identical=True)
     if name == "large":
         models = [mlp(256, 1024, 2, 64) for _ in range(4)]
         b = batch or 512
@@ -98,6 +104,7 @@ WORKLOADS = (
     "heterogeneous-medium",
     "heterogeneous-tiny",
     "identical-tiny",
+    "identical-medium",
     "large",
     "cnn-ensemble",
 )
