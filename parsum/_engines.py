@@ -310,7 +310,7 @@ def _updates_buffers_in_forward(module: nn.Module) -> bool:
 
 
 # The attributes every nn.Module has (vars of a new one).
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 @functools.cache
@@ -328,7 +328,7 @@ def _loose_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     # The attributes every nn.Module has are skipped in C; what is left are its own.
     return [
         (name, value)
-        for name in sorted(attributes.keys() - _MODULE_INTERNALS)
+        for name in sorted(attributes.keys() - MODULE_INTERNALS)
         if isinstance(value := attributes[name], Tensor) and value.requires_grad and value.is_leaf
     ]
 

@@ -20,8 +20,7 @@
 # copying every buffer of a module in training mode on every call made 8 small models with a
 # 1024 x 1024 mask buffer each run at 0.13x the plain loop (``bench_overhead.py --only
 # buffers``; 0.60x without the copies). A custom module that updates a buffer in forward
-# therefore keeps the update of a failed call, as
-# it does in the plain loop.
+# therefore keeps the update of a failed call, as it does in the plain loop.
 """
 
 from __future__ import annotations
@@ -449,7 +448,7 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 def _graph_pullback(plan: SumPlan, u: int, pullback: UnitPullback | None) -> GraphPullback | None:
     """The model's own autograd graph pullback, if the unit is one model pulled back by the
     "autograd" engine whose parameters no other entry uses (NOTE [ One engine call per
-    chunk ]), reading none of them through an alias."""
+    chunk ])."""
     if not isinstance(pullback, SinglePullback) or not isinstance(pullback.inner, GraphPullback):
         return None
     slots = plan.param_slots[plan.units[u].models[0]]

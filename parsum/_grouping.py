@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ._engines import VMAP_FAILED, ModelParams, Unit
+from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit
 from ._sparse import any_sampled, sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
@@ -329,16 +329,12 @@ def structure_key(mp: ModelParams) -> Hashable | None:
             or (attributes["training"] and attributes["_buffers"])
         ):
             return None
-        own = attributes.keys() - _INTERNAL
+        own = attributes.keys() - MODULE_INTERNALS  # a module's own settings
         config = tuple([(k, _value_key(attributes[k])) for k in sorted(own)]) if own else ()
         parts.append((type(module), attributes["training"], tuple(attributes["_modules"]), config))
     parts.append(tuple([_tensor_key(n, p) for n, p in zip(mp.names, mp.tensors)]))
     parts.append(tuple([_tensor_key(n, t) for n, t in zip(mp.state_names, mp.state)]))
     return tuple(parts)
-
-
-# The attributes every nn.Module has; what is left are a module's own settings.
-_INTERNAL = frozenset(vars(nn.Module()))
 
 
 def _tensor_key(name: str, t: Tensor) -> Hashable:

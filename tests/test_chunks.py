@@ -90,11 +90,9 @@ def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkey
     assert len(seen) == 1
 
 
-@pytest.mark.parametrize("n_cores", [1, 2, 4, 16])
-def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, monkeypatch):
-    # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
-    # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
-    cores(n_cores)
+@pytest.fixture
+def jobs_run(monkeypatch):
+    """(chunks, workers) of every job the pool runs, in order."""
     seen = []
     run_ordered = _pool.run_ordered
 
@@ -103,16 +101,24 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, m
         run_ordered(task, n_tasks, n_workers, consume)
 
     monkeypatch.setattr(_pool, "run_ordered", spy)
+    return seen
+
+
+@pytest.mark.parametrize("n_cores", [1, 2, 4, 16])
+def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, jobs_run):
+    # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
+    # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
+    cores(n_cores)
     models = [mlp([256, 256]) for _ in range(8)]
     x = torch.randn(64, IN)
     parsum.sum_models(models, x)
-    chunks, workers = seen[-1]
+    chunks, workers = jobs_run[-1]
     if n_cores <= 2:
         assert (chunks, workers) == (1, min(n_cores, useful_workers_of(models, x)))
     else:
         assert chunks == len(models) and 1 < workers <= n_cores
     parsum.sum_models(models, x, n_jobs=2)  # an explicit n_jobs: chunks as always
-    assert seen[-1] == (len(models), 2)
+    assert jobs_run[-1] == (len(models), 2)
 
 
 def useful_workers_of(models, x):
@@ -171,20 +177,12 @@ def test_convolutions_count_once_per_position_of_their_input():
     assert estimated_cost(strided, batch) < estimated_cost(params[0], batch)
 
 
-def test_the_default_runs_device_models_in_the_calling_thread(cores, monkeypatch):
+def test_the_default_runs_device_models_in_the_calling_thread(cores, jobs_run):
     # On a GPU a model's CPU time is kernel launches: auto with n_jobs unset keeps one chunk in
     # the calling thread, whatever the budget. The meta device stands in for one here.
     cores(16)
-    seen = []
-    run_ordered = _pool.run_ordered
-
-    def spy(task, n_tasks, n_workers, consume):
-        seen.append((n_tasks, n_workers))
-        run_ordered(task, n_tasks, n_workers, consume)
-
-    monkeypatch.setattr(_pool, "run_ordered", spy)
     models = [mlp([256, 256]).to("meta") for _ in range(8)]
     with torch.no_grad():
         y = parsum.sum_models(models, torch.empty(64, IN, device="meta"))
     assert y.device.type == "meta"
-    assert seen[-1] == (1, 1)
+    assert jobs_run[-1] == (1, 1)

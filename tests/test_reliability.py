@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, TwoHeads, clone_models, doubling_hook, param_grads, plain_sum
+from tests.zoo import IN, OUT, Probe, TwoHeads, clone_models, doubling_hook, param_grads, plain_sum
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -349,24 +349,15 @@ def test_a_step_in_backward_and_its_models_are_freed():
     assert [r() for r in refs] == [None, None]
 
 
-class _SeesConfig(nn.Module):
-    """Records the parsum.config its forward runs under, in whichever thread runs it."""
-
-    def __init__(self, seen):
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-        self.seen = seen
-
-    def forward(self, x):
-        self.seen.append(parsum._config.current_settings())
-        time.sleep(0.01)  # long enough for a helper to take a chunk
-        return self.lin(x)
-
-
 def test_helpers_run_under_the_callers_config():
     # A nested call in a helper used the helper's own (default) settings.
     seen = []
-    models = [_SeesConfig(seen) for _ in range(4)]
+
+    def record():
+        seen.append(parsum._config.current_settings())
+        time.sleep(0.01)  # long enough for a helper to take a chunk
+
+    models = [Probe(record) for _ in range(4)]
     with parsum.config(chunk_size=3, engine="autograd"):
         parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
         expected = parsum._config.current_settings()
