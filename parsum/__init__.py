@@ -9,6 +9,7 @@ from ._fused import StepInBackward
 from ._grads import FlatGrad
 from ._module import SumOfModels
 from ._sparse import take_rows
+from ._stack import Stack, stack_
 from ._summation import compensated_sum
 
 __version__ = "0.1.0"
@@ -21,6 +22,8 @@ __all__ = [
     "FlatGrad",
     "StepInBackward",
     "take_rows",
+    "stack_",
+    "Stack",
     # lower level
     "ParallelSum",
     "compensated_sum",

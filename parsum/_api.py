@@ -15,9 +15,11 @@ from torch.utils import _pytree as pytree
 from . import _config, _pool
 from ._engines import CallArgs, ModelParams, module_of
 from ._errors import ParsumError
-from ._function import ParallelSum, SumPlan, run_forward
+from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grouping import (
+    AUTO_STACK_MAX_PARAM_ROWS,
+    AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
     chunks_of,
@@ -25,6 +27,7 @@ from ._grouping import (
     useful_workers,
 )
 from ._sparse import has_user_hooks
+from ._stack import StackedForwardFailed, stack_for, stacked_sum
 
 _WHERE = "sum_models"
 
@@ -121,6 +124,42 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
+    if engine in ("auto", "stacked") and step_in_backward is None and not reports_failures():
+        stack = stack_for(models)
+        if stack is not None:  # NOTE [ Stacked storage ] in _stack
+            limit = AUTO_STACK_MAX_PARAM_ROWS if engine == "auto" else None
+            if engine == "stacked" or len(models) >= AUTO_STACK_MIN_MODELS:
+                try:
+                    out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
+                except StackedForwardFailed as failed:
+                    # One by one: raises naming the model if the call itself is bad; if it
+                    # succeeds, the batched forward is what failed, and is not tried again.
+                    out = _general_sum(
+                        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
+                        chunk_size, None,
+                    )  # fmt: skip
+                    stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
+                    return out
+                if out is not None:
+                    return out
+    return _general_sum(
+        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine, chunk_size,
+        step_in_backward,
+    )  # fmt: skip
+
+
+def _general_sum(
+    models: list[Callable[..., Any]],
+    call: CallArgs,
+    weight_list: list[float] | None,
+    weight_tensor: Tensor | None,
+    n_jobs: int | None,
+    n_workers: int,
+    engine: str,
+    chunk_size: int | None,
+    step_in_backward: StepInBackward | None,
+) -> Any:
+    """``sum_models`` through ``ParallelSum``, for any models, once the arguments are checked."""
     tensors = [call.leaves[j] for j in call.tensor_positions]
     model_params = [ModelParams.of(m) for m in models]
     _check_initialized(models, model_params)

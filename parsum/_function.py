@@ -351,6 +351,11 @@ def announcing_backward_failures(hook: Callable[[], object] | None) -> Iterator[
         _announcer.hook = saved
 
 
+def reports_failures() -> bool:
+    """Whether this thread is inside ``announcing_backward_failures`` with a hook."""
+    return _announcer.hook is not None
+
+
 # NOTE [ Device threads ]
 # PyTorch's autograd engine runs the backward nodes of CUDA tensors on one thread per device,
 # and picks a node's thread by the device of its incoming gradients. A pullback started from a

@@ -1,0 +1,423 @@
+"""parsum.stack_: identical models whose parameters live in stacked storage.
+
+Every result is compared with the plain loop over deep copies that were never stacked, and the
+models must stay ordinary modules: optimizers, state_dict, deepcopy, torch.save.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.zoo import IN, OUT, mlp, param_grads, plain_sum
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class TwoLayer(nn.Module):
+    """Not a Sequential: runs through vmap, not the batched matmuls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN, 5)
+        self.b = nn.Linear(5, OUT)
+        self.scale = nn.Parameter(torch.tensor(0.5), requires_grad=False)  # frozen: state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+def members(kind: str = "mlp", n: int = 10, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return [mlp([8, 7], nn.LeakyReLU).to(dtype) for _ in range(n)]
+    return [TwoLayer().to(dtype) for _ in range(n)]
+
+
+def stacked_and_plain(kind: str = "mlp", n: int = 10, dtype=torch.float32):
+    models = members(kind, n, dtype)
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    return models, plain, stack
+
+
+def runs_stacked(y: torch.Tensor) -> bool:
+    """Whether a result came from the stacked path rather than ParallelSum."""
+    return "ParallelSum" not in type(y.grad_fn).__name__
+
+
+def assert_grads_close(models, plain, atol=1e-6) -> None:
+    for g, h in zip(param_grads(models), param_grads(plain)):
+        assert (g is None) == (h is None)
+        if g is not None:
+            torch.testing.assert_close(g, h, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "two-layer"])
+def test_storage_is_shared_and_models_stay_leaves(kind):
+    models, plain, stack = stacked_and_plain(kind)
+    p = models[3].get_parameter("a.weight" if kind != "mlp" else "0.weight")
+    name = "a.weight" if kind != "mlp" else "0.weight"
+    assert p.is_leaf and isinstance(p, nn.Parameter)
+    assert p.data_ptr() == stack.values[name][3].data_ptr()
+    for m, q in zip(models, plain):
+        for a, b in zip(m.state_dict().values(), q.state_dict().values()):
+            assert torch.equal(a, b)
+    with torch.no_grad():
+        stack.values[name][3].add_(1.0)  # writing the stack writes the model
+    assert torch.equal(p, plain[3].get_parameter(name) + 1.0)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "two-layer"])
+def test_sum_and_gradients_equal_the_plain_loop(kind):
+    models, plain, _ = stacked_and_plain(kind)
+    x = torch.randn(16, IN, requires_grad=True)
+    xp = x.detach().clone().requires_grad_()
+    y = parsum.sum_models(models, x)
+    assert runs_stacked(y)
+    yp = plain_sum(plain, xp)
+    torch.testing.assert_close(y, yp, atol=1e-6, rtol=1e-5)
+    y.pow(2).sum().backward()
+    yp.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, xp.grad, atol=1e-6, rtol=1e-5)
+    assert_grads_close(models, plain)
+
+
+def test_sum_is_closer_to_float64_than_the_plain_float32_sum():
+    models, plain, _ = stacked_and_plain(n=64)
+    exact = copy.deepcopy(plain)
+    for m in exact:
+        m.double()
+    x = torch.randn(64, IN)
+    y = parsum.sum_models(models, x)
+    truth = plain_sum(exact, x.double())
+    assert (y.double() - truth).abs().max() <= (plain_sum(plain, x).double() - truth).abs().max()
+
+
+def test_weights_as_floats_and_as_a_tensor_that_requires_grad():
+    models, plain, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    w = torch.linspace(-1, 1, len(models), requires_grad=True)
+    wp = w.detach().clone().requires_grad_()
+    y = parsum.sum_models(models, x, weights=w)
+    assert runs_stacked(y)
+    yp = plain_sum(plain, x, weights=wp)
+    torch.testing.assert_close(y, yp, atol=1e-6, rtol=1e-5)
+    y.sum().backward()
+    yp.sum().backward()
+    torch.testing.assert_close(w.grad, wp.grad, atol=1e-5, rtol=1e-5)
+    assert_grads_close(models, plain)
+    floats = [0.5] * len(models)
+    torch.testing.assert_close(
+        parsum.sum_models(models, x, weights=floats), plain_sum(plain, x, weights=floats)
+    )
+
+
+@pytest.mark.parametrize("kind", ["mlp", "two-layer"])
+def test_gradcheck_float64(kind):
+    models, _, _ = stacked_and_plain(kind, n=4, dtype=torch.float64)
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: parsum.sum_models(models, x, weights=w), (x, w))
+
+
+def test_gradients_accumulate_and_zero_grad_starts_over():
+    models, plain, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    for _ in range(2):  # without zeroing: accumulated, as autograd does
+        parsum.sum_models(models, x).sum().backward()
+        plain_sum(plain, x).sum().backward()
+    assert_grads_close(models, plain)
+    for m, q in zip(models, plain):
+        m.zero_grad()
+        q.zero_grad()
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(plain, x).pow(2).sum().backward()
+    assert_grads_close(models, plain)
+
+
+def test_a_gradient_kept_from_an_earlier_step_is_never_overwritten():
+    models, _, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    kept = []
+    for step in range(4):
+        for m in models:
+            m.zero_grad()
+        parsum.sum_models(models, x * (step + 1)).sum().backward()
+        if step == 0:
+            kept.append((models[2][0].weight.grad, models[2][0].weight.grad.clone()))
+        if step == 1:
+            slice_ = models[5][2].bias.grad[1:]
+            kept.append((slice_, slice_.clone()))
+    for held, value in kept:
+        assert torch.equal(held, value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=0.01),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
+    ],
+    ids=["sgd", "adam", "adam-foreach", "adamw-fused"],
+)
+def test_optimizers_over_the_models_own_parameters_train_as_plainly(make):
+    models, plain, stack = stacked_and_plain()
+    opt = make([p for m in models for p in m.parameters()])
+    opt_plain = make([p for m in plain for p in m.parameters()])
+    for _ in range(3):
+        x = torch.randn(8, IN)
+        for o, ms in ((opt, models), (opt_plain, plain)):
+            o.zero_grad()
+            y = parsum.sum_models(ms, x) if ms is models else plain_sum(ms, x)
+            y.pow(2).mean().backward()
+            o.step()
+    for m, q in zip(models, plain):
+        for a, b in zip(m.parameters(), q.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert models[0][0].weight.data_ptr() == stack.values["0.weight"][0].data_ptr()
+
+
+def test_state_dict_deepcopy_and_save_load():
+    models, _, stack = stacked_and_plain()
+    x = torch.randn(4, IN)
+    state = models[1].state_dict()
+    fresh = mlp([8, 7], nn.LeakyReLU)
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(x), models[1](x))
+    models[2].load_state_dict(fresh.state_dict())  # copies into the stack's slice
+    assert torch.equal(stack.values["0.weight"][2], fresh[0].weight)
+    twin = copy.deepcopy(models[0])
+    assert twin[0].weight.data_ptr() != models[0][0].weight.data_ptr()
+    buffer = io.BytesIO()
+    torch.save(models[3], buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), models[3](x))
+    y = parsum.sum_models(models, x)
+    assert runs_stacked(y)
+    torch.testing.assert_close(y, plain_sum(models, x))
+
+
+def replace_weight(models):
+    models[4][0].weight = nn.Parameter(torch.randn_like(models[4][0].weight))
+
+
+def freeze_one(models):
+    models[4][0].weight.requires_grad_(False)
+
+
+def one_to_double(models):
+    models[4].double()
+
+
+def assign_state(models):
+    new = {k: torch.randn_like(v) for k, v in models[4].state_dict().items()}
+    models[4].load_state_dict(new, assign=True)
+
+
+def one_to_eval_with_dropout(models):
+    for m in models:
+        m.append(nn.Dropout(0.5))
+    models[4].eval()
+
+
+def slope_of_one(models):
+    models[4][1].negative_slope = 0.3
+
+
+def forward_hook_on_one(models):
+    models[4].register_forward_hook(lambda m, args, out: out * 2)
+
+
+def gradient_hook_on_one(models):
+    models[4][0].weight.register_hook(lambda g: g * 3)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        replace_weight,
+        freeze_one,
+        one_to_double,
+        assign_state,
+        one_to_eval_with_dropout,
+        slope_of_one,
+        forward_hook_on_one,
+        gradient_hook_on_one,
+    ],
+)
+def test_a_change_after_stacking_is_noticed_and_stays_correct(change):
+    models, _, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()  # a stacked call first
+    for m in models:
+        m.zero_grad()
+    plain = copy.deepcopy(models)
+    for ms in (models, plain):
+        torch.manual_seed(5)
+        change(ms)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-by-one warning, where the models differ
+        if change is one_to_double:
+            with pytest.raises(parsum.ParsumError):  # model 4 cannot take float32 input, as plainly
+                parsum.sum_models(models, x)
+            return
+        torch.manual_seed(0)
+        y = parsum.sum_models(models, x)
+    torch.manual_seed(0)
+    yp = plain_sum(plain, x)
+    if change is not one_to_eval_with_dropout:  # random masks drawn in another order
+        torch.testing.assert_close(y, yp, atol=1e-5, rtol=1e-5)
+        y.pow(2).sum().backward()
+        yp.pow(2).sum().backward()
+        assert_grads_close(models, plain, atol=1e-5)
+
+
+def test_models_that_differ_now_run_one_by_one_with_a_warning_once():
+    models, _, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    slope_of_one(models)
+    with pytest.warns(UserWarning, match="one by one"):
+        y = parsum.sum_models(models, x)
+    assert not runs_stacked(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parsum.sum_models(models, x)  # said once
+
+
+def test_a_change_made_to_every_model_restacks_silently():
+    models, _, stack = stacked_and_plain()
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x)
+    for m in models:
+        m.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = parsum.sum_models(models, x.double())
+    assert runs_stacked(y) and y.dtype == torch.float64
+    assert stack.values["0.weight"].dtype == torch.float64
+    assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
+
+
+def test_unstack_gives_each_model_its_storage_back():
+    models, plain, stack = stacked_and_plain()
+    stack.unstack_()
+    x = torch.randn(8, IN)
+    with torch.no_grad():
+        models[0][0].weight.add_(1.0)
+        plain[0][0].weight.add_(1.0)
+    y = parsum.sum_models(models, x)
+    assert not runs_stacked(y)
+    torch.testing.assert_close(y, plain_sum(plain, x))
+
+
+def test_bad_input_raises_naming_a_model_and_changes_nothing():
+    models, _, _ = stacked_and_plain()
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\)"):
+        parsum.sum_models(models, torch.randn(8, IN + 1)).sum().backward()
+    assert all(g is None for g in param_grads(models))
+    y = parsum.sum_models(models, torch.randn(8, IN))
+    assert runs_stacked(y)  # a bad call does not give the stack up
+
+
+def test_bitwise_identical_for_any_n_jobs_and_grad_of_inputs_only():
+    models, _, _ = stacked_and_plain()
+    x = torch.randn(8, IN, requires_grad=True)
+    ys = [parsum.sum_models(models, x, n_jobs=n) for n in (1, 2, 4, None)]
+    assert all(torch.equal(ys[0], y) for y in ys)
+    (gx,) = torch.autograd.grad(ys[0].sum(), x)
+    assert gx.shape == x.shape
+    assert all(g is None for g in param_grads(models))  # as autograd.grad leaves .grad alone
+
+
+def test_auto_does_not_stack_large_models_and_engine_stacked_does():
+    torch.manual_seed(0)
+    models = [mlp([512, 512]) for _ in range(8)]
+    parsum.stack_(models)
+    x = torch.randn(512, IN)
+    assert not runs_stacked(parsum.sum_models(models, x))
+    assert runs_stacked(parsum.sum_models(models, x, engine="stacked"))
+    assert not runs_stacked(parsum.sum_models(models, x, engine="autograd"))
+
+
+def test_under_no_grad_nothing_is_recorded():
+    models, plain, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    with torch.no_grad():
+        y = parsum.sum_models(models, x)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, plain_sum(plain, x))
+
+
+def test_concurrent_callers_on_one_stack():
+    models, plain, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                parsum.sum_models(models, x).sum().backward()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert not errors and not any(t.is_alive() for t in threads)
+    plain_sum(plain, x).sum().backward()
+    for g, h in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(g, 60 * h, atol=1e-4, rtol=1e-4)
+
+
+def test_repeated_calls_leave_nothing_behind():
+    import gc
+    import weakref
+
+    models, _, stack = stacked_and_plain()
+    x = torch.randn(8, IN)
+    for _ in range(5):
+        parsum.sum_models(models, x).sum().backward()
+    ref = weakref.ref(stack)
+    del stack, models
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize(
+    ("models", "match"),
+    [
+        (lambda: [mlp([8])], "at least two"),
+        (lambda: [mlp([8]), mlp([9])], r"models\[1\].*differs"),
+        (lambda: [mlp([8]), "x"], r"models\[1\] is a str"),
+        (lambda: [nn.Linear(2, 2)] * 2, r"models\[1\].*shares"),
+        (lambda: [nn.BatchNorm1d(3), nn.BatchNorm1d(3)], r"models\[0\].*training mode"),
+    ],
+)
+def test_stack_refuses_models_it_cannot_stack(models, match):
+    ms = models()
+    before = [p.data_ptr() for m in ms if isinstance(m, nn.Module) for p in m.parameters()]
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.stack_(ms)
+    after = [p.data_ptr() for m in ms if isinstance(m, nn.Module) for p in m.parameters()]
+    assert before == after
+
+
+def test_a_stack_is_a_sequence_of_its_models():
+    models, _, stack = stacked_and_plain()
+    assert len(stack) == len(models) and stack[2] is models[2] and list(stack) == models
+    x = torch.randn(4, IN)
+    assert runs_stacked(parsum.sum_models(stack, x))
+    assert "Stack(10 x Sequential" in repr(stack)
