@@ -5,7 +5,11 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
   plain          the plain loop, PyTorch's default intra-op threads
   plain-1t       the plain loop with 1 intra-op thread
   vmap           torch.func.stack_module_state + vmap (identical models only; its stacked
-                 parameters are the leaves, so the models' own .grad stay empty)
+                 parameters are the leaves, so the models' own .grad stay empty). For identical
+                 models parsum's methods run them in stacked storage (parsum.stack_), and three
+                 training steps with Adam are timed too: vmap+adam (Adam over vmap's stacked
+                 leaves), parsum+adam (Adam over stack.parameters(), the models' own storage)
+                 and parsum+adam own (Adam over every model's parameters, one by one)
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
@@ -41,6 +45,7 @@ from common import (
     ProcessSplit,
     interleaved,
     one_thread,
+    parsum_adam_step,
     parsum_step,
     plain_step,
     vmap_step,
@@ -70,6 +75,19 @@ def methods_for(
     if w.identical:
         step = vmap_step(models)
         methods["vmap"] = lambda: step(x)
+        # parsum keeps identical models in stacked storage (parsum.stack_); a training step
+        # with Adam: vmap's over its stacked leaves, parsum's over the stack's tensors (which
+        # are the models' own parameters) and over every model's parameters one by one.
+        stack = parsum.stack_(models)
+        adam_steps = {
+            "vmap+adam": vmap_step(models, adam=True),
+            "parsum+adam": parsum_adam_step(models, list(stack.parameters())),
+            "parsum+adam own": parsum_adam_step(
+                models, [p for m in models for p in m.parameters()]
+            ),
+        }
+        for key, fn in adam_steps.items():
+            methods[key] = lambda fn=fn: fn(x)
     methods["parsum default"] = lambda: parsum_step(models, x)
     for p in jobs:
         if p > 1 and device == "cpu":
@@ -119,6 +137,13 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
     if "vmap" in medians:
         line += f"; vmap {medians['vmap'] / ours:.2f}x"
     print(line)
+    if "vmap+adam" in medians:
+        vmap_adam = medians["vmap+adam"]
+        stacked, own = medians["parsum+adam"], medians["parsum+adam own"]
+        print(
+            f"  with an Adam step, against vmap+adam: parsum+adam {vmap_adam / stacked:.2f}x, "
+            f"parsum+adam own {vmap_adam / own:.2f}x"
+        )
     return {"workload": name, "description": description, "seconds": medians}
 
 

@@ -27,7 +27,7 @@ from ._grouping import (
     useful_workers,
 )
 from ._sparse import has_user_hooks
-from ._stack import StackedForwardFailed, stack_for, stacked_sum
+from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
 
 _WHERE = "sum_models"
 
@@ -139,6 +139,13 @@ def sum_models(
                         chunk_size, None,
                     )  # fmt: skip
                     stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
+                    return out
+                if out is TOO_LARGE:
+                    out = _general_sum(
+                        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
+                        chunk_size, None,
+                    )  # fmt: skip
+                    stack.attach_at_backward(out)
                     return out
                 if out is not None:
                     return out

@@ -180,6 +180,10 @@ class Stack(Sequence[nn.Module]):
                 values[name] = torch.stack([info.tensors[t].detach() for info in infos])
             for t, name in enumerate(first.state_names):
                 values[name] = torch.stack([info.state[t].detach() for info in infos])
+        for name, new in values.items():
+            old = self.values.get(name)
+            if old is not None:  # the same object: an optimizer over parameters() holds it
+                old.data, old.grad, values[name] = new, None, old
         for k, info in enumerate(infos):
             for name, p in zip(first.names, info.tensors):
                 p.data = values[name][k]
@@ -232,8 +236,24 @@ class Stack(Sequence[nn.Module]):
         self._trainable_tensors = [t for info in infos for t in info.tensors]
         self._numel = sum(t.numel() for t in infos[0].tensors)
 
+    def parameters(self) -> Iterator[Tensor]:
+        """The stacked tensors of the trainable parameters, for one optimizer that steps every
+        model at once: after each backward their ``.grad`` holds the models' gradients
+        (each model's ``.grad`` is a view of it), and stepping them steps the models.
+
+        >>> import torch, parsum
+        >>> models = [torch.nn.Linear(3, 1) for _ in range(8)]
+        >>> stack = parsum.stack_(models)
+        >>> opt = torch.optim.Adam(stack.parameters(), lr=0.01)   # 2 tensors, not 16
+        >>> opt.zero_grad()
+        >>> parsum.sum_models(models, torch.ones(4, 3)).sum().backward()
+        >>> opt.step()
+        """
+        return iter([self.values[name] for name in self._trainable])
+
     def unstack_(self) -> None:
-        """Give every model its own storage again (a copy of its slice) and forget the stack."""
+        """Give every model its own storage again (a copy of its slice) and forget the stack;
+        an optimizer over ``parameters()`` no longer reaches the models."""
         with self._lock, torch.no_grad():
             for t in self._tensors:
                 t.data = t.data.clone()
@@ -289,6 +309,7 @@ class Stack(Sequence[nn.Module]):
         """Run these models one by one from now on, saying why once."""
         with self._lock:
             self._broken = reason
+            self._forget_gradients()
         self._warn(reason)
 
     def _warn(self, reason: str) -> None:
@@ -296,22 +317,26 @@ class Stack(Sequence[nn.Module]):
             self._warned.add(reason)
             warnings.warn(
                 f"parsum: the stacked models run one by one (slower) because {reason}; "
-                "call parsum.stack_(models) again once they are identical",
+                "an optimizer over stack.parameters() gets no gradient until parsum.stack_ "
+                "is called again on identical models",
                 stacklevel=4,
             )
 
     # -- gradients -----------------------------------------------------------------------
     def _deliver(self, name: str, grad: Tensor) -> None:
-        """Hand a stacked gradient to the models' ``.grad`` (NOTE [ Gradient buffers ])."""
-        params = self._params[name]
+        """Hand a stacked gradient to the models' ``.grad``, and to the stacked tensor's
+        ``.grad`` while it holds them all (NOTE [ Gradient buffers ])."""
+        params, stacked = self._params[name], self.values[name]
         current = list(map(_grad_of, params))
         views = self._grad_views.get(name)
         if grad.requires_grad:  # create_graph: differentiable, fresh views
             for p, g, v in zip(params, current, grad.unbind(0)):
                 p.grad = v if g is None else g + v
+            stacked.grad = None
             return
         if all(map(operator.is_, current, _nones(len(params)))):
             buffer = self._grad_buffers.get(name)
+            stacked.grad = None
             if buffer is not None and views is not None and _unobserved(buffer, views):
                 buffer.copy_(grad)
             else:
@@ -319,14 +344,65 @@ class Stack(Sequence[nn.Module]):
                 self._grad_buffers[name], self._grad_views[name] = buffer, views
             for p, v in zip(params, views):
                 p.grad = v
+            stacked.grad = buffer.view_as(buffer)  # a view: seen by the storage count
         elif views is not None and all(map(operator.is_, current, views)):
-            self._grad_buffers[name].add_(grad)
-        else:
+            buffer = self._grad_buffers[name]
+            if stacked.grad is None:  # zeroed by an optimizer over stack.parameters()
+                buffer.copy_(grad)
+                stacked.grad = buffer.view_as(buffer)
+            else:
+                buffer.add_(grad)
+        else:  # a .grad set by hand: model by model
+            stacked.grad = None
             for p, g, v in zip(params, current, grad.unbind(0)):
                 if g is None:
                     p.grad = v.clone()
                 else:
                     g.add_(v)
+
+    def attach_at_backward(self, out: Any) -> None:
+        """For models that ran one by one although the stack holds: when backward reaches
+        ``out``, first make every model's ``.grad`` a view of the stack's buffer where the
+        stacked gradient would have been (zeroed), so that the models' gradients accumulate
+        there in place and an optimizer over ``parameters()`` sees them."""
+        node = next((t.grad_fn for t in pytree.tree_leaves(out) if t.grad_fn is not None), None)
+        if node is not None:
+            me = weakref.ref(self)
+            node.register_prehook(lambda grad_outputs: _attach(me))
+
+    def _attach(self) -> None:
+        for name in self._trainable:
+            params, stacked = self._params[name], self.values[name]
+            current = list(map(_grad_of, params))
+            views = self._grad_views.get(name)
+            buffer = self._grad_buffers.get(name)
+            if all(map(operator.is_, current, _nones(len(params)))):
+                stacked.grad = None
+                if buffer is None or views is None or not _unobserved(buffer, views):
+                    buffer = torch.zeros_like(stacked)
+                    views = buffer.unbind(0)
+                    self._grad_buffers[name], self._grad_views[name] = buffer, views
+                else:
+                    buffer.zero_()
+                for p, v in zip(params, views):
+                    p.grad = v
+                stacked.grad = buffer.view_as(buffer)
+            elif (
+                buffer is not None and views is not None and all(map(operator.is_, current, views))
+            ):
+                if stacked.grad is None:  # zeroed by an optimizer over parameters()
+                    buffer.zero_()
+                    stacked.grad = buffer.view_as(buffer)
+            else:
+                stacked.grad = None
+
+    def _forget_gradients(self) -> None:
+        """No stacked ``.grad`` while the models run one by one: an optimizer over
+        ``parameters()`` must not step them with a gradient of an earlier call."""
+        for name in self._trainable:
+            stacked = self.values.get(name)
+            if stacked is not None:
+                stacked.grad = None
 
 
 def _unobserved(buffer: Tensor, views: tuple[Tensor, ...]) -> bool:
@@ -398,6 +474,11 @@ def stack_for(models: Sequence[Any]) -> Stack | None:
     return stack
 
 
+# What ``stacked_sum`` returns where ``auto`` finds the models too large for one batched
+# forward: they run one by one, into the stack's gradient buffers (``Stack.attach_at_backward``).
+TOO_LARGE = object()
+
+
 # Raised inside ``stacked_sum`` where the models' batched forward failed; the caller runs
 # them one by one, which names the model and tells a bad call from what vmap cannot run.
 class StackedForwardFailed(Exception):
@@ -411,9 +492,9 @@ def stacked_sum(
     weight_tensor: Tensor | None,
     max_param_rows: int | None,
 ) -> Any:
-    """The weighted sum of a stack's models' outputs, the models run as one batched forward,
-    or None when the stack cannot run as one now or ``auto`` finds the models too large to
-    pay (``max_param_rows``, parameters times batch rows; None: any size).
+    """The weighted sum of a stack's models' outputs, the models run as one batched forward;
+    None when the stack cannot run as one now, TOO_LARGE when ``auto`` finds the models too
+    large to pay (``max_param_rows``, parameters times batch rows; None: any size).
 
     Raises:
         StackedForwardFailed: the batched forward raised (chained).
@@ -422,10 +503,11 @@ def stacked_sum(
     with stack._lock:
         reason = stack._check()
         if reason is not None:
+            stack._forget_gradients()
             stack._warn(reason)
             return None
         if max_param_rows is not None and stack._numel * _rows(call) > max_param_rows:
-            return None
+            return TOO_LARGE
         values, program = stack.values, stack._program
         trainable = stack._trainable
     build_graph = torch.is_grad_enabled()
@@ -539,6 +621,13 @@ def _handle_count() -> int | None:
     """Hooks registered so far in this process, of every kind (module, tensor, global): every
     registration makes a ``RemovableHandle``, whose ids come from one counter."""
     return getattr(RemovableHandle, "next_id", None)
+
+
+def _attach(stack: weakref.ref[Stack]) -> None:
+    found = stack()
+    if found is not None:
+        with found._lock:
+            found._attach()
 
 
 class _Deliver:

@@ -144,7 +144,7 @@ def test_gradients_accumulate_and_zero_grad_starts_over():
 
 
 def test_a_gradient_kept_from_an_earlier_step_is_never_overwritten():
-    models, _, _ = stacked_and_plain()
+    models, _, stack = stacked_and_plain()
     x = torch.randn(8, IN)
     kept = []
     for step in range(4):
@@ -156,6 +156,9 @@ def test_a_gradient_kept_from_an_earlier_step_is_never_overwritten():
         if step == 1:
             slice_ = models[5][2].bias.grad[1:]
             kept.append((slice_, slice_.clone()))
+        if step == 2:
+            whole = stack.values["4.weight"].grad
+            kept.append((whole, whole.clone()))
     for held, value in kept:
         assert torch.equal(held, value)
 
@@ -185,6 +188,60 @@ def test_optimizers_over_the_models_own_parameters_train_as_plainly(make):
         for a, b in zip(m.parameters(), q.parameters()):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert models[0][0].weight.data_ptr() == stack.values["0.weight"][0].data_ptr()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_optimizer_over_the_stack_trains_as_one_over_every_parameter(fused):
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.Adam(stack.parameters(), lr=0.01, fused=fused)
+    opt_plain = torch.optim.Adam([p for m in plain for p in m.parameters()], lr=0.01)
+    for step in range(4):
+        x = torch.randn(8, IN)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        opt_plain.zero_grad()
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain)
+        torch.testing.assert_close(stack.values["0.weight"].grad[3], plain[3][0].weight.grad)
+        opt.step()
+        opt_plain.step()
+    for m, q in zip(models, plain):
+        for a, b in zip(m.parameters(), q.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
+    torch.manual_seed(0)
+    models = [mlp([256, 256]) for _ in range(8)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(1024, IN)
+        opt.zero_grad(set_to_none=step != 1)
+        opt_plain.zero_grad()
+        y = parsum.sum_models(models, x)
+        assert not runs_stacked(y)  # auto runs them one by one
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain, atol=1e-5)
+        opt.step()
+        opt_plain.step()
+    for m, q in zip(models, plain):
+        for a, b in zip(m.parameters(), q.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_models_that_run_one_by_one_leave_no_stacked_gradient():
+    models, _, stack = stacked_and_plain()
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()
+    assert stack.values["0.weight"].grad is not None
+    slope_of_one(models)
+    with pytest.warns(UserWarning, match="stack.parameters"):
+        parsum.sum_models(models, x).sum().backward()
+    assert stack.values["0.weight"].grad is None  # an optimizer over the stack skips them
 
 
 def test_state_dict_deepcopy_and_save_load():
