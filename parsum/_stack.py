@@ -148,6 +148,8 @@ class Stack(Sequence[nn.Module]):
         self._place()
         for model in models:
             _stack_of[model] = self
+            if not any(h is _own_storage for h in model._state_dict_hooks.values()):
+                model.register_state_dict_post_hook(_own_storage)
 
     # -- a sequence of models ------------------------------------------------------------
     @property
@@ -621,6 +623,14 @@ def _handle_count() -> int | None:
     """Hooks registered so far in this process, of every kind (module, tensor, global): every
     registration makes a ``RemovableHandle``, whose ids come from one counter."""
     return getattr(RemovableHandle, "next_id", None)
+
+
+def _own_storage(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """A stacked model's state_dict holds copies of its slices: ``torch.save`` writes a view's
+    whole storage, so one model's checkpoint would otherwise hold every model's tensors."""
+    for key, value in state_dict.items():
+        if isinstance(value, Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+            state_dict[key] = value.clone()
 
 
 def _attach(stack: weakref.ref[Stack]) -> None:

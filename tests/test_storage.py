@@ -253,6 +253,11 @@ def test_state_dict_deepcopy_and_save_load():
     torch.testing.assert_close(fresh(x), models[1](x))
     models[2].load_state_dict(fresh.state_dict())  # copies into the stack's slice
     assert torch.equal(stack.values["0.weight"][2], fresh[0].weight)
+    saved = io.BytesIO()
+    torch.save(models[1].state_dict(), saved)
+    alone = io.BytesIO()
+    torch.save(fresh.state_dict(), alone)
+    assert len(saved.getvalue()) < 1.5 * len(alone.getvalue())  # not the whole stack
     twin = copy.deepcopy(models[0])
     assert twin[0].weight.data_ptr() != models[0][0].weight.data_ptr()
     buffer = io.BytesIO()
