@@ -95,7 +95,8 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
     >>> stack.values["0.weight"].shape
     torch.Size([16, 8, 4])
     >>> parsum.sum_models(models, torch.randn(32, 4)).pow(2).mean().backward()
-    >>> models[3][0].weight.grad.shape
+    >>> member = models[3]
+    >>> member[0].weight.grad.shape
     torch.Size([8, 4])
 
     Anything that changes a model after this (a parameter replaced, ``m.to(dtype)``,
