@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,35 +125,30 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
+    general = functools.partial(
+        _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
+        chunk_size,
+    )  # fmt: skip
     if engine in ("auto", "stacked") and step_in_backward is None and not reports_failures():
         stack = stack_for(models)
-        if stack is not None:  # NOTE [ Stacked storage ] in _stack
+        if stack is not None and (engine == "stacked" or len(models) >= AUTO_STACK_MIN_MODELS):
+            # NOTE [ Stacked storage ] in _stack
             limit = AUTO_STACK_MAX_PARAM_ROWS if engine == "auto" else None
-            if engine == "stacked" or len(models) >= AUTO_STACK_MIN_MODELS:
-                try:
-                    out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
-                except StackedForwardFailed as failed:
-                    # One by one: raises naming the model if the call itself is bad; if it
-                    # succeeds, the batched forward is what failed, and is not tried again.
-                    out = _general_sum(
-                        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
-                        chunk_size, None,
-                    )  # fmt: skip
-                    stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
-                    return out
-                if out is TOO_LARGE:
-                    out = _general_sum(
-                        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
-                        chunk_size, None,
-                    )  # fmt: skip
-                    stack.attach_at_backward(out)
-                    return out
-                if out is not None:
-                    return out
-    return _general_sum(
-        models, call, weight_list, weight_tensor, n_jobs, n_workers, engine, chunk_size,
-        step_in_backward,
-    )  # fmt: skip
+            try:
+                out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
+            except StackedForwardFailed as failed:
+                # One by one: raises naming the model if the call itself is bad; if it
+                # succeeds, the batched forward is what failed, and is not tried again.
+                out = general(None)
+                stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
+                return out
+            if out is TOO_LARGE:
+                out = general(None)
+                stack.attach_at_backward(out)
+                return out
+            if out is not None:
+                return out
+    return general(step_in_backward)
 
 
 def _general_sum(

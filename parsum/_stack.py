@@ -5,12 +5,13 @@
 # tensor of shape ``(M, *shape)`` and makes every model's tensor of that name its slice
 # (``p.data = values[k]``: the parameter stays the same object, a leaf, now viewing the
 # storage), as FSDP's flat parameter and DDP's gradient buckets do. A call of ``sum_models`` on
-# exactly those models then runs them as one ``torch.vmap`` that reads the stacked tensors
-# directly, through per-call aliases ``values.detach().requires_grad_()``: no ``torch.stack``
-# in forward, no ``unbind`` and no per-parameter gradient edge in backward, and no
-# ``ParallelSum`` node with a parameter input per model (64 tiny MLPs: 384 inputs cost 0.84 ms
-# a step, the whole vmap step 0.81). The graph is plain autograd; each alias's
-# post-accumulate hook hands its stacked gradient to the models' own ``.grad`` (``_deliver``).
+# exactly those models then runs them as one batched forward (NOTE [ Batched layers ]) that
+# reads the stacked tensors directly, through per-call aliases
+# ``values.detach().requires_grad_()``: no ``torch.stack`` in forward, no ``unbind`` and no
+# per-parameter gradient edge in backward, and no ``ParallelSum`` node with a parameter input
+# per model (64 tiny MLPs: 384 inputs cost 0.84 ms a step, the whole vmap step 0.81). The
+# graph is plain autograd; each alias's post-accumulate hook hands its stacked gradient to the
+# models' own ``.grad`` (``Stack._settle``).
 #
 # The models stay ordinary modules, and everything that can break the storage or the
 # identity of the group is checked on every call, cheaply: the same model objects, every
@@ -83,8 +84,9 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
 
     Every name gets one tensor of shape ``(len(models), *shape)`` and each model's parameter
     of that name becomes its slice (the same ``nn.Parameter`` object, now viewing the stack).
-    ``sum_models`` over exactly these models, in this order, then runs them as one
-    ``torch.vmap`` over the stacked tensors, and backward fills every model's own ``.grad``:
+    ``sum_models`` over exactly these models, in this order, then runs them as one batched
+    forward over the stacked tensors (batched matmuls for a Sequential of Linear layers and
+    activations, ``torch.vmap`` otherwise), and backward fills every model's own ``.grad``:
     the speed of ``torch.func.stack_module_state`` + ``vmap``, with models that stay ordinary
     modules for optimizers, ``state_dict``, hooks and checkpoints.
 
@@ -136,7 +138,7 @@ class Stack(Sequence[nn.Module]):
             raise ParsumError(
                 f"{_WHERE}: models has {len(models)} model; stacking needs at least two"
             )
-        _check_identical(models)
+        infos = _check_identical(models)
         # Held weakly: the models keep their stack alive (``_stack_of``), not the other way
         # round, so that models the user drops are freed with their stack.
         self._refs = tuple(weakref.ref(m) for m in models)
@@ -146,7 +148,7 @@ class Stack(Sequence[nn.Module]):
         self._broken: str | None = None
         self._grad_buffers: dict[str, Tensor] = {}
         self._grad_views: dict[str, tuple[Tensor, ...]] = {}
-        self._place()
+        self._place(infos)
         for model in models:
             _stack_of[model] = self
             if not any(h is _own_storage for h in model._state_dict_hooks.values()):
@@ -173,9 +175,9 @@ class Stack(Sequence[nn.Module]):
         return f"Stack({len(self.models)} x {kind}, {len(self.values)} stacked tensors)"
 
     # -- storage -------------------------------------------------------------------------
-    def _place(self) -> None:
-        """Copy the models' tensors into fresh stacked storage and make them its slices."""
-        infos = [ModelParams.of(m) for m in self.models]
+    def _place(self, infos: list[ModelParams]) -> None:
+        """Copy the models' tensors (``infos``, one per model) into fresh stacked storage and
+        make them its slices."""
         first = infos[0]
         values: dict[str, Tensor] = {}
         with torch.no_grad():
@@ -278,9 +280,8 @@ class Stack(Sequence[nn.Module]):
             not all(same)
             or list(map(_data_ptr, self._tensors)) != self._ptrs
             or list(map(_requires_grad, self._tensors)) != self._requires
+            or list(map(len, self._sized)) != self._sizes
         ):
-            return self._restack()
-        if list(map(len, self._sized)) != self._sizes:
             return self._restack()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
@@ -295,17 +296,16 @@ class Stack(Sequence[nn.Module]):
         if any(_stack_of.get(m) is not self for m in self.models):
             return "a model was stacked again elsewhere"
         try:
-            _check_identical(list(self.models))
+            infos = _check_identical(list(self.models))
         except ParsumError as exc:
             return str(exc).removeprefix(f"{_WHERE}: ")
-        infos = [ModelParams.of(m) for m in self.models]
         tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         if list(map(_data_ptr, tensors)) == self._ptrs and all(
             map(operator.is_, tensors, self._tensors)
         ):
             self._record(infos)  # the storage holds: a flag or a setting changed on every model
         else:
-            self._place()
+            self._place(infos)
         return None
 
     def give_up(self, reason: str) -> None:
@@ -326,42 +326,44 @@ class Stack(Sequence[nn.Module]):
             )
 
     # -- gradients -----------------------------------------------------------------------
-    def _deliver(self, name: str, grad: Tensor) -> None:
+    def _settle(self, name: str, grad: Tensor | None) -> None:
         """Hand a stacked gradient to the models' ``.grad``, and to the stacked tensor's
-        ``.grad`` while it holds them all (NOTE [ Gradient buffers ])."""
+        ``.grad`` while it holds them all (NOTE [ Gradient buffers ]). ``grad=None``: a zero
+        gradient, before the models' own gradients accumulate in place (``attach_at_backward``);
+        a ``.grad`` set by hand is then left as it is."""
         params, stacked = self._params[name], self.values[name]
         current = list(map(_grad_of, params))
         views = self._grad_views.get(name)
-        if grad.requires_grad:  # create_graph: differentiable, fresh views
+        buffer = self._grad_buffers.get(name)
+        if grad is not None and grad.requires_grad:  # create_graph: differentiable, fresh views
             for p, g, v in zip(params, current, grad.unbind(0)):
                 p.grad = v if g is None else g + v
             stacked.grad = None
-            return
-        if all(map(operator.is_, current, _nones(len(params)))):
-            buffer = self._grad_buffers.get(name)
+        elif all(map(operator.is_, current, _nones(len(params)))):
             stacked.grad = None
             if buffer is not None and views is not None and _unobserved(buffer, views):
-                buffer.copy_(grad)
+                _overwrite(buffer, grad)
             else:
-                buffer, views = grad, grad.unbind(0)
+                buffer = torch.zeros_like(stacked) if grad is None else grad
+                views = buffer.unbind(0)
                 self._grad_buffers[name], self._grad_views[name] = buffer, views
             for p, v in zip(params, views):
                 p.grad = v
             stacked.grad = buffer.view_as(buffer)  # a view: seen by the storage count
-        elif views is not None and all(map(operator.is_, current, views)):
-            buffer = self._grad_buffers[name]
+        elif buffer is not None and views is not None and all(map(operator.is_, current, views)):
             if stacked.grad is None:  # zeroed by an optimizer over stack.parameters()
-                buffer.copy_(grad)
+                _overwrite(buffer, grad)
                 stacked.grad = buffer.view_as(buffer)
-            else:
+            elif grad is not None:
                 buffer.add_(grad)
         else:  # a .grad set by hand: model by model
             stacked.grad = None
-            for p, g, v in zip(params, current, grad.unbind(0)):
-                if g is None:
-                    p.grad = v.clone()
-                else:
-                    g.add_(v)
+            if grad is not None:
+                for p, g, v in zip(params, current, grad.unbind(0)):
+                    if g is None:
+                        p.grad = v.clone()
+                    else:
+                        g.add_(v)
 
     def attach_at_backward(self, out: Any) -> None:
         """For models that ran one by one although the stack holds: when backward reaches
@@ -373,32 +375,6 @@ class Stack(Sequence[nn.Module]):
             me = weakref.ref(self)
             node.register_prehook(lambda grad_outputs: _attach(me))
 
-    def _attach(self) -> None:
-        for name in self._trainable:
-            params, stacked = self._params[name], self.values[name]
-            current = list(map(_grad_of, params))
-            views = self._grad_views.get(name)
-            buffer = self._grad_buffers.get(name)
-            if all(map(operator.is_, current, _nones(len(params)))):
-                stacked.grad = None
-                if buffer is None or views is None or not _unobserved(buffer, views):
-                    buffer = torch.zeros_like(stacked)
-                    views = buffer.unbind(0)
-                    self._grad_buffers[name], self._grad_views[name] = buffer, views
-                else:
-                    buffer.zero_()
-                for p, v in zip(params, views):
-                    p.grad = v
-                stacked.grad = buffer.view_as(buffer)
-            elif (
-                buffer is not None and views is not None and all(map(operator.is_, current, views))
-            ):
-                if stacked.grad is None:  # zeroed by an optimizer over parameters()
-                    buffer.zero_()
-                    stacked.grad = buffer.view_as(buffer)
-            else:
-                stacked.grad = None
-
     def _forget_gradients(self) -> None:
         """No stacked ``.grad`` while the models run one by one: an optimizer over
         ``parameters()`` must not step them with a gradient of an earlier call."""
@@ -406,6 +382,13 @@ class Stack(Sequence[nn.Module]):
             stacked = self.values.get(name)
             if stacked is not None:
                 stacked.grad = None
+
+
+def _overwrite(buffer: Tensor, grad: Tensor | None) -> None:
+    if grad is None:
+        buffer.zero_()
+    else:
+        buffer.copy_(grad)
 
 
 def _unobserved(buffer: Tensor, views: tuple[Tensor, ...]) -> bool:
@@ -424,10 +407,12 @@ def _nones(n: int) -> list[None]:
     return [None] * n
 
 
-def _check_identical(models: list[nn.Module]) -> None:
-    """Raise unless the models can be stacked: identical, unshared, plain modules."""
+def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
+    """What one walk finds in each model; raise unless they can be stacked: identical,
+    unshared, plain modules."""
     seen: dict[int, int] = {}
     keys: list[Any] = []
+    infos: list[ModelParams] = []
     for i, model in enumerate(models):
         if not isinstance(model, nn.Module):
             raise ParsumError(
@@ -462,6 +447,8 @@ def _check_identical(models: list[nn.Module]) -> None:
                 "parameter names, shapes, dtypes or devices; stacked models must be identical"
             )
         keys.append(key)
+        infos.append(info)
+    return infos
 
 
 def stack_for(models: Sequence[Any]) -> Stack | None:
@@ -605,13 +592,10 @@ def _run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> T
         weight = values[step[0]]
         bias = values[step[1]] if step[1] is not None else None
         rows = h.shape[1:-1] if batched else h.shape[:-1]
-        flat = (
-            h.reshape(weight.shape[0], -1, h.shape[-1])
-            if batched
-            else h.reshape(1, -1, h.shape[-1])
-        )
-        if not batched:
-            flat = flat.expand(weight.shape[0], -1, -1)
+        if batched:
+            flat = h.reshape(weight.shape[0], -1, h.shape[-1])
+        else:  # the shared input, the same for every model
+            flat = h.reshape(1, -1, h.shape[-1]).expand(weight.shape[0], -1, -1)
         if bias is None:
             out = torch.bmm(flat, weight.transpose(1, 2))
         else:
@@ -638,7 +622,8 @@ def _attach(stack: weakref.ref[Stack]) -> None:
     found = stack()
     if found is not None:
         with found._lock:
-            found._attach()
+            for name in found._trainable:
+                found._settle(name, None)
 
 
 class _Deliver:
@@ -654,7 +639,7 @@ class _Deliver:
         stack = self.stack()
         if stack is not None and grad is not None:
             with stack._lock:
-                stack._deliver(self.name, grad)
+                stack._settle(self.name, grad)
 
 
 def _rows(call: CallArgs) -> int:

@@ -53,6 +53,12 @@ def runs_stacked(y: torch.Tensor) -> bool:
     return "ParallelSum" not in type(y.grad_fn).__name__
 
 
+def assert_params_close(models, plain) -> None:
+    for m, q in zip(models, plain):
+        for a, b in zip(m.parameters(), q.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def assert_grads_close(models, plain, atol=1e-6) -> None:
     for g, h in zip(param_grads(models), param_grads(plain)):
         assert (g is None) == (h is None)
@@ -184,9 +190,7 @@ def test_optimizers_over_the_models_own_parameters_train_as_plainly(make):
             y = parsum.sum_models(ms, x) if ms is models else plain_sum(ms, x)
             y.pow(2).mean().backward()
             o.step()
-    for m, q in zip(models, plain):
-        for a, b in zip(m.parameters(), q.parameters()):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_params_close(models, plain)
     assert models[0][0].weight.data_ptr() == stack.values["0.weight"][0].data_ptr()
 
 
@@ -205,9 +209,7 @@ def test_one_optimizer_over_the_stack_trains_as_one_over_every_parameter(fused):
         torch.testing.assert_close(stack.values["0.weight"].grad[3], plain[3][0].weight.grad)
         opt.step()
         opt_plain.step()
-    for m, q in zip(models, plain):
-        for a, b in zip(m.parameters(), q.parameters()):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_params_close(models, plain)
 
 
 def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
@@ -228,9 +230,7 @@ def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
         assert_grads_close(models, plain, atol=1e-5)
         opt.step()
         opt_plain.step()
-    for m, q in zip(models, plain):
-        for a, b in zip(m.parameters(), q.parameters()):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_params_close(models, plain)
 
 
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
