@@ -27,6 +27,7 @@ from ._grouping import (
     plan_units,
     useful_workers,
 )
+from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._sparse import has_user_hooks
 from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
 
@@ -204,7 +205,9 @@ def _general_sum(
     build_graph = torch.is_grad_enabled() and (
         bool(params) or any(t.requires_grad for t in differentiable)
     )
-    if build_graph:
+    if build_graph and fits_callers_graph(plan, tensors):
+        leaves = sum_in_callers_graph(plan, call, weight_tensor)  # NOTE [ The caller's graph ]
+    elif build_graph:
         inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else []), *params]
         leaves = list(ParallelSum.apply(plan, *inputs))
     else:

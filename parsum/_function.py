@@ -199,8 +199,14 @@ def run_forward(
     weight_tensor: Tensor | None,
     build_graph: bool,
     keep_outputs: bool = False,
+    roots: list[list[Tensor] | None] | None = None,
 ) -> _Forward:
-    """Run every model, sum the weighted outputs; see NOTE [ Data flow ]."""
+    """Run every model, sum the weighted outputs; see NOTE [ Data flow ].
+
+    With ``roots`` (and ``build_graph`` False), the models run in the caller's graph, and
+    ``roots[i]`` receives model ``i``'s output leaves as they are (NOTE [ The caller's graph ]
+    in ``_inline``).
+    """
     n = len(plan.models)
     signatures: list[Signature | None] = [None] * n
     pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
@@ -265,6 +271,8 @@ def run_forward(
                     _add_group(plan, members, run.stacked or [], weight_tensor, accs)
                     continue
                 (i,) = members
+                if roots is not None:
+                    roots[i] = leaves
                 w = plan.weight(i, weight_tensor)
                 values = [leaf.detach() for leaf in leaves]
                 if keep_outputs:
@@ -542,6 +550,24 @@ def _pull_back_chunk(
         yield unit, arg_grads, model_grads
 
 
+def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> Tensor:
+    """d loss / d w_i = <grad of the sum, model i's output>, over the output's leaves."""
+    return sum((g * o).sum() for g, o in zip(grad_outputs, out))  # type: ignore[return-value]
+
+
+def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) -> Tensor:
+    """The weight tensor's gradient from each model's (None: zero), on the weights' device,
+    which may differ from the models' (CPU weights, CUDA models, as in the plain loop's
+    ``w[i] * m_i(x)``)."""
+    dtype, device = weight_tensor.dtype, weight_tensor.device
+    return torch.stack(
+        [
+            torch.zeros((), dtype=dtype, device=device) if g is None else g.to(device, dtype)
+            for g in grads
+        ]
+    )
+
+
 class ParallelSum(torch.autograd.Function):
     """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
 
@@ -726,9 +752,7 @@ class _Backward:
                     if not self.keep_graph:
                         self.outputs[i] = None
                     assert out is not None
-                    self.weight_grads[i] = sum(  # type: ignore[assignment]
-                        (g * o).sum() for g, o in zip(grad_outputs, out)
-                    )
+                    self.weight_grads[i] = model_weight_grad(grad_outputs, out)
         return arg_accs, shared_accs
 
     def consume(self, k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:
@@ -795,16 +819,7 @@ class _Backward:
         if plan.has_weight_tensor:
             weight_grad = None
             if ctx.weight_needs_grad:
-                weight_tensor = self.weight_tensor
-                assert weight_tensor is not None
-                # On the weights' device, which may differ from the models' (CPU weights,
-                # CUDA models, as in the plain loop's w[i] * m_i(x)).
-                like = dict(dtype=weight_tensor.dtype, device=weight_tensor.device)
-                weight_grad = torch.stack(
-                    [
-                        torch.zeros((), **like) if g is None else g.to(**like)
-                        for g in self.weight_grads
-                    ]
-                )
+                assert self.weight_tensor is not None
+                weight_grad = stack_weight_grads(self.weight_tensor, self.weight_grads)
             grads_in.append(weight_grad)
         return (None, *grads_in, *self.param_grads)

@@ -372,6 +372,23 @@ def run_ordered(
         _set_threads(saved_threads)
 
 
+@contextlib.contextmanager
+def as_one_task(n_tasks: int) -> Iterator[None]:
+    """Run the block in this thread as a one-thread job of ``n_tasks`` chunks runs each of
+    them: with its intra-op threads (NOTE [ Thread control ]), nested calls sequential."""
+    if _local.in_task:
+        yield
+        return
+    saved_threads = torch.get_num_threads()
+    _set_threads(intra_op_threads(n_tasks))
+    _local.in_task = True
+    try:
+        yield
+    finally:
+        _local.in_task = False
+        _set_threads(saved_threads)
+
+
 def _set_threads(n: int) -> None:
     """``torch.set_num_threads(n)`` unless this thread already has n: the call also resets
     MKL's process-wide thread count, which other threads' kernels read."""

@@ -1,0 +1,218 @@
+"""The one-thread path (NOTE [ The caller's graph ]): the same bits as ParallelSum on any number
+of workers, the plain loop's gradients, autograd.grad, hooks, failures undone and named."""
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from tests.test_errors import BoomBackward
+from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, zoo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def node_name(y: torch.Tensor) -> str:
+    return type(y.grad_fn).__name__
+
+
+def in_callers_graph(y: torch.Tensor) -> bool:
+    return node_name(y) == "CallerGraphSumBackward"
+
+
+@pytest.mark.parametrize("weighted", [None, "floats", "tensor"])
+def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted):
+    results = []
+    for n_jobs in (1, 2, 3):
+        models = zoo(seed=3)
+        x = torch.randn(5, IN)  # no gradient: the path is open
+        weights = {
+            None: None,
+            "floats": [0.5 + i / 7 for i in range(len(models))],
+            "tensor": torch.linspace(0.2, 1.4, len(models), requires_grad=True),
+        }[weighted]
+        y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs, chunk_size=2)
+        assert in_callers_graph(y) == (n_jobs == 1)
+        y.pow(2).sum().backward()
+        w_grad = weights.grad if isinstance(weights, torch.Tensor) else None
+        results.append((y.detach(), param_grads(models), w_grad))
+    (y1, g1, w1), *others = results
+    for y, g, w in others:
+        assert torch.equal(y, y1)
+        assert all(torch.equal(a, b) for a, b in zip(g, g1))
+        assert (w is None and w1 is None) or torch.equal(w, w1)
+
+
+def test_matches_the_plain_loop_and_is_closer_to_float64():
+    models = zoo(seed=1)
+    ref = clone_models(models)
+    wide = [m.double() for m in clone_models(models)]
+    x = torch.randn(6, IN)
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    y.pow(2).mean().backward()
+    y_ref = plain_sum(ref, x)
+    y_ref.pow(2).mean().backward()
+    y_wide = plain_sum(wide, x.double())
+    torch.testing.assert_close(y, y_ref)
+    assert (y.double() - y_wide).abs().max() <= (y_ref.double() - y_wide).abs().max()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_and_finite_differences_in_float64():
+    torch.manual_seed(0)
+    models = [mlp([4, 3]).double() for _ in range(3)]
+    x = torch.randn(2, IN, dtype=torch.float64)
+    params = [p for m in models for p in m.parameters()]
+    w = torch.linspace(0.5, 1.5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda w: parsum.sum_models(models, x, weights=w, n_jobs=1), (w,)
+    )
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    grads = torch.autograd.grad(y.sum(), params)
+    eps = 1e-6
+    p0 = params[0]
+    with torch.no_grad():
+        p0.view(-1)[0] += eps
+        up = sum(m(x) for m in models).sum()
+        p0.view(-1)[0] -= 2 * eps
+        down = sum(m(x) for m in models).sum()
+        p0.view(-1)[0] += eps
+    torch.testing.assert_close(grads[0].view(-1)[0], (up - down) / (2 * eps))
+
+
+def test_autograd_grad_wrt_parameters_and_backward_with_inputs():
+    models = zoo(seed=2)
+    ref = clone_models(models)
+    x = torch.randn(4, IN)
+    params = [p for m in models for p in m.parameters()]
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    grads = torch.autograd.grad(y.pow(2).sum(), params)
+    assert all(p.grad is None for p in params)  # autograd.grad writes no .grad
+    y_ref = plain_sum(ref, x)
+    grads_ref = torch.autograd.grad(y_ref.pow(2).sum(), [p for m in ref for p in m.parameters()])
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b)
+    # backward(inputs=...) fills only those
+    first = list(models[0].parameters())
+    parsum.sum_models(models, x, n_jobs=1).pow(2).sum().backward(inputs=first)
+    assert all(p.grad is not None for p in first)
+    assert all(p.grad is None for m in models[1:] for p in m.parameters())
+
+
+def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
+    models = zoo(seed=4)
+    ref = clone_models(models)
+    held = []
+    for step in range(3):
+        x = torch.randn(4, IN)
+        parsum.sum_models(models, x, n_jobs=1).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+        if step == 0:
+            held = [p.grad for m in models for p in m.parameters()]
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+    # accumulated in place, as autograd does: a reference taken earlier sees the sum
+    assert all(h is p.grad for h, p in zip(held, [p for m in models for p in m.parameters()]))
+
+
+@pytest.mark.parametrize("accumulated", [False, True])
+def test_failed_backward_changes_no_grad_and_names_the_model(accumulated):
+    models = [mlp([3]) for _ in range(6)]
+    models.insert(4, BoomBackward())
+    x = torch.randn(2, IN)
+    if accumulated:  # .grad already holds a gradient: the capturing pull-back
+        for m in models:
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+    before = [None if g is None else g.clone() for g in param_grads(models)]
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\) raised ValueError"):
+        y.sum().backward()
+    for g, b in zip(param_grads(models), before):
+        assert (g is None and b is None) or torch.equal(g, b)
+    del models[4]
+    parsum.sum_models(models, x, n_jobs=1).sum().backward()  # usable after
+    assert all(g is not None for g in param_grads(models))
+
+
+def test_second_backward_needs_retain_graph():
+    models = zoo()
+    x = torch.randn(2, IN)
+    y = parsum.sum_models(models, x, n_jobs=1)
+    y.sum().backward(retain_graph=True)
+    first = [g.clone() for g in param_grads(models)]
+    y.sum().backward()
+    for g, f in zip(param_grads(models), first):
+        torch.testing.assert_close(g, 2 * f)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+
+
+def test_double_backward_raises():
+    models = [mlp([4]) for _ in range(2)]
+    x = torch.randn(3, IN)
+    params = [p for m in models for p in m.parameters()]
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    grads = torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
+    with pytest.raises(RuntimeError, match="sum_models' backward is not differentiable"):
+        sum(g.pow(2).sum() for g in grads).backward()
+
+
+def test_hooks_run_once_on_the_whole_gradient():
+    models = zoo(seed=5)
+    ref = clone_models(models)
+    x = torch.randn(3, IN)
+    seen: list[torch.Tensor] = []
+    p = next(models[1].parameters())
+    p.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.clone()))
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert in_callers_graph(y)
+    y.pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], next(ref[1].parameters()).grad)
+    # a tensor hook on a parameter: the other path, which runs it once too
+    calls = []
+    p.register_hook(lambda g: calls.append(1))
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert not in_callers_graph(y)
+    y.sum().backward()
+    assert calls == [1]
+
+
+def test_what_takes_the_other_path():
+    models = zoo()
+    x = torch.randn(2, IN)
+    xg = x.clone().requires_grad_()
+    assert not in_callers_graph(parsum.sum_models(models, xg, n_jobs=1))  # argument gradient
+    assert not in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))  # shared
+    assert not in_callers_graph(parsum.sum_models([lambda t: models[0](t)], x, n_jobs=1))
+    assert not in_callers_graph(parsum.sum_models(models, x, n_jobs=2))  # two threads
+    with torch.no_grad():
+        assert parsum.sum_models(models, x, n_jobs=1).grad_fn is None
+
+
+def test_batchnorm_and_failed_forward_restore_statistics():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    bn = nn.Sequential(nn.Linear(IN, 3), nn.BatchNorm1d(3))
+    stats = bn[1].running_mean.clone()
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\)"):
+        parsum.sum_models([bn, Boom()], torch.randn(4, IN), n_jobs=1)
+    assert torch.equal(bn[1].running_mean, stats)
+    ref = clone_models([bn])[0]
+    x = torch.randn(4, IN)
+    y = parsum.sum_models([bn], x, n_jobs=1)
+    assert in_callers_graph(y)
+    y.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(bn[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(bn[0].weight.grad, ref[0].weight.grad)
