@@ -568,6 +568,15 @@ def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) ->
     )
 
 
+def freed_graph_error(plan: SumPlan) -> ParsumError:
+    """A second backward through a result whose graph the first one freed."""
+    return ParsumError(
+        f"{plan.where}: backward ran a second time through the same result, whose graph was "
+        "freed by the first one; pass retain_graph=True to the first backward, or call "
+        "sum_models again"
+    )
+
+
 class ParallelSum(torch.autograd.Function):
     """``sum_i w_i * models[i](*args, **kwargs)`` with parallel forward and backward.
 
@@ -611,11 +620,7 @@ class ParallelSum(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         plan: SumPlan = ctx.plan
         if ctx.pullbacks is None:
-            raise ParsumError(
-                f"{plan.where}: backward ran a second time through the same result, whose "
-                "graph was freed by the first one; pass retain_graph=True to the first "
-                "backward, or call sum_models again"
-            )
+            raise freed_graph_error(plan)
         run = _Backward(ctx, grad_outputs)
         run.pull_back_all()
         return run.gradients()

@@ -40,11 +40,11 @@ from torch.autograd.graph import GradientEdge
 
 from . import _pool
 from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
-from ._errors import ParsumError
 from ._function import (
     SumPlan,
     _engine_keeps_graph,
     _once_differentiable,
+    freed_graph_error,
     model_weight_grad,
     reports_failures,
     run_forward,
@@ -73,12 +73,18 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
 class _State:
     """What a ``CallerGraphSum`` node needs besides its tensors."""
 
-    def __init__(self, plan: SumPlan, leaves: list[Tensor]) -> None:
+    def __init__(
+        self,
+        plan: SumPlan,
+        leaves: list[Tensor],
+        edges: list[list[tuple[GradientEdge, int]]],
+        outputs: list[list[Tensor] | None],
+    ) -> None:
         self.plan = plan
         self.leaves = leaves  # the sum, computed before the node is made
         # Each model's output edges, with the output leaf each belongs to; None once freed.
-        self.edges: list[list[tuple[GradientEdge, int]]] | None = None
-        self.outputs: list[list[Tensor] | None] = []  # detached, for the weights' gradient
+        self.edges: list[list[tuple[GradientEdge, int]]] | None = edges
+        self.outputs = outputs  # detached, for the weights' gradient
 
 
 def sum_in_callers_graph(
@@ -90,13 +96,12 @@ def sum_in_callers_graph(
     result = run_forward(
         plan, call, weight_tensor, build_graph=False, keep_outputs=weight_needs_grad, roots=roots
     )
-    state = _State(plan, result.leaves)
-    state.outputs = result.outputs
-    state.edges = [
+    edges = [
         [(_edge(leaf), j) for j, leaf in enumerate(leaves or ()) if leaf.requires_grad]
         for leaves in roots
     ]
-    del roots, result
+    state = _State(plan, result.leaves, edges, result.outputs)
+    del roots, result, edges
     anchor = torch.empty(0, requires_grad=True)  # its node says how backward runs
     weights = [weight_tensor] if weight_tensor is not None else []
     return list(CallerGraphSum.apply(state, anchor, *weights, *plan.params))
@@ -124,11 +129,7 @@ class CallerGraphSum(torch.autograd.Function):
         plan = state.plan
         edges = state.edges
         if edges is None:
-            raise ParsumError(
-                f"{plan.where}: backward ran a second time through the same result, whose "
-                "graph was freed by the first one; pass retain_graph=True to the first "
-                "backward, or call sum_models again"
-            )
+            raise freed_graph_error(plan)
         keep_graph = _engine_keeps_graph()
         if not keep_graph:
             state.edges = None  # the models' graphs go when this backward ends

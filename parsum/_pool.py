@@ -354,36 +354,28 @@ def run_ordered(
     and the exception of the smallest failing chunk is raised in the caller. See NOTE [ Caller
     runs, no deadlock ] and NOTE [ Thread control ].
     """
-    if _local.in_task:  # nested: this thread already has its share of the cores
-        _run_here(task, n_tasks, consume)
-        return
-    saved_threads = torch.get_num_threads()
-    intra_threads = intra_op_threads(n_tasks)
     threads = threads_for(n_tasks, n_workers)
-    _set_threads(intra_threads)
-    _local.in_task = True
-    try:
-        if threads <= 1:  # one thread: no job, no locks, no state to hand over
+    with as_one_task(n_tasks) as intra_threads:
+        if threads <= 1:  # one thread (or nested): no job, no locks, no state to hand over
             _run_here(task, n_tasks, consume)
             return
         _run_job(_Job(task, n_tasks, consume, ThreadState.capture(), intra_threads), threads)
-    finally:
-        _local.in_task = False
-        _set_threads(saved_threads)
 
 
 @contextlib.contextmanager
-def as_one_task(n_tasks: int) -> Iterator[None]:
-    """Run the block in this thread as a one-thread job of ``n_tasks`` chunks runs each of
-    them: with its intra-op threads (NOTE [ Thread control ]), nested calls sequential."""
+def as_one_task(n_tasks: int) -> Iterator[int]:
+    """Run the block in this thread as a task of a job of ``n_tasks`` chunks: with the tasks'
+    intra-op threads (NOTE [ Thread control ]; yielded), nested calls sequential. Inside a
+    task (nested), as it is: this thread already has its share of the cores."""
     if _local.in_task:
-        yield
+        yield torch.get_num_threads()
         return
     saved_threads = torch.get_num_threads()
-    _set_threads(intra_op_threads(n_tasks))
+    intra_threads = intra_op_threads(n_tasks)
+    _set_threads(intra_threads)
     _local.in_task = True
     try:
-        yield
+        yield intra_threads
     finally:
         _local.in_task = False
         _set_threads(saved_threads)

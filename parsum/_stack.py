@@ -53,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from ._config import check_model_sequence
 from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
 from ._errors import ParsumError
-from ._grouping import structure_key
+from ._grouping import Batch, structure_key
 from ._summation import WIDE
 
 _WHERE = "stack_"
@@ -496,7 +496,7 @@ def stacked_sum(
             stack._forget_gradients()
             stack._warn(reason)
             return None
-        if max_param_rows is not None and stack._numel * _rows(call) > max_param_rows:
+        if max_param_rows is not None and stack._numel * _batch(call).rows > max_param_rows:
             return TOO_LARGE
         values, program = stack.values, stack._program
         trainable = stack._trainable
@@ -642,9 +642,5 @@ class _Deliver:
                 stack._settle(self.name, grad)
 
 
-def _rows(call: CallArgs) -> int:
-    for j in call.tensor_positions:
-        t = call.leaves[j]
-        if t.dim() > 0:
-            return int(t.shape[0])
-    return 1
+def _batch(call: CallArgs) -> Batch:
+    return Batch.of([call.leaves[j] for j in call.tensor_positions])
