@@ -28,6 +28,7 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
+from ._plans import Walk, keep_walk, known_walk, remember_derived, stripped
 from ._sparse import has_user_hooks
 from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
 
@@ -165,23 +166,37 @@ def _general_sum(
 ) -> Any:
     """``sum_models`` through ``ParallelSum``, for any models, once the arguments are checked."""
     tensors = [call.leaves[j] for j in call.tensor_positions]
-    model_params = [ModelParams.of(m) for m in models]
-    _check_initialized(models, model_params)
+    walk = known_walk(models)  # NOTE [ Reused plans ] in _plans
+    found = None  # this call's walk, modules included
+    if walk is None:
+        found = [ModelParams.of(m) for m in models]
+        _check_initialized(models, found)
+        params, slots, shared = _collect_params(found)
+        walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
+        keep_walk(models, found, walk)
+    model_params, params = walk.model_params, walk.params
     if engine == "vjp":
         _check_vjp_models(models, model_params)
-    params, slots, shared = _collect_params(model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
-    units = plan_units(models, model_params, engine, batch, chunk_size)
     # NOTE [ Threads that pay ] in _grouping: with engine "auto" and n_jobs left unset, the
     # budget and the models' sizes decide the chunks and the workers.
     chosen = engine == "auto" and _config.n_jobs_is_default(n_jobs)
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
     one_chunk = chosen and chunk_size is None and (budget <= INTRA_OP_ONLY_BUDGET or on_device)
-    chunks = chunks_of(units, model_params, batch, chunk_size, max_chunks=1 if one_chunk else None)
+    max_chunks = 1 if one_chunk else None
+    key = (engine, batch, chunk_size, max_chunks, chosen)
+    derived = walk.derived.get(key)
+    if derived is None:
+        found = found or [ModelParams.of(m) for m in models]
+        units = plan_units(models, found, engine, batch, chunk_size)
+        chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
+        derived = (units, chunks, useful_workers(found, batch) if chosen else n_workers)
+        remember_derived(walk, key, *derived)
+    units, chunks, useful = derived
     if chosen:
-        n_workers = 1 if on_device else min(n_workers, useful_workers(model_params, batch))
+        n_workers = 1 if on_device else min(n_workers, useful)
     if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
         n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
     plan = SumPlan(
@@ -191,13 +206,13 @@ def _general_sum(
         has_weight_tensor=weight_tensor is not None,
         params=params,
         model_params=model_params,
-        param_slots=slots,
-        shared=shared,
+        param_slots=walk.slots,
+        shared=walk.shared,
         engine=engine,
         units=units,
         chunks=chunks,
         n_workers=n_workers,
-        forward_workers=1 if _forward_in_order(model_params) else n_workers,
+        forward_workers=1 if walk.forward_in_order else n_workers,
         step_in_backward=step_in_backward,
         step_index=step_index,
     )

@@ -117,7 +117,7 @@ class SumPlan:
                 "in training mode): use engine='autograd' or 'auto'"
             )
         if self.engine == "vjp" and any(
-            isinstance(m, torch.jit.ScriptModule) for m in self.model_params[i].modules
+            isinstance(m, torch.jit.ScriptModule) for m in ModelParams.of(model).modules
         ):
             hint = (
                 "; engine='vjp' cannot run TorchScript modules (torch.func.functional_call "

@@ -1,0 +1,168 @@
+"""Plans reused across calls (NOTE [ Reused plans ]): every change that matters is noticed, the
+bits are those of a fresh plan, and a kept plan keeps no model alive."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum import _plans
+from parsum._plans import known_walk
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Scaled(nn.Module):
+    """A class outside torch.nn: its own attributes are part of what a plan checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.scale: float | torch.Tensor = 1.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def models_under_test() -> list[nn.Module]:
+    torch.manual_seed(0)
+    with_norm = nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, OUT))
+    return [*zoo(seed=2), with_norm, Scaled()]
+
+
+def seeded(make):
+    def made(*shape):
+        torch.manual_seed(len(shape) + sum(shape))
+        return make(*shape)
+
+    return made
+
+
+randn = seeded(torch.randn)
+
+# Each change is applied the same way to the models and to a copy run by the plain loop.
+CHANGES = {
+    "parameter replaced": lambda ms: setattr(ms[0][0], "weight", nn.Parameter(randn(8, IN))),
+    "parameter frozen": lambda ms: ms[1][0].weight.requires_grad_(False),
+    "parameter data replaced": lambda ms: setattr(ms[0][0].weight, "data", randn(8, IN)),
+    "parameter deleted": lambda ms: setattr(ms[1][0], "bias", None),
+    "submodule replaced": lambda ms: ms[1].__setitem__(1, nn.Sigmoid()),
+    "eval": lambda ms: ms[7].eval(),
+    "buffer replaced": lambda ms: setattr(ms[7][1], "running_mean", randn(8)),
+    "forward hook": lambda ms: ms[6].register_forward_hook(lambda m, i, out: 2 * out),
+    "tensor attribute": lambda ms: setattr(ms[8], "scale", torch.tensor(2.0, requires_grad=True)),
+    "state loaded with assign": lambda ms: ms[2].load_state_dict(
+        {k: v + 1 for k, v in ms[2].state_dict().items()}, assign=True
+    ),
+}
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_between_calls_is_noticed(change, n_jobs):
+    models = models_under_test()
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+    assert known_walk(models) is not None  # the next call would reuse the plan
+    ref = clone_models(models)  # with the statistics the call updated
+    for ms in (models, ref):
+        CHANGES[change](ms)
+        for m in ms:
+            m.zero_grad(set_to_none=True)
+    assert known_walk(models) is None
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    y.pow(2).mean().backward()
+    y_ref = plain_sum(ref, x)
+    y_ref.pow(2).mean().backward()
+    torch.testing.assert_close(y, y_ref)
+    grads, ref_grads = param_grads(models), param_grads(ref)
+    assert [g is None for g in grads] == [g is None for g in ref_grads]
+    for a, b in zip(grads, ref_grads):
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    if change == "tensor attribute":
+        torch.testing.assert_close(models[8].scale.grad, ref[8].scale.grad)
+
+
+def test_a_dtype_change_is_noticed():
+    models = models_under_test()[:7]
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, n_jobs=1).sum().backward()
+    for m in models:
+        m.double()
+    assert known_walk(models) is None
+    ref = clone_models(models)
+    y = parsum.sum_models(models, x.double(), n_jobs=1)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, plain_sum(ref, x.double()))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 3])
+def test_a_reused_plan_gives_the_bits_of_a_fresh_one(n_jobs):
+    models = models_under_test()
+    x = torch.randn(6, IN)
+    results = []
+    for fresh in (True, False, False):
+        if fresh:
+            _plans._plans.clear()
+        else:
+            assert known_walk(models) is not None
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=3)
+        y.pow(2).sum().backward()
+        results.append((y.detach(), param_grads(models)))
+    (y0, g0), *others = results
+    for y, g in others:
+        assert torch.equal(y, y0)
+        assert all(torch.equal(a, b) for a, b in zip(g, g0))
+
+
+def test_a_kept_plan_keeps_no_model_alive():
+    models = models_under_test()
+    key = tuple(map(id, models))
+    parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
+    assert key in _plans._plans
+    refs = [weakref.ref(m) for m in models]
+    weights = weakref.ref(models[0][0].weight)
+    del models
+    gc.collect()
+    assert all(r() is None for r in refs) and weights() is None
+    assert key not in _plans._plans
+
+
+def test_at_most_max_plans_are_kept():
+    ensembles = [[mlp([4]) for _ in range(2)] for _ in range(_plans.MAX_PLANS + 3)]
+    for models in ensembles:
+        parsum.sum_models(models, torch.randn(2, IN))
+    assert len(_plans._plans) <= _plans.MAX_PLANS
+    assert known_walk(ensembles[-1]) is not None and known_walk(ensembles[0]) is None
+
+
+def test_methods_and_lazy_modules_are_planned_on_every_call():
+    base = [mlp([4]), mlp([5])]
+    methods = [m.forward for m in base]
+    parsum.sum_models(methods, torch.randn(2, IN))
+    assert known_walk(methods) is None
+    lazy = [nn.Sequential(nn.LazyLinear(OUT)), mlp([3])]
+    with pytest.raises(parsum.ParsumError, match="lazy"):
+        parsum.sum_models(lazy, torch.randn(2, IN))
+    assert known_walk(lazy) is None
+
+
+def test_stacked_units_are_planned_on_every_call():
+    models = [mlp([4]) for _ in range(3)]
+    x = torch.randn(2, IN)
+    parsum.sum_models(models, x, engine="stacked", n_jobs=1)
+    walk = known_walk(models)
+    assert walk is not None and not walk.derived  # the units depend on the modules' settings
+    models[1][1] = nn.ReLU()  # no longer stackable with the others
+    ref = copy.deepcopy(models)
+    torch.testing.assert_close(
+        parsum.sum_models(models, x, engine="stacked", n_jobs=1), plain_sum(ref, x)
+    )
