@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import parsum
+from parsum import _inline
 from tests.test_errors import BoomBackward
 from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, zoo
 
@@ -119,8 +120,15 @@ def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
     assert all(h is p.grad for h, p in zip(held, [p for m in models for p in m.parameters()]))
 
 
+# Every model pulled back alone; the MLPs alone and the others together; all together
+# (NOTE [ Engine calls of the caller's graph ]).
+SPLITS = [0, 50, 10**18]
+
+
+@pytest.mark.parametrize("alone_rows", SPLITS)
 @pytest.mark.parametrize("accumulated", [False, True])
-def test_failed_backward_changes_no_grad_and_names_the_model(accumulated):
+def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, alone_rows, monkeypatch):
+    monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
     models = [mlp([3]) for _ in range(6)]
     models.insert(4, BoomBackward())
     x = torch.randn(2, IN)
@@ -140,7 +148,9 @@ def test_failed_backward_changes_no_grad_and_names_the_model(accumulated):
     assert all(g is not None for g in param_grads(models))
 
 
-def test_second_backward_needs_retain_graph():
+@pytest.mark.parametrize("alone_rows", SPLITS)
+def test_second_backward_needs_retain_graph(alone_rows, monkeypatch):
+    monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
     models = zoo()
     x = torch.randn(2, IN)
     y = parsum.sum_models(models, x, n_jobs=1)
@@ -151,6 +161,25 @@ def test_second_backward_needs_retain_graph():
         torch.testing.assert_close(g, 2 * f)
     with pytest.raises(RuntimeError, match="second time"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_how_models_share_engine_calls_changes_no_bit(capture, monkeypatch):
+    x = torch.randn(4, IN)
+    results = []
+    for alone_rows in SPLITS:
+        monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
+        models = zoo(seed=5)
+        if capture:  # .grad already set: gradients captured and returned to autograd
+            for m in models:
+                for p in m.parameters():
+                    p.grad = torch.zeros_like(p)
+        y = parsum.sum_models(models, x, n_jobs=1, weights=[0.5 + i for i in range(7)])
+        assert in_callers_graph(y)
+        y.pow(2).sum().backward()
+        results.append(param_grads(models))
+    for grads in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0]))
 
 
 def test_double_backward_raises():
