@@ -11,13 +11,13 @@
 # intra-op threads, hence the same bits). Like ParallelSum, its inputs are the parameters, so
 # ``autograd.grad`` with respect to them works, and it keeps the models' output edges itself:
 # the models' graphs hang off the parameters, never off the node, so the running engine does
-# not walk them a second time. Its backward pulls every model back in one engine call, with
-# each output's cotangent (the incoming gradient times the model's weight), under the same
-# intra-op threads: into ``.grad`` directly where the running backward accumulates into every
-# leaf and every ``.grad`` is None (NOTE [ Accumulating in the pullback ] in _function),
-# otherwise (``autograd.grad``, ``backward(inputs=...)``, create_graph, gradients to add to,
-# post-accumulate hooks, which autograd also calls for the None returned) capturing the
-# gradients and returning them for autograd to accumulate. A failure
+# not walk them a second time. Its backward pulls the models back in few engine calls (NOTE [ Engine
+# calls of the caller's graph ]), with each output's cotangent (the incoming gradient times the
+# model's weight), under the same intra-op threads: into ``.grad`` directly where the running
+# backward accumulates into every leaf and every ``.grad`` is None (NOTE [ Accumulating in the
+# pullback ] in _function), otherwise (``autograd.grad``, ``backward(inputs=...)``, create_graph,
+# gradients to add to, post-accumulate hooks, which autograd also calls for the None returned)
+# capturing the gradients and returning them for autograd to accumulate. A failure
 # sets the ``.grad`` it wrote back to None, and each model is then pulled back alone (the call
 # kept the graphs) to name the first one that fails.
 #
