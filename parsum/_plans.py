@@ -20,9 +20,11 @@
 # Not seen (the walk would have seen them): a tensor's shape changed in place without a new
 # storage (``p.data = p.data.view(...)``), and a torch.nn layer's settings changed (a
 # convolution's stride, which the cost estimate reads).
-# Lifetime: at most MAX_PLANS walks are kept, each holding its modules weakly and its tensors
-# strongly, and dropped as soon as one of its models is collected: a walk never keeps a model
-# alive (tested), only the tensors of models that are alive.
+# Lifetime: at most MAX_PLANS walks are kept, each holding its modules (and the attributes of
+# modules of classes outside torch.nn, where they can be held weakly: a method of the module
+# kept as an attribute would keep it alive) weakly and its tensors strongly, and dropped as
+# soon as one of its models is collected: a walk keeps no model alive (tested), only the
+# tensors of models that are alive.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Walk:
         self.slots = slots
         self.shared = shared
         self.forward_in_order = forward_in_order
-        # (engine, batch, chunk_size, max_chunks) -> (units, chunks, useful workers)
+        # (engine, batch, chunk_size, max_chunks, workers chosen) -> (units, chunks, workers)
         self.derived: dict[Hashable, tuple[list[Unit], list[range], int]] = {}
         self._module_refs: list[weakref.ref[nn.Module]] = []
         self._types: list[type] = []
@@ -80,8 +82,12 @@ class Walk:
         self._entry_values: list[Any] = []
         self._sized: list[dict] = []
         self._sizes: list[int] = []
-        self._custom_refs: list[weakref.ref[nn.Module]] = []
+        # Attributes of modules of classes outside torch.nn, read through the modules: their
+        # values are held weakly where they can be (a bound method of the module would keep it
+        # alive), by (module position, name, value) and each such module's attribute count.
+        self._custom_at: list[int] = []
         self._custom_sizes: list[int] = []
+        self._attributes: list[tuple[int, str, _Held]] = []
         self._tensors: list[Tensor] = []
         self._ptrs: list[int] = []
         self._requires: list[bool] = []
@@ -106,10 +112,13 @@ class Walk:
             or list(map(_data_ptr, self._tensors)) != self._ptrs
         ):
             return False
-        if self._custom_refs:
-            custom = [vars(ref()) for ref in self._custom_refs]  # alive: among the modules
+        if self._custom_at:
+            custom = [vars(modules[k]) for k in self._custom_at]
             if list(map(len, custom)) != self._custom_sizes:
                 return False
+            for owner, key, held in self._attributes:
+                if custom[owner].get(key, _MISSING) is not held.get():
+                    return False
         return True
 
     def _record(self, modules: list[nn.Module]) -> bool:
@@ -117,7 +126,7 @@ class Walk:
         self._handles = _handle_count()
         entries: list[tuple[dict, str, Any]] = []
         tensors: list[Tensor] = []
-        for module in modules:
+        for position, module in enumerate(modules):
             self._module_refs.append(weakref.ref(module))
             for inner in _dicts_of(module):
                 self._sized.append(inner)
@@ -127,11 +136,12 @@ class Walk:
                         tensors.append(value)
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 attributes = vars(module)
-                self._custom_refs.append(weakref.ref(module))
+                owner = len(self._custom_at)
+                self._custom_at.append(position)
                 self._custom_sizes.append(len(attributes))
                 for key in attributes.keys() - MODULE_INTERNALS:
                     value = attributes[key]
-                    entries.append((attributes, key, value))
+                    self._attributes.append((owner, key, _Held(value)))
                     if isinstance(value, Tensor):
                         tensors.append(value)
         if any(type(t) not in _PLAIN_TENSORS for t in tensors):
@@ -146,6 +156,30 @@ class Walk:
         self._requires = list(map(_requires_grad, tensors))
         self._ptrs = list(map(_data_ptr, tensors))
         return True
+
+
+_MISSING = object()  # no such attribute
+_GONE = object()  # a value held weakly and collected: no attribute holds it
+
+
+class _Held:
+    """An attribute's value, weakly where it can be."""
+
+    __slots__ = ("_ref", "_value")
+
+    def __init__(self, value: Any) -> None:
+        try:
+            self._ref: weakref.ref[Any] | None = weakref.ref(value)
+            self._value = None
+        except TypeError:  # ints, floats, strings, tuples, lists: held as they are
+            self._ref, self._value = None, value
+
+    def get(self) -> Any:
+        """The value, or a marker no attribute holds if it was collected."""
+        if self._ref is None:
+            return self._value
+        found = self._ref()
+        return _GONE if found is None else found
 
 
 _plans: OrderedDict[tuple[int, ...], Walk] = OrderedDict()

@@ -47,6 +47,7 @@ randn = seeded(torch.randn)
 
 # Each change is applied the same way to the models and to a copy run by the plain loop.
 CHANGES = {
+    "attribute replaced": lambda ms: setattr(ms[8], "scale", 2.5),
     "parameter replaced": lambda ms: setattr(ms[0][0], "weight", nn.Parameter(randn(8, IN))),
     "parameter frozen": lambda ms: ms[1][0].weight.requires_grad_(False),
     "parameter data replaced": lambda ms: setattr(ms[0][0].weight, "data", randn(8, IN)),
@@ -123,13 +124,30 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one(n_jobs):
         assert all(torch.equal(a, b) for a, b in zip(g, g0))
 
 
-def test_a_kept_plan_keeps_no_model_alive():
-    models = models_under_test()
+class BoundAttribute(nn.Module):
+    """Holds a method of its own as an attribute: a plan holding it would hold the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.act = self.squash
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+@pytest.mark.parametrize("kind", ["zoo", "bound attributes"])
+def test_a_kept_plan_keeps_no_model_alive(kind):
+    # With every model holding a method of its own, no model goes first to drop the plan.
+    models = models_under_test() if kind == "zoo" else [BoundAttribute() for _ in range(3)]
     key = tuple(map(id, models))
     parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
     assert key in _plans._plans
     refs = [weakref.ref(m) for m in models]
-    weights = weakref.ref(models[0][0].weight)
+    weights = weakref.ref(next(models[0].parameters()))
     del models
     gc.collect()
     assert all(r() is None for r in refs) and weights() is None
