@@ -27,8 +27,8 @@ from ._grouping import (
     plan_units,
     useful_workers,
 )
-from ._inline import fits_callers_graph, sum_in_callers_graph
-from ._plans import Walk, keep_walk, known_walk, remember_derived, stripped
+from ._inline import fits_callers_graph, pulled_back_alone, sum_in_callers_graph
+from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
 from ._sparse import has_user_hooks
 from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
 
@@ -192,11 +192,12 @@ def _general_sum(
         found = found or [ModelParams.of(m) for m in models]
         units = plan_units(models, found, engine, batch, chunk_size)
         chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
-        derived = (units, chunks, useful_workers(found, batch) if chosen else n_workers)
-        remember_derived(walk, key, *derived)
-    units, chunks, useful = derived
+        workers = useful_workers(found, batch) if chosen else n_workers
+        derived = Derived(units, chunks, workers, pulled_back_alone(found, batch))
+        remember_derived(walk, key, derived)
+    units, chunks = derived.units, derived.chunks
     if chosen:
-        n_workers = 1 if on_device else min(n_workers, useful)
+        n_workers = 1 if on_device else min(n_workers, derived.workers)
     if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
         n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
     plan = SumPlan(
@@ -221,7 +222,8 @@ def _general_sum(
         bool(params) or any(t.requires_grad for t in differentiable)
     )
     if build_graph and fits_callers_graph(plan, tensors):
-        leaves = sum_in_callers_graph(plan, call, weight_tensor)  # NOTE [ The caller's graph ]
+        # NOTE [ The caller's graph ]
+        leaves = sum_in_callers_graph(plan, call, weight_tensor, derived.alone)
     elif build_graph:
         inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else []), *params]
         leaves = list(ParallelSum.apply(plan, *inputs))

@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from . import _pool
-from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
+from ._engines import CallArgs, ModelParams, SinglePullback, _edge, module_of, pull_back
 from ._function import (
     SumPlan,
     _engine_keeps_graph,
@@ -98,22 +98,27 @@ class _State:
         leaves: list[Tensor],
         edges: list[list[tuple[GradientEdge, int]]],
         outputs: list[list[Tensor] | None],
+        alone: list[bool],
     ) -> None:
         self.plan = plan
         self.leaves = leaves  # the sum, computed before the node is made
         # Each model's output edges, with the output leaf each belongs to; None once freed.
         self.edges: list[list[tuple[GradientEdge, int]]] | None = edges
         self.outputs = outputs  # detached, for the weights' gradient
-        # Models pulled back one per engine call, their graphs freed as they go (NOTE
-        # [ Engine calls of the caller's graph ]); the others together, their graphs kept.
-        batch = Batch.of([plan.call.leaves[j] for j in plan.call.tensor_positions])
-        self.alone = [_param_rows(mp, batch) >= ALONE_PARAM_ROWS for mp in plan.model_params]
+        self.alone = alone  # pulled back one per engine call (pulled_back_alone)
+
+
+def pulled_back_alone(model_params: Sequence[ModelParams], batch: Batch) -> list[bool]:
+    """Which models are pulled back in an engine call of their own, their graphs freed as they
+    go (NOTE [ Engine calls of the caller's graph ]); planned once with the chunks."""
+    return [_param_rows(mp, batch) >= ALONE_PARAM_ROWS for mp in model_params]
 
 
 def sum_in_callers_graph(
-    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None
+    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None, alone: list[bool]
 ) -> list[Tensor]:
-    """Run the models in the caller's graph; their sum, as one node of it."""
+    """Run the models in the caller's graph; their sum, as one node of it. ``alone``: from
+    ``pulled_back_alone``."""
     roots: list[list[Tensor] | None] = [None] * len(plan.models)
     weight_needs_grad = weight_tensor is not None and weight_tensor.requires_grad
     result = run_forward(
@@ -123,7 +128,7 @@ def sum_in_callers_graph(
         [(_edge(leaf), j) for j, leaf in enumerate(leaves or ()) if leaf.requires_grad]
         for leaves in roots
     ]
-    state = _State(plan, result.leaves, edges, result.outputs)
+    state = _State(plan, result.leaves, edges, result.outputs, alone)
     del roots, result, edges
     anchor = torch.empty(0, requires_grad=True)  # its node says how backward runs
     weights = [weight_tensor] if weight_tensor is not None else []

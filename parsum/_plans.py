@@ -35,24 +35,31 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 from torch.nn.parameter import Parameter
 
 from ._engines import MODULE_INTERNALS, ModelParams, Unit, _may_hold_loose_tensors
 from ._sparse import any_sampled
-from ._stack import _handle_count
+from ._stack import _data_ptr, _handle_count, _requires_grad
 
 MAX_PLANS = 8
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)
 
 _PLAIN_TENSORS = (Tensor, Parameter)
 _is = operator.is_
-_data_ptr = Tensor.data_ptr
-_requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
 _dicts_of = operator.attrgetter("_parameters", "_buffers", "_modules")
+
+
+class Derived(NamedTuple):
+    """What a call plans from a walk, its engine, batch shape, chunk size and chunk limit."""
+
+    units: list[Unit]
+    chunks: list[range]
+    workers: int  # the workers that pay, where parsum chooses them
+    alone: list[bool]  # NOTE [ Engine calls of the caller's graph ] in _inline
 
 
 class Walk:
@@ -72,8 +79,8 @@ class Walk:
         self.slots = slots
         self.shared = shared
         self.forward_in_order = forward_in_order
-        # (engine, batch, chunk_size, max_chunks, workers chosen) -> (units, chunks, workers)
-        self.derived: dict[Hashable, tuple[list[Unit], list[range], int]] = {}
+        # (engine, batch, chunk_size, max_chunks, workers chosen) -> what is derived for them
+        self.derived: dict[Hashable, Derived] = {}
         self._module_refs: list[weakref.ref[nn.Module]] = []
         self._types: list[type] = []
         self._training: list[bool] = []
@@ -242,11 +249,9 @@ class _Forget:
                 del _plans[self.key]
 
 
-def remember_derived(
-    walk: Walk, key: Hashable, units: list[Unit], chunks: list[range], useful: int
-) -> None:
-    """Keep the units and chunks planned for ``key`` when they hold models one by one."""
-    if all(len(unit.models) == 1 for unit in units):
+def remember_derived(walk: Walk, key: Hashable, derived: Derived) -> None:
+    """Keep what was planned for ``key`` when its units hold models one by one."""
+    if all(len(unit.models) == 1 for unit in derived.units):
         if len(walk.derived) >= MAX_DERIVED:
             walk.derived.clear()
-        walk.derived[key] = (units, chunks, useful)
+        walk.derived[key] = derived
