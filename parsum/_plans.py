@@ -244,8 +244,9 @@ class _Forget:
         self.walk = weakref.ref(walk)
 
     def __call__(self, _: object) -> None:
+        walk = self.walk()
         with _lock:
-            if self.walk() is not None and _plans.get(self.key) is self.walk():
+            if walk is not None and _plans.get(self.key) is walk:
                 del _plans[self.key]
 
 
