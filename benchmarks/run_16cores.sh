@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
-# What to run on a lent machine with many cores and a GPU (the device tool), in two calls of
-# under 10 minutes each:
-#   bash benchmarks/run_16cores.sh cpu    # install, the speedup table over 1-16 workers and
-#                                         # processes (JSON, plot), the main example
-#   bash benchmarks/run_16cores.sh cuda   # install, the CUDA tests under their timeouts, the
-#                                         # CUDA benchmark, the whole suite
-# Everything goes under $OUT (or ./out).
+# What to run on a lent machine with many cores and a GPU (the device tool), in calls of under
+# 10 minutes each:
+#   bash benchmarks/run_16cores.sh cuda     # a smoke test of the old hang, the CUDA tests under
+#                                           # their timeouts, the CUDA benchmark, the whole suite
+#   bash benchmarks/run_16cores.sh threads  # the speedup table over 1-16 workers (no processes)
+#   bash benchmarks/run_16cores.sh cpu      # the table over 1-16 workers and processes, the
+#                                           # main example
+# Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
+# runs from this checkout through PYTHONPATH instead of being installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-cpu}
 out=${OUT:-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the benchmarks run from benchmarks/
-python -m pip install --quiet -e ".[test,examples]" > "$out/install-$mode.txt" 2>&1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1  # unbuffered: a run cut by its timeout keeps its rows
 python -c "import torch; print(torch.__version__, torch.cuda.is_available())" > "$out/env.txt"
 nproc >> "$out/env.txt"
-if [ "$mode" = cpu ]; then
-    (cd benchmarks && timeout 420 python bench_speedup.py --jobs 1,2,4,8,16 \
-        --procs 1,2,4,8,16 --rounds 15 --json "$out/speedup-16cores.json" \
-        --png "$out/speedup-16cores.png") > "$out/speedup-16cores.txt" 2>&1
-    timeout 120 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
-else
-    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_devices.py \
-        tests/test_concurrency.py tests/test_sum_models.py -k "cuda or devices" \
-        > "$out/cuda-tests.txt" 2>&1
-    if python -c "import torch; raise SystemExit(not torch.cuda.is_available())"; then
-        (cd benchmarks && timeout 200 python bench_speedup.py --device cuda --jobs 1,4 \
-            --rounds 15 --json "$out/speedup-cuda.json" --png "$out/speedup-cuda.png") \
-            > "$out/speedup-cuda.txt" 2>&1
-    fi
-    timeout 150 python -m pytest -n 8 -q -p no:cacheprovider tests > "$out/tests.txt" 2>&1
-fi
-tail -n 3 "$out"/*.txt
+speedup() {  # speedup SECONDS NAME ARGS...: the table, its JSON and plot
+    local seconds=$1 name=$2
+    shift 2
+    (cd benchmarks && timeout "$seconds" python bench_speedup.py "$@" --json "$out/$name.json" \
+        --png "$out/$name.png") > "$out/$name.txt" 2>&1
+}
+case $mode in
+cuda)
+    # The default used to hang in backward on CUDA: a hard limit, and every thread's stack if hit.
+    timeout 90 python -X faulthandler -c "
+import faulthandler, torch, parsum
+faulthandler.dump_traceback_later(60, exit=True)
+models = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+          .cuda() for _ in range(16)]
+for n_jobs in (None, 1, 2, 4):
+    parsum.sum_models(models, torch.randn(64, 8, device='cuda'), n_jobs=n_jobs).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    print('backward returned, n_jobs', n_jobs)
+" > "$out/cuda-smoke.txt" 2>&1
+    # Several workers: a test that hits its timeout ends its worker, not the run.
+    timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
+        tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py \
+        -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
+    speedup 170 speedup-cuda --device cuda --jobs 1,4 --rounds 15
+    timeout 120 python -m pytest -n 8 -q -p no:cacheprovider tests > "$out/tests.txt" 2>&1
+    ;;
+threads)
+    speedup 300 speedup-16cores-threads --jobs 1,2,4,8,16 --rounds 12
+    ;;
+cpu)
+    speedup 460 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 12
+    timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
+    ;;
+esac
+tail -n 4 "$out"/*.txt

@@ -180,7 +180,8 @@ def main() -> None:
     )
 
     # Same initial weights, same batches: only the way the sum is computed differs.
-    threads = parsum._config.thread_budget()
+    # No more threads than members: a thread with no share would have nothing to train.
+    threads = min(parsum._config.thread_budget(), args.members)
     split = f"hand split, {threads} threads"
     trainers = {
         "plain": Trainer(plain_ensemble, copy.deepcopy(models), args.lr),

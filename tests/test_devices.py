@@ -7,11 +7,14 @@ every test here has a thread-method timeout: it dumps the stacks and ends the wo
 fails instead of stalling the suite.
 """
 
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 import parsum
+from tests.test_errors import BoomBackward
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(90, method="thread")
@@ -82,14 +85,16 @@ def test_flatgrad(device, compensated):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_step_in_backward(device):
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_step_in_backward(device, n_jobs):
     models = _models("zoo", device)
     ref = clone_models(models)
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.05)
     opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.05)
     x = torch.randn(5, IN, device=device)
     for _ in range(3):
-        parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2).pow(2).sum().backward()
+        y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs)
+        y.pow(2).sum().backward()
         opt.zero_grad()
         plain_sum(ref, x).pow(2).sum().backward()
         opt.step()
@@ -183,3 +188,78 @@ def test_a_cpu_model_beside_cuda_models(n_jobs):
     x = torch.randn(5, IN, device="cuda", requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     _assert_like_plain(models, ref, x, x_ref, n_jobs=n_jobs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_failed_backward_changes_nothing(device, n_jobs):
+    models = [m.to(device) for m in [*_models("zoo", "cpu"), BoomBackward()]]
+    x = torch.randn(5, IN, device=device)
+    parsum.sum_models(models[:-1], x, n_jobs=n_jobs).sum().backward()
+    before = [g.clone() for g in param_grads(models[:-1])]
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    with pytest.raises(parsum.ParsumError, match=r"BoomBackward\) raised ValueError"):
+        y.sum().backward()
+    for g, b in zip(param_grads(models[:-1]), before):
+        assert torch.equal(g, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concurrent_callers(device):
+    # Two threads, each with its own models, call and pull back at once.
+    sets = [_models("zoo", device) for _ in range(2)]
+    refs = [clone_models(models) for models in sets]
+    x = torch.randn(5, IN, device=device)
+    errors = []
+
+    def train(models):
+        try:
+            for _ in range(5):
+                parsum.sum_models(models, x).pow(2).sum().backward()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(models,)) for models in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for models, ref in zip(sets, refs):
+        for _ in range(5):
+            plain_sum(ref, x).pow(2).sum().backward()
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+@needs_cuda
+def test_repeated_calls_keep_gpu_memory_flat():
+    models = _models("zoo", "cuda")
+    x = torch.randn(64, IN, device="cuda")
+
+    def step():
+        parsum.sum_models(models, x).pow(2).sum().backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == start
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_gradcheck_float64(device, n_jobs):
+    torch.manual_seed(0)
+    models = [mlp([w]).double().to(device) for w in (3, 4, 5)]
+    x = torch.randn(2, IN, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device, requires_grad=True)
+    params = [p for m in models for p in m.parameters()]
+
+    def f(x, w, *_params):
+        return parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
+
+    assert torch.autograd.gradcheck(f, (x, w, *params))
