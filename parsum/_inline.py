@@ -32,7 +32,10 @@
 # graphs (their activations are small), so that a failure can be traced to its model by
 # pulling each back alone; an engine call costs about 25 us, which 64 tiny models one by one
 # would pay 64 times. The calls run in model order, and each model's gradients are those of a
-# call of its own, so the bits do not depend on the split.
+# call of its own, so the bits do not depend on the split. Models on a GPU are all pulled back
+# in one call: there a call costs far more (16 medium MLPs on an H100, batch 64, each in a call
+# of its own: 13.1 ms a step against 10.1 for the plain loop, the same kernels launched) and
+# freed activations go back to the caching allocator, not to fresh pages.
 #
 # The path is taken only where its gradients are those of ParallelSum bit for bit and its
 # hooks run as there: no argument needs a gradient (the models' argument gradients would be
@@ -110,8 +113,15 @@ class _State:
 
 def pulled_back_alone(model_params: Sequence[ModelParams], batch: Batch) -> list[bool]:
     """Which models are pulled back in an engine call of their own, their graphs freed as they
-    go (NOTE [ Engine calls of the caller's graph ]); planned once with the chunks."""
-    return [_param_rows(mp, batch) >= ALONE_PARAM_ROWS for mp in model_params]
+    go (NOTE [ Engine calls of the caller's graph ]); planned once with the chunks. Only
+    models on the CPU: on a GPU an engine call costs far more, and the memory is the caching
+    allocator's."""
+    return [
+        bool(mp.tensors)
+        and mp.tensors[0].device.type == "cpu"
+        and _param_rows(mp, batch) >= ALONE_PARAM_ROWS
+        for mp in model_params
+    ]
 
 
 def sum_in_callers_graph(

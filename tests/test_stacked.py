@@ -66,6 +66,13 @@ def test_auto_groups_only_many_small_models():
     assert groups(big, "stacked") == [tuple(range(8))]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_stacks_big_models_on_cuda():
+    # On a GPU the models' small kernels one at a time cost more than batched ones.
+    big = [mlp([1024, 1024]).cuda() for _ in range(8)]
+    assert groups(big, "auto", x=torch.randn(4, IN, device="cuda")) == [tuple(range(8))]
+
+
 class WithBuffer(nn.Module):
     def __init__(self, elements):
         super().__init__()
