@@ -41,7 +41,7 @@ for n_jobs in (None, 1, 2, 4):
         tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
     speedup 170 speedup-cuda --device cuda --jobs 1,4 --rounds 15
-    timeout 120 python -m pytest -n 8 -q -p no:cacheprovider tests > "$out/tests.txt" 2>&1
+    timeout 200 python -m pytest -n 12 -q -rf -p no:cacheprovider tests > "$out/tests.txt" 2>&1
     ;;
 threads)
     speedup 300 speedup-16cores-threads --jobs 1,2,4,8,16 --rounds 12
