@@ -17,7 +17,8 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  pay ]: the budget spent on intra-op threads, or on workers)
   procs P        parsum.distributed.sum_models over P processes on this host (gloo on
                  127.0.0.1), each with budget / P threads and its share of the models, as
-                 torchrun --nproc-per-node P would run them (only with --procs)
+                 torchrun --nproc-per-node P would run them (only with --procs); timed after
+                 the other methods, with only its own P processes alive
 
 Every method runs once per round, interleaved, after a warm-up; the tables give medians over
 the rounds and ratios measured in this one process (absolute times drift on shared machines).
@@ -63,8 +64,6 @@ def methods_for(
     batch: int | None,
     jobs: list[int],
     device: str = "cpu",
-    procs: tuple[int, ...] = (),
-    opened: list | None = None,
 ) -> tuple[str, dict]:
     w = workload(name, batch)
     models, x = [m.to(device) for m in w.models], w.x.to(device)
@@ -94,16 +93,29 @@ def methods_for(
             split = HandSplit(models, p)
             methods[f"hand-split {p}"] = lambda split=split: split(x)
         methods[f"parsum {p}"] = lambda p=p: parsum_step(models, x, n_jobs=p)
-    budget = torch.get_num_threads()
-    # Every rank needs a model of its own: no more processes than models.
-    for p in [p for p in procs if p <= len(models)] if device == "cpu" else ():
-        split = ProcessSplit(name, batch, p, budget)
-        if opened is not None:
-            opened.append(split)
-        methods[f"procs {p}"] = split
     if device != "cpu":  # a step ends when the device is done with it
         methods = {k: _synchronized(fn) for k, fn in methods.items()}
     return w.description, methods
+
+
+def time_processes(
+    name: str, batch: int | None, procs: tuple[int, ...], rounds: int
+) -> dict[str, float]:
+    """Median seconds a step of each ``procs P`` row, each timed with only its own P processes
+    alive, after the threads' rows: an idle rank's OpenMP threads spin for a while after each
+    step, which slowed the rows timed beside them (on 16 cores, 16 identical MLPs: parsum
+    35.4 ms with ranks alive against 14.2 without; vmap 9.5 against 6.4)."""
+    models = workload(name, batch).models
+    budget = torch.get_num_threads()
+    medians: dict[str, float] = {}
+    # Every rank needs a model of its own: no more processes than models.
+    for p in [p for p in procs if p <= len(models)]:
+        split = ProcessSplit(name, batch, p, budget)
+        try:
+            medians[f"procs {p}"] = interleaved({"procs": split}, rounds)["procs"]
+        finally:
+            split.close()
+    return medians
 
 
 def _synchronized(fn: Callable[[], None]) -> Callable[[], None]:
@@ -220,13 +232,10 @@ def main() -> None:
     procs = tuple(int(p) for p in args.procs.split(",") if p)
     results = []
     for name, batch in cases:
-        opened: list[ProcessSplit] = []
-        try:
-            description, methods = methods_for(name, batch, jobs, args.device, procs, opened)
-            medians = interleaved(methods, args.rounds)
-        finally:
-            for split in opened:
-                split.close()
+        description, methods = methods_for(name, batch, jobs, args.device)
+        medians = interleaved(methods, args.rounds)
+        if procs and args.device == "cpu":
+            medians.update(time_processes(name, batch, procs, args.rounds))
         results.append(report(name, description, medians, jobs))
     with open(args.json, "w") as f:
         json.dump({"cores": cores, "torch": torch.__version__, "results": results}, f, indent=1)

@@ -38,7 +38,7 @@ for n_jobs in (None, 1, 2, 4):
 " > "$out/cuda-smoke.txt" 2>&1
     # Several workers: a test that hits its timeout ends its worker, not the run.
     timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
-        tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py \
+        tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
     speedup 170 speedup-cuda --device cuda --jobs 1,4 --rounds 15
     timeout 200 python -m pytest -n 12 -q -rf -p no:cacheprovider tests > "$out/tests.txt" 2>&1
