@@ -237,6 +237,9 @@ def run_forward(
 
     def sum_chunk(k: int) -> list[CompensatedAccumulator]:
         accs: list[CompensatedAccumulator] = []
+        # Each output leaf's values not added yet: added together, in model order, with one
+        # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
+        pending: list[list[Tensor]] = []
         first: int | None = None
         for u in plan.chunks[k]:
             unit = plan.units[u]
@@ -264,10 +267,12 @@ def run_forward(
                 if first is None:
                     first = members[0]
                     accs = [CompensatedAccumulator() for _ in leaves]
+                    pending = [[] for _ in leaves]
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
                 # Detached values and weights: no graph is recorded, with no grad-mode switch.
                 if grouped:
+                    _flush(accs, pending)
                     _add_group(plan, members, run.stacked or [], weight_tensor, accs)
                     continue
                 (i,) = members
@@ -279,8 +284,9 @@ def run_forward(
                     outputs[i] = values
                 if w is not None:
                     values = [v * w for v in values]
-                for acc, v in zip(accs, values):
-                    acc.add(v)
+                for waiting, v in zip(pending, values):
+                    waiting.append(v)
+        _flush(accs, pending)
         return accs
 
     def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
@@ -303,6 +309,13 @@ def run_forward(
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
     return _Forward([t.result() for t in totals], pullbacks, outputs)
+
+
+def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> None:
+    for acc, waiting in zip(accs, pending):
+        if waiting:
+            acc.add_all(waiting)
+            waiting.clear()
 
 
 def _add_group(

@@ -10,7 +10,8 @@
 # the float64 sum lands exactly halfway between two float32 values, where the second rounding
 # has lost what lay below float64's last bit ([1, 2**-24, 2**-60] gives 1, not 1 + 2**-23).
 # It costs one kernel per addition (measured 2.2-2.5x a naive add chain, against 5-8x for
-# TwoSum in float32, which breaking those ties would need).
+# TwoSum in float32, which breaking those ties would need). A chunk's outputs are added with one
+# wide reduction over them (``add_all``): the same bound, in the reduction's own fixed order.
 #
 # float64 (and complex128), which has no wider type: Neumaier's compensated sum. Every addition
 # ``s + x`` is done with Knuth's branch-free TwoSum, which yields the rounded sum ``t`` and its
@@ -103,6 +104,18 @@ class CompensatedAccumulator:
             self._sum, self._owned, self._dtype = x, True, dtype
         else:
             self.add(x)
+
+    def add_all(self, xs: Sequence[Tensor]) -> None:
+        """Add same-shape tensors, in order. Where their dtype has a wider one, with one
+        reduction in it (``torch.stack(xs).sum(0, dtype=wide)``): two kernels for all instead of
+        one or two each, where every kernel call also passes the GIL (NOTE [ Compensated
+        summation ])."""
+        wide = WIDE.get(xs[0].dtype) if len(xs) > 1 else None
+        if wide is None or any(x.layout != torch.strided for x in xs):
+            for x in xs:
+                self.add(x)
+            return
+        self.add_wide(torch.stack(list(xs)).sum(0, dtype=wide), xs[0].dtype)
 
     def _two_sum(self, s: Tensor, x: Tensor) -> None:
         if self._comp is None:
