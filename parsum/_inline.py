@@ -1,25 +1,25 @@
 """The one-thread path of ``sum_models``: the models run in the caller's graph.
 
 # NOTE [ The caller's graph ]
-# When a call runs on one thread (the budget or the models leave no work for a second: NOTE
-# [ Threads that pay ] in _grouping), ParallelSum's machinery (per-model pullback objects,
-# gradient routing, the pool) costs far more than the models for small ones: 64 tiny MLPs at one
-# thread took 2.1 ms forward and 3.3 ms backward in the plain loop, 3.9 and 4.9 through
-# ParallelSum. There the models run as the plain loop runs them, in the calling thread on the
-# caller's tensors, and one ``CallerGraphSum`` node returns their compensated, ordered sum,
+# When a call runs on one thread (the budget or the models leave no work for a second:
+# NOTE [ Threads that pay ] in _grouping; several: below), ParallelSum's machinery (per-model
+# pullback objects, gradient routing, the pool) costs far more than the models for small ones: 64
+# tiny MLPs at one thread took 2.1 ms forward and 3.3 ms backward in the plain loop, 3.9 and 4.9
+# through ParallelSum. There the models run as the plain loop runs them, in the calling thread on
+# the caller's tensors, and one ``CallerGraphSum`` node returns their compensated, ordered sum,
 # computed by ``run_forward`` exactly as ParallelSum computes it (the same chunks, weights and
 # intra-op threads, hence the same bits). Like ParallelSum, its inputs are the parameters, so
-# ``autograd.grad`` with respect to them works, and it keeps the models' output edges itself:
-# the models' graphs hang off the parameters, never off the node, so the running engine does
-# not walk them a second time. Its backward pulls the models back in few engine calls (NOTE [ Engine
-# calls of the caller's graph ]), with each output's cotangent (the incoming gradient times the
-# model's weight), under the same intra-op threads: into ``.grad`` directly where the running
-# backward accumulates into every leaf and every ``.grad`` is None (NOTE [ Accumulating in the
-# pullback ] in _function), otherwise (``autograd.grad``, ``backward(inputs=...)``, create_graph,
-# gradients to add to, post-accumulate hooks, which autograd also calls for the None returned)
-# capturing the gradients and returning them for autograd to accumulate. A failure
-# sets the ``.grad`` it wrote back to None, and each model is then pulled back alone (the call
-# kept the graphs) to name the first one that fails.
+# ``autograd.grad`` with respect to them works, and it keeps the models' output edges itself: the
+# models' graphs hang off the parameters, never off the node, so the running engine does not walk
+# them a second time. Its backward pulls the models back in few engine calls
+# (NOTE [ Engine calls of the caller's graph ]), with each output's cotangent (the incoming gradient
+# times the model's weight), under the same intra-op threads: into ``.grad`` directly where the
+# running backward accumulates into every leaf and every ``.grad`` is None
+# (NOTE [ Accumulating in the pullback ] in _function), otherwise (``autograd.grad``,
+# ``backward(inputs=...)``, create_graph, gradients to add to, post-accumulate hooks, which autograd
+# also calls for the None returned) capturing the gradients and returning them for autograd to
+# accumulate. A failure sets the ``.grad`` it wrote back to None, and each model is then pulled back
+# alone (the call kept the graphs) to name the first one that fails.
 #
 # NOTE [ Engine calls of the caller's graph ]
 # Pulling back with ``retain_graph=True`` keeps every model's saved activations until the last
@@ -36,6 +36,19 @@
 # in one call: there a call costs far more (16 medium MLPs on an H100, batch 64, each in a call
 # of its own: 13.1 ms a step against 10.1 for the plain loop, the same kernels launched) and
 # freed activations go back to the caching allocator, not to fresh pages.
+#
+# NOTE [ The caller's graph on several threads ]
+# With the models' parameters on the CPU (where backward runs on a CPU thread, never on a
+# device's: NOTE [ Device threads ] in _function), a call on several threads takes this path
+# too: ``run_forward`` runs the chunks on the pool's threads as ParallelSum does, and the
+# backward pulls each chunk's models back on the pool's threads (their engine calls as above,
+# per chunk), writing into disjoint ``.grad``. It skips ParallelSum's per-model machinery
+# (argument aliases, pullback objects, gradients routed back through the node), which the
+# other threads' GIL turns into waits: 64 tiny MLPs at n_jobs=2 on 2 cores took 9.7 ms a step
+# against 11.6 through ParallelSum (16 MLPs of widths 128-512, batch 256: 13.9 against a
+# two-phase split by hand, the models' forwards over the threads then their backwards, 13.7).
+# A failure undoes every ``.grad`` as above; the smallest failing chunk's first failing model
+# is named, the one a run on one thread would name.
 #
 # The path is taken only where its gradients are those of ParallelSum bit for bit and its
 # hooks run as there: no argument needs a gradient (the models' argument gradients would be
@@ -79,7 +92,12 @@ ALONE_PARAM_ROWS = 1_000_000
 def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
     """Whether the call runs in the caller's graph (NOTE [ The caller's graph ])."""
     return (
-        _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
+        (
+            _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
+            # Pulled back in helpers: only where backward runs on a CPU thread (NOTE [ Device
+            # threads ] in _function).
+            or all(t.device.type == "cpu" for t in [*tensors, *plan.params])
+        )
         and plan.step_in_backward is None
         and all(unit.engine == "autograd" for unit in plan.units)
         and not any(t.requires_grad for t in tensors)
@@ -196,33 +214,51 @@ class CallerGraphSum(torch.autograd.Function):
         if not params:
             return (*grads_in, *param_grads)
         error: BaseException | None = None
-        running: list[int] = []
+        # The models each failing chunk was pulling back when it failed.
+        failing: dict[int, list[int]] = {}
+        graphs = edges  # as narrowed here, for the function below
+
+        def pull_back_chunks(k: int, chunks: Sequence[int]) -> None:
+            """Pull back the models of ``chunks``; a failure is recorded under ``k``."""
+            mine = {i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models}
+            chunk_edges = [e if i in mine else [] for i, e in enumerate(graphs)]
+            for running in _engine_calls(state.alone, chunk_edges):
+                failing[k] = running
+                outs: list[GradientEdge] = []
+                cots: list[Tensor] = []
+                slots: list[int] = []
+                for i in running:
+                    w = plan.weight(i, weight_tensor)
+                    cotangents = SinglePullback.cotangents(grad_outputs, w)
+                    for edge, j in graphs[i]:
+                        outs.append(edge)
+                        cots.append(cotangents[j])
+                    slots.extend(plan.param_slots[i])
+                # Into every leaf, as the running backward would: no inputs to mark.
+                wrt = () if accumulate else [params[k] for k in slots]
+                retain = keep_graph or len(running) > 1
+                found = pull_back(outs, wrt, cots, retain_graph=retain, accumulate=accumulate)
+                if not accumulate:
+                    for slot, grad in zip(slots, found):
+                        param_grads[slot] = grad
+            failing.pop(k, None)
+
+        n_chunks = len(plan.chunks)
         try:
-            with _pool.as_one_task(len(plan.chunks)):
-                for running in _engine_calls(state.alone, edges):
-                    outs: list[GradientEdge] = []
-                    cots: list[Tensor] = []
-                    slots: list[int] = []
-                    for i in running:
-                        w = plan.weight(i, weight_tensor)
-                        cotangents = SinglePullback.cotangents(grad_outputs, w)
-                        for edge, j in edges[i]:
-                            outs.append(edge)
-                            cots.append(cotangents[j])
-                        slots.extend(plan.param_slots[i])
-                    # Into every leaf, as the running backward would: no inputs to mark.
-                    wrt = () if accumulate else [params[k] for k in slots]
-                    retain = keep_graph or len(running) > 1
-                    found = pull_back(outs, wrt, cots, retain_graph=retain, accumulate=accumulate)
-                    if not accumulate:
-                        for k, grad in zip(slots, found):
-                            param_grads[k] = grad
+            if _pool.threads_for(n_chunks, plan.n_workers) <= 1:
+                with _pool.as_one_task(n_chunks):  # the chunks' threads, in as few calls
+                    pull_back_chunks(0, range(n_chunks))
+            else:  # NOTE [ The caller's graph on several threads ]
+                _pool.run_ordered(
+                    lambda k: pull_back_chunks(k, (k,)), n_chunks, plan.n_workers, _ignore
+                )
         except BaseException as exc:
             if accumulate:
                 for p in params:
                     p.grad = None  # what it was: none of it stays
             error = exc
         if error is not None:
+            running = failing[min(failing)] if failing else []
             # Raised out here, and the frames' references dropped: an error whose traceback
             # holds a frame that holds it is a cycle, which keeps the models' graphs alive
             # until the garbage collector runs.
@@ -236,6 +272,10 @@ class CallerGraphSum(torch.autograd.Function):
             finally:
                 error = edges = None
         return (*grads_in, *param_grads)
+
+
+def _ignore(k: int, result: None) -> None:
+    """The chunks' pullbacks write their gradients themselves: nothing to consume."""
 
 
 def _engine_calls(

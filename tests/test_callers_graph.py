@@ -1,12 +1,15 @@
 """The one-thread path (NOTE [ The caller's graph ]): the same bits as ParallelSum on any number
 of workers, the plain loop's gradients, autograd.grad, hooks, failures undone and named."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
 import parsum
-from parsum import _inline
+from parsum import _api, _inline
 from tests.test_errors import BoomBackward
 from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, zoo
 
@@ -22,10 +25,13 @@ def in_callers_graph(y: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("weighted", [None, "floats", "tensor"])
-def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted):
+def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted, monkeypatch):
     results = []
-    for n_jobs in (1, 2, 3):
+    for n_jobs, callers_graph in [(1, True), (2, True), (3, True), (1, False), (3, False)]:
+        # ParallelSum where the caller's graph is not taken
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a, c=callers_graph: c)
         models = zoo(seed=3)
+        torch.manual_seed(7)
         x = torch.randn(5, IN)  # no gradient: the path is open
         weights = {
             None: None,
@@ -33,7 +39,7 @@ def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted):
             "tensor": torch.linspace(0.2, 1.4, len(models), requires_grad=True),
         }[weighted]
         y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs, chunk_size=2)
-        assert in_callers_graph(y) == (n_jobs == 1)
+        assert in_callers_graph(y) == callers_graph
         y.pow(2).sum().backward()
         w_grad = weights.grad if isinstance(weights, torch.Tensor) else None
         results.append((y.detach(), param_grads(models), w_grad))
@@ -125,26 +131,30 @@ def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
 SPLITS = [0, 50, 10**18]
 
 
+@pytest.mark.parametrize("n_jobs", [1, 3])
 @pytest.mark.parametrize("alone_rows", SPLITS)
 @pytest.mark.parametrize("accumulated", [False, True])
-def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, alone_rows, monkeypatch):
+def test_failed_backward_changes_no_grad_and_names_the_model(
+    accumulated, alone_rows, n_jobs, monkeypatch
+):
     monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
     models = [mlp([3]) for _ in range(6)]
     models.insert(4, BoomBackward())
+    models.append(BoomBackward())  # a later failure, maybe in a chunk run at the same time
     x = torch.randn(2, IN)
     if accumulated:  # .grad already holds a gradient: the capturing pull-back
         for m in models:
             for p in m.parameters():
                 p.grad = torch.ones_like(p)
     before = [None if g is None else g.clone() for g in param_grads(models)]
-    y = parsum.sum_models(models, x, n_jobs=1)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
     assert in_callers_graph(y)
     with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\) raised ValueError"):
         y.sum().backward()
     for g, b in zip(param_grads(models), before):
         assert (g is None and b is None) or torch.equal(g, b)
-    del models[4]
-    parsum.sum_models(models, x, n_jobs=1).sum().backward()  # usable after
+    del models[-1], models[4]
+    parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()  # usable after
     assert all(g is not None for g in param_grads(models))
 
 
@@ -222,7 +232,8 @@ def test_what_takes_the_other_path():
     assert not in_callers_graph(parsum.sum_models(models, xg, n_jobs=1))  # argument gradient
     assert not in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))  # shared
     assert not in_callers_graph(parsum.sum_models([lambda t: models[0](t)], x, n_jobs=1))
-    assert not in_callers_graph(parsum.sum_models(models, x, n_jobs=2))  # two threads
+    # Several threads: the caller's graph too, its models pulled back in helpers (on the CPU)
+    assert in_callers_graph(parsum.sum_models(models, x, n_jobs=2))
     with torch.no_grad():
         assert parsum.sum_models(models, x, n_jobs=1).grad_fn is None
 
@@ -245,3 +256,37 @@ def test_batchnorm_and_failed_forward_restore_statistics():
     ref(x).sum().backward()
     torch.testing.assert_close(bn[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(bn[0].weight.grad, ref[0].weight.grad)
+
+
+class _Saves(nn.Module):
+    """Keeps a weak reference to a tensor its graph saves for backward."""
+
+    def __init__(self, saved):
+        super().__init__()
+        self.lin = nn.Linear(IN, 3)
+        self.saved = saved
+
+    def forward(self, x):
+        t = self.lin(x) * 2
+        self.saved.append(weakref.ref(t))
+        return t.pow(2)  # saves t
+
+
+@pytest.mark.parametrize("n_jobs", [1, 3])
+def test_failed_backward_frees_the_graphs_without_the_collector(n_jobs):
+    # The error's traceback must hold no frame that holds the models' graphs: with such a
+    # cycle the activations would stay until the garbage collector runs.
+    saved = []
+    models = [_Saves(saved) for _ in range(4)] + [BoomBackward()]
+    x = torch.randn(2, IN)
+    gc.collect()
+    gc.disable()
+    try:
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+        assert in_callers_graph(y)
+        with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\)"):
+            y.sum().backward()
+        del y
+        assert saved and all(ref() is None for ref in saved)
+    finally:
+        gc.enable()
