@@ -73,6 +73,7 @@ from ._engines import CallArgs, ModelParams, SinglePullback, _edge, module_of, p
 from ._function import (
     SumPlan,
     _engine_keeps_graph,
+    _on_device_thread,
     _once_differentiable,
     freed_graph_error,
     model_weight_grad,
@@ -245,13 +246,14 @@ class CallerGraphSum(torch.autograd.Function):
 
         n_chunks = len(plan.chunks)
         try:
-            if _pool.threads_for(n_chunks, plan.n_workers) <= 1:
+            # A model with CPU parameters may still return CUDA tensors: then this backward
+            # runs on the device's thread, which helpers would wait on (NOTE [ Device threads ]).
+            workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
+            if _pool.threads_for(n_chunks, workers) <= 1:
                 with _pool.as_one_task(n_chunks):  # the chunks' threads, in as few calls
                     pull_back_chunks(0, range(n_chunks))
             else:  # NOTE [ The caller's graph on several threads ]
-                _pool.run_ordered(
-                    lambda k: pull_back_chunks(k, (k,)), n_chunks, plan.n_workers, _ignore
-                )
+                _pool.run_ordered(lambda k: pull_back_chunks(k, (k,)), n_chunks, workers, _ignore)
         except BaseException as exc:
             if accumulate:
                 for p in params:

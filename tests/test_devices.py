@@ -263,3 +263,19 @@ def test_gradcheck_float64(device, n_jobs):
         return parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
 
     assert torch.autograd.gradcheck(f, (x, w, *params))
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_jobs", [2, None])
+def test_cpu_models_with_cuda_outputs(n_jobs):
+    # Parameters and input on the CPU, outputs on the GPU: backward runs on the device's thread,
+    # where helpers pulling back would wait on it (the caller's graph on several threads).
+    torch.manual_seed(0)
+    models = [_OnCuda() for _ in range(4)]
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+    y.pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b, **TOL)
