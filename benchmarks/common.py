@@ -188,6 +188,54 @@ class HandSplit:
             self.done.get()
 
 
+class TwoPhase:
+    """The ceiling of a loss of a sum on P threads: P persistent threads (1 intra-op thread
+    each) run the forwards of their share of the models (round robin); the calling thread sums
+    the outputs plainly and takes the loss's gradient; then each thread pulls its models back
+    in one ``torch.autograd.backward``. No compensation, planning, checks or failure handling:
+    what parsum on P threads would cost with nothing of its own."""
+
+    def __init__(self, models: list[nn.Module], threads: int) -> None:
+        self.shares = [models[p::threads] for p in range(threads)]
+        self.outs: list[list[torch.Tensor]] = [[] for _ in self.shares]
+        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.shares[1:]]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        for p in range(1, threads):
+            threading.Thread(target=self._serve, args=(p,), daemon=True).start()
+
+    def _work(self, p: int, x: torch.Tensor | None, g: torch.Tensor | None) -> None:
+        if g is None:
+            self.outs[p] = [m(x) for m in self.shares[p]]
+        else:
+            torch.autograd.backward(self.outs[p], [g] * len(self.outs[p]))
+            self.outs[p] = []
+
+    def _serve(self, p: int) -> None:
+        torch.set_num_threads(1)
+        while True:
+            x, g = self.tasks[p - 1].get()
+            self._work(p, x, g)
+            self.done.put(None)
+
+    def _phase(self, x: torch.Tensor | None, g: torch.Tensor | None) -> None:
+        for tasks in self.tasks:
+            tasks.put((x, g))
+        one_thread(lambda: self._work(0, x, g))()
+        for _ in self.tasks:
+            self.done.get()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The models' forwards on the threads; their plain sum."""
+        self._phase(x, None)
+        return sum(o for outs in self.outs for o in outs)  # type: ignore[return-value]
+
+    def backward(self, y: torch.Tensor) -> None:
+        """The loss's gradient at the sum, then every model pulled back on its thread."""
+        leaf = y.detach().requires_grad_()
+        (g,) = torch.autograd.grad(loss_of(leaf), leaf)
+        self._phase(None, g)
+
+
 def vmap_step(models: list[nn.Module], adam: bool = False) -> Callable[[torch.Tensor], None]:
     """``torch.func.stack_module_state`` + ``vmap``: what users run for identical models. The
     stacked parameters are the leaves (as in torch.func's ensembling tutorial); with ``adam``,

@@ -3,7 +3,8 @@
 # 10 minutes each:
 #   bash benchmarks/run_16cores.sh cuda     # a smoke test of the old hang, the CUDA tests under
 #                                           # their timeouts, the CUDA benchmark, the whole suite
-#   bash benchmarks/run_16cores.sh threads  # the speedup table over 1-16 workers (no processes)
+#   bash benchmarks/run_16cores.sh threads  # the speedup table over 1-16 workers (no processes),
+#                                           # forward and backward against the two-phase ceiling
 #   bash benchmarks/run_16cores.sh cpu      # the table over 1-16 workers and processes, the
 #                                           # main example
 # Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
@@ -45,6 +46,8 @@ for n_jobs in (None, 1, 2, 4):
     ;;
 threads)
     speedup 300 speedup-16cores-threads --jobs 1,2,4,8,16 --rounds 12
+    (cd benchmarks && timeout 200 python bench_phases.py --jobs 4,8,16 --rounds 12) \
+        > "$out/phases-16cores.txt" 2>&1
     ;;
 cpu)
     speedup 460 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 12
