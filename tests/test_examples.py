@@ -130,3 +130,9 @@ def test_bench_overhead(tmp_path):
     out = run("benchmarks/bench_overhead.py", "--rounds", "1", "--zero-grad")
     assert "grads set to None before each step" in out
     assert "parsum autograd" in out and "of the step" in out
+
+
+def test_bench_phases():
+    args = ["--rounds", "1", "--jobs", "2", "--workloads", "heterogeneous-tiny"]
+    out = run("benchmarks/bench_phases.py", *args)
+    assert "two-phase" in out and "x the two-phase ceiling's speed" in out
