@@ -1,4 +1,4 @@
-"""The one-thread path of ``sum_models``: the models run in the caller's graph.
+"""The caller's-graph path of ``sum_models``: the models run in the caller's own autograd graph.
 
 # NOTE [ The caller's graph ]
 # When a call runs on one thread (the budget or the models leave no work for a second:
@@ -236,7 +236,7 @@ class CallerGraphSum(torch.autograd.Function):
                         cots.append(cotangents[j])
                     slots.extend(plan.param_slots[i])
                 # Into every leaf, as the running backward would: no inputs to mark.
-                wrt = () if accumulate else [params[k] for k in slots]
+                wrt = () if accumulate else [params[s] for s in slots]
                 retain = keep_graph or len(running) > 1
                 found = pull_back(outs, wrt, cots, retain_graph=retain, accumulate=accumulate)
                 if not accumulate:
