@@ -440,6 +440,8 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.before_backward is not None:  # set by Stack.attach_at_backward
+            ctx.before_backward()
         create_graph = ctx.create_graph = torch.is_grad_enabled()
         with torch.no_grad():
             grads = backward(ctx, *grad_outputs)
@@ -618,6 +620,7 @@ class ParallelSum(torch.autograd.Function):
         weight_needs_grad = plan.has_weight_tensor and ctx.needs_input_grad[1 + n_args]
         result = run_forward(plan, call, weight_tensor, True, keep_outputs=weight_needs_grad)
         ctx.plan = plan
+        ctx.before_backward = None
         ctx.call = call
         ctx.pullbacks = result.pullbacks
         ctx.outputs = result.outputs

@@ -172,6 +172,7 @@ class CallerGraphSum(torch.autograd.Function):
     def forward(ctx: Any, state: _State, anchor: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.state = state
         ctx.plan = state.plan  # for _once_differentiable
+        ctx.before_backward = None
         has_weights = state.plan.has_weight_tensor
         ctx.call_tensors = tensors[:1] if has_weights else ()
         if has_weights:

@@ -371,8 +371,14 @@ class Stack(Sequence[nn.Module]):
         stacked gradient would have been (zeroed), so that the models' gradients accumulate
         there in place and an optimizer over ``parameters()`` sees them."""
         node = next((t.grad_fn for t in pytree.tree_leaves(out) if t.grad_fn is not None), None)
-        if node is not None:
-            me = weakref.ref(self)
+        if node is None:
+            return
+        me = weakref.ref(self)
+        if hasattr(node, "before_backward"):
+            # parsum's own node calls it first thing in its backward: a hook registered on
+            # every call would make every next call plan anew (NOTE [ Reused plans ]).
+            node.before_backward = lambda: _attach(me)
+        else:
             node.register_prehook(lambda grad_outputs: _attach(me))
 
     def _forget_gradients(self) -> None:

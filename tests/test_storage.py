@@ -233,6 +233,22 @@ def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
     assert_params_close(models, plain)
 
 
+def test_models_too_large_to_run_stacked_keep_their_plan():
+    # Their gradients are attached to the stack's buffers by parsum's own node, not by a hook
+    # registered on every call, which would make every next call plan anew.
+    from parsum import _plans
+
+    models = [mlp([256, 256]) for _ in range(8)]
+    parsum.stack_(models)
+    x = torch.randn(1024, IN)
+    parsum.sum_models(models, x).sum().backward()
+    walk = _plans.known_walk(models)
+    assert walk is not None
+    for _ in range(2):
+        parsum.sum_models(models, x).sum().backward()
+        assert _plans.known_walk(models) is walk
+
+
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
     models, _, stack = stacked_and_plain()
     x = torch.randn(8, IN)
