@@ -47,7 +47,7 @@ for n_jobs in (None, 1, 2, 4):
 threads)
     speedup 300 speedup-16cores-threads --jobs 1,2,4,8,16 --rounds 12
     (cd benchmarks && timeout 200 python bench_phases.py --jobs 4,8,16 --rounds 10 \
-        --chunk-sizes default,1,4) \
+        --chunk-sizes default,2,8) \
         > "$out/phases-16cores.txt" 2>&1
     ;;
 cpu)
