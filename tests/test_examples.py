@@ -136,3 +136,8 @@ def test_bench_phases():
     args = ["--rounds", "1", "--jobs", "2", "--workloads", "heterogeneous-tiny"]
     out = run("benchmarks/bench_phases.py", *args)
     assert "two-phase" in out and "x the two-phase ceiling's speed" in out
+
+
+def test_bench_stacking():
+    out = run("benchmarks/bench_stacking.py", "--threads", "1", "--rounds", "1")
+    assert "identical-tiny batch default, 1 threads: plain" in out and "vmap" in out
