@@ -29,6 +29,13 @@ class Scaled(nn.Module):
         return self.lin(x) * self.scale
 
 
+@pytest.fixture(autouse=True)
+def no_table_elsewhere(monkeypatch):
+    # A take_rows table that another test in this worker left alive keeps any plan from being
+    # kept (NOTE [ Reused plans ]); these models use none.
+    monkeypatch.setattr(_plans, "any_sampled", lambda: False)
+
+
 def models_under_test() -> list[nn.Module]:
     torch.manual_seed(0)
     with_norm = nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, OUT))
