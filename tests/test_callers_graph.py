@@ -2,6 +2,8 @@
 of workers, the plain loop's gradients, autograd.grad, hooks, failures undone and named."""
 
 import gc
+import threading
+import time
 import weakref
 
 import pytest
@@ -290,3 +292,45 @@ def test_failed_backward_frees_the_graphs_without_the_collector(n_jobs):
         assert saved and all(ref() is None for ref in saved)
     finally:
         gc.enable()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward notes its thread and sleeps (releasing the GIL)."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return g, None
+
+
+class _Slow(nn.Module):
+    def __init__(self, seen):
+        super().__init__()
+        self.lin = nn.Linear(IN, 3)
+        self.seen = seen
+
+    def forward(self, x):
+        return _SlowBackward.apply(self.lin(x), self.seen)
+
+
+def test_several_threads_pull_back_on_several_threads(cores):
+    cores(2)  # two threads, whatever the machine
+    seen = []
+    models = [_Slow(seen) for _ in range(4)]
+    ref = clone_models(models)
+    for m in ref:
+        m.seen = []
+    x = torch.randn(2, IN)
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert in_callers_graph(y)
+    y.pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert len(seen) == 4 and len(set(seen)) == 2, seen  # the caller and a helper
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
