@@ -7,7 +7,8 @@ that the loss of a sum allows on P threads.
                their plain sum, then each thread pulling its models back (common.TwoPhase)
   parsum       parsum.sum_models(models, x, n_jobs=P), then backward of the loss
 
-Every step starts from ``.grad`` None. The methods run in turn, round by round, shuffled;
+Every step starts from ``.grad`` None. The methods run in turn, round by round, shuffled
+(``common.interleaved_rounds``);
 medians of the rounds, in one process. parsum's forward includes planning, the compensated sum
 and the node it returns; its backward the pullbacks and their bookkeeping.
 
@@ -24,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from common import HandSplit, TwoPhase, loss_of, workload, zero_grads
+from common import HandSplit, TwoPhase, interleaved_rounds, loss_of, workload, zero_grads
 
 import parsum
 
@@ -80,23 +80,25 @@ def phases(
     for size in chunk_sizes:
         key = "parsum" if size is None else f"parsum cs{size}"
         methods[key] = functools.partial(ours, size)
+    # Each method times its own phases; interleaved_rounds only schedules the calls.
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in methods}
-    order = list(methods)
-    shuffle = random.Random(0).shuffle
-    for r in range(rounds + 3):
-        shuffle(order)
-        for key in order:
-            took = methods[key]()
-            if r >= 3:  # warm-up
-                times[key].append(took)
+    recorded = {k: functools.partial(_record, times[k], fn) for k, fn in methods.items()}
+    interleaved_rounds(recorded, rounds, warmup=WARMUP)
     return {
         key: [
-            statistics.median(f for f, _ in ts) * 1e3,
-            statistics.median(b for _, b in ts) * 1e3,
-            statistics.median(f + b for f, b in ts) * 1e3,
+            statistics.median(f for f, _ in ts[WARMUP:]) * 1e3,
+            statistics.median(b for _, b in ts[WARMUP:]) * 1e3,
+            statistics.median(f + b for f, b in ts[WARMUP:]) * 1e3,
         ]
         for key, ts in times.items()
     }
+
+
+WARMUP = 3
+
+
+def _record(into: list[tuple[float, float]], fn: Callable[[], tuple[float, float]]) -> None:
+    into.append(fn())
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ from common import (
     parsum_adam_step,
     parsum_step,
     plain_step,
+    synchronized,
     vmap_step,
     workload,
 )
@@ -94,7 +95,7 @@ def methods_for(
             methods[f"hand-split {p}"] = lambda split=split: split(x)
         methods[f"parsum {p}"] = lambda p=p: parsum_step(models, x, n_jobs=p)
     if device != "cpu":  # a step ends when the device is done with it
-        methods = {k: _synchronized(fn) for k, fn in methods.items()}
+        methods = {k: synchronized(fn) for k, fn in methods.items()}
     return w.description, methods
 
 
@@ -116,14 +117,6 @@ def time_processes(
         finally:
             split.close()
     return medians
-
-
-def _synchronized(fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize()
-
-    return run
 
 
 def report(name: str, description: str, medians: dict[str, float], jobs: list[int]) -> dict:

@@ -16,7 +16,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from common import interleaved, parsum_step, plain_step, vmap_step, workload
+from common import interleaved, parsum_step, plain_step, synchronized, vmap_step, workload
 
 CASES = [
     ("identical-medium", 64),
@@ -37,26 +37,19 @@ def methods_for(models: list[torch.nn.Module], x: torch.Tensor) -> dict[str, Cal
     }
 
 
-def _then(fn: Callable[[], None], sync: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-        sync()
-
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2", help="intra-op thread counts")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    sync: Callable[[], None] = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     print(f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds, ms a step")
     for name, batch in CASES:
         w = workload(name, batch)
         models, x = [m.to(args.device) for m in w.models], w.x.to(args.device)
-        synced = {k: _then(fn, sync) for k, fn in methods_for(models, x).items()}
+        synced = methods_for(models, x)
+        if args.device != "cpu":
+            synced = {k: synchronized(fn) for k, fn in synced.items()}
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             found = interleaved(synced, args.rounds)

@@ -156,36 +156,48 @@ def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+class ShareThreads:
+    """P persistent threads with 1 intra-op thread each: ``run(work)`` calls ``work(p)`` for
+    every p, p = 0 in the calling thread (also with 1 intra-op thread), and returns when all
+    are done. The machinery of the hand split and the two-phase ceiling."""
+
+    def __init__(self, threads: int) -> None:
+        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads - 1)]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        for p, tasks in enumerate(self.tasks, 1):
+            threading.Thread(target=self._serve, args=(p, tasks), daemon=True).start()
+
+    def _serve(self, p: int, tasks: queue.SimpleQueue) -> None:
+        torch.set_num_threads(1)
+        while True:
+            work = tasks.get()
+            work(p)
+            self.done.put(None)
+
+    def run(self, work: Callable[[int], None]) -> None:
+        for tasks in self.tasks:
+            tasks.put(work)
+        one_thread(lambda: work(0))()
+        for _ in self.tasks:
+            self.done.get()
+
+
 class HandSplit:
     """The ceiling: P persistent threads, each with 1 intra-op thread, running the plain loop
     on its share of the models (round robin), forward and backward, with no reduction."""
 
     def __init__(self, models: list[nn.Module], threads: int) -> None:
         self.shares = [models[p::threads] for p in range(threads)]
-        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.shares[1:]]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        for share, tasks in zip(self.shares[1:], self.tasks):
-            threading.Thread(target=self._serve, args=(share, tasks), daemon=True).start()
+        self.threads = ShareThreads(threads)
 
-    @staticmethod
-    def _step(share: list[nn.Module], x: torch.Tensor) -> None:
+    def _step(self, p: int, x: torch.Tensor) -> None:
+        share = self.shares[p]
         zero_grads(share)
         for m in share:
             loss_of(m(x)).backward()
 
-    def _serve(self, share: list[nn.Module], tasks: queue.SimpleQueue) -> None:
-        torch.set_num_threads(1)
-        while True:
-            x = tasks.get()
-            self._step(share, x)
-            self.done.put(None)
-
     def __call__(self, x: torch.Tensor) -> None:
-        for tasks in self.tasks:
-            tasks.put(x)
-        one_thread(lambda: self._step(self.shares[0], x))()
-        for _ in self.tasks:
-            self.done.get()
+        self.threads.run(lambda p: self._step(p, x))
 
 
 class TwoPhase:
@@ -198,42 +210,35 @@ class TwoPhase:
     def __init__(self, models: list[nn.Module], threads: int) -> None:
         self.shares = [models[p::threads] for p in range(threads)]
         self.outs: list[list[torch.Tensor]] = [[] for _ in self.shares]
-        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.shares[1:]]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        for p in range(1, threads):
-            threading.Thread(target=self._serve, args=(p,), daemon=True).start()
+        self.threads = ShareThreads(threads)
 
-    def _work(self, p: int, x: torch.Tensor | None, g: torch.Tensor | None) -> None:
-        if g is None:
-            self.outs[p] = [m(x) for m in self.shares[p]]
-        else:
-            torch.autograd.backward(self.outs[p], [g] * len(self.outs[p]))
-            self.outs[p] = []
+    def _forward(self, p: int, x: torch.Tensor) -> None:
+        self.outs[p] = [m(x) for m in self.shares[p]]
 
-    def _serve(self, p: int) -> None:
-        torch.set_num_threads(1)
-        while True:
-            x, g = self.tasks[p - 1].get()
-            self._work(p, x, g)
-            self.done.put(None)
-
-    def _phase(self, x: torch.Tensor | None, g: torch.Tensor | None) -> None:
-        for tasks in self.tasks:
-            tasks.put((x, g))
-        one_thread(lambda: self._work(0, x, g))()
-        for _ in self.tasks:
-            self.done.get()
+    def _backward(self, p: int, g: torch.Tensor) -> None:
+        torch.autograd.backward(self.outs[p], [g] * len(self.outs[p]))
+        self.outs[p] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The models' forwards on the threads; their plain sum."""
-        self._phase(x, None)
+        self.threads.run(lambda p: self._forward(p, x))
         return sum(o for outs in self.outs for o in outs)  # type: ignore[return-value]
 
     def backward(self, y: torch.Tensor) -> None:
         """The loss's gradient at the sum, then every model pulled back on its thread."""
         leaf = y.detach().requires_grad_()
         (g,) = torch.autograd.grad(loss_of(leaf), leaf)
-        self._phase(None, g)
+        self.threads.run(lambda p: self._backward(p, g))
+
+
+def synchronized(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, then wait for the GPU: a step ends when the device is done with it."""
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
 
 
 def vmap_step(models: list[nn.Module], adam: bool = False) -> Callable[[torch.Tensor], None]:
