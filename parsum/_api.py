@@ -27,7 +27,7 @@ from ._grouping import (
     plan_units,
     useful_workers,
 )
-from ._inline import fits_callers_graph, pulled_back_alone, sum_in_callers_graph
+from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
 from ._sparse import has_user_hooks
 from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
@@ -193,7 +193,7 @@ def _general_sum(
         units = plan_units(models, found, engine, batch, chunk_size)
         chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
         workers = useful_workers(found, batch) if chosen else n_workers
-        derived = Derived(units, chunks, workers, pulled_back_alone(found, batch))
+        derived = Derived(units, chunks, workers)
         remember_derived(walk, key, derived)
     units, chunks = derived.units, derived.chunks
     if chosen:
@@ -223,7 +223,7 @@ def _general_sum(
     )
     if build_graph and fits_callers_graph(plan, tensors):
         # NOTE [ The caller's graph ]
-        leaves = sum_in_callers_graph(plan, call, weight_tensor, derived.alone)
+        leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:
         inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else []), *params]
         leaves = list(ParallelSum.apply(plan, *inputs))

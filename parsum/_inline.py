@@ -18,24 +18,27 @@
 # (NOTE [ Accumulating in the pullback ] in _function), otherwise (``autograd.grad``,
 # ``backward(inputs=...)``, create_graph, gradients to add to, post-accumulate hooks, which autograd
 # also calls for the None returned) capturing the gradients and returning them for autograd to
-# accumulate. A failure sets the ``.grad`` it wrote back to None, and each model is then pulled back
-# alone (the call kept the graphs) to name the first one that fails.
+# accumulate. A failure sets the ``.grad`` it wrote back to None and names the first model that
+# fails.
 #
 # NOTE [ Engine calls of the caller's graph ]
-# Pulling back with ``retain_graph=True`` keeps every model's saved activations until the last
-# model is done, so the gradients cannot reuse their memory and are written to fresh pages: the
-# plain loop's own backward measured 5.9 ms with the graph freed and 7.2 ms retained for 16
-# MLPs of width 256 at batch 256 (8.7 and 9.6 for widths 128-512). A model of at least
-# ALONE_PARAM_ROWS parameter-rows is therefore pulled back in an engine call of its own, its
-# graph freed as it goes (unless the caller retains it): a failure there is that model's. The
-# smaller models between two such are pulled back together, in one call that keeps their
-# graphs (their activations are small), so that a failure can be traced to its model by
-# pulling each back alone; an engine call costs about 25 us, which 64 tiny models one by one
-# would pay 64 times. The calls run in model order, and each model's gradients are those of a
-# call of its own, so the bits do not depend on the split. Models on a GPU are all pulled back
-# in one call: there a call costs far more (16 medium MLPs on an H100, batch 64, each in a call
-# of its own: 13.1 ms a step against 10.1 for the plain loop, the same kernels launched) and
-# freed activations go back to the caching allocator, not to fresh pages.
+# The models whose forwards ran on one thread, in model order, are pulled back in one engine
+# call, their graphs freed as it goes (unless the caller retains them): an engine call costs
+# about 25 us, which 64 tiny models one by one would pay 64 times, and a graph retained until
+# the last model is done keeps every model's activations alive, so the gradients are written to
+# fresh pages instead of reusing them (the plain loop's own backward: 5.9 ms freed, 7.2 retained,
+# 16 MLPs of width 256, batch 256). Measured at 2 threads, a whole step, models in one call
+# against each model of 1M parameter-rows or more in a call of its own (as before): 16 identical
+# MLPs of width 256 11.7 -> 10.6-11.0 ms, 16 of widths 128-512 16.1-16.6 -> 15.3-15.7 (plain loop
+# 10.0 and 14.4-15.0). Each model's gradients are those of a call of its own (disjoint graphs),
+# so the bits do not depend on the split.
+# A failure must name its model, although the graphs it ran through are freed: the engine runs
+# the ready node of highest sequence number first, and sequence numbers grow in creation order on
+# each thread, so models run one after the other from the last to the first, and when model k
+# fails, the models after it are done (freed), the ones before it untouched. Each model is then
+# pulled back alone in model order, its graph kept: the first that fails is the one a run on one
+# thread would name, whose error is its own, or, where that is model k whose graph the failed
+# call partly freed, the original error (``_raise_first_failure``).
 #
 # NOTE [ The caller's graph on several threads ]
 # With the models' parameters on the CPU (where backward runs on a CPU thread, never on a
@@ -69,7 +72,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from . import _pool
-from ._engines import CallArgs, ModelParams, SinglePullback, _edge, module_of, pull_back
+from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._function import (
     SumPlan,
     _engine_keeps_graph,
@@ -82,12 +85,7 @@ from ._function import (
     stack_weight_grads,
 )
 from ._grads import engine_runs_all, has_flat_grads
-from ._grouping import Batch, _param_rows
 from ._sparse import any_sampled, has_user_hooks, sampled_elements
-
-# A model of this many parameter-rows or more is pulled back in an engine call of its own (NOTE
-# [ Engine calls of the caller's graph ]).
-ALONE_PARAM_ROWS = 1_000_000
 
 
 def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
@@ -120,34 +118,22 @@ class _State:
         leaves: list[Tensor],
         edges: list[list[tuple[GradientEdge, int]]],
         outputs: list[list[Tensor] | None],
-        alone: list[bool],
+        in_order: bool,
     ) -> None:
         self.plan = plan
         self.leaves = leaves  # the sum, computed before the node is made
         # Each model's output edges, with the output leaf each belongs to; None once freed.
         self.edges: list[list[tuple[GradientEdge, int]]] | None = edges
         self.outputs = outputs  # detached, for the weights' gradient
-        self.alone = alone  # pulled back one per engine call (pulled_back_alone)
-
-
-def pulled_back_alone(model_params: Sequence[ModelParams], batch: Batch) -> list[bool]:
-    """Which models are pulled back in an engine call of their own, their graphs freed as they
-    go (NOTE [ Engine calls of the caller's graph ]); planned once with the chunks. Only
-    models on the CPU: on a GPU an engine call costs far more, and the memory is the caching
-    allocator's."""
-    return [
-        bool(mp.tensors)
-        and mp.tensors[0].device.type == "cpu"
-        and _param_rows(mp, batch) >= ALONE_PARAM_ROWS
-        for mp in model_params
-    ]
+        # Whether the forwards ran on one thread in model order: then one engine call can
+        # pull back every chunk (NOTE [ Engine calls of the caller's graph ]).
+        self.in_order = in_order
 
 
 def sum_in_callers_graph(
-    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None, alone: list[bool]
+    plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None
 ) -> list[Tensor]:
-    """Run the models in the caller's graph; their sum, as one node of it. ``alone``: from
-    ``pulled_back_alone``."""
+    """Run the models in the caller's graph; their sum, as one node of it."""
     roots: list[list[Tensor] | None] = [None] * len(plan.models)
     weight_needs_grad = weight_tensor is not None and weight_tensor.requires_grad
     result = run_forward(
@@ -157,7 +143,8 @@ def sum_in_callers_graph(
         [(_edge(leaf), j) for j, leaf in enumerate(leaves or ()) if leaf.requires_grad]
         for leaves in roots
     ]
-    state = _State(plan, result.leaves, edges, result.outputs, alone)
+    in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
+    state = _State(plan, result.leaves, edges, result.outputs, in_order)
     del roots, result, edges
     anchor = torch.empty(0, requires_grad=True)  # its node says how backward runs
     weights = [weight_tensor] if weight_tensor is not None else []
@@ -221,29 +208,29 @@ class CallerGraphSum(torch.autograd.Function):
         graphs = edges  # as narrowed here, for the function below
 
         def pull_back_chunks(k: int, chunks: Sequence[int]) -> None:
-            """Pull back the models of ``chunks``; a failure is recorded under ``k``."""
-            mine = {i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models}
-            chunk_edges = [e if i in mine else [] for i, e in enumerate(graphs)]
-            for running in _engine_calls(state.alone, chunk_edges):
-                failing[k] = running
-                outs: list[GradientEdge] = []
-                cots: list[Tensor] = []
-                slots: list[int] = []
-                for i in running:
-                    w = plan.weight(i, weight_tensor)
-                    cotangents = SinglePullback.cotangents(grad_outputs, w)
-                    for edge, j in graphs[i]:
-                        outs.append(edge)
-                        cots.append(cotangents[j])
-                    slots.extend(plan.param_slots[i])
-                # Into every leaf, as the running backward would: no inputs to mark.
-                wrt = () if accumulate else [params[s] for s in slots]
-                retain = keep_graph or len(running) > 1
-                found = pull_back(outs, wrt, cots, retain_graph=retain, accumulate=accumulate)
-                if not accumulate:
-                    for slot, grad in zip(slots, found):
-                        param_grads[slot] = grad
-            failing.pop(k, None)
+            """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
+            the caller's graph ]); a failure is recorded under ``k``."""
+            running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
+            running = [i for i in running if graphs[i]]  # an output that needs a gradient
+            if not running:
+                return
+            failing[k] = running
+            outs: list[GradientEdge] = []
+            cots: list[Tensor] = []
+            slots: list[int] = []
+            for i in running:
+                cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+                for edge, j in graphs[i]:
+                    outs.append(edge)
+                    cots.append(cotangents[j])
+                slots.extend(plan.param_slots[i])
+            # Into every leaf, as the running backward would: no inputs to mark.
+            wrt = () if accumulate else [params[s] for s in slots]
+            found = pull_back(outs, wrt, cots, retain_graph=keep_graph, accumulate=accumulate)
+            if not accumulate:
+                for slot, grad in zip(slots, found):
+                    param_grads[slot] = grad
+            del failing[k]
 
         n_chunks = len(plan.chunks)
         try:
@@ -251,8 +238,12 @@ class CallerGraphSum(torch.autograd.Function):
             # runs on the device's thread, which helpers would wait on (NOTE [ Device threads ]).
             workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
             if _pool.threads_for(n_chunks, workers) <= 1:
-                with _pool.as_one_task(n_chunks):  # the chunks' threads, in as few calls
-                    pull_back_chunks(0, range(n_chunks))
+                with _pool.as_one_task(n_chunks):  # the chunks' threads
+                    if state.in_order:
+                        pull_back_chunks(0, range(n_chunks))
+                    else:  # forwards on several threads: each chunk's ran in order
+                        for k in range(n_chunks):
+                            pull_back_chunks(k, (k,))
             else:  # NOTE [ The caller's graph on several threads ]
                 _pool.run_ordered(lambda k: pull_back_chunks(k, (k,)), n_chunks, workers, _ignore)
         except BaseException as exc:
@@ -270,7 +261,7 @@ class CallerGraphSum(torch.autograd.Function):
                     if len(running) == 1:
                         raise plan.model_error(running[0], "backward", error)
                     mine = [e if i in running else [] for i, e in enumerate(edges)]
-                    _raise_first_failure(plan, mine, grad_outputs, weight_tensor)
+                    _raise_first_failure(plan, mine, grad_outputs, weight_tensor, error)
                 raise error
             finally:
                 error = edges = None
@@ -281,35 +272,16 @@ def _ignore(k: int, result: None) -> None:
     """The chunks' pullbacks write their gradients themselves: nothing to consume."""
 
 
-def _engine_calls(
-    alone: list[bool], edges: list[list[tuple[GradientEdge, int]]]
-) -> list[list[int]]:
-    """The models each engine call pulls back, in model order: a model alone, or the models
-    between two such together (those with an output that needs a gradient)."""
-    calls: list[list[int]] = []
-    together: list[int] = []
-    for i, model_edges in enumerate(edges):
-        if not model_edges:
-            continue
-        if alone[i]:
-            if together:
-                calls.append(together)
-                together = []
-            calls.append([i])
-        else:
-            together.append(i)
-    if together:
-        calls.append(together)
-    return calls
-
-
 def _raise_first_failure(
     plan: SumPlan,
     edges: list[list[tuple[GradientEdge, int]]],
     grad_outputs: Sequence[Tensor],
     weight_tensor: Tensor | None,
+    original: Exception,
 ) -> None:
-    """Pull each model back alone, in order, and raise naming the first that fails."""
+    """Pull each model back alone, in order, and raise naming the first that fails: with its
+    own error, or ``original`` where the failed call freed part of its graph (NOTE [ Engine
+    calls of the caller's graph ])."""
     for i, model_edges in enumerate(edges):
         wrt = plan.model_params[i].tensors
         if not model_edges or not wrt:
@@ -321,9 +293,17 @@ def _raise_first_failure(
                 [e for e, _ in model_edges], wrt, [cotangents[j] for _, j in model_edges], True
             )
         except Exception as exc:
-            error = plan.model_error(i, "backward", exc)  # the exception is its cause
+            # The exception is its cause (no local may hold it: a cycle through its frame).
+            error = plan.model_error(
+                i, "backward", original if _freed_by_the_failed_call(exc) else exc
+            )
         if error is not None:
             try:
                 raise error
             finally:
                 error = None
+
+
+def _freed_by_the_failed_call(exc: Exception) -> bool:
+    """Whether ``exc`` is autograd's error for a graph whose saved tensors were freed."""
+    return isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)

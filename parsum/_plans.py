@@ -59,7 +59,6 @@ class Derived(NamedTuple):
     units: list[Unit]
     chunks: list[range]
     workers: int  # the workers that pay, where parsum chooses them
-    alone: list[bool]  # NOTE [ Engine calls of the caller's graph ] in _inline
 
 
 class Walk:

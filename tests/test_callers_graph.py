@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import parsum
-from parsum import _api, _inline
-from tests.test_errors import BoomBackward
-from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, zoo
+from parsum import _api
+from tests.test_errors import BoomBackward, _FailingBackward
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,21 +128,26 @@ def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
     assert all(h is p.grad for h, p in zip(held, [p for m in models for p in m.parameters()]))
 
 
-# Every model pulled back alone; the MLPs alone and the others together; all together
+class BoomInside(nn.Module):
+    """Fails in backward after its last layers' nodes ran (and were freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(IN, 5), nn.Linear(5, OUT)
+
+    def forward(self, x):
+        return self.last(torch.tanh(_FailingBackward.apply(self.first(x))))
+
+
+# One engine call for every model (the forwards ran in order on one thread), one per chunk
 # (NOTE [ Engine calls of the caller's graph ]).
-SPLITS = [0, 50, 10**18]
-
-
 @pytest.mark.parametrize("n_jobs", [1, 3])
-@pytest.mark.parametrize("alone_rows", SPLITS)
+@pytest.mark.parametrize("failing", [BoomBackward, BoomInside])
 @pytest.mark.parametrize("accumulated", [False, True])
-def test_failed_backward_changes_no_grad_and_names_the_model(
-    accumulated, alone_rows, n_jobs, monkeypatch
-):
-    monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
+def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, failing, n_jobs):
     models = [mlp([3]) for _ in range(6)]
-    models.insert(4, BoomBackward())
-    models.append(BoomBackward())  # a later failure, maybe in a chunk run at the same time
+    models.insert(4, failing())
+    models.append(BoomBackward())  # a later failure, run first or in a chunk at the same time
     x = torch.randn(2, IN)
     if accumulated:  # .grad already holds a gradient: the capturing pull-back
         for m in models:
@@ -151,8 +156,10 @@ def test_failed_backward_changes_no_grad_and_names_the_model(
     before = [None if g is None else g.clone() for g in param_grads(models)]
     y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
     assert in_callers_graph(y)
-    with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\) raised ValueError"):
+    name = failing.__name__
+    with pytest.raises(parsum.ParsumError, match=rf"model 4 \({name}\) raised ValueError") as e:
         y.sum().backward()
+    assert isinstance(e.value.__cause__, ValueError)  # the model's own error, chained
     for g, b in zip(param_grads(models), before):
         assert (g is None and b is None) or torch.equal(g, b)
     del models[-1], models[4]
@@ -160,9 +167,7 @@ def test_failed_backward_changes_no_grad_and_names_the_model(
     assert all(g is not None for g in param_grads(models))
 
 
-@pytest.mark.parametrize("alone_rows", SPLITS)
-def test_second_backward_needs_retain_graph(alone_rows, monkeypatch):
-    monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
+def test_second_backward_needs_retain_graph():
     models = zoo()
     x = torch.randn(2, IN)
     y = parsum.sum_models(models, x, n_jobs=1)
@@ -176,17 +181,19 @@ def test_second_backward_needs_retain_graph(alone_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("capture", [False, True])
-def test_how_models_share_engine_calls_changes_no_bit(capture, monkeypatch):
+def test_how_models_share_engine_calls_changes_no_bit(capture):
+    """One engine call for all models, one per chunk on one thread or on several, and
+    ParallelSum's per-model pullbacks: the same gradients, bit for bit."""
     x = torch.randn(4, IN)
     results = []
-    for alone_rows in SPLITS:
-        monkeypatch.setattr(_inline, "ALONE_PARAM_ROWS", alone_rows)
+    for n_jobs, chunk_size in [(1, None), (1, 1), (3, 2), (3, 1)]:
         models = zoo(seed=5)
         if capture:  # .grad already set: gradients captured and returned to autograd
             for m in models:
                 for p in m.parameters():
                     p.grad = torch.zeros_like(p)
-        y = parsum.sum_models(models, x, n_jobs=1, weights=[0.5 + i for i in range(7)])
+        weights = [0.5 + i for i in range(7)]
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=chunk_size, weights=weights)
         assert in_callers_graph(y)
         y.pow(2).sum().backward()
         results.append(param_grads(models))
@@ -275,18 +282,19 @@ class _Saves(nn.Module):
 
 
 @pytest.mark.parametrize("n_jobs", [1, 3])
-def test_failed_backward_frees_the_graphs_without_the_collector(n_jobs):
+@pytest.mark.parametrize("failing", [BoomBackward, BoomInside])
+def test_failed_backward_frees_the_graphs_without_the_collector(failing, n_jobs):
     # The error's traceback must hold no frame that holds the models' graphs: with such a
     # cycle the activations would stay until the garbage collector runs.
     saved = []
-    models = [_Saves(saved) for _ in range(4)] + [BoomBackward()]
+    models = [_Saves(saved) for _ in range(4)] + [failing()]
     x = torch.randn(2, IN)
     gc.collect()
     gc.disable()
     try:
         y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
         assert in_callers_graph(y)
-        with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\)"):
+        with pytest.raises(parsum.ParsumError, match=rf"model 4 \({failing.__name__}\)"):
             y.sum().backward()
         del y
         assert saved and all(ref() is None for ref in saved)
