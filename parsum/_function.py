@@ -227,6 +227,7 @@ def run_forward(
                 raise _describe_mismatch(plan, i, sig, ref) from None
 
     failed_chunks: list[int] = []
+    weighted = weight_tensor is not None or plan.weights is not None
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -254,43 +255,46 @@ def run_forward(
             pullbacks[u] = run.pullback
             # A stacked group's models share one output signature, and are added as one
             # (unless each model's output is kept for the weights' gradient).
-            grouped = run.stacked is not None and not keep_outputs
-            entries = (
-                [(unit.models, run.outs[0])]
-                if grouped
-                else [((i,), o) for i, o in zip(unit.models, run.outs)]
-            )
-            for members, out in entries:
-                leaves, sig = _signature(plan, members[0], out)
-                for i in members:
+            if run.stacked is not None and not keep_outputs:
+                leaves, sig = _signature(plan, unit.models[0], run.outs[0])
+                for i in unit.models:
                     signatures[i] = sig
                 if first is None:
-                    first = members[0]
+                    first = unit.models[0]
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
-                # Detached values and weights: no graph is recorded, with no grad-mode switch.
-                if grouped:
-                    _flush(accs, pending)
-                    _add_group(plan, members, run.stacked or [], weight_tensor, accs)
-                    continue
-                (i,) = members
+                _flush(accs, pending)
+                _add_group(plan, unit.models, run.stacked, weight_tensor, accs)
+                continue
+            for i, out in zip(unit.models, run.outs):
+                leaves, sig = _signature(plan, i, out)
+                signatures[i] = sig
+                if first is None:
+                    first = i
+                    accs = [CompensatedAccumulator() for _ in leaves]
+                    pending = [[] for _ in leaves]
+                elif sig != signatures[first]:
+                    raise _ChunkMismatch
                 if roots is not None:
                     roots[i] = leaves
-                w = plan.weight(i, weight_tensor)
+                # Detached values and weights: no graph is recorded, with no grad-mode switch.
                 values = [leaf.detach() for leaf in leaves]
                 if keep_outputs:
                     outputs[i] = values
-                if w is not None:
-                    values = [v * w for v in values]
+                if weighted:
+                    w = plan.weight(i, weight_tensor)
+                    values = [v * w for v in values]  # type: ignore[operator]  # never None
                 for waiting, v in zip(pending, values):
                     waiting.append(v)
         _flush(accs, pending)
         return accs
 
     def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
-        raise_first_mismatch(models_of(range(k, k + 1)))
+        # The chunk's models all match its first (sum_chunk): that one against model 0's.
+        if signatures[plan.units[plan.chunks[k][0]].models[0]] != signatures[0]:
+            raise_first_mismatch(models_of(range(k, k + 1)))
         if not totals:
             totals.extend(CompensatedAccumulator() for _ in accs)
         for total, acc in zip(totals, accs):
@@ -345,6 +349,9 @@ class _BufferSnapshot:
 
     def __init__(self, model_params: Sequence[ModelParams]) -> None:
         seen = {id(b): b for mp in model_params for b in mp.restored_buffers}
+        self._saved: list[tuple[Tensor, Tensor]] = []
+        if not seen:
+            return
         with torch.no_grad():
             self._saved = [(b, b.clone()) for b in seen.values()]
 
