@@ -148,6 +148,9 @@ class Stack(Sequence[nn.Module]):
         self._broken: str | None = None
         self._grad_buffers: dict[str, Tensor] = {}
         self._grad_views: dict[str, tuple[Tensor, ...]] = {}
+        # Whether parameters() was called: only then do models run one by one gather their
+        # gradients into the stacked ``.grad`` (``attach_at_backward``).
+        self._stacked_grads_wanted = False
         self._place(infos)
         for model in models:
             _stack_of[model] = self
@@ -254,6 +257,7 @@ class Stack(Sequence[nn.Module]):
         >>> parsum.sum_models(models, torch.ones(4, 3)).sum().backward()
         >>> opt.step()
         """
+        self._stacked_grads_wanted = True
         return iter([self.values[name] for name in self._trainable])
 
     def unstack_(self) -> None:
@@ -369,7 +373,10 @@ class Stack(Sequence[nn.Module]):
         """For models that ran one by one although the stack holds: when backward reaches
         ``out``, first make every model's ``.grad`` a view of the stack's buffer where the
         stacked gradient would have been (zeroed), so that the models' gradients accumulate
-        there in place and an optimizer over ``parameters()`` sees them."""
+        there in place and an optimizer over ``parameters()`` sees them. Without such an
+        optimizer (``parameters()`` never called), the models keep autograd's own gradients
+        and the stacked tensors none: zeroing the buffer and adding into it cost 1 ms a step
+        for 16 MLPs of width 256 at batch 256 (11.5 against 10.5 ms, 2 threads)."""
         node = next((t.grad_fn for t in pytree.tree_leaves(out) if t.grad_fn is not None), None)
         if node is None:
             return
@@ -380,6 +387,17 @@ class Stack(Sequence[nn.Module]):
             node.before_backward = lambda: _attach(me)
         else:
             node.register_prehook(lambda grad_outputs: _attach(me))
+
+    def _release(self, name: str) -> None:
+        """Before models that ran one by one are pulled back with no optimizer over
+        ``parameters()``: their gradients go where autograd puts them; the stacked ``.grad``
+        stays only while it is their ``.grad`` (the buffer's views, accumulated in place)."""
+        stacked = self.values[name]
+        views = self._grad_views.get(name)
+        if stacked.grad is not None and (
+            views is None or not all(map(operator.is_, map(_grad_of, self._params[name]), views))
+        ):
+            stacked.grad = None
 
     def _forget_gradients(self) -> None:
         """No stacked ``.grad`` while the models run one by one: an optimizer over
@@ -629,7 +647,10 @@ def _attach(stack: weakref.ref[Stack]) -> None:
     if found is not None:
         with found._lock:
             for name in found._trainable:
-                found._settle(name, None)
+                if found._stacked_grads_wanted:
+                    found._settle(name, None)
+                else:
+                    found._release(name)
 
 
 class _Deliver:

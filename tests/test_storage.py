@@ -242,7 +242,7 @@ def test_models_too_large_to_run_stacked_keep_their_plan(monkeypatch):
     monkeypatch.setattr(_plans, "any_sampled", lambda: False)
 
     models = [mlp([256, 256]) for _ in range(8)]
-    parsum.stack_(models)
+    parsum.stack_(models).parameters()  # as for an optimizer: gradients attached to the stack
     x = torch.randn(1024, IN)
     parsum.sum_models(models, x).sum().backward()
     walk = _plans.known_walk(models)
@@ -250,6 +250,43 @@ def test_models_too_large_to_run_stacked_keep_their_plan(monkeypatch):
     for _ in range(2):
         parsum.sum_models(models, x).sum().backward()
         assert _plans.known_walk(models) is walk
+
+
+def test_models_too_large_to_run_stacked_keep_autograds_gradients_without_a_stack_optimizer():
+    torch.manual_seed(0)
+    models = [mlp([256, 256]) for _ in range(8)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()  # small enough: stacked
+    assert stack.values["0.weight"].grad is not None
+    x = torch.randn(1024, IN)
+    for m in models:
+        m.zero_grad()
+    y = parsum.sum_models(models, x)
+    assert not runs_stacked(y)
+    y.pow(2).mean().backward()
+    plain_sum(plain, x).pow(2).mean().backward()
+    assert_grads_close(models, plain, atol=1e-5)
+    grads = [p.grad for m in models for p in m.parameters()]
+    assert all(g.untyped_storage().nbytes() == g.nbytes for g in grads)  # not the stack's
+    assert stack.values["0.weight"].grad is None  # no stale stacked gradient either
+
+
+def test_gradients_accumulate_over_stacked_and_one_by_one_calls():
+    # Micro-batches of two sizes, one stacked and one too large, with no zero_grad between.
+    torch.manual_seed(0)
+    models = [mlp([256, 256]) for _ in range(8)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    for rows in (8, 1024, 8, 1024):
+        x = torch.randn(rows, IN)
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain, atol=1e-5)
+        grad = stack.values["0.weight"].grad
+        if grad is not None:  # then it holds every model's gradient
+            torch.testing.assert_close(grad[3], models[3][0].weight.grad)
 
 
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
