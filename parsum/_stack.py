@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from ._config import check_model_sequence
 from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
 from ._errors import ParsumError
+from ._grads import FlatWrites, has_flat_grads
 from ._grouping import Batch, structure_key
 from ._summation import WIDE
 
@@ -336,6 +337,11 @@ class Stack(Sequence[nn.Module]):
         gradient, before the models' own gradients accumulate in place (``attach_at_backward``);
         a ``.grad`` set by hand is then left as it is."""
         params, stacked = self._params[name], self.values[name]
+        if has_flat_grads(params):
+            stacked.grad = None  # the models' .grad are a FlatGrad's views, not the stack's
+            if grad is not None:
+                _write_flat(params, grad)
+            return
         current = list(map(_grad_of, params))
         views = self._grad_views.get(name)
         buffer = self._grad_buffers.get(name)
@@ -406,6 +412,22 @@ class Stack(Sequence[nn.Module]):
             stacked = self.values.get(name)
             if stacked is not None:
                 stacked.grad = None
+
+
+def _write_flat(params: list[Tensor], grad: Tensor) -> None:
+    """Each model's slice of a stacked gradient into its parameter's FlatGrad slot (compensated
+    where the FlatGrad is), as sum_models' backward writes slots (NOTE [ Who writes a FlatGrad
+    slot ] in _grads); a parameter without a slot accumulates its slice itself."""
+    writes = FlatWrites(params, [True] * len(params))
+    slices = grad.unbind(0)
+    writes.write([(k, g) for k, g in enumerate(slices) if k in writes])
+    writes.commit()
+    for k, (p, g) in enumerate(zip(params, slices)):
+        if k not in writes:
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
 
 
 def _overwrite(buffer: Tensor, grad: Tensor | None) -> None:

@@ -539,3 +539,68 @@ def test_a_stack_is_a_sequence_of_its_models():
     x = torch.randn(4, IN)
     assert runs_stacked(parsum.sum_models(stack, x))
     assert "Stack(10 x Sequential" in repr(stack)
+
+
+# -- FlatGrad over stacked models ----------------------------------------------------------
+
+
+def flat_is_the_grads(flat, models) -> bool:
+    grads = [p.grad for m in models for p in m.parameters()]
+    views = all(
+        g is not None and g.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+        for g in grads
+    )
+    return views and torch.equal(flat.flat, torch.cat([g.flatten() for g in grads]))
+
+
+@pytest.mark.parametrize("order", ["flat first", "stack first"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_flatgrad_over_stacked_models_holds_their_gradients(order, set_to_none):
+    if order == "stack first":
+        models, plain, _ = stacked_and_plain()
+        flat = parsum.FlatGrad(models)
+    else:
+        models = members()
+        plain = copy.deepcopy(models)
+        flat = parsum.FlatGrad(models)
+        parsum.stack_(models)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1)
+    for _ in range(3):
+        x = torch.randn(8, IN)
+        opt.zero_grad(set_to_none=set_to_none)
+        opt_plain.zero_grad()
+        y = parsum.sum_models(models, x)
+        assert runs_stacked(y)
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain)
+        assert flat_is_the_grads(flat, models)  # the buffer holds this step's gradients
+        opt.step()
+        opt_plain.step()
+    assert_params_close(models, plain)
+
+
+def test_compensated_flatgrad_over_stacked_models_keeps_small_additions():
+    """float32: a large micro-batch, then many small ones; against float64 sums."""
+    torch.manual_seed(0)
+    models = members(n=8)
+    ref = [m.double() for m in copy.deepcopy(models)]
+    batches = [torch.randn(8, IN) * s for s in [1e3] + [1e-2] * 200]
+    errors = {}
+    for compensated in (False, True):
+        ms = copy.deepcopy(models)
+        flat = parsum.FlatGrad(ms, compensated=compensated)
+        parsum.stack_(ms)
+        for b in batches:
+            y = parsum.sum_models(ms, b)
+            assert runs_stacked(y)
+            y.sum().backward()
+        errors[compensated] = flat.flat.double()
+    params = [p for m in ref for p in m.parameters()]
+    want = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    for b in batches:
+        grads = torch.autograd.grad(plain_sum(ref, b.double()).sum(), params)
+        want += torch.cat([g.flatten() for g in grads])
+    err = {k: (v - want).abs().sum().item() for k, v in errors.items()}
+    assert err[False] > 4 * err[True]
