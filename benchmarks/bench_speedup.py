@@ -8,8 +8,9 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  parameters are the leaves, so the models' own .grad stay empty). For identical
                  models parsum's methods run them in stacked storage (parsum.stack_), and three
                  training steps with Adam are timed too: vmap+adam (Adam over vmap's stacked
-                 leaves), parsum+adam (Adam over stack.parameters(), the models' own storage)
-                 and parsum+adam own (Adam over every model's parameters, one by one)
+                 leaves), parsum+adam (Adam over stack.parameters() of twins of the models,
+                 their own storage) and parsum+adam own (Adam over every model's parameters,
+                 one by one)
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
@@ -77,11 +78,16 @@ def methods_for(
         methods["vmap"] = lambda: step(x)
         # parsum keeps identical models in stacked storage (parsum.stack_); a training step
         # with Adam: vmap's over its stacked leaves, parsum's over the stack's tensors (which
-        # are the models' own parameters) and over every model's parameters one by one.
-        stack = parsum.stack_(models)
+        # are the models' own parameters) and over every model's parameters one by one. The
+        # optimizer over the stack's tensors gets twins of the models (the same weights): a
+        # stack with such an optimizer gathers the gradients of models run one by one into
+        # its tensors, which the other rows, like most users, do not ask for.
+        parsum.stack_(models)
+        twins = [m.to(device) for m in workload(name, batch).models]
+        twin_stack = parsum.stack_(twins)
         adam_steps = {
             "vmap+adam": vmap_step(models, adam=True),
-            "parsum+adam": parsum_adam_step(models, list(stack.parameters())),
+            "parsum+adam": parsum_adam_step(twins, list(twin_stack.parameters())),
             "parsum+adam own": parsum_adam_step(
                 models, [p for m in models for p in m.parameters()]
             ),
