@@ -133,9 +133,13 @@ def sum_models(
     )  # fmt: skip
     if engine in ("auto", "stacked") and step_in_backward is None and not reports_failures():
         stack = stack_for(models)
-        if stack is not None and (engine == "stacked" or len(models) >= AUTO_STACK_MIN_MODELS):
-            # NOTE [ Stacked storage ] in _stack
-            limit = AUTO_STACK_MAX_PARAM_ROWS if engine == "auto" else None
+        if stack is not None:
+            # NOTE [ Stacked storage ] in _stack. Too few models for auto to batch: one by one,
+            # their gradients still gathered where an optimizer over the stack needs them.
+            limit: int | None = None
+            if engine == "auto":
+                few = len(models) < AUTO_STACK_MIN_MODELS
+                limit = 0 if few else AUTO_STACK_MAX_PARAM_ROWS
             try:
                 out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
             except StackedForwardFailed as failed:

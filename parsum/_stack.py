@@ -339,6 +339,15 @@ class Stack(Sequence[nn.Module]):
         params, stacked = self._params[name], self.values[name]
         if has_flat_grads(params):
             stacked.grad = None  # the models' .grad are a FlatGrad's views, not the stack's
+            if self._stacked_grads_wanted and "flat" not in self._warned:
+                self._warned.add("flat")
+                warnings.warn(
+                    "parsum: the stacked models' gradients go to the FlatGrad that holds their "
+                    "parameters, so the stack's tensors get none and an optimizer over "
+                    "stack.parameters() would not step them: build it over the models' own "
+                    "parameters (or the FlatGrad's), or leave the models out of the FlatGrad",
+                    stacklevel=2,
+                )
             if grad is not None:
                 _write_flat(params, grad)
             return

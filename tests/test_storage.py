@@ -233,6 +233,29 @@ def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
     assert_params_close(models, plain)
 
 
+def test_an_optimizer_over_a_stack_of_few_models_trains_them():
+    # Fewer models than auto batches (AUTO_STACK_MIN_MODELS): they run one by one, and an
+    # optimizer over the stack still gets their gradients (it got none, silently, before).
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(3)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(16, IN)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        y = parsum.sum_models(models, x)
+        assert not runs_stacked(y)
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain)
+        opt.step()
+        opt_plain.step()
+    assert_params_close(models, plain)
+
+
 def test_models_too_large_to_run_stacked_keep_their_plan(monkeypatch):
     # Their gradients are attached to the stack's buffers by parsum's own node, not by a hook
     # registered on every call, which would make every next call plan anew.
@@ -555,26 +578,30 @@ def flat_is_the_grads(flat, models) -> bool:
 
 @pytest.mark.parametrize("order", ["flat first", "stack first"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_flatgrad_over_stacked_models_holds_their_gradients(order, set_to_none):
+@pytest.mark.parametrize("batched", [True, False])
+def test_flatgrad_over_stacked_models_holds_their_gradients(order, set_to_none, batched):
+    models = members() if batched else [mlp([256, 256]) for _ in range(4)]  # auto: one by one
+    plain = copy.deepcopy(models)
     if order == "stack first":
-        models, plain, _ = stacked_and_plain()
+        stack = parsum.stack_(models)
         flat = parsum.FlatGrad(models)
     else:
-        models = members()
-        plain = copy.deepcopy(models)
         flat = parsum.FlatGrad(models)
-        parsum.stack_(models)
+        stack = parsum.stack_(models)
+    stack.parameters()  # as for an optimizer over the stack too, which then gets no gradient:
     opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
     opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1)
+    with pytest.warns(UserWarning, match="stack.parameters.. would not step them"):
+        parsum.sum_models(models, torch.randn(8 if batched else 1024, IN)).sum().backward()
     for _ in range(3):
-        x = torch.randn(8, IN)
+        x = torch.randn(8 if batched else 1024, IN)
         opt.zero_grad(set_to_none=set_to_none)
         opt_plain.zero_grad()
         y = parsum.sum_models(models, x)
-        assert runs_stacked(y)
+        assert runs_stacked(y) == batched
         y.pow(2).mean().backward()
         plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain)
+        assert_grads_close(models, plain, atol=1e-5)
         assert flat_is_the_grads(flat, models)  # the buffer holds this step's gradients
         opt.step()
         opt_plain.step()
