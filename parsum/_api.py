@@ -131,15 +131,18 @@ def sum_models(
         _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
         chunk_size,
     )  # fmt: skip
-    if engine in ("auto", "stacked") and step_in_backward is None and not reports_failures():
+    if step_in_backward is None and not reports_failures():
         stack = stack_for(models)
         if stack is not None:
-            # NOTE [ Stacked storage ] in _stack. Too few models for auto to batch: one by one,
-            # their gradients still gathered where an optimizer over the stack needs them.
+            # NOTE [ Stacked storage ] in _stack. Models run one by one (too few for auto to
+            # batch, or engine "autograd" or "vjp") still have their gradients gathered where
+            # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
                 few = len(models) < AUTO_STACK_MIN_MODELS
                 limit = 0 if few else AUTO_STACK_MAX_PARAM_ROWS
+            elif engine != "stacked":
+                limit = 0
             try:
                 out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
             except StackedForwardFailed as failed:

@@ -233,11 +233,12 @@ def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
     assert_params_close(models, plain)
 
 
-def test_an_optimizer_over_a_stack_of_few_models_trains_them():
-    # Fewer models than auto batches (AUTO_STACK_MIN_MODELS): they run one by one, and an
-    # optimizer over the stack still gets their gradients (it got none, silently, before).
+@pytest.mark.parametrize(("n", "engine"), [(3, "auto"), (10, "autograd"), (10, "vjp")])
+def test_an_optimizer_over_a_stack_run_one_by_one_trains_the_models(n, engine):
+    # Fewer models than auto batches (AUTO_STACK_MIN_MODELS), or an engine that runs models
+    # one by one: an optimizer over the stack still gets their gradients (none before, silently).
     torch.manual_seed(0)
-    models = [mlp([8]) for _ in range(3)]
+    models = [mlp([8]) for _ in range(n)]
     plain = copy.deepcopy(models)
     stack = parsum.stack_(models)
     opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
@@ -246,7 +247,7 @@ def test_an_optimizer_over_a_stack_of_few_models_trains_them():
         x = torch.randn(16, IN)
         opt.zero_grad()
         opt_plain.zero_grad()
-        y = parsum.sum_models(models, x)
+        y = parsum.sum_models(models, x, engine=engine)
         assert not runs_stacked(y)
         y.pow(2).mean().backward()
         plain_sum(plain, x).pow(2).mean().backward()
