@@ -30,7 +30,13 @@ from ._grouping import (
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
 from ._sparse import has_user_hooks
-from ._stack import TOO_LARGE, StackedForwardFailed, stack_for, stacked_sum
+from ._stack import (
+    TOO_LARGE,
+    StackedForwardFailed,
+    stack_for,
+    stacked_sum,
+    wanted_stacks_among,
+)
 
 _WHERE = "sum_models"
 
@@ -157,7 +163,11 @@ def sum_models(
                 return out
             if out is not None:
                 return out
-    return general(step_in_backward)
+    out = general(step_in_backward)
+    if step_in_backward is None and torch.is_grad_enabled():
+        for stack in wanted_stacks_among(models):  # some of a stack's models, or reordered
+            stack.attach_at_backward(out)
+    return out
 
 
 def _general_sum(

@@ -61,6 +61,8 @@ _WHERE = "stack_"
 
 # model -> the Stack it was last stacked into (held weakly both ways).
 _stack_of: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictionary()
+# The stacks whose parameters() were asked for (an optimizer over their tensors).
+_wanted: weakref.WeakSet[Stack] = weakref.WeakSet()
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(
@@ -259,6 +261,7 @@ class Stack(Sequence[nn.Module]):
         >>> opt.step()
         """
         self._stacked_grads_wanted = True
+        _wanted.add(self)
         return iter([self.values[name] for name in self._trainable])
 
     def unstack_(self) -> None:
@@ -399,7 +402,14 @@ class Stack(Sequence[nn.Module]):
         if hasattr(node, "before_backward"):
             # parsum's own node calls it first thing in its backward: a hook registered on
             # every call would make every next call plan anew (NOTE [ Reused plans ]).
-            node.before_backward = lambda: _attach(me)
+            before = node.before_backward  # another stack's models in the same call
+
+            def attach() -> None:
+                if before is not None:
+                    before()
+                _attach(me)
+
+            node.before_backward = attach
         else:
             node.register_prehook(lambda grad_outputs: _attach(me))
 
@@ -504,6 +514,31 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
         keys.append(key)
         infos.append(info)
     return infos
+
+
+def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
+    """The stacks with an optimizer over their tensors (``parameters()`` asked for) that hold
+    some of ``models``, once each, their storage checked (NOTE [ Stacked storage ]): a call on
+    some of a stack's models, or on them in another order, runs them one by one, and their
+    gradients must reach the stack's tensors all the same."""
+    if not _wanted:
+        return []
+    found: dict[int, Stack] = {}
+    for model in models:
+        stack = _stack_of.get(model) if isinstance(model, nn.Module) else None
+        if stack is not None and stack._stacked_grads_wanted:
+            found[id(stack)] = stack
+    held = []
+    for stack in found.values():
+        with stack._lock:
+            reason = stack._check()
+            if reason is not None:
+                stack._forget_gradients()
+        if reason is None:
+            held.append(stack)
+        else:
+            stack._warn(reason)
+    return held
 
 
 def stack_for(models: Sequence[Any]) -> Stack | None:

@@ -257,6 +257,33 @@ def test_an_optimizer_over_a_stack_run_one_by_one_trains_the_models(n, engine):
     assert_params_close(models, plain)
 
 
+def test_an_optimizer_over_a_stack_trains_some_of_its_models_or_reordered():
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(10)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    for pick in ([2, 3, 4, 5, 6], list(range(9, -1, -1)), list(range(10)), [0, 9]):
+        x = torch.randn(16, IN)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        parsum.sum_models([models[i] for i in pick], x).pow(2).mean().backward()
+        plain_sum([plain[i] for i in pick], x).pow(2).mean().backward()
+        # One stacked tensor, one gradient: zero for the models left out (their momentum
+        # still moves them, as it would over plain parameters with a zero gradient).
+        for p in [p for m in plain for p in m.parameters()]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad = stack.values["0.weight"].grad
+        assert grad is not None
+        for i in range(10):
+            torch.testing.assert_close(grad[i], plain[i][0].weight.grad)
+        opt.step()
+        opt_plain.step()
+    assert_params_close(models, plain)
+
+
 def test_models_too_large_to_run_stacked_keep_their_plan(monkeypatch):
     # Their gradients are attached to the stack's buffers by parsum's own node, not by a hook
     # registered on every call, which would make every next call plan anew.
