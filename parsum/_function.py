@@ -590,9 +590,14 @@ def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) ->
     )
 
 
+class FreedGraphError(ParsumError):
+    """``freed_graph_error``'s type, for the caller's graph to tell it apart (NOTE [ Engine
+    calls of the caller's graph ] in ``_inline``)."""
+
+
 def freed_graph_error(plan: SumPlan) -> ParsumError:
     """A second backward through a result whose graph the first one freed."""
-    return ParsumError(
+    return FreedGraphError(
         f"{plan.where}: backward ran a second time through the same result, whose graph was "
         "freed by the first one; pass retain_graph=True to the first backward, or call "
         "sum_models again"

@@ -75,6 +75,7 @@ from torch.autograd.graph import GradientEdge
 from . import _pool
 from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._function import (
+    FreedGraphError,
     SumPlan,
     _engine_keeps_graph,
     _on_device_thread,
@@ -318,5 +319,8 @@ def _raise_first_failure(
 
 
 def _freed_by_the_failed_call(exc: Exception) -> bool:
-    """Whether ``exc`` is autograd's error for a graph whose saved tensors were freed."""
-    return isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
+    """Whether ``exc`` is autograd's error, or a nested sum_models', for a graph whose saved
+    tensors were freed."""
+    return isinstance(exc, FreedGraphError) or (
+        isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
+    )

@@ -167,6 +167,30 @@ def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, failin
     assert all(g is not None for g in param_grads(models))
 
 
+class _Nested(nn.Module):
+    """A model that sums models of its own with parsum, one of which may fail in backward."""
+
+    def __init__(self, fail):
+        super().__init__()
+        self.inner = nn.ModuleList([mlp([3]), BoomInside() if fail else mlp([3]), mlp([3])])
+
+    def forward(self, x):
+        return parsum.sum_models(self.inner, x)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 3])
+def test_a_failure_inside_a_nested_call_names_both_models(n_jobs):
+    models = [mlp([3]), _Nested(fail=False), _Nested(fail=True), mlp([3])]
+    y = parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs)
+    assert in_callers_graph(y)
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(_Nested\) raised ParsumError") as e:
+        y.sum().backward()
+    inner = e.value.__cause__  # the nested call's own error, not a freed graph's
+    assert isinstance(inner, parsum.ParsumError)
+    assert "model 1 (BoomInside) raised ValueError" in str(inner)
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
 def test_second_backward_needs_retain_graph():
     models = zoo()
     x = torch.randn(2, IN)
