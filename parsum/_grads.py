@@ -346,6 +346,48 @@ def has_flat_grads(params: Sequence[Tensor]) -> bool:
     return bool(_owners) and any(owner_of(p) is not None for p in params)
 
 
+def has_compensated_flat_grads(params: Sequence[Tensor]) -> bool:
+    """Whether any of ``params`` has a slot in a FlatGrad with ``compensated=True``."""
+    if not _owners:
+        return False
+    owners = [owner_of(p) for p in params]
+    return any(o is not None and o[0].compensated for o in owners)
+
+
+def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
+    """Where every ``.grad`` of ``params`` is None or its FlatGrad slot's view in a buffer
+    nothing was written to since ``zero_()`` (NOTE [ Buffer versions ]), and no parameter
+    has a hook of the user's: those views, which a failed backward that accumulated into them
+    zeroes again. Else None: accumulating in place could not be undone."""
+    views: list[Tensor] = []
+    known_zero: dict[tuple[int, BufferKey], bool] = {}
+    for p in params:
+        owner = owner_of(p)
+        if owner is None:
+            if p.grad is not None or p._post_accumulate_grad_hooks is not None:
+                return None
+            continue
+        if _hooked_by_user(p):
+            return None
+        if p.grad is None:
+            continue
+        flat, index = owner
+        slot = flat._slots[index]
+        if p.grad is not slot.view:
+            return None
+        key = (id(flat), slot.key)
+        if key not in known_zero:
+            buffer = flat._buffers[slot.key]
+            # A write through .grad.data bumps no version: the buffer is read to be sure.
+            known_zero[key] = flat._zero_versions.get(slot.key) == buffer._version and not bool(
+                buffer.any()
+            )
+        if not known_zero[key]:
+            return None
+        views.append(slot.view)
+    return views
+
+
 def _hooked_by_user(param: Tensor) -> bool:
     """Whether a parameter that a FlatGrad owns has hooks besides the FlatGrad's own (and
     take_rows', which only coalesces)."""

@@ -381,7 +381,8 @@ def test_compensated_inf_and_nan_as_in_plain_accumulation():
 
 @pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
 @pytest.mark.parametrize("compensated", [False, True])
-def test_failed_backward_leaves_grads_as_they_were(state, compensated):
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
     models = [mlp([8]), FailsInBackward(), mlp([4])]
     flat = parsum.FlatGrad(models, compensated=compensated)
     x = torch.randn(3, IN)
@@ -396,7 +397,7 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated):
     before = [None if p.grad is None else p.grad.clone() for p in flat.params]
     comps = [c.clone() for c in flat._comps.values()]
     models[1].armed = True
-    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
     with pytest.raises(parsum.ParsumError, match=r"model 1 \(FailsInBackward\)"):
         y.sum().backward()
     for p, b in zip(flat.params, before):
@@ -408,6 +409,41 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated):
         assert torch.equal(c, saved)
     models[1].armed = False
     parsum.sum_models(models, x).sum().backward()  # and it keeps working
+
+
+@pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
+def test_the_callers_graph_serves_a_flatgrad_that_is_not_compensated(state, monkeypatch):
+    """NOTE [ FlatGrad in the caller's graph ]: the same bits as ParallelSum's slot writes, on
+    one thread and on several, from every state of the .grad."""
+    from parsum import _api
+
+    x = torch.randn(5, IN)
+    results = []
+    for n_jobs, callers_graph in [(1, True), (3, True), (1, False), (3, False)]:
+        if not callers_graph:
+            monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
+        models = zoo(seed=2)
+        flat = parsum.FlatGrad(models)
+        if state == "none":
+            for m in models:
+                m.zero_grad()
+        elif state == "zeroed":
+            flat.zero_()
+        else:
+            parsum.sum_models(models, x * 0.5, n_jobs=n_jobs).sum().backward()
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
+        assert (type(y.grad_fn).__name__ == "CallerGraphSumBackward") == callers_graph
+        y.pow(2).sum().backward()
+        assert all(is_view_into(p.grad, flat.flat) for p in flat.params)
+        results.append(flat.flat.clone())
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_a_compensated_flatgrad_is_written_by_parallel_sum():
+    models = zoo(seed=2)
+    parsum.FlatGrad(models, compensated=True)
+    y = parsum.sum_models(models, torch.randn(5, IN))
+    assert type(y.grad_fn).__name__ == "ParallelSumBackward"
 
 
 # -- bad input -----------------------------------------------------------------------------
