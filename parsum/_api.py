@@ -137,8 +137,17 @@ def sum_models(
         _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
         chunk_size,
     )  # fmt: skip
-    if step_in_backward is None and not reports_failures():
+    if not reports_failures():
         stack = stack_for(models)
+        if stack is not None and step_in_backward is not None:
+            # Stacked, with each model's optimizer stepped when the backward ends; a model
+            # the StepInBackward lacks goes the general way, which names it.
+            if not isinstance(step_in_backward, StepInBackward) or any(
+                step_in_backward.index(m) is None for m in models
+            ):
+                stack = None
+            else:
+                step_in_backward._stepped.clear()  # a new step begins
         if stack is not None:
             # NOTE [ Stacked storage ] in _stack. Models run one by one (too few for auto to
             # batch, or engine "autograd" or "vjp") still have their gradients gathered where
@@ -150,16 +159,17 @@ def sum_models(
             elif engine != "stacked":
                 limit = 0
             try:
-                out = stacked_sum(stack, call, weight_list, weight_tensor, limit)
+                out = stacked_sum(stack, call, weight_list, weight_tensor, limit, step_in_backward)
             except StackedForwardFailed as failed:
                 # One by one: raises naming the model if the call itself is bad; if it
                 # succeeds, the batched forward is what failed, and is not tried again.
-                out = general(None)
+                out = general(step_in_backward)
                 stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
                 return out
             if out is TOO_LARGE:
-                out = general(None)
-                stack.attach_at_backward(out)
+                out = general(step_in_backward)
+                if step_in_backward is None:  # else the gradients are stepped and dropped
+                    stack.attach_at_backward(out)
                 return out
             if out is not None:
                 return out

@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from ._config import check_model_sequence
 from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
 from ._errors import ParsumError
+from ._fused import StepInBackward
 from ._grads import FlatWrites, has_flat_grads
 from ._grouping import Batch, structure_key
 from ._summation import WIDE
@@ -571,6 +572,7 @@ def stacked_sum(
     weights: list[float] | None,
     weight_tensor: Tensor | None,
     max_param_rows: int | None,
+    step_in_backward: StepInBackward | None = None,
 ) -> Any:
     """The weighted sum of a stack's models' outputs, the models run as one batched forward;
     None when the stack cannot run as one now, TOO_LARGE when ``auto`` finds the models too
@@ -594,9 +596,11 @@ def stacked_sum(
     tensors = dict(values)
     if build_graph:
         me = weakref.ref(stack)
+        stepping = None if step_in_backward is None else _Stepping(me, step_in_backward)
         for name in trainable:
             alias = tensors[name] = values[name].detach().requires_grad_()
-            alias.register_post_accumulate_grad_hook(_Deliver(me, name))
+            deliver = _Deliver(me, name) if stepping is None else functools.partial(stepping, name)
+            alias.register_post_accumulate_grad_hook(deliver)
     try:
         if program is not None and not call.keywords and call.n_args == 1 and call.spec is None:
             out = _run_program(program, tensors, call.leaves[0])
@@ -733,6 +737,53 @@ class _Deliver:
         if stack is not None and grad is not None:
             with stack._lock:
                 stack._settle(self.name, grad)
+
+
+class _Stepping:
+    """The aliases' post-accumulate hooks of a call with ``step_in_backward`` (NOTE [ Fused
+    steps ] in _fused): the stacked gradients are kept, and when the backward ends each
+    model's optimizer steps with its slices, which are then dropped (``.grad`` stays None)."""
+
+    def __init__(self, stack: weakref.ref[Stack], sib: StepInBackward) -> None:
+        self.stack, self.sib = stack, sib
+        self.grads: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, alias: Tensor) -> None:
+        grad, alias.grad = alias.grad, None
+        if grad is None:
+            return
+        if not self.grads:  # the first: step when this backward is done with every alias
+            torch.autograd.Variable._execution_engine.queue_callback(self.step)
+        self.grads[name] = grad
+
+    def step(self) -> None:
+        stack, grads = self.stack(), self.grads
+        self.grads = {}
+        if stack is None:
+            return
+        names = stack._trainable
+        stepped: list[int] = []
+        try:
+            for k, model in enumerate(stack.models):
+                j = self.sib.index(model)
+                assert j is not None  # checked by sum_models
+                params = [stack._params[name][k] for name in names]
+                slices = [grads[name][k] if name in grads else None for name in names]
+                try:
+                    self.sib.step(j, params, slices)
+                except Exception as exc:
+                    done = f"; the optimizer step already ran for models {stepped}"
+                    raise ParsumError(
+                        f"sum_models: model {k} ({type(model).__name__}) raised "
+                        f"{type(exc).__name__} in its optimizer step: {exc}"
+                        f"{done if stepped else ''}"
+                    ) from exc
+                stepped.append(k)
+        finally:
+            # The backward is over: no gradient can reach a stepped parameter after its step
+            # (NOTE [ Gradients from outside the sum ] in _fused); one from outside the sum
+            # came before, and was added in.
+            self.sib._stepped.clear()
 
 
 def _batch(call: CallArgs) -> Batch:

@@ -659,3 +659,77 @@ def test_compensated_flatgrad_over_stacked_models_keeps_small_additions():
         want += torch.cat([g.flatten() for g in grads])
     err = {k: (v - want).abs().sum().item() for k, v in errors.items()}
     assert err[False] > 4 * err[True]
+
+
+# -- StepInBackward over stacked models ----------------------------------------------------
+
+SIB_OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True)),
+]
+
+
+@pytest.mark.parametrize(("cls", "kw"), SIB_OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
+def test_step_in_backward_over_stacked_models_equals_plain_training(cls, kw):
+    torch.manual_seed(0)
+    models = members(n=10, dtype=torch.float64)
+    plain = copy.deepcopy(models)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models, cls, **kw)
+    opt = cls([p for m in plain for p in m.parameters()], **kw)
+    for _ in range(3):
+        x = torch.randn(8, IN, dtype=torch.float64)
+        y = parsum.sum_models(models, x, step_in_backward=sib)
+        assert runs_stacked(y)
+        y.pow(2).mean().backward()
+        assert all(p.grad is None for m in models for p in m.parameters())
+        plain_sum(plain, x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for m, q in zip(models, plain):
+        for a, b in zip(m.parameters(), q.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_step_in_backward_over_stacked_models_steps_not_under_autograd_grad():
+    models = members(n=10)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for m in models for p in m.parameters()]
+    y = parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
+    assert runs_stacked(y)
+    x = torch.randn(8, IN, requires_grad=True)
+    y = parsum.sum_models(models, x, step_in_backward=sib)
+    torch.autograd.grad(y.sum(), x)
+    after = [p.detach() for m in models for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_step_in_backward_over_stacked_models_names_a_failing_step():
+    models = members(n=10)
+    parsum.stack_(models)
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            if self is sib.optimizers[3]:
+                raise RuntimeError("no step today")
+            return super().step(closure)
+
+    sib = parsum.StepInBackward(models, Broken, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
+    assert runs_stacked(y)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"model 3 \(Sequential\) raised RuntimeError in its optimizer step: no step "
+        r"today; the optimizer step already ran for models \[0, 1, 2\]",
+    ):
+        y.sum().backward()
+
+
+def test_step_in_backward_without_every_stacked_model_is_refused():
+    models = members(n=10)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models[1:], torch.optim.SGD, lr=0.1)
+    with pytest.raises(parsum.ParsumError, match=r"models\[0\] .* is not one of step_in_backward"):
+        parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
