@@ -53,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from ._config import check_model_sequence
 from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
 from ._errors import ParsumError
-from ._fused import StepInBackward
+from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, has_flat_grads
 from ._grouping import Batch, structure_key
 from ._summation import WIDE
@@ -764,6 +764,23 @@ class _Stepping:
         names = stack._trainable
         stepped: list[int] = []
         try:
+            order = [self.sib.index(m) for m in stack.models]
+            try:
+                done_as_one = step_stacked(
+                    self.sib,
+                    id(stack),
+                    order,  # type: ignore[arg-type]  # checked by sum_models
+                    [stack._params[name] for name in names],
+                    [stack.values[name] for name in names],
+                    [grads.get(name) for name in names],
+                )
+            except Exception as exc:
+                raise ParsumError(
+                    f"sum_models: the optimizer step of the {len(order)} stacked models, as one "
+                    f"(NOTE [ One step over stacked models ]), raised {type(exc).__name__}: {exc}"
+                ) from exc
+            if done_as_one:
+                return
             for k, model in enumerate(stack.models):
                 j = self.sib.index(model)
                 assert j is not None  # checked by sum_models

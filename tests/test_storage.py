@@ -733,3 +733,52 @@ def test_step_in_backward_without_every_stacked_model_is_refused():
     sib = parsum.StepInBackward(models[1:], torch.optim.SGD, lr=0.1)
     with pytest.raises(parsum.ParsumError, match=r"models\[0\] .* is not one of step_in_backward"):
         parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
+
+
+def test_step_in_backward_over_stacked_models_steps_them_as_one_and_falls_back():
+    """NOTE [ One step over stacked models ]: one step over the stacked tensors while the
+    models' optimizers agree; their own steps when not (a model's learning rate changed alone,
+    models run one by one), their states gathered again after those or after a state load;
+    plain training with one Adam per model throughout."""
+    torch.manual_seed(0)
+    models = members(n=10, dtype=torch.float64)
+    plain = copy.deepcopy(models)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2)
+    own = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in plain]
+    calls = [0] * len(models)
+    for k, opt in enumerate(sib.optimizers):
+        step = opt.step
+
+        def counted(*args, k=k, step=step, **kwargs):
+            calls[k] += 1
+            return step(*args, **kwargs)
+
+        opt.step = counted
+
+    def train(engine="auto", stacked=True):
+        x = torch.randn(8, IN, dtype=torch.float64)
+        y = parsum.sum_models(models, x, step_in_backward=sib, engine=engine)
+        assert runs_stacked(y) == stacked
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        for opt in own:
+            opt.step()
+            opt.zero_grad()
+        for m, q in zip(models, plain):
+            for a, b in zip(m.parameters(), q.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+    train()
+    train()
+    assert calls == [0] * 10  # one step over the stack, none of the models' own
+    train(engine="autograd", stacked=False)  # one by one: each model's optimizer
+    assert calls == [1] * 10
+    train()  # the states gathered again, the step counts each model's own
+    sib.load_state_dict(sib.state_dict())
+    train()
+    assert calls == [1] * 10
+    for opt in (sib.optimizers[0], own[0]):  # one model's learning rate alone
+        opt.param_groups[0]["lr"] = 5e-3
+    train()
+    assert calls == [2] * 10
