@@ -9,8 +9,9 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  models parsum's methods run them in stacked storage (parsum.stack_), and three
                  training steps with Adam are timed too: vmap+adam (Adam over vmap's stacked
                  leaves), parsum+adam (Adam over stack.parameters() of twins of the models,
-                 their own storage) and parsum+adam own (Adam over every model's parameters,
-                 one by one)
+                 their own storage), parsum+adam own (Adam over every model's parameters,
+                 one by one) and parsum+adam sib (one Adam per model in a StepInBackward,
+                 stepped as one over the stack)
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
@@ -48,6 +49,7 @@ from common import (
     interleaved,
     one_thread,
     parsum_adam_step,
+    parsum_sib_step,
     parsum_step,
     plain_step,
     synchronized,
@@ -85,9 +87,11 @@ def methods_for(
         parsum.stack_(models)
         twins = [m.to(device) for m in workload(name, batch).models]
         twin_stack = parsum.stack_(twins)
+        sib_twins = [m.to(device) for m in workload(name, batch).models]
         adam_steps = {
             "vmap+adam": vmap_step(models, adam=True),
             "parsum+adam": parsum_adam_step(twins, list(twin_stack.parameters())),
+            "parsum+adam sib": parsum_sib_step(parsum.stack_(sib_twins)),
             "parsum+adam own": parsum_adam_step(
                 models, [p for m in models for p in m.parameters()]
             ),
@@ -151,9 +155,10 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
     if "vmap+adam" in medians:
         vmap_adam = medians["vmap+adam"]
         stacked, own = medians["parsum+adam"], medians["parsum+adam own"]
+        fused = medians["parsum+adam sib"]
         print(
             f"  with an Adam step, against vmap+adam: parsum+adam {vmap_adam / stacked:.2f}x, "
-            f"parsum+adam own {vmap_adam / own:.2f}x"
+            f"parsum+adam own {vmap_adam / own:.2f}x, parsum+adam sib {vmap_adam / fused:.2f}x"
         )
     return {"workload": name, "description": description, "seconds": medians}
 

@@ -13,7 +13,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -278,6 +278,19 @@ def parsum_adam_step(
         optimizer.zero_grad()
         loss_of(parsum.sum_models(models, x)).backward()
         optimizer.step()
+
+    return step
+
+
+def parsum_sib_step(models: Sequence[nn.Module]) -> Callable[[torch.Tensor], None]:
+    """``parsum.sum_models`` with a ``StepInBackward`` of one Adam per model: the step runs
+    in the backward."""
+    import parsum
+
+    sib = parsum.StepInBackward(list(models), torch.optim.Adam, lr=1e-3)
+
+    def step(x: torch.Tensor) -> None:
+        loss_of(parsum.sum_models(models, x, step_in_backward=sib)).backward()
 
     return step
 
