@@ -247,7 +247,8 @@ def step_stacked(
         if len(group) != len(hyper) + 1 or any(group[key] != v for key, v in hyper.items()):
             return False
     stacked = sib._stacked.get(stack_key)
-    if stacked is None or not _still_installed(stacked, optimizers, params):
+    installed = stacked is not None and _still_installed(stacked, optimizers, params)
+    if stacked is None or not installed:
         state = _gathered(optimizers, params, values)
         if state is None:
             return False
@@ -258,6 +259,8 @@ def step_stacked(
                 stacked.optimizer.state[v] = entry
     optimizer = stacked.optimizer
     optimizer.param_groups[0].update(hyper)
+    # The models' views stay good while the step updates the stacked state in place.
+    before = [list(map(id, optimizer.state.get(v, {}).values())) for v in values]
     held = [v.grad for v in values]  # an optimizer over stack.parameters() may hold them
     for v, g in zip(values, grads):
         v.grad = g
@@ -266,8 +269,10 @@ def step_stacked(
     finally:
         for v, g in zip(values, held):
             v.grad = g
+    if installed and before == [list(map(id, optimizer.state.get(v, {}).values())) for v in values]:
+        return True
     # Each model's state: views of the stacked state (installed once, checked after).
-    installed: list[list[dict]] = []
+    views: list[list[dict]] = []
     for k, opt in enumerate(optimizers):
         per_name = []
         for n, v in enumerate(values):
@@ -285,8 +290,8 @@ def step_stacked(
                         sib._shared_counts.add(id(value))
             opt.state[params[n][k]] = mine
             per_name.append(mine)
-        installed.append(per_name)
-    stacked.installed = installed
+        views.append(per_name)
+    stacked.installed = views
     return True
 
 
