@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -296,10 +297,12 @@ def step_stacked(
 
 
 def _optimizer_over(like: torch.optim.Optimizer, values: Sequence[Tensor]) -> torch.optim.Optimizer:
-    """An optimizer of ``like``'s class over the stacked tensors (hyperparameters set at each
-    step from the models')."""
+    """An optimizer of ``like``'s class and settings (``foreach``, ``fused``, ...) over the
+    stacked tensors; the group's values are set again at each step from the models'."""
     cls: Any = type(like)
-    return cls(list(values), lr=like.param_groups[0]["lr"])
+    group = like.param_groups[0]
+    accepted = inspect.signature(cls.__init__).parameters  # defaults may hold more
+    return cls(list(values), **{k: group[k] for k in accepted if k in group and k != "params"})
 
 
 def _still_installed(

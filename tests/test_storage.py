@@ -667,6 +667,7 @@ SIB_OPTIMIZERS = [
     (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
     (torch.optim.Adam, dict(lr=1e-2)),
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True, amsgrad=True)),
 ]
 
 
