@@ -241,6 +241,13 @@ class FlatGrad:
     def _note_written(self) -> None:
         self._comp_versions = {k: b._version for k, b in self._buffers.items()}
 
+    def _known_zero(self, key: BufferKey) -> bool:
+        """Whether nothing was written to buffer ``key`` since ``zero_()`` (NOTE [ Buffer
+        versions ]); a write through ``.grad.data`` bumps no version: the buffer is read to be
+        sure."""
+        buffer = self._buffers[key]
+        return self._zero_versions.get(key) == buffer._version and not bool(buffer.any())
+
 
 def _collect_params(items: Any) -> list[Tensor]:
     found: list[Tensor] = []
@@ -350,8 +357,7 @@ def has_compensated_flat_grads(params: Sequence[Tensor]) -> bool:
     """Whether any of ``params`` has a slot in a FlatGrad with ``compensated=True``."""
     if not _owners:
         return False
-    owners = [owner_of(p) for p in params]
-    return any(o is not None and o[0].compensated for o in owners)
+    return any((o := owner_of(p)) is not None and o[0].compensated for p in params)
 
 
 def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
@@ -377,11 +383,7 @@ def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
             return None
         key = (id(flat), slot.key)
         if key not in known_zero:
-            buffer = flat._buffers[slot.key]
-            # A write through .grad.data bumps no version: the buffer is read to be sure.
-            known_zero[key] = flat._zero_versions.get(slot.key) == buffer._version and not bool(
-                buffer.any()
-            )
+            known_zero[key] = flat._known_zero(slot.key)
         if not known_zero[key]:
             return None
         views.append(slot.view)
@@ -426,12 +428,8 @@ class FlatWrites:
         known_zero: dict[tuple[int, BufferKey], bool] = {}
         for flat in owners.values():
             for key, buffer in flat._buffers.items():
-                version = buffer._version
-                # A write through .grad.data bumps no version: the buffer is read to be sure.
-                known_zero[id(flat), key] = flat._zero_versions.get(key) == version and not bool(
-                    buffer.any()
-                )
-                if flat.compensated and flat._comp_versions.get(key) != version:
+                known_zero[id(flat), key] = flat._known_zero(key)
+                if flat.compensated and flat._comp_versions.get(key) != buffer._version:
                     flat._comps[key].zero_()
         for write in self._writes.values():
             slot, grad = write.slot, write.param.grad

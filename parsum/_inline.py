@@ -225,7 +225,6 @@ class CallerGraphSum(torch.autograd.Function):
         accumulate = (
             zeroed is not None and not ctx.create_graph and engine_runs_all([state.anchor_node])[0]
         )
-        was_none = [p.grad is None for p in params] if accumulate and zeroed else None
         weighted = weight_tensor is not None or plan.weights is not None
         param_grads: list[Tensor | None] = [None] * len(params)
         if not params:
@@ -279,16 +278,13 @@ class CallerGraphSum(torch.autograd.Function):
                 _pool.run_ordered(lambda k: pull_back_chunks(k, (k,)), n_chunks, workers, _ignore)
         except BaseException as exc:
             if accumulate:  # what they were: none of it stays
-                if was_none is None:
-                    for p in params:
+                assert zeroed is not None
+                kept = {id(view) for view in zeroed}  # zeroed views; every other .grad None
+                for view in zeroed:
+                    view.zero_()
+                for p in params:
+                    if id(p.grad) not in kept:
                         p.grad = None
-                else:
-                    assert zeroed is not None
-                    for view in zeroed:
-                        view.zero_()
-                    for p, none in zip(params, was_none):
-                        if none:
-                            p.grad = None
             error = exc
         if error is not None:
             running = failing[min(failing)] if failing else []

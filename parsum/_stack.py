@@ -781,8 +781,7 @@ class _Stepping:
                 ) from exc
             if done_as_one:
                 return
-            for k, model in enumerate(stack.models):
-                j = self.sib.index(model)
+            for k, (model, j) in enumerate(zip(stack.models, order)):
                 assert j is not None  # checked by sum_models
                 params = [stack._params[name][k] for name in names]
                 slices = [grads[name][k] if name in grads else None for name in names]

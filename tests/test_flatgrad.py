@@ -379,6 +379,18 @@ def test_compensated_inf_and_nan_as_in_plain_accumulation():
 # -- a failed backward changes nothing -----------------------------------------------------
 
 
+def bring_grads_to(state, models, flat, accumulate) -> None:
+    """Every .grad None ("none"), the views of a zeroed buffer ("zeroed"), or holding what
+    ``accumulate()`` accumulated ("accumulated")."""
+    if state == "none":
+        for m in models:
+            m.zero_grad()
+    elif state == "zeroed":
+        flat.zero_()
+    else:
+        accumulate()
+
+
 @pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
 @pytest.mark.parametrize("compensated", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 2])
@@ -386,14 +398,12 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
     models = [mlp([8]), FailsInBackward(), mlp([4])]
     flat = parsum.FlatGrad(models, compensated=compensated)
     x = torch.randn(3, IN)
-    if state == "none":
-        for m in models:
-            m.zero_grad()
-    elif state == "zeroed":
-        flat.zero_()
-    else:
+
+    def accumulate():
         parsum.sum_models(models, x).sum().backward()
         parsum.sum_models(models, x * 1e-4).sum().backward()
+
+    bring_grads_to(state, models, flat, accumulate)
     before = [None if p.grad is None else p.grad.clone() for p in flat.params]
     comps = [c.clone() for c in flat._comps.values()]
     models[1].armed = True
@@ -424,13 +434,12 @@ def test_the_callers_graph_serves_a_flatgrad_that_is_not_compensated(state, monk
             monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
         models = zoo(seed=2)
         flat = parsum.FlatGrad(models)
-        if state == "none":
-            for m in models:
-                m.zero_grad()
-        elif state == "zeroed":
-            flat.zero_()
-        else:
-            parsum.sum_models(models, x * 0.5, n_jobs=n_jobs).sum().backward()
+        bring_grads_to(
+            state,
+            models,
+            flat,
+            lambda m=models, j=n_jobs: parsum.sum_models(m, x * 0.5, n_jobs=j).sum().backward(),
+        )
         y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
         assert (type(y.grad_fn).__name__ == "CallerGraphSumBackward") == callers_graph
         y.pow(2).sum().backward()

@@ -212,25 +212,31 @@ def test_one_optimizer_over_the_stack_trains_as_one_over_every_parameter(fused):
     assert_params_close(models, plain)
 
 
-def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
-    torch.manual_seed(0)
-    models = [mlp([256, 256]) for _ in range(8)]
+def train_one_by_one_over_the_stack(models, rows, atol=1e-6, **kwargs) -> None:
+    """Three steps of SGD with momentum over the stack's tensors, the models run one by one,
+    against the same over the parameters of plain copies: the same gradients at each step
+    (``.grad`` set to None, then zeroed in place, then None), the same parameters after."""
     plain = copy.deepcopy(models)
     stack = parsum.stack_(models)
     opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
     opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
     for step in range(3):
-        x = torch.randn(1024, IN)
+        x = torch.randn(rows, IN)
         opt.zero_grad(set_to_none=step != 1)
         opt_plain.zero_grad()
-        y = parsum.sum_models(models, x)
-        assert not runs_stacked(y)  # auto runs them one by one
+        y = parsum.sum_models(models, x, **kwargs)
+        assert not runs_stacked(y)
         y.pow(2).mean().backward()
         plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain, atol=1e-5)
+        assert_grads_close(models, plain, atol=atol)
         opt.step()
         opt_plain.step()
     assert_params_close(models, plain)
+
+
+def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
+    torch.manual_seed(0)
+    train_one_by_one_over_the_stack([mlp([256, 256]) for _ in range(8)], rows=1024, atol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "engine"), [(3, "auto"), (10, "autograd"), (10, "vjp")])
@@ -238,23 +244,7 @@ def test_an_optimizer_over_a_stack_run_one_by_one_trains_the_models(n, engine):
     # Fewer models than auto batches (AUTO_STACK_MIN_MODELS), or an engine that runs models
     # one by one: an optimizer over the stack still gets their gradients (none before, silently).
     torch.manual_seed(0)
-    models = [mlp([8]) for _ in range(n)]
-    plain = copy.deepcopy(models)
-    stack = parsum.stack_(models)
-    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
-    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
-    for _ in range(3):
-        x = torch.randn(16, IN)
-        opt.zero_grad()
-        opt_plain.zero_grad()
-        y = parsum.sum_models(models, x, engine=engine)
-        assert not runs_stacked(y)
-        y.pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain)
-        opt.step()
-        opt_plain.step()
-    assert_params_close(models, plain)
+    train_one_by_one_over_the_stack([mlp([8]) for _ in range(n)], rows=16, engine=engine)
 
 
 def test_an_optimizer_over_a_stack_trains_some_of_its_models_or_reordered():
