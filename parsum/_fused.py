@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 
 from ._config import check_model_sequence
 from ._errors import ParsumError
+from ._sparse import OwnPostHook
 
 _WHERE = "StepInBackward"
 
@@ -125,7 +125,7 @@ class StepInBackward:
         for i, model in enumerate(models):
             for name, p in model.named_parameters():
                 if p.requires_grad:
-                    check = functools.partial(_no_gradient_after_step, me, i, name)
+                    check = OwnPostHook(_no_gradient_after_step, me, i, name)
                     p.register_post_accumulate_grad_hook(check)
         self.optimizers: list[torch.optim.Optimizer | None] = []
         for i, model in enumerate(models):

@@ -30,7 +30,6 @@
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import UninitializedParameter
 
 from ._errors import ParsumError
-from ._sparse import has_user_hooks
+from ._sparse import OwnPostHook, has_user_hooks, has_user_post_hooks
 from ._summation import compensated_add_
 
 _WHERE = "FlatGrad"
@@ -220,7 +219,7 @@ class FlatGrad:
             previous[0]._release(previous[1])
         _owners[id(p)] = (weakref.ref(self), index)
         p.grad = self._slots[index].view
-        hook = functools.partial(self._reattach, index)
+        hook = OwnPostHook(self._reattach, index)
         self._hooks[index] = p.register_post_accumulate_grad_hook(hook)
 
     def _release(self, index: int) -> None:
@@ -391,10 +390,9 @@ def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
 
 
 def _hooked_by_user(param: Tensor) -> bool:
-    """Whether a parameter that a FlatGrad owns has hooks besides the FlatGrad's own (and
-    take_rows', which only coalesces)."""
-    post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    return has_user_hooks(param) or len(post) > 1
+    """Whether a parameter that a FlatGrad owns has hooks besides parsum's own (the FlatGrad's,
+    a StepInBackward's, and take_rows', which only coalesces)."""
+    return has_user_hooks(param) or has_user_post_hooks(param)
 
 
 @dataclass

@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -134,6 +135,18 @@ def has_user_hooks(p: Tensor) -> bool:
     """Whether ``p`` has gradient hooks other than the one ``take_rows`` puts on a table."""
     hooks = p._backward_hooks
     return hooks is not None and any(not isinstance(h, _CoalesceHook) for h in hooks.values())
+
+
+class OwnPostHook(functools.partial):  # type: ignore[type-arg]
+    """A post-accumulate-grad hook of parsum's own (a FlatGrad's, a StepInBackward's)."""
+
+    __slots__ = ()
+
+
+def has_user_post_hooks(p: Tensor) -> bool:
+    """Whether ``p`` has post-accumulate-grad hooks other than parsum's own."""
+    hooks = p._post_accumulate_grad_hooks
+    return hooks is not None and any(not isinstance(h, OwnPostHook) for h in hooks.values())
 
 
 def take_rows(weight: Tensor, index: Tensor) -> Tensor:

@@ -56,6 +56,7 @@ from ._errors import ParsumError
 from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, has_flat_grads
 from ._grouping import Batch, structure_key
+from ._sparse import has_user_post_hooks
 from ._summation import WIDE
 
 _WHERE = "stack_"
@@ -296,7 +297,9 @@ class Stack(Sequence[nn.Module]):
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)) or any(map(len, _GLOBAL_HOOKS)):
                 return "a module hook was registered"
-            if any(map(_tensor_hooks, self._trainable_tensors)):
+            if any(map(_tensor_hooks, self._trainable_tensors)) or any(
+                map(has_user_post_hooks, self._trainable_tensors)
+            ):
                 return "a parameter has a gradient hook"
         return None
 

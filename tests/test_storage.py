@@ -402,6 +402,14 @@ def gradient_hook_on_one(models):
     models[4][0].weight.register_hook(lambda g: g * 3)
 
 
+def post_accumulate_hook_on_one(models):
+    # The pattern of an optimizer step in a hook: skipping it would silently not train.
+    def triple(p: torch.Tensor) -> None:
+        p.grad.mul_(3)
+
+    models[4][0].weight.register_post_accumulate_grad_hook(triple)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -413,6 +421,7 @@ def gradient_hook_on_one(models):
         slope_of_one,
         forward_hook_on_one,
         gradient_hook_on_one,
+        post_accumulate_hook_on_one,
     ],
 )
 def test_a_change_after_stacking_is_noticed_and_stays_correct(change):
