@@ -137,7 +137,7 @@ def has_user_hooks(p: Tensor) -> bool:
     return hooks is not None and any(not isinstance(h, _CoalesceHook) for h in hooks.values())
 
 
-class OwnPostHook(functools.partial):  # type: ignore[type-arg]
+class OwnPostHook(functools.partial):
     """A post-accumulate-grad hook of parsum's own (a FlatGrad's, a StepInBackward's)."""
 
     __slots__ = ()
