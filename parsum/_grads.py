@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,15 @@ BufferKey = tuple[torch.dtype, torch.device]
 # it. Held weakly: a FlatGrad lives as long as its parameters (their hooks hold it), never
 # longer. An entry counts only while its FlatGrad lives and the slot holds that very tensor.
 _owners: dict[int, tuple[weakref.ref[FlatGrad], int]] = {}
+
+
+_owners_changed = [0]  # bumped whenever a FlatGrad takes a parameter over
+
+
+def owners_generation() -> int:
+    """A number that changes whenever a parameter gets a new FlatGrad slot (a cache of
+    ``owner_of`` answers stays good while it is unchanged and their FlatGrads live)."""
+    return _owners_changed[0]
 
 
 def owner_of(param: Tensor) -> tuple[FlatGrad, int] | None:
@@ -100,6 +110,11 @@ class FlatGrad:
     >>> flat.flat[6:8]                                   # the same memory
     tensor([4., 4.])
 
+    Over a :class:`parsum.Stack` (``FlatGrad(stack)``) the slots go name by name, model after
+    model, so that each name's gradients form one block shaped as the stacked tensor: the
+    block is also that tensor's ``.grad``, so one buffer holds the models' gradients, the
+    stack's and the FlatGrad's, and the stacked backward writes it with one kernel a name.
+
     A parameter whose gradient comes row-sparse (:func:`parsum.take_rows`,
     ``nn.Embedding(sparse=True)``) has its rows added into its slot by ``sum_models`` (cost in
     proportion to the rows), so its ``.grad`` is dense; leave it out to keep a sparse ``.grad``
@@ -112,7 +127,8 @@ class FlatGrad:
             (``requires_grad=False``) none. Parametrized modules
             (``torch.nn.utils.parametrize``) get slots for their underlying ``original``
             tensors, and layers whose weight is computed from several tensors for each of them.
-            A parameter's ``.grad``, if any, is copied into its slot.
+            A :class:`parsum.Stack` is laid out name by name (above). A parameter's ``.grad``,
+            if any, is copied into its slot.
         compensated: whether every accumulation into ``.grad`` by ``sum_models``' backward
             (repeated backward over micro-batches) is compensated (Kahan-Babuska-Neumaier): a
             second buffer per (dtype, device) keeps the part of each sum below ``.grad``'s last
@@ -218,6 +234,7 @@ class FlatGrad:
         if previous is not None:
             previous[0]._release(previous[1])
         _owners[id(p)] = (weakref.ref(self), index)
+        _owners_changed[0] += 1
         p.grad = self._slots[index].view
         hook = OwnPostHook(self._reattach, index)
         self._hooks[index] = p.register_post_accumulate_grad_hook(hook)
@@ -248,6 +265,67 @@ class FlatGrad:
         return self._zero_versions.get(key) == buffer._version and not bool(buffer.any())
 
 
+@dataclass
+class SlotBlock:
+    """Consecutive slots of one FlatGrad buffer that hold ``params`` in order, contiguous: one
+    block shaped ``(len(params), *shape)`` (NOTE [ One buffer for a stack ] in _stack)."""
+
+    owner: weakref.ref[FlatGrad]
+    key: BufferKey
+    views: list[Tensor]  # the slots' views, each parameter's ``.grad`` when it holds one
+    block: Tensor
+    comp: Tensor | None
+
+    def write(self, params: Sequence[Tensor], grad: Tensor, fresh: bool) -> None:
+        """Copy (``fresh``: the slots hold no gradient) or add (compensated where the FlatGrad
+        is) a stacked gradient into the block; every ``.grad`` becomes its view."""
+        flat = self.owner()
+        assert flat is not None  # checked by the caller
+        buffer = flat._buffers[self.key]
+        if self.comp is not None and flat._comp_versions.get(self.key) != buffer._version:
+            flat._comps[self.key].zero_()  # written by someone else: NOTE [ Buffer versions ]
+        if fresh:
+            self.block.copy_(grad)
+            if self.comp is not None:
+                self.comp.zero_()
+        elif self.comp is not None:
+            compensated_add_([self.block], [self.comp], [grad])
+        else:
+            self.block.add_(grad)
+        for p, view in zip(params, self.views):
+            if p.grad is not view:
+                p.grad = view
+        flat._note_written()
+
+
+def slot_block(params: Sequence[Tensor]) -> SlotBlock | None:
+    """The block of FlatGrad slots holding ``params`` (same shapes), if they are laid out so."""
+    found = owner_of(params[0])
+    if found is None:
+        return None
+    flat, first = found
+    slots = flat._slots[first : first + len(params)]
+    if len(slots) != len(params) or not all(map(operator.is_, [s.ref() for s in slots], params)):
+        return None
+    key, shape = slots[0].key, params[0].shape
+    numel, start = params[0].numel(), slots[0].view.storage_offset()
+    for k, slot in enumerate(slots):
+        view = slot.view
+        if (
+            slot.key != key
+            or view.shape != shape
+            or view.storage_offset() != start + k * numel
+            or not view.is_contiguous()
+        ):
+            return None
+    size, stacked_shape = len(params) * numel, (len(params), *shape)
+    block = flat._buffers[key].narrow(0, start, size).view(stacked_shape)
+    comp = flat._comps.get(key)
+    if comp is not None:
+        comp = comp.narrow(0, start, size).view(stacked_shape)
+    return SlotBlock(weakref.ref(flat), key, [s.view for s in slots], block, comp)
+
+
 def _collect_params(items: Any) -> list[Tensor]:
     found: list[Tensor] = []
     seen: set[int] = set()
@@ -276,7 +354,11 @@ def _collect_params(items: Any) -> list[Tensor]:
         found.append(p)
 
     def visit(item: Any, where: str) -> None:
-        if isinstance(item, nn.Module):
+        by_name = getattr(item, "_flat_grad_order", None)
+        if by_name is not None:  # a parsum.Stack: NOTE [ One buffer for a stack ]
+            for label, p in by_name():
+                add(p, f"{where or 'params_or_modules'}{label}")
+        elif isinstance(item, nn.Module):
             for name, p in item.named_parameters():
                 add(p, f"{where}.{name}" if where else name)
         elif isinstance(item, Tensor):
@@ -408,10 +490,13 @@ class FlatWrites:
     """The FlatGrad slots one backward of ``sum_models`` writes; built in the backward's thread.
 
     ``write(k, g)`` may run in any worker, at most once per parameter; ``commit()`` after every
-    write succeeded, ``rollback()`` instead after a failure (NOTE [ Buffer versions ]).
+    write succeeded, ``rollback()`` instead after a failure (NOTE [ Buffer versions ]), which
+    ``undoable=False`` gives up: nothing is saved to restore.
     """
 
-    def __init__(self, params: Sequence[Tensor], accumulates: Sequence[bool]) -> None:
+    def __init__(
+        self, params: Sequence[Tensor], accumulates: Sequence[bool], undoable: bool = True
+    ) -> None:
         self._writes: dict[int, _Write] = {}
         self._saved: list[tuple[Tensor, Tensor]] = []
         owners: dict[int, FlatGrad] = {}
@@ -442,7 +527,7 @@ class FlatWrites:
             elif known_zero[id(write.owner), slot.key]:
                 write.fresh = True  # adding to zero is a copy: skip the compensated add
                 write.undo = "zero"
-            else:
+            elif undoable:
                 write.undo = "saved"
                 self._saved.append((slot.view, slot.view.clone()))
                 if slot.comp is not None:

@@ -31,6 +31,18 @@
 # buffer, as autograd would allocate it. Where the models' ``.grad`` are already the buffer's
 # views, the gradient is added to the buffer in place, as autograd accumulates; any other
 # state (a ``.grad`` assigned by hand) is accumulated model by model.
+#
+# NOTE [ One buffer for a stack ]
+# ``FlatGrad(stack)`` lays its slots out name by name, model after model, so that each name's
+# slots form one block shaped as its stacked tensor (``SlotBlock``). The block is then the
+# models' ``.grad`` (each model's slot a view of it), the stacked tensor's ``.grad`` (for an
+# optimizer over ``stack.parameters()``) and the FlatGrad's buffer (for a norm, a clip, an
+# all-reduce) at once, and the stacked backward writes a name's gradient with one kernel (64
+# tiny MLPs: 2.96 ms a step with the slots model after model, whose slices were written slot
+# by slot; 1.28 without a FlatGrad). Before a backward, rows whose ``.grad`` is None become
+# zero views, and a ``.grad`` set by hand is copied into its view, so that the block always
+# holds every model's gradient; an optimizer over ``stack.parameters()`` that set the stacked
+# ``.grad`` to None zeroed them all.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from ._config import check_model_sequence
 from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
 from ._errors import ParsumError
 from ._fused import StepInBackward, step_stacked
-from ._grads import FlatWrites, has_flat_grads
+from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
 from ._grouping import Batch, structure_key
 from ._sparse import has_user_post_hooks
 from ._summation import WIDE
@@ -156,6 +168,11 @@ class Stack(Sequence[nn.Module]):
         # Whether parameters() was called: only then do models run one by one gather their
         # gradients into the stacked ``.grad`` (``attach_at_backward``).
         self._stacked_grads_wanted = False
+        # NOTE [ One buffer for a stack ]: per name, the FlatGrad block that holds the models'
+        # gradients (or None) as of an owners generation; the names whose stacked .grad was
+        # set to their block.
+        self._flat_blocks: dict[str, tuple[int, SlotBlock | None]] = {}
+        self._given: set[str] = set()
         self._place(infos)
         for model in models:
             _stack_of[model] = self
@@ -210,6 +227,8 @@ class Stack(Sequence[nn.Module]):
         }
         self._grad_buffers.clear()
         self._grad_views.clear()
+        self._flat_blocks.clear()
+        self._given.clear()
         self._record(infos)
 
     def _record(self, infos: list[ModelParams]) -> None:
@@ -265,6 +284,20 @@ class Stack(Sequence[nn.Module]):
         self._stacked_grads_wanted = True
         _wanted.add(self)
         return iter([self.values[name] for name in self._trainable])
+
+    def _flat_grad_order(self) -> list[tuple[str, Tensor]]:
+        """The models' parameters for ``FlatGrad(stack)``, labelled: name by name, model after
+        model (NOTE [ One buffer for a stack ]), then any a model holds beyond the first's."""
+        named = [dict(m.named_parameters()) for m in self.models]
+        order: list[tuple[str, Tensor]] = []
+        for name in list(named[0]) if named else []:
+            for k, params in enumerate(named):
+                p = params.pop(name, None)
+                if p is not None:
+                    order.append((f"[{k}].{name}", p))
+        for k, params in enumerate(named):
+            order.extend((f"[{k}].{name}", p) for name, p in params.items())
+        return order
 
     def unstack_(self) -> None:
         """Give every model its own storage again (a copy of its slice) and forget the stack;
@@ -344,6 +377,11 @@ class Stack(Sequence[nn.Module]):
         gradient, before the models' own gradients accumulate in place (``attach_at_backward``);
         a ``.grad`` set by hand is then left as it is."""
         params, stacked = self._params[name], self.values[name]
+        block = self._flat_block(name)
+        if block is not None and (grad is None or not grad.requires_grad):
+            self._settle_block(name, grad, block)
+            return
+        self._given.discard(name)
         if has_flat_grads(params):
             stacked.grad = None  # the models' .grad are a FlatGrad's views, not the stack's
             if self._stacked_grads_wanted and "flat" not in self._warned:
@@ -351,8 +389,9 @@ class Stack(Sequence[nn.Module]):
                 warnings.warn(
                     "parsum: the stacked models' gradients go to the FlatGrad that holds their "
                     "parameters, so the stack's tensors get none and an optimizer over "
-                    "stack.parameters() would not step them: build it over the models' own "
-                    "parameters (or the FlatGrad's), or leave the models out of the FlatGrad",
+                    "stack.parameters() would not step them: build the FlatGrad over the "
+                    "stack, parsum.FlatGrad(stack), whose buffer is then the stack's gradient "
+                    "too, or the optimizer over the models' own parameters",
                     stacklevel=2,
                 )
             if grad is not None:
@@ -391,6 +430,53 @@ class Stack(Sequence[nn.Module]):
                     else:
                         g.add_(v)
 
+    def _flat_block(self, name: str) -> SlotBlock | None:
+        """The FlatGrad block holding the gradients of ``name``, if one is laid out so (NOTE
+        [ One buffer for a stack ]); looked up again when a parameter changed FlatGrads."""
+        generation = owners_generation()
+        known = self._flat_blocks.get(name)
+        if known is not None and known[0] == generation:
+            block = known[1]
+            if block is None or block.owner() is not None:
+                return block
+        block = slot_block(self._params[name])
+        self._flat_blocks[name] = (generation, block)
+        return block
+
+    def _settle_block(self, name: str, grad: Tensor | None, block: SlotBlock) -> None:
+        """``_settle`` where a FlatGrad block holds the models' gradients (NOTE [ One buffer
+        for a stack ])."""
+        params, stacked, views = self._params[name], self.values[name], block.views
+        current = list(map(_grad_of, params))
+        held = all(map(operator.is_, current, views))
+        # An optimizer over stack.parameters() set the block's tensor's .grad to None: it
+        # zeroed every model's gradient, which the views still hold.
+        zeroed = held and stacked.grad is None and name in self._given
+        fresh = zeroed or all(map(operator.is_, current, _nones(len(params))))
+        if fresh and grad is None:
+            block.block.zero_()
+            if block.comp is not None:
+                block.comp.zero_()
+        elif not fresh and not held:  # some .grad None, some set by hand: row by row
+            with torch.no_grad():
+                for k, (g, view) in enumerate(zip(current, views)):
+                    if g is view:
+                        continue
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    if block.comp is not None:
+                        block.comp[k].zero_()
+        if grad is None:  # the models accumulate into their views next
+            for p, view in zip(params, views):
+                if p.grad is not view:
+                    p.grad = view
+        else:
+            block.write(params, grad, fresh)
+        stacked.grad = block.block
+        self._given.add(name)
+
     def attach_at_backward(self, out: Any) -> None:
         """For models that ran one by one although the stack holds: when backward reaches
         ``out``, first make every model's ``.grad`` a view of the stack's buffer where the
@@ -427,10 +513,12 @@ class Stack(Sequence[nn.Module]):
             views is None or not all(map(operator.is_, map(_grad_of, self._params[name]), views))
         ):
             stacked.grad = None
+            self._given.discard(name)
 
     def _forget_gradients(self) -> None:
         """No stacked ``.grad`` while the models run one by one: an optimizer over
         ``parameters()`` must not step them with a gradient of an earlier call."""
+        self._given.clear()
         for name in self._trainable:
             stacked = self.values.get(name)
             if stacked is not None:
@@ -441,7 +529,8 @@ def _write_flat(params: list[Tensor], grad: Tensor) -> None:
     """Each model's slice of a stacked gradient into its parameter's FlatGrad slot (compensated
     where the FlatGrad is), as sum_models' backward writes slots (NOTE [ Who writes a FlatGrad
     slot ] in _grads); a parameter without a slot accumulates its slice itself."""
-    writes = FlatWrites(params, [True] * len(params))
+    # Written from an autograd hook, as autograd accumulates: nothing to undo.
+    writes = FlatWrites(params, [True] * len(params), undoable=False)
     slices = grad.unbind(0)
     writes.write([(k, g) for k, g in enumerate(slices) if k in writes])
     writes.commit()

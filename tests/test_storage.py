@@ -635,7 +635,98 @@ def test_flatgrad_over_stacked_models_holds_their_gradients(order, set_to_none, 
     assert_params_close(models, plain)
 
 
-def test_compensated_flatgrad_over_stacked_models_keeps_small_additions():
+def params_of(models):
+    return [p for m in models for p in m.parameters()]
+
+
+def one_buffer_for_all(flat, stack) -> bool:
+    """Whether the FlatGrad's buffer is, name by name, the stacked tensors' ``.grad`` and the
+    models' ``.grad`` (NOTE [ One buffer for a stack ])."""
+    buffer = flat.flat
+    start, found = 0, []
+    for name, _ in stack[0].named_parameters():
+        stacked = stack.values[name]
+        g = stacked.grad
+        size = stacked.numel()
+        if g is None or g.data_ptr() != buffer[start:].data_ptr() or g.shape != stacked.shape:
+            return False
+        for k, m in enumerate(stack):
+            if m.get_parameter(name).grad.data_ptr() != g[k].data_ptr():
+                return False
+        found.append(g.flatten())
+        start += size
+    return start == buffer.numel() and torch.equal(torch.cat(found), buffer)
+
+
+@pytest.mark.parametrize("zero", ["stack optimizer", "stack optimizer in place", "flat", "models"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_flatgrad_over_a_stack_is_one_buffer_for_the_models_the_stack_and_itself(zero, batched):
+    models = members() if batched else [mlp([256, 256]) for _ in range(4)]  # auto: one by one
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models)
+    flat = parsum.FlatGrad(stack)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    rows = 8 if batched else 1024
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the stack's tensors get none"
+        for _ in range(3):
+            if zero == "stack optimizer":
+                opt.zero_grad()
+            elif zero == "stack optimizer in place":
+                opt.zero_grad(set_to_none=False)
+            elif zero == "flat":
+                flat.zero_()
+            else:
+                for m in models:
+                    m.zero_grad()
+            opt_plain.zero_grad()
+            for _ in range(2):  # two micro-batches accumulate
+                x = torch.randn(rows, IN)
+                y = parsum.sum_models(models, x)
+                assert runs_stacked(y) == batched
+                y.pow(2).mean().backward()
+                plain_sum(plain, x).pow(2).mean().backward()
+            assert_grads_close(models, plain, atol=1e-5)
+            assert one_buffer_for_all(flat, stack)
+            opt.step()
+            opt_plain.step()
+    assert_params_close(models, plain)
+
+
+def test_flatgrad_over_a_stack_takes_in_grads_set_by_hand_or_none():
+    models, plain, stack = stacked_and_plain()
+    flat = parsum.FlatGrad(stack)
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()
+    plain_sum(plain, x).sum().backward()
+    for ms in (models, plain):
+        ms[2][0].weight.grad = torch.ones_like(ms[2][0].weight)  # by hand
+        ms[5][0].weight.grad = None
+    y = parsum.sum_models(models, x)
+    assert runs_stacked(y)
+    y.pow(2).sum().backward()
+    plain_sum(plain, x).pow(2).sum().backward()
+    assert_grads_close(models, plain, atol=1e-5)
+    assert one_buffer_for_all(flat, stack)
+
+
+def test_flatgrad_over_a_stack_is_laid_out_name_by_name():
+    models, _, stack = stacked_and_plain()
+    flat = parsum.FlatGrad(stack)
+    names = [n for n, _ in models[0].named_parameters()]
+    assert flat.params == [m.get_parameter(n) for n in names for m in models]
+    offset = 0
+    for n in names:
+        for m in models:
+            grad = m.get_parameter(n).grad
+            assert grad.data_ptr() == flat.flat[offset:].data_ptr()
+            offset += grad.numel()
+    assert offset == flat.flat.numel()
+
+
+@pytest.mark.parametrize("over", ["models", "stack"])
+def test_compensated_flatgrad_over_stacked_models_keeps_small_additions(over):
     """float32: a large micro-batch, then many small ones; against float64 sums."""
     torch.manual_seed(0)
     models = members(n=8)
@@ -644,14 +735,18 @@ def test_compensated_flatgrad_over_stacked_models_keeps_small_additions():
     errors = {}
     for compensated in (False, True):
         ms = copy.deepcopy(models)
-        flat = parsum.FlatGrad(ms, compensated=compensated)
-        parsum.stack_(ms)
+        # A FlatGrad lives as long as its parameters (their hooks hold it).
+        if over == "models":
+            parsum.FlatGrad(ms, compensated=compensated)
+            parsum.stack_(ms)
+        else:
+            parsum.FlatGrad(parsum.stack_(ms), compensated=compensated)
         for b in batches:
             y = parsum.sum_models(ms, b)
             assert runs_stacked(y)
             y.sum().backward()
-        errors[compensated] = flat.flat.double()
-    params = [p for m in ref for p in m.parameters()]
+        errors[compensated] = torch.cat([p.grad.double().flatten() for p in params_of(ms)])
+    params = params_of(ref)
     want = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
     for b in batches:
         grads = torch.autograd.grad(plain_sum(ref, b.double()).sum(), params)
