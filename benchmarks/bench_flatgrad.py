@@ -9,6 +9,10 @@
 2. A whole training step (forward, backward, SGD step, zero_grad) with parsum.sum_models, of
    the same 64 models and of 16 medium MLPs: gradients in fresh tensors (zero_grad sets them
    to None), in a FlatGrad (FlatGrad.zero_), and in a compensated FlatGrad.
+3. The same step for 64 identical tiny MLPs in stacked storage (parsum.stack_): SGD over
+   stack.parameters() with the gradients in the stack's own buffers, or in FlatGrad(stack)
+   (one buffer: NOTE [ One buffer for a stack ]); and with a FlatGrad over the models as a
+   list, whose stacked tensors then get no gradient, SGD over the models' own parameters.
 
 Every method runs once per round, interleaved, after a warm-up; medians over the rounds, ratios
 measured in this one process.
@@ -124,6 +128,41 @@ def training_step(
     return medians
 
 
+def stacked_step(n_models: int, rounds: int, batch: int) -> dict[str, float]:
+    x = torch.randn(batch, 16)
+    setups = {}
+    for name in ("stack's buffers", "FlatGrad(stack)", "FlatGrad(models)"):
+        torch.manual_seed(0)
+        models = [mlp(16, 32, 2, 4) for _ in range(n_models)]
+        stack = parsum.stack_(models)
+        flat = None
+        if name == "FlatGrad(models)":
+            flat = parsum.FlatGrad(models)
+            opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=1e-3)
+        else:
+            opt = torch.optim.SGD(stack.parameters(), lr=1e-3)
+            if name == "FlatGrad(stack)":
+                flat = parsum.FlatGrad(stack)
+
+        def step(models=models, opt=opt, flat=flat) -> None:
+            parsum.sum_models(models, x).pow(2).mean().backward()
+            opt.step()
+            if flat is None or name != "FlatGrad(models)":
+                opt.zero_grad()  # over the stack: its tensors' .grad set to None
+            else:
+                flat.zero_()
+
+        setups[name] = step
+    medians = interleaved(setups, rounds)
+    print(f"\n3. training step (SGD), {n_models} identical MLPs of width 32 in stacked storage,")
+    print(f"   batch {batch}")
+    print(f"   {'gradients held in':<24}{'ms / step':>11}{'buffers / this':>17}")
+    base = medians["stack's buffers"]
+    for name, t in medians.items():
+        print(f"   {name:<24}{t * 1e3:>11.2f}{base / t:>17.2f}")
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=int, default=64)
@@ -143,6 +182,7 @@ def main() -> None:
         "step-medium": training_step(
             medium_models, "16 MLPs of widths 128-512", max(5, args.rounds // 4), 64
         ),
+        "step-stacked": stacked_step(args.models, args.rounds, args.batch),
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -217,7 +217,7 @@ class FlatGrad:
                 buffer.zero_()
         for slot in self._slots:
             p = slot.param
-            if p is not None:
+            if p is not None and p.grad is not slot.view:  # assigning checks; reading is cheap
                 p.grad = slot.view
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
@@ -276,9 +276,10 @@ class SlotBlock:
     block: Tensor
     comp: Tensor | None
 
-    def write(self, params: Sequence[Tensor], grad: Tensor, fresh: bool) -> None:
+    def write(self, params: Sequence[Tensor], grad: Tensor, fresh: bool, held: bool) -> None:
         """Copy (``fresh``: the slots hold no gradient) or add (compensated where the FlatGrad
-        is) a stacked gradient into the block; every ``.grad`` becomes its view."""
+        is) a stacked gradient into the block; every ``.grad`` becomes its view (``held``:
+        they are already)."""
         flat = self.owner()
         assert flat is not None  # checked by the caller
         buffer = flat._buffers[self.key]
@@ -292,8 +293,8 @@ class SlotBlock:
             compensated_add_([self.block], [self.comp], [grad])
         else:
             self.block.add_(grad)
-        for p, view in zip(params, self.views):
-            if p.grad is not view:
+        if not held:
+            for p, view in zip(params, self.views):
                 p.grad = view
         flat._note_written()
 

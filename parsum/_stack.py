@@ -459,7 +459,7 @@ class Stack(Sequence[nn.Module]):
                 block.comp.zero_()
         elif not fresh and not held:  # some .grad None, some set by hand: row by row
             with torch.no_grad():
-                for k, (g, view) in enumerate(zip(current, views)):
+                for k, (p, g, view) in enumerate(zip(params, current, views)):
                     if g is view:
                         continue
                     if g is None:
@@ -468,12 +468,13 @@ class Stack(Sequence[nn.Module]):
                         view.copy_(g)
                     if block.comp is not None:
                         block.comp[k].zero_()
-        if grad is None:  # the models accumulate into their views next
-            for p, view in zip(params, views):
-                if p.grad is not view:
                     p.grad = view
-        else:
-            block.write(params, grad, fresh)
+            held = True
+        if grad is not None:
+            block.write(params, grad, fresh, held)
+        elif not held:  # the models accumulate into their views next
+            for p, view in zip(params, views):
+                p.grad = view
         stacked.grad = block.block
         self._given.add(name)
 
