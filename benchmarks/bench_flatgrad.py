@@ -144,13 +144,13 @@ def stacked_step(n_models: int, rounds: int, batch: int) -> dict[str, float]:
             if name == "FlatGrad(stack)":
                 flat = parsum.FlatGrad(stack)
 
-        def step(models=models, opt=opt, flat=flat) -> None:
+        # Over the stack, its optimizer's zero_grad() sets the stacked .grad to None.
+        zero = opt.zero_grad if flat is None or name == "FlatGrad(stack)" else flat.zero_
+
+        def step(models=models, opt=opt, zero=zero) -> None:
             parsum.sum_models(models, x).pow(2).mean().backward()
             opt.step()
-            if flat is None or name != "FlatGrad(models)":
-                opt.zero_grad()  # over the stack: its tensors' .grad set to None
-            else:
-                flat.zero_()
+            zero()
 
         setups[name] = step
     medians = interleaved(setups, rounds)
