@@ -90,10 +90,10 @@ def methods_for(
         sib_twins = [m.to(device) for m in workload(name, batch).models]
         adam_steps = {
             "vmap+adam": vmap_step(models, adam=True),
-            "parsum+adam": parsum_adam_step(twins, list(twin_stack.parameters())),
+            "parsum+adam": parsum_adam_step(twins, list(twin_stack.parameters()), shared=False),
             "parsum+adam sib": parsum_sib_step(parsum.stack_(sib_twins)),
             "parsum+adam own": parsum_adam_step(
-                models, [p for m in models for p in m.parameters()]
+                models, [p for m in models for p in m.parameters()], shared=True
             ),
         }
         for key, fn in adam_steps.items():

@@ -266,15 +266,19 @@ def vmap_step(models: list[nn.Module], adam: bool = False) -> Callable[[torch.Te
 
 
 def parsum_adam_step(
-    models: list[nn.Module], parameters: list[torch.Tensor]
+    models: list[nn.Module], parameters: list[torch.Tensor], shared: bool
 ) -> Callable[[torch.Tensor], None]:
-    """``parsum.sum_models`` then one ``torch.optim.Adam`` step over ``parameters``."""
+    """``parsum.sum_models`` then one ``torch.optim.Adam`` step over ``parameters``; the
+    models' own ``.grad`` are set to None first only where other methods run the same models
+    (``shared``) and leave gradients of their own there: a user's loop zeroes through the
+    optimizer alone."""
     import parsum
 
     optimizer = torch.optim.Adam(parameters, lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
-        zero_grads(models)  # the other methods leave gradients of their own there
+        if shared:
+            zero_grads(models)
         optimizer.zero_grad()
         loss_of(parsum.sum_models(models, x)).backward()
         optimizer.step()

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from . import _config, _pool
-from ._engines import CallArgs, ModelParams, module_of
+from ._engines import CallArgs, ModelParams, module_of, vmap_failure_count
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
@@ -213,7 +213,7 @@ def _general_sum(
     on_device = _on_a_device(tensors, params)
     one_chunk = chosen and chunk_size is None and (budget <= INTRA_OP_ONLY_BUDGET or on_device)
     max_chunks = 1 if one_chunk else None
-    key = (engine, batch, chunk_size, max_chunks, chosen)
+    key = (engine, batch, chunk_size, max_chunks, chosen, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
@@ -221,7 +221,7 @@ def _general_sum(
         chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
         workers = useful_workers(found, batch) if chosen else n_workers
         derived = Derived(units, chunks, workers)
-        remember_derived(walk, key, derived)
+        remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
         n_workers = 1 if on_device else min(n_workers, derived.workers)

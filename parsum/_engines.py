@@ -47,6 +47,13 @@ from ._sparse import GradSum, add_grad, has_user_hooks
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
 # failing again on every call (a model vmap cannot run once rarely runs later).
 VMAP_FAILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_vmap_failures = [0]
+
+
+def vmap_failure_count() -> int:
+    """How many groups were found so far that vmap cannot run (``VMAP_FAILED`` grew)."""
+    return _vmap_failures[0]
+
 
 # NOTE [ Shadow modules ]
 # ``torch.func.functional_call`` runs a module with other tensors by swapping them into the
@@ -643,6 +650,7 @@ def unit_forward(
             # fails anyway (a bad batch) says nothing about vmap.
             run = _one_by_one(unit, models, call, model_params, build_graph)
             VMAP_FAILED.update(group)  # type: ignore[arg-type]
+            _vmap_failures[0] += 1  # plans that stack this group are made again
             return run
     (i,) = unit.models
     if not build_graph:

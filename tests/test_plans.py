@@ -180,14 +180,97 @@ def test_methods_and_lazy_modules_are_planned_on_every_call():
     assert known_walk(lazy) is None
 
 
-def test_stacked_units_are_planned_on_every_call():
-    models = [mlp([4]) for _ in range(3)]
+def count_plans(monkeypatch) -> list[int]:
+    """How many times units are planned from here on (one element per planning)."""
+    planned: list[int] = []
+    plan_units = parsum._api.plan_units
+
+    def counting(*args, **kwargs):
+        planned.append(1)
+        return plan_units(*args, **kwargs)
+
+    monkeypatch.setattr(parsum._api, "plan_units", counting)
+    return planned
+
+
+STACKED_CHANGES = {
+    "setting": lambda ms: setattr(ms[1][1], "negative_slope", 0.3),
+    "submodule": lambda ms: ms[1].__setitem__(1, nn.ReLU()),
+    "new attribute": lambda ms: setattr(ms[1][1], "inplace", True),
+}
+
+
+@pytest.mark.parametrize("change", list(STACKED_CHANGES))
+def test_stacked_units_are_reused_until_a_setting_changes(change, monkeypatch):
+    models = [mlp([4], nn.LeakyReLU) for _ in range(3)]
     x = torch.randn(2, IN)
-    parsum.sum_models(models, x, engine="stacked", n_jobs=1)
-    walk = known_walk(models)
-    assert walk is not None and not walk.derived  # the units depend on the modules' settings
-    models[1][1] = nn.ReLU()  # no longer stackable with the others
+    planned = count_plans(monkeypatch)
+    for _ in range(3):
+        parsum.sum_models(models, x, engine="stacked", n_jobs=1)
+    assert len(planned) == 1
     ref = copy.deepcopy(models)
-    torch.testing.assert_close(
-        parsum.sum_models(models, x, engine="stacked", n_jobs=1), plain_sum(ref, x)
-    )
+    for ms in (models, ref):
+        STACKED_CHANGES[change](ms)  # model 1 no longer stacks with the others
+    assert known_walk(models) is None
+    y = parsum.sum_models(models, x, engine="stacked", n_jobs=1)
+    torch.testing.assert_close(y, plain_sum(ref, x))
+
+
+class HooksItsActivations(nn.Module):
+    """Registers a tensor hook on every call: a hook handle is made on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.seen: list[int] = []  # the same object throughout: a plan checks attributes
+
+    def count(self, grad: torch.Tensor) -> None:
+        self.seen.append(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h.register_hook(self.count)
+        return h
+
+
+def test_a_hook_registered_elsewhere_keeps_the_plan_one_on_a_model_does_not(monkeypatch):
+    models = [HooksItsActivations(), mlp([4])]
+    x = torch.randn(3, IN)
+    planned = count_plans(monkeypatch)
+    for _ in range(3):
+        parsum.sum_models(models, x).sum().backward()
+    assert len(planned) == 1 and len(models[0].seen) == 3
+    models[1].register_forward_hook(lambda m, i, out: 2 * out)
+    assert known_walk(models) is None
+    ref = copy.deepcopy(models)
+    torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))
+
+
+class ItemBranch(nn.Module):
+    """Reads a value in forward: vmap cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out if out.sum().item() > -1e9 else -out
+
+
+def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
+    torch.manual_seed(0)
+    models = [ItemBranch() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
+    x = torch.randn(2, IN)
+    tried: list[int] = []
+    stacked_forward = parsum._engines.stacked_forward
+
+    def counting(*args, **kwargs):
+        tried.append(1)
+        return stacked_forward(*args, **kwargs)
+
+    monkeypatch.setattr(parsum._engines, "stacked_forward", counting)
+    ref = copy.deepcopy(models)
+    for _ in range(3):
+        torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))
+    assert len(tried) == 1  # auto stacked them once, then planned them one by one
