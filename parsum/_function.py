@@ -45,6 +45,7 @@ from ._engines import (
     SinglePullback,
     Unit,
     UnitPullback,
+    UnitRun,
     pull_back_together,
     unit_forward,
 )
@@ -228,6 +229,7 @@ def run_forward(
 
     failed_chunks: list[int] = []
     weighted = weight_tensor is not None or plan.weights is not None
+    models = plan.models
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -242,12 +244,17 @@ def run_forward(
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
         first: int | None = None
+        if roots is not None:  # the caller's graph: one model a unit, run as the plain loop does
+            args, kwargs = call.build()
         for u in plan.chunks[k]:
             unit = plan.units[u]
             try:
-                run = unit_forward(
-                    unit, plan.models, call, plan.model_params, build_graph, plan.engine == "auto"
-                )
+                if roots is not None:
+                    run = UnitRun([models[unit.models[0]](*args, **kwargs)], None)
+                else:
+                    run = unit_forward(
+                        unit, models, call, plan.model_params, build_graph, plan.engine == "auto"
+                    )
             except _CONTROL_FLOW:
                 raise
             except Exception as exc:
