@@ -92,6 +92,7 @@ _GLOBAL_HOOKS = tuple(
 _data_ptr = Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
+_post_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_of = operator.attrgetter("grad")
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -261,6 +262,7 @@ class Stack(Sequence[nn.Module]):
         self._sizes = list(map(len, sized))
         self._hook_dicts = hooks
         self._handles_seen: int | None = None
+        self._own_post_hooks = 0  # post-accumulate hooks on the parameters, all parsum's
         self._program = _program_of(infos[0].modules[0]) if infos[0].modules else None
         self._tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         self._ptrs = list(map(_data_ptr, self._tensors))
@@ -330,10 +332,17 @@ class Stack(Sequence[nn.Module]):
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)) or any(map(len, _GLOBAL_HOOKS)):
                 return "a module hook was registered"
-            if any(map(_tensor_hooks, self._trainable_tensors)) or any(
-                map(has_user_post_hooks, self._trainable_tensors)
-            ):
+            tensors = self._trainable_tensors
+            if any(map(_tensor_hooks, tensors)):
                 return "a parameter has a gradient hook"
+            # Post-accumulate hooks: parsum's own (a FlatGrad's, a StepInBackward's) are never
+            # removed but to be put back, so while their number stands no user's was added;
+            # counting them is a C loop, telling them apart a Python call a parameter.
+            posts = sum(map(len, filter(None, map(_post_hooks, tensors))))
+            if posts != self._own_post_hooks:
+                if any(map(has_user_post_hooks, tensors)):
+                    return "a parameter has a gradient hook"
+                self._own_post_hooks = posts
         return None
 
     def _restack(self) -> str | None:
