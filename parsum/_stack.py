@@ -377,7 +377,9 @@ class Stack(Sequence[nn.Module]):
                 f"parsum: the stacked models run one by one (slower) because {reason}; "
                 "an optimizer over stack.parameters() gets no gradient until parsum.stack_ "
                 "is called again on identical models",
-                stacklevel=4,
+                # At the caller of sum_models: past this, the stack's caller, sum_models and
+                # torch.compiler.disable's wrapper.
+                stacklevel=5,
             )
 
     # -- gradients -----------------------------------------------------------------------

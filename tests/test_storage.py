@@ -455,8 +455,9 @@ def test_models_that_differ_now_run_one_by_one_with_a_warning_once():
     models, _, _ = stacked_and_plain()
     x = torch.randn(8, IN)
     slope_of_one(models)
-    with pytest.warns(UserWarning, match="one by one"):
+    with pytest.warns(UserWarning, match="one by one") as warned:
         y = parsum.sum_models(models, x)
+    assert warned[0].filename == __file__  # where the user called sum_models
     assert not runs_stacked(y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
