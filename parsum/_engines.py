@@ -368,8 +368,8 @@ def pull_back(
     """
     if _run_engine is None or has_torch_function([*cotangents, *inputs]):
         if accumulate:
-            torch.autograd.backward(
-                outputs, cotangents, retain_graph=retain_graph, inputs=list(inputs)
+            torch.autograd.backward(  # no inputs: every leaf, as the engine call does
+                outputs, cotangents, retain_graph=retain_graph, inputs=list(inputs) or None
             )
             return ()
         return torch.autograd.grad(

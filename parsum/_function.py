@@ -201,12 +201,14 @@ def run_forward(
     build_graph: bool,
     keep_outputs: bool = False,
     roots: list[list[Tensor] | None] | None = None,
+    aliases: list[list[Tensor]] | None = None,
 ) -> _Forward:
     """Run every model, sum the weighted outputs; see NOTE [ Data flow ].
 
     With ``roots`` (and ``build_graph`` False), the models run in the caller's graph, and
     ``roots[i]`` receives model ``i``'s output leaves as they are (NOTE [ The caller's graph ]
-    in ``_inline``).
+    in ``_inline``); where arguments need a gradient (``call.grad_positions``), each model reads
+    aliases of them of its own, ``aliases[i]``.
     """
     n = len(plan.models)
     signatures: list[Signature | None] = [None] * n
@@ -230,6 +232,7 @@ def run_forward(
     failed_chunks: list[int] = []
     weighted = weight_tensor is not None or plan.weights is not None
     models = plan.models
+    positions = call.grad_positions
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -250,6 +253,10 @@ def run_forward(
             unit = plan.units[u]
             try:
                 if roots is not None:
+                    if aliases is not None:  # its own, for its own argument gradients
+                        mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
+                        aliases[unit.models[0]] = list(mine.values())
+                        args, kwargs = call.build(mine)
                     run = UnitRun([models[unit.models[0]](*args, **kwargs)], None)
                 else:
                     run = unit_forward(

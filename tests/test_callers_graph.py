@@ -26,15 +26,19 @@ def in_callers_graph(y: torch.Tensor) -> bool:
     return node_name(y) == "CallerGraphSumBackward"
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+@pytest.mark.parametrize("argument", [False, True])
 @pytest.mark.parametrize("weighted", [None, "floats", "tensor"])
-def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted, monkeypatch):
+def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted, argument, how, monkeypatch):
     results = []
     for n_jobs, callers_graph in [(1, True), (2, True), (3, True), (1, False), (3, False)]:
         # ParallelSum where the caller's graph is not taken
         monkeypatch.setattr(_api, "fits_callers_graph", lambda *a, c=callers_graph: c)
         models = zoo(seed=3)
         torch.manual_seed(7)
-        x = torch.randn(5, IN)  # no gradient: the path is open
+        # With a gradient, each model reads aliases of its own and the argument's gradient is
+        # ParallelSum's compensated sum in model order.
+        x = torch.randn(5, IN).requires_grad_(argument)
         weights = {
             None: None,
             "floats": [0.5 + i / 7 for i in range(len(models))],
@@ -42,14 +46,26 @@ def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted, monkeypatc
         }[weighted]
         y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs, chunk_size=2)
         assert in_callers_graph(y) == callers_graph
-        y.pow(2).sum().backward()
-        w_grad = weights.grad if isinstance(weights, torch.Tensor) else None
-        results.append((y.detach(), param_grads(models), w_grad))
-    (y1, g1, w1), *others = results
-    for y, g, w in others:
+        loss = y.pow(2).sum()
+        params = [p for m in models for p in m.parameters()]
+        w_grad = x_grad = None
+        if how == "backward":
+            loss.backward()
+            grads = param_grads(models)
+            w_grad = weights.grad if isinstance(weights, torch.Tensor) else None
+            x_grad = x.grad
+        else:
+            wrt = [*params, *([x] if argument else [])]
+            found = torch.autograd.grad(loss, wrt)
+            grads, x_grad = list(found[: len(params)]), (found[-1] if argument else None)
+        results.append((y.detach(), grads, w_grad, x_grad))
+    (y1, g1, w1, x1), *others = results
+    assert (x1 is not None) == argument
+    for y, g, w, xg in others:
         assert torch.equal(y, y1)
         assert all(torch.equal(a, b) for a, b in zip(g, g1))
         assert (w is None and w1 is None) or torch.equal(w, w1)
+        assert (xg is None and x1 is None) or torch.equal(xg, x1)
 
 
 def test_matches_the_plain_loop_and_is_closer_to_float64():
@@ -77,6 +93,11 @@ def test_gradcheck_and_finite_differences_in_float64():
     w = torch.linspace(0.5, 1.5, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda w: parsum.sum_models(models, x, weights=w, n_jobs=1), (w,)
+    )
+    xg = x.clone().requires_grad_()
+    assert in_callers_graph(parsum.sum_models(models, xg, weights=w, n_jobs=1))
+    assert torch.autograd.gradcheck(
+        lambda xg, w: parsum.sum_models(models, xg, weights=w, n_jobs=1), (xg, w)
     )
     y = parsum.sum_models(models, x, n_jobs=1)
     assert in_callers_graph(y)
@@ -141,14 +162,17 @@ class BoomInside(nn.Module):
 
 # One engine call for every model (the forwards ran in order on one thread), one per chunk
 # (NOTE [ Engine calls of the caller's graph ]).
+@pytest.mark.parametrize("argument", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 3])
 @pytest.mark.parametrize("failing", [BoomBackward, BoomInside])
 @pytest.mark.parametrize("accumulated", [False, True])
-def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, failing, n_jobs):
+def test_failed_backward_changes_no_grad_and_names_the_model(
+    accumulated, failing, n_jobs, argument
+):
     models = [mlp([3]) for _ in range(6)]
     models.insert(4, failing())
     models.append(BoomBackward())  # a later failure, run first or in a chunk at the same time
-    x = torch.randn(2, IN)
+    x = torch.randn(2, IN, requires_grad=argument)
     if accumulated:  # .grad already holds a gradient: the capturing pull-back
         for m in models:
             for p in m.parameters():
@@ -162,6 +186,7 @@ def test_failed_backward_changes_no_grad_and_names_the_model(accumulated, failin
     assert isinstance(e.value.__cause__, ValueError)  # the model's own error, chained
     for g, b in zip(param_grads(models), before):
         assert (g is None and b is None) or torch.equal(g, b)
+    assert x.grad is None
     del models[-1], models[4]
     parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()  # usable after
     assert all(g is not None for g in param_grads(models))
@@ -261,8 +286,6 @@ def test_hooks_run_once_on_the_whole_gradient():
 def test_what_takes_the_other_path():
     models = zoo()
     x = torch.randn(2, IN)
-    xg = x.clone().requires_grad_()
-    assert not in_callers_graph(parsum.sum_models(models, xg, n_jobs=1))  # argument gradient
     assert not in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))  # shared
     assert not in_callers_graph(parsum.sum_models([lambda t: models[0](t)], x, n_jobs=1))
     # Several threads: the caller's graph too, its models pulled back in helpers (on the CPU)
