@@ -317,6 +317,8 @@ class CallerGraphSum(torch.autograd.Function):
             else:  # NOTE [ The caller's graph on several threads ]
                 _pool.run_ordered(lambda k: pull_back_chunks(k, (k,)), n_chunks, workers, _ignore)
         except BaseException as exc:
+            for alias in (a for mine in aliases or () for a in mine):
+                alias.grad = None  # what a model that ran accumulated
             if accumulate:  # what they were: none of it stays
                 assert zeroed is not None
                 kept = {id(view) for view in zeroed}  # zeroed views; every other .grad None
@@ -363,8 +365,11 @@ def _argument_gradients(
         for u in chunk:
             for i in plan.units[u].models:
                 grads = captured.get(i)
-                if grads is None:
+                if grads is None:  # accumulated: taken, so that a retained graph's next
+                    # backward starts from None again
                     grads = list(map(_grad_of, aliases[i]))
+                    for alias in aliases[i]:
+                        alias.grad = None
                 for j, g in enumerate(grads):
                     if g is not None:
                         add_grad(accs, j, g)

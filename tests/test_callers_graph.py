@@ -250,6 +250,23 @@ def test_how_models_share_engine_calls_changes_no_bit(capture):
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0]))
 
 
+def test_a_retained_graph_gives_each_backward_its_own_argument_gradient():
+    models = zoo(seed=5)
+    ref = clone_models(models)
+    x = torch.randn(3, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = parsum.sum_models(models, x, n_jobs=1), plain_sum(ref, x_ref)
+    assert in_callers_graph(y)
+    for _ in range(2):  # each from None: the models' accumulating pull-back both times
+        for ms, t in ((models, x), (ref, x_ref)):
+            for m in ms:
+                m.zero_grad()
+            t.grad = None
+        y.pow(2).sum().backward(retain_graph=True)
+        y_ref.pow(2).sum().backward(retain_graph=True)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+
+
 def test_double_backward_raises():
     models = [mlp([4]) for _ in range(2)]
     x = torch.randn(3, IN)
