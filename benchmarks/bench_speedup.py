@@ -11,7 +11,8 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  leaves), parsum+adam (Adam over stack.parameters() of twins of the models,
                  their own storage), parsum+adam own (Adam over every model's parameters,
                  one by one) and parsum+adam sib (one Adam per model in a StepInBackward,
-                 stepped as one over the stack)
+                 stepped as one over the stack); parsum no stack_ runs twins of the models
+                 left in their own storage, which auto batches anew on every call
   hand-split P   the ceiling: the models split by hand over P threads, each running the plain
                  loop on its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
@@ -98,6 +99,9 @@ def methods_for(
         }
         for key, fn in adam_steps.items():
             methods[key] = lambda fn=fn: fn(x)
+        # Without stack_: auto batches the group on every call (NOTE [ Stacked groups ]).
+        loose = [m.to(device) for m in workload(name, batch).models]
+        methods["parsum no stack_"] = lambda: parsum_step(loose, x)
     methods["parsum default"] = lambda: parsum_step(models, x)
     for p in jobs:
         if p > 1 and device == "cpu":
@@ -151,6 +155,8 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
         line += f"; parsum 1 against plain-1t {one / medians['parsum 1']:.2f}x"
     if "vmap" in medians:
         line += f"; vmap {medians['vmap'] / ours:.2f}x"
+        if "parsum no stack_" in medians:
+            line += f" (without stack_ {medians['vmap'] / medians['parsum no stack_']:.2f}x)"
     print(line)
     if "vmap+adam" in medians:
         vmap_adam = medians["vmap+adam"]
