@@ -713,6 +713,65 @@ def _one_by_one(
     return UnitRun(outs, pullback)
 
 
+# NOTE [ Batched layers ]
+# vmap runs any model, at a price: 64 tiny MLPs took 0.81 ms a step under vmap and 0.39 as
+# the same batched matmuls written out, the rest being vmap's and functional_call's per-call
+# Python work. A stack of the commonest ensemble member, an nn.Sequential of nn.Linear layers
+# and elementwise activations (exactly these types: a subclass may override forward), therefore
+# runs as those batched matmuls directly; any other model runs through vmap. So do such models
+# in ``stack_`` storage and the groups that ``auto`` stacks on every call (64 identical tiny
+# MLPs without ``stack_``: 4.21 -> 3.86 ms a step).
+ELEMENTWISE = (
+    nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Sigmoid, nn.LogSigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Dropout,
+)  # fmt: skip
+
+# A step of a batched program: a Linear's weight and bias names, or an elementwise module.
+Step = tuple[str, str | None] | nn.Module
+
+
+def program_of(model: nn.Module, prefix: str = "") -> list[Step] | None:
+    """The batched program of a Sequential of Linear and elementwise layers, else None."""
+    kind = type(model)
+    if kind is nn.Linear:
+        has_bias = model._parameters.get("bias") is not None
+        return [(prefix + "weight", prefix + "bias" if has_bias else None)]
+    if kind in ELEMENTWISE:
+        return [model]
+    if kind is nn.Sequential:
+        steps: list[Step] = []
+        for name, child in model._modules.items():
+            found = None if child is None else program_of(child, f"{prefix}{name}.")
+            if found is None:
+                return None
+            steps += found
+        return steps if any(isinstance(s, tuple) for s in steps) else None
+    return None
+
+
+def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Every model's output along dim 0 (NOTE [ Batched layers ])."""
+    h, batched = x, False
+    for step in program:
+        if isinstance(step, nn.Module):
+            h = step.forward(h)
+            continue
+        weight = values[step[0]]
+        bias = values[step[1]] if step[1] is not None else None
+        rows = h.shape[1:-1] if batched else h.shape[:-1]
+        if batched:
+            flat = h.reshape(weight.shape[0], -1, h.shape[-1])
+        else:  # the shared input, the same for every model
+            flat = h.reshape(1, -1, h.shape[-1]).expand(weight.shape[0], -1, -1)
+        if bias is None:
+            out = torch.bmm(flat, weight.transpose(1, 2))
+        else:
+            out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
+        h, batched = out.view(weight.shape[0], *rows, weight.shape[1]), True
+    return h
+
+
 def stacked_forward(
     models: Sequence[Callable[..., Any]],
     call: CallArgs,
@@ -742,12 +801,22 @@ def stacked_forward(
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
             return torch.func.functional_call(base, (p, s), args, kwargs)
 
-        out = torch.vmap(one, randomness="different")(trainable, state)
+        # NOTE [ Batched layers ]: a Sequential of Linear layers and activations on one
+        # tensor as batched matmuls, anything else through vmap.
+        one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
+        program = program_of(models[0]) if one_tensor else None
+        if program is not None:
+            out = run_program(program, {**trainable, **state}, args[0])
+        else:
+            out = torch.vmap(one, randomness="different")(trainable, state)
     leaves, spec = pytree.tree_flatten(out)
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
             raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
-    outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]
+    if isinstance(out, Tensor):  # the usual case: one unbind for every model's view
+        outs: list[Any] = list(out.unbind(0))
+    else:
+        outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]
     if not build_graph:
         return UnitRun(outs, None, leaves)
     roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]

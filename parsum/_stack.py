@@ -64,7 +64,15 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._config import check_model_sequence
-from ._engines import MODULE_INTERNALS, CallArgs, ModelParams, shadow_module
+from ._engines import (
+    ELEMENTWISE,
+    MODULE_INTERNALS,
+    CallArgs,
+    ModelParams,
+    program_of,
+    run_program,
+    shadow_module,
+)
 from ._errors import ParsumError
 from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
@@ -249,7 +257,7 @@ class Stack(Sequence[nn.Module]):
                     continue
                 for key in attributes.keys() - MODULE_INTERNALS:
                     entries.append((attributes, key, attributes[key]))
-                if kind in _ELEMENTWISE and kind is not nn.Dropout:
+                if kind in ELEMENTWISE and kind is not nn.Dropout:
                     continue  # its forward reads its settings alone, not its training flag
                 entries.append((attributes, "training", attributes["training"]))
                 for key in ("_parameters", "_buffers", "_modules"):
@@ -264,7 +272,7 @@ class Stack(Sequence[nn.Module]):
         self._hook_dicts = hooks
         self._handles_seen: int | None = None
         self._own_post_hooks = 0  # post-accumulate hooks on the parameters, all parsum's
-        self._program = _program_of(infos[0].modules[0]) if infos[0].modules else None
+        self._program = program_of(infos[0].modules[0]) if infos[0].modules else None
         self._tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._requires = list(map(_requires_grad, self._tensors))
@@ -708,7 +716,7 @@ def stacked_sum(
             alias.register_post_accumulate_grad_hook(deliver)
     try:
         if program is not None and not call.keywords and call.n_args == 1 and call.spec is None:
-            out = _run_program(program, tensors, call.leaves[0])
+            out = run_program(program, tensors, call.leaves[0])
         else:
             out = _run_vmap(stack[0], tensors, trainable, call)
         leaves, spec = pytree.tree_flatten(out)
@@ -744,63 +752,6 @@ def _run_vmap(
         return torch.func.functional_call(base, (p, s), args, kwargs)
 
     return torch.vmap(one, randomness="different")(params, state)
-
-
-# NOTE [ Batched layers ]
-# vmap runs any model, at a price: 64 tiny MLPs took 0.81 ms a step under vmap and 0.39 as
-# the same batched matmuls written out, the rest being vmap's and functional_call's per-call
-# Python work. A stack of the commonest ensemble member, an nn.Sequential of nn.Linear layers
-# and elementwise activations (exactly these types: a subclass may override forward), therefore
-# runs as those batched matmuls directly; any other model runs through vmap.
-_ELEMENTWISE = (
-    nn.Identity, nn.Tanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
-    nn.SiLU, nn.Mish, nn.Sigmoid, nn.LogSigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink,
-    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Dropout,
-)  # fmt: skip
-
-# A step of a batched program: a Linear's weight and bias names, or an elementwise module.
-Step = tuple[str, str | None] | nn.Module
-
-
-def _program_of(model: nn.Module, prefix: str = "") -> list[Step] | None:
-    """The batched program of a Sequential of Linear and elementwise layers, else None."""
-    kind = type(model)
-    if kind is nn.Linear:
-        has_bias = model._parameters.get("bias") is not None
-        return [(prefix + "weight", prefix + "bias" if has_bias else None)]
-    if kind in _ELEMENTWISE:
-        return [model]
-    if kind is nn.Sequential:
-        steps: list[Step] = []
-        for name, child in model._modules.items():
-            found = None if child is None else _program_of(child, f"{prefix}{name}.")
-            if found is None:
-                return None
-            steps += found
-        return steps if any(isinstance(s, tuple) for s in steps) else None
-    return None
-
-
-def _run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Tensor:
-    """Every model's output along dim 0 (NOTE [ Batched layers ])."""
-    h, batched = x, False
-    for step in program:
-        if isinstance(step, nn.Module):
-            h = step.forward(h)
-            continue
-        weight = values[step[0]]
-        bias = values[step[1]] if step[1] is not None else None
-        rows = h.shape[1:-1] if batched else h.shape[:-1]
-        if batched:
-            flat = h.reshape(weight.shape[0], -1, h.shape[-1])
-        else:  # the shared input, the same for every model
-            flat = h.reshape(1, -1, h.shape[-1]).expand(weight.shape[0], -1, -1)
-        if bias is None:
-            out = torch.bmm(flat, weight.transpose(1, 2))
-        else:
-            out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
-        h, batched = out.view(weight.shape[0], *rows, weight.shape[1]), True
-    return h
 
 
 def _handle_count() -> int | None:

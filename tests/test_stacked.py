@@ -208,6 +208,23 @@ def test_matches_plain_sum(engine, n_jobs, dtype, weights):
         torch.testing.assert_close(w.grad, w_ref.grad, **TOL[dtype])
 
 
+@pytest.mark.parametrize("engine", ["stacked", "auto"])
+def test_sequential_linear_groups_run_as_batched_matmuls_not_vmap(engine, monkeypatch):
+    # NOTE [ Batched layers ]: as in stack_ storage, without vmap's per-call work.
+    def no_vmap(*args, **kwargs):
+        raise AssertionError("vmap ran")
+
+    monkeypatch.setattr(torch, "vmap", no_vmap)
+    torch.manual_seed(0)
+    models = [mlp([8, 6], nn.LeakyReLU) for _ in range(9)]
+    assert len(groups(models, engine)) == 1
+    x = torch.randn(5, IN, requires_grad=True)
+    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(models, x, engine=engine)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert_same_grads(models, ref_models)
+
+
 def test_eval_buffers_and_frozen_parameters_are_each_models_own():
     torch.manual_seed(0)
     models = []
