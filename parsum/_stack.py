@@ -32,6 +32,17 @@
 # views, the gradient is added to the buffer in place, as autograd accumulates; any other
 # state (a ``.grad`` assigned by hand) is accumulated model by model.
 #
+# NOTE [ One group in the caller's graph ]
+# A call whose models ``auto`` (or engine "stacked") puts in one stacked group, a Sequential of
+# Linear layers and activations on one tensor, runs without stacked storage as that program
+# in the caller's own graph: ``torch.stack`` of each parameter name (differentiable: its
+# backward hands each model its slice, into its own ``.grad``, through autograd's own
+# accumulation, hooks included), the batched matmuls, and the sum over the models in the wide
+# dtype. No ParallelSum node with a parameter input per model, no nested engine call: 64
+# identical tiny MLPs 3.84 -> 2.78 ms a step (interleaved; ``vmap`` 1.07, ``stack_`` storage
+# 1.24, plain loop 6.0). As in ``stack_`` storage the graph is plain autograd; a forward that
+# fails goes the general way, which names the model.
+#
 # NOTE [ One buffer for a stack ]
 # ``FlatGrad(stack)`` lays its slots out name by name, model after model, so that each name's
 # slots form one block shaped as its stacked tensor (``SlotBlock``). The block is then the
@@ -69,6 +80,7 @@ from ._engines import (
     MODULE_INTERNALS,
     CallArgs,
     ModelParams,
+    Step,
     program_of,
     run_program,
     shadow_module,
@@ -726,7 +738,14 @@ def stacked_sum(
         raise StackedForwardFailed() from exc
     if build_graph and handles is not None and _handle_count() == handles + len(trainable):
         stack._handles_seen = handles + len(trainable)  # no hook but ours since the check
-    n = len(stack)
+    return pytree.tree_unflatten(_sum_over_models(leaves, len(stack), weights, weight_tensor), spec)
+
+
+def _sum_over_models(
+    leaves: list[Tensor], n: int, weights: list[float] | None, weight_tensor: Tensor | None
+) -> list[Tensor]:
+    """Each output leaf, the models' along dim 0, weighted and summed in the wide dtype (NOTE
+    [ Compensated summation ] in _summation)."""
     summed = []
     for leaf in leaves:
         if weight_tensor is not None or weights is not None:
@@ -736,7 +755,28 @@ def stacked_sum(
                 w = torch.tensor(weights, dtype=leaf.dtype, device=leaf.device)
             leaf = leaf * w.view(n, *([1] * (leaf.dim() - 1)))
         summed.append(leaf.sum(0, dtype=WIDE.get(leaf.dtype, leaf.dtype)).to(leaf.dtype))
-    return pytree.tree_unflatten(summed, spec)
+    return summed
+
+
+def group_in_callers_graph(
+    model_params: Sequence[ModelParams],
+    program: list[Step],
+    x: Tensor,
+    weights: list[float] | None,
+    weight_tensor: Tensor | None,
+) -> Tensor:
+    """The weighted sum of identical models run as one batched program in the caller's own
+    graph (NOTE [ One group in the caller's graph ])."""
+    first = model_params[0]
+    values = {
+        name: torch.stack([mp.tensors[t] for mp in model_params])
+        for t, name in enumerate(first.names)
+    }
+    with torch.no_grad():
+        for t, name in enumerate(first.state_names):
+            values[name] = torch.stack([mp.state[t] for mp in model_params])
+    out = run_program(program, values, x)
+    return _sum_over_models([out], len(model_params), weights, weight_tensor)[0]
 
 
 def _run_vmap(

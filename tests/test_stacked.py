@@ -225,6 +225,86 @@ def test_sequential_linear_groups_run_as_batched_matmuls_not_vmap(engine, monkey
     assert_same_grads(models, ref_models)
 
 
+# -- one group that holds every model, in the caller's graph ----------------------------------
+# NOTE [ One group in the caller's graph ] in _stack
+
+
+def one_group(dtype=torch.float32, n=9):
+    torch.manual_seed(0)
+    return [mlp([8, 6], nn.LeakyReLU).to(dtype) for _ in range(n)]
+
+
+def as_one_group(y: torch.Tensor) -> bool:
+    """Whether the result came from the batched program in the caller's graph."""
+    return type(y.grad_fn).__name__ not in ("ParallelSumBackward", "CallerGraphSumBackward")
+
+
+@pytest.mark.parametrize("weights", [None, "floats", "tensor_grad"])
+@pytest.mark.parametrize("engine", ["auto", "stacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_group_matches_plain_sum(dtype, engine, weights):
+    models = one_group(dtype)
+    x = torch.randn(5, IN, dtype=dtype, requires_grad=True)
+    w = None
+    if weights == "floats":
+        w = [0.5 + k / 4 for k in range(len(models))]
+    elif weights == "tensor_grad":
+        w = torch.linspace(-1, 2, len(models), dtype=dtype, requires_grad=True)
+    (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = run_both(
+        models, x, weights=w, engine=engine
+    )
+    assert as_one_group(y)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
+    assert_same_grads(models, ref_models, **TOL[dtype])
+    if weights == "tensor_grad":
+        torch.testing.assert_close(w.grad, w_ref.grad, **TOL[dtype])
+
+
+def test_one_group_gradcheck_and_bits_for_any_n_jobs():
+    models = one_group(torch.float64, n=8)
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    w = torch.linspace(-1, 1, len(models), dtype=torch.float64, requires_grad=True)
+    assert as_one_group(parsum.sum_models(models, x, weights=w))
+    assert torch.autograd.gradcheck(lambda x, w: parsum.sum_models(models, x, weights=w), (x, w))
+    results = []
+    for n_jobs in (1, 2, 3):
+        y = parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
+        params = [p for m in models for p in m.parameters()]
+        results.append([y, *torch.autograd.grad(y.sin().sum(), [x, w, *params])])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_one_group_runs_hooks_as_the_plain_loop_does():
+    models = one_group()
+    ref = clone_models(models)
+    seen: dict[str, list] = {"tensor": [], "post": []}
+    for ms, tag in ((models, ""), (ref, "ref")):
+        ms[3][0].weight.register_hook(lambda g, tag=tag: seen["tensor"].append((tag, g.clone())))
+        ms[5][2].bias.register_post_accumulate_grad_hook(
+            lambda p, tag=tag: seen["post"].append((tag, p.grad.clone()))
+        )
+    x = torch.randn(4, IN)
+    y = parsum.sum_models(models, x)
+    assert as_one_group(y)
+    y.pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for kind in ("tensor", "post"):
+        (tag, got), (ref_tag, want) = seen[kind]
+        assert (tag, ref_tag) == ("", "ref")
+        torch.testing.assert_close(got, want)
+    assert_same_grads(models, ref)
+
+
+def test_one_group_bad_input_names_a_model_and_changes_nothing():
+    models = one_group()
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\)"):
+        parsum.sum_models(models, torch.randn(4, IN + 1)).sum().backward()
+    assert all(g is None for g in param_grads(models))
+    assert as_one_group(parsum.sum_models(models, torch.randn(4, IN)))
+
+
 def test_eval_buffers_and_frozen_parameters_are_each_models_own():
     torch.manual_seed(0)
     models = []

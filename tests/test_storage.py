@@ -485,8 +485,9 @@ def test_unstack_gives_each_model_its_storage_back():
     with torch.no_grad():
         models[0][0].weight.add_(1.0)
         plain[0][0].weight.add_(1.0)
+    # Each model's own storage again (auto may still batch them, from their own tensors).
+    assert len({m[0].weight.untyped_storage().data_ptr() for m in models}) == len(models)
     y = parsum.sum_models(models, x)
-    assert not runs_stacked(y)
     torch.testing.assert_close(y, plain_sum(plain, x))
 
 
