@@ -154,25 +154,27 @@ class Walk:
         ``negative_slope`` changed on one model splits it). False where a module is not one
         this walk holds."""
         position = {id(ref()): k for k, ref in enumerate(self._module_refs)}
-        custom_at, sizes = list(self._custom.at), list(self._custom.sizes)
-        held = list(self._custom.attributes)
-        watched = set(custom_at)
-        for module in modules:
-            k = position.get(id(module))
-            if k is None:
-                return False
-            if k in watched:
-                continue
-            watched.add(k)
-            attributes = vars(module)
-            owner = len(custom_at)
-            custom_at.append(k)
-            sizes.append(len(attributes))
-            held.extend(
-                (owner, key, _Held(attributes[key])) for key in attributes.keys() - MODULE_INTERNALS
-            )
-        # Replaced whole: a call in another thread checks the old lists or the new ones.
-        self._custom = _Watched(custom_at, sizes, held)
+        with _lock:  # two first calls in two threads may each add modules: both stay
+            custom_at, sizes = list(self._custom.at), list(self._custom.sizes)
+            held = list(self._custom.attributes)
+            watched = set(custom_at)
+            for module in modules:
+                k = position.get(id(module))
+                if k is None:
+                    return False
+                if k in watched:
+                    continue
+                watched.add(k)
+                attributes = vars(module)
+                owner = len(custom_at)
+                custom_at.append(k)
+                sizes.append(len(attributes))
+                held.extend(
+                    (owner, key, _Held(attributes[key]))
+                    for key in attributes.keys() - MODULE_INTERNALS
+                )
+            # Replaced whole: a call in another thread checks the old lists or the new ones.
+            self._custom = _Watched(custom_at, sizes, held)
         return True
 
     def _record(self, modules: list[nn.Module]) -> bool:
@@ -249,7 +251,9 @@ class _Held:
 
 
 _plans: OrderedDict[tuple[int, ...], Walk] = OrderedDict()
-_lock = threading.Lock()
+# Reentrant: a model collected while a thread holds it (the collector runs on any allocation)
+# calls _Forget, which takes it again in the same thread.
+_lock = threading.RLock()
 
 
 def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
