@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from . import _config, _pool
-from ._engines import CallArgs, ModelParams, Step, module_of, program_of, vmap_failure_count
+from ._engines import CallArgs, ModelParams, module_of, vmap_failure_count
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
@@ -250,16 +250,15 @@ def _general_sum(
     build_graph = torch.is_grad_enabled() and (
         bool(params) or any(t.requires_grad for t in differentiable)
     )
-    program = _one_stacked_group(plan, call)
-    if program is not None:
+    if _one_stacked_group(plan):
         try:
+            stacked = cast(list[nn.Module], models)  # a stacked group holds modules
             out = group_in_callers_graph(
-                plan.model_params, program, tensors[0], weight_list, weight_tensor
+                stacked, plan.model_params, call, weight_list, weight_tensor
             )
         except Exception:
             pass  # the general way runs them again, and names the model that fails
         else:
-            plan.out_spec = pytree.tree_structure(out)
             return out
     if build_graph and fits_callers_graph(plan, tensors):
         # NOTE [ The caller's graph ]
@@ -273,23 +272,18 @@ def _general_sum(
     return pytree.tree_unflatten(leaves, plan.out_spec)
 
 
-def _one_stacked_group(plan: SumPlan, call: CallArgs) -> list[Step] | None:
-    """The batched program of the one stacked group that holds every model, where the call
-    can run it in the caller's graph (NOTE [ One group in the caller's graph ] in _stack)."""
+def _one_stacked_group(plan: SumPlan) -> bool:
+    """Whether one stacked group holds every model, and the call can run it in the caller's
+    graph (NOTE [ One group in the caller's graph ] in _stack)."""
     units = plan.units
-    if len(units) != 1 or units[0].engine != "stacked" or len(units[0].models) < 2:
-        return None
-    if (
-        call.spec is not None
-        or call.keywords
-        or call.n_args != 1
-        or call.tensor_positions != [0]
-        or plan.step_in_backward is not None
-        or reports_failures()
-        or has_compensated_flat_grads(plan.params)
-    ):
-        return None
-    return program_of(plan.models[0])  # type: ignore[arg-type]  # a stacked group: modules
+    return (
+        len(units) == 1
+        and units[0].engine == "stacked"
+        and len(units[0].models) > 1
+        and plan.step_in_backward is None
+        and not reports_failures()
+        and not has_compensated_flat_grads(plan.params)
+    )
 
 
 def _on_a_device(tensors: list[Tensor], params: list[Tensor]) -> bool:

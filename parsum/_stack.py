@@ -33,12 +33,13 @@
 # state (a ``.grad`` assigned by hand) is accumulated model by model.
 #
 # NOTE [ One group in the caller's graph ]
-# A call whose models ``auto`` (or engine "stacked") puts in one stacked group, a Sequential of
-# Linear layers and activations on one tensor, runs without stacked storage as that program
-# in the caller's own graph: ``torch.stack`` of each parameter name (differentiable: its
-# backward hands each model its slice, into its own ``.grad``, through autograd's own
-# accumulation, hooks included), the batched matmuls, and the sum over the models in the wide
-# dtype. No ParallelSum node with a parameter input per model, no nested engine call: 64
+# A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
+# stacked storage, in the caller's own graph: ``torch.stack`` of each parameter name
+# (differentiable: its backward hands each model its slice, into its own ``.grad``, through
+# autograd's own accumulation, hooks included), one batched forward (the batched matmuls of a
+# Sequential of Linear layers and activations on one tensor, NOTE [ Batched layers ] in
+# _engines, else vmap, which autograd differentiates through), and the sum over the models in
+# the wide dtype. No ParallelSum node with a parameter input per model, no nested engine call: 64
 # identical tiny MLPs 3.84 -> 2.78 ms a step (interleaved; ``vmap`` 1.07, ``stack_`` storage
 # 1.24, plain loop 6.0). As in ``stack_`` storage the graph is plain autograd; a forward that
 # fails goes the general way, which names the model.
@@ -80,7 +81,6 @@ from ._engines import (
     MODULE_INTERNALS,
     CallArgs,
     ModelParams,
-    Step,
     program_of,
     run_program,
     shadow_module,
@@ -759,13 +759,13 @@ def _sum_over_models(
 
 
 def group_in_callers_graph(
+    models: Sequence[nn.Module],
     model_params: Sequence[ModelParams],
-    program: list[Step],
-    x: Tensor,
+    call: CallArgs,
     weights: list[float] | None,
     weight_tensor: Tensor | None,
-) -> Tensor:
-    """The weighted sum of identical models run as one batched program in the caller's own
+) -> Any:
+    """The weighted sum of identical models run as one batched forward in the caller's own
     graph (NOTE [ One group in the caller's graph ])."""
     first = model_params[0]
     values = {
@@ -775,8 +775,17 @@ def group_in_callers_graph(
     with torch.no_grad():
         for t, name in enumerate(first.state_names):
             values[name] = torch.stack([mp.state[t] for mp in model_params])
-    out = run_program(program, values, x)
-    return _sum_over_models([out], len(model_params), weights, weight_tensor)[0]
+    one_tensor = call.spec is None and not call.keywords and call.tensor_positions == [0]
+    program = program_of(models[0]) if one_tensor and call.n_args == 1 else None
+    if program is not None:
+        out = run_program(program, values, call.leaves[0])
+    else:
+        out = _run_vmap(models[0], values, first.names, call)
+    leaves, spec = pytree.tree_flatten(out)
+    if not all(isinstance(leaf, Tensor) for leaf in leaves):
+        raise TypeError("the stacked models returned a leaf that is not a tensor")
+    summed = _sum_over_models(leaves, len(model_params), weights, weight_tensor)
+    return pytree.tree_unflatten(summed, spec)
 
 
 def _run_vmap(
