@@ -12,7 +12,7 @@ from torch import nn
 import parsum
 from parsum import _plans
 from parsum._plans import known_walk
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import IN, OUT, ReadsAValue, clone_models, mlp, param_grads, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,21 +246,9 @@ def test_a_hook_registered_elsewhere_keeps_the_plan_one_on_a_model_does_not(monk
     torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))
 
 
-class ItemBranch(nn.Module):
-    """Reads a value in forward: vmap cannot run it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.lin(x)
-        return out if out.sum().item() > -1e9 else -out
-
-
 def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
     torch.manual_seed(0)
-    models = [ItemBranch() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
+    models = [ReadsAValue() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
     x = torch.randn(2, IN)
     tried: list[int] = []
     stacked_forward = parsum._engines.stacked_forward

@@ -17,6 +17,7 @@ from tests.zoo import (
     OUT,
     ConvNet,
     Probe,
+    ReadsAValue,
     clone_models,
     mlp,
     param_grads,
@@ -324,18 +325,6 @@ def test_one_group_takes_keyword_arguments():
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
     assert_same_grads(models, ref)
-
-
-class ReadsAValue(nn.Module):
-    """Reads a value in forward: vmap cannot run it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.lin(x)
-        return out if out.sum().item() > -1e9 else -out
 
 
 def test_one_group_vmap_cannot_run_runs_one_by_one():

@@ -146,3 +146,15 @@ def param_grads(models: list[nn.Module]) -> list[torch.Tensor | None]:
                 seen.add(id(p))
                 grads.append(None if p.grad is None else p.grad.clone())
     return grads
+
+
+class ReadsAValue(nn.Module):
+    """Reads a value in forward (``.item()``): vmap cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out if out.sum().item() > -1e9 else -out
