@@ -27,9 +27,18 @@ def free_port() -> int:
 
 
 def launch(scenario: str, timeout_s: float = 30, backend: str = "gloo") -> None:
-    """Run ``scenario`` on WORLD spawned ranks; a failed assertion in any rank fails here."""
-    args = (scenario, free_port(), timeout_s, backend)
-    mp.spawn(_rank_main, args=args, nprocs=WORLD, join=True)
+    """Run ``scenario`` on WORLD spawned ranks; a failed assertion in any rank fails here.
+
+    A port found free may be taken before the ranks bind it (by another xdist worker's
+    ranks): then the ranks run again on another port."""
+    for attempt in range(3):
+        args = (scenario, free_port(), timeout_s, backend)
+        try:
+            mp.spawn(_rank_main, args=args, nprocs=WORLD, join=True)
+            return
+        except mp.ProcessRaisedException as exc:
+            if attempt == 2 or "Address already in use" not in str(exc):
+                raise
 
 
 def _rank_main(rank: int, scenario: str, port: int, timeout_s: float, backend: str) -> None:
