@@ -772,49 +772,72 @@ def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Te
     return h
 
 
+def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Identical models' tensors stacked along dim 0, by name: the trainable ones (recorded
+    in the graph where grad mode is on) and the others (never)."""
+    first = params[0]
+    trainable = {
+        name: torch.stack([mp.tensors[t] for mp in params]) for t, name in enumerate(first.names)
+    }
+    with torch.no_grad():
+        state = {
+            name: torch.stack([mp.state[t] for mp in params])
+            for t, name in enumerate(first.state_names)
+        }
+    return trainable, state
+
+
+_LEAF = pytree.tree_structure(0)
+
+
+def batched_forward(
+    model: nn.Module,
+    program: list[Step] | None,
+    trainable: dict[str, Tensor],
+    state: dict[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[Tensor], pytree.TreeSpec]:
+    """Identical models run as one, their tensors stacked by name: ``program`` where it applies
+    to the call, one tensor (NOTE [ Batched layers ]), else vmap over ``functional_call`` of a
+    shadow of ``model`` (NOTE [ Shadow modules ]). The output's leaves, each the models' along
+    dim 0, and its structure."""
+    if program is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        out = run_program(program, {**trainable, **state}, args[0])
+    else:
+        base = shadow_module(model)
+
+        def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
+            return torch.func.functional_call(base, (p, s), args, kwargs)
+
+        out = torch.vmap(one, randomness="different")(trainable, state)
+    leaves, spec = pytree.tree_flatten(out)
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
+    return leaves, spec
+
+
 def stacked_forward(
     models: Sequence[Callable[..., Any]],
     call: CallArgs,
     params: Sequence[ModelParams],
     build_graph: bool,
 ) -> UnitRun:
-    """Run identical models as one vmap over their stacked parameters; see NOTE [ Engines ]."""
-    assert isinstance(models[0], nn.Module)
-    base = shadow_module(models[0])  # NOTE [ Shadow modules ]
+    """Run identical models as one batched forward over their stacked parameters; see NOTE
+    [ Engines ]."""
+    model = models[0]
+    assert isinstance(model, nn.Module)
     n = len(models)
-    first = params[0]
     grad_mode = torch.enable_grad() if build_graph else contextlib.nullcontext()
     with grad_mode:
         positions = call.grad_positions if build_graph else []
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in positions}
         args, kwargs = call.build(inputs)
-        trainable = {
-            name: torch.stack([mp.tensors[t] for mp in params])
-            for t, name in enumerate(first.names)
-        }
-        with torch.no_grad():
-            state = {
-                name: torch.stack([mp.state[t] for mp in params])
-                for t, name in enumerate(first.state_names)
-            }
-
-        def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
-            return torch.func.functional_call(base, (p, s), args, kwargs)
-
-        # NOTE [ Batched layers ]: a Sequential of Linear layers and activations on one
-        # tensor as batched matmuls, anything else through vmap.
-        one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
-        program = program_of(models[0]) if one_tensor else None
-        if program is not None:
-            out = run_program(program, {**trainable, **state}, args[0])
-        else:
-            out = torch.vmap(one, randomness="different")(trainable, state)
-    leaves, spec = pytree.tree_flatten(out)
-    for leaf in leaves:
-        if not isinstance(leaf, Tensor):
-            raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
-    if isinstance(out, Tensor):  # the usual case: one unbind for every model's view
-        outs: list[Any] = list(out.unbind(0))
+        trainable, state = stacked_tensors(params)
+        leaves, spec = batched_forward(model, program_of(model), trainable, state, args, kwargs)
+    if spec == _LEAF:  # the usual case: one unbind for every model's view
+        outs: list[Any] = list(leaves[0].unbind(0))
     else:
         outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]
     if not build_graph:

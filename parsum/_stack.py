@@ -82,9 +82,9 @@ from ._engines import (
     MODULE_INTERNALS,
     CallArgs,
     ModelParams,
+    batched_forward,
     program_of,
-    run_program,
-    shadow_module,
+    stacked_tensors,
 )
 from ._errors import ParsumError
 from ._fused import StepInBackward, step_stacked
@@ -727,14 +727,17 @@ def stacked_sum(
             alias = tensors[name] = values[name].detach().requires_grad_()
             deliver = _Deliver(me, name) if stepping is None else functools.partial(stepping, name)
             alias.register_post_accumulate_grad_hook(deliver)
+    names = set(trainable)
     try:
-        if program is not None and not call.keywords and call.n_args == 1 and call.spec is None:
-            out = run_program(program, tensors, call.leaves[0])
-        else:
-            out = _run_vmap(stack[0], tensors, trainable, call)
-        leaves, spec = pytree.tree_flatten(out)
-        if not all(isinstance(leaf, Tensor) for leaf in leaves):
-            raise TypeError("the stacked models returned a leaf that is not a tensor")
+        args, kwargs = call.build()
+        leaves, spec = batched_forward(
+            stack[0],
+            program,
+            {n: t for n, t in tensors.items() if n in names},
+            {n: t for n, t in tensors.items() if n not in names},
+            args,
+            kwargs,
+        )
     except Exception as exc:
         raise StackedForwardFailed() from exc
     if build_graph and handles is not None and _handle_count() == handles + len(trainable):
@@ -768,40 +771,11 @@ def group_in_callers_graph(
 ) -> Any:
     """The weighted sum of identical models run as one batched forward in the caller's own
     graph (NOTE [ One group in the caller's graph ])."""
-    first = model_params[0]
-    values = {
-        name: torch.stack([mp.tensors[t] for mp in model_params])
-        for t, name in enumerate(first.names)
-    }
-    with torch.no_grad():
-        for t, name in enumerate(first.state_names):
-            values[name] = torch.stack([mp.state[t] for mp in model_params])
-    one_tensor = call.spec is None and not call.keywords and call.tensor_positions == [0]
-    program = program_of(models[0]) if one_tensor and call.n_args == 1 else None
-    if program is not None:
-        out = run_program(program, values, call.leaves[0])
-    else:
-        out = _run_vmap(models[0], values, first.names, call)
-    leaves, spec = pytree.tree_flatten(out)
-    if not all(isinstance(leaf, Tensor) for leaf in leaves):
-        raise TypeError("the stacked models returned a leaf that is not a tensor")
+    trainable, state = stacked_tensors(model_params)
+    args, kwargs = call.build()
+    leaves, spec = batched_forward(models[0], program_of(models[0]), trainable, state, args, kwargs)
     summed = _sum_over_models(leaves, len(model_params), weights, weight_tensor)
     return pytree.tree_unflatten(summed, spec)
-
-
-def _run_vmap(
-    model: nn.Module, tensors: dict[str, Tensor], trainable: list[str], call: CallArgs
-) -> Any:
-    base = shadow_module(model)  # NOTE [ Shadow modules ] in _engines
-    args, kwargs = call.build()
-    names = set(trainable)
-    params = {n: t for n, t in tensors.items() if n in names}
-    state = {n: t for n, t in tensors.items() if n not in names}
-
-    def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
-        return torch.func.functional_call(base, (p, s), args, kwargs)
-
-    return torch.vmap(one, randomness="different")(params, state)
 
 
 def _handle_count() -> int | None:
