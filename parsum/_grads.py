@@ -257,6 +257,12 @@ class FlatGrad:
     def _note_written(self) -> None:
         self._comp_versions = {k: b._version for k, b in self._buffers.items()}
 
+    def _drop_stale_compensation(self, key: BufferKey) -> None:
+        """Zero buffer ``key``'s compensation if someone else wrote to the buffer since parsum
+        last did (NOTE [ Buffer versions ])."""
+        if self.compensated and self._comp_versions.get(key) != self._buffers[key]._version:
+            self._comps[key].zero_()
+
     def _known_zero(self, key: BufferKey) -> bool:
         """Whether nothing was written to buffer ``key`` since ``zero_()`` (NOTE [ Buffer
         versions ]); a write through ``.grad.data`` bumps no version: the buffer is read to be
@@ -282,9 +288,7 @@ class SlotBlock:
         they are already)."""
         flat = self.owner()
         assert flat is not None  # checked by the caller
-        buffer = flat._buffers[self.key]
-        if self.comp is not None and flat._comp_versions.get(self.key) != buffer._version:
-            flat._comps[self.key].zero_()  # written by someone else: NOTE [ Buffer versions ]
+        flat._drop_stale_compensation(self.key)
         if fresh:
             self.block.copy_(grad)
             if self.comp is not None:
@@ -511,10 +515,9 @@ class FlatWrites:
         # Decide from the versions before anything below writes.
         known_zero: dict[tuple[int, BufferKey], bool] = {}
         for flat in owners.values():
-            for key, buffer in flat._buffers.items():
+            for key in flat._buffers:
                 known_zero[id(flat), key] = flat._known_zero(key)
-                if flat.compensated and flat._comp_versions.get(key) != buffer._version:
-                    flat._comps[key].zero_()
+                flat._drop_stale_compensation(key)
         for write in self._writes.values():
             slot, grad = write.slot, write.param.grad
             if grad is None:
