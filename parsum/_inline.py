@@ -111,7 +111,15 @@ from ._grads import (
     has_flat_grads,
     zeroed_slot_views,
 )
-from ._sparse import GradSum, add_grad, any_sampled, has_user_hooks, merge_grads, sampled_elements
+from ._sparse import (
+    GradSum,
+    add_grad,
+    any_sampled,
+    has_user_hooks,
+    merge_grads,
+    post_accumulate_hooks,
+    sampled_elements,
+)
 
 
 def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
@@ -251,7 +259,7 @@ class CallerGraphSum(torch.autograd.Function):
             zeroed = zeroed_slot_views(params)
         elif list(map(_grad_of, params)).count(None) != len(params) or any(
             # Autograd calls post-accumulate hooks also for the None this node returns.
-            map(_post_accumulate_hooks_of, params)
+            map(post_accumulate_hooks, params)
         ):
             zeroed = None
         accumulate = (
@@ -379,7 +387,6 @@ def _argument_gradients(
 
 
 _grad_of = operator.attrgetter("grad")
-_post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 def _ignore(k: int, result: None) -> None:

@@ -47,7 +47,7 @@ from torch.nn.parameter import Parameter
 
 from ._engines import MODULE_INTERNALS, ModelParams, Unit, _may_hold_loose_tensors
 from ._sparse import any_sampled
-from ._stack import _data_ptr, _handle_count, _requires_grad
+from ._stack import _HOOK_DICTS, _data_ptr, _handle_count, _requires_grad
 
 MAX_PLANS = 8
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)
@@ -215,9 +215,7 @@ class Walk:
         return True
 
 
-_module_hooks = operator.attrgetter(
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"
-)
+_module_hooks = operator.attrgetter(*_HOOK_DICTS)
 
 
 def _hook_ids(module: nn.Module) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -141,6 +142,9 @@ class OwnPostHook(functools.partial):
     """A post-accumulate-grad hook of parsum's own (a FlatGrad's, a StepInBackward's)."""
 
     __slots__ = ()
+
+
+post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")  # None or a dict
 
 
 def has_user_post_hooks(p: Tensor) -> bool:

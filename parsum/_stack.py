@@ -90,7 +90,7 @@ from ._errors import ParsumError
 from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
 from ._grouping import Batch, structure_key
-from ._sparse import has_user_post_hooks
+from ._sparse import has_user_post_hooks, post_accumulate_hooks
 from ._summation import WIDE
 
 _WHERE = "stack_"
@@ -114,7 +114,6 @@ _GLOBAL_HOOKS = tuple(
 _data_ptr = Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
-_post_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _grad_of = operator.attrgetter("grad")
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -360,7 +359,7 @@ class Stack(Sequence[nn.Module]):
             # Post-accumulate hooks: parsum's own (a FlatGrad's, a StepInBackward's) are never
             # removed but to be put back, so while their number stands no user's was added;
             # counting them is a C loop, telling them apart a Python call a parameter.
-            posts = sum(map(len, filter(None, map(_post_hooks, tensors))))
+            posts = sum(map(len, filter(None, map(post_accumulate_hooks, tensors))))
             if posts != self._own_post_hooks:
                 if any(map(has_user_post_hooks, tensors)):
                     return "a parameter has a gradient hook"
