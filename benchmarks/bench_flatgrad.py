@@ -120,12 +120,18 @@ def training_step(
 
         setups[name] = step
     medians = interleaved(setups, rounds)
-    print(f"\n2. training step (SGD) with parsum.sum_models: {title}, batch {batch}")
-    print(f"   {'gradients held in':<24}{'ms / step':>11}{'fresh / this':>15}")
-    base = medians["fresh tensors"]
-    for name, t in medians.items():
-        print(f"   {name:<24}{t * 1e3:>11.2f}{base / t:>15.2f}")
+    heading = f"\n2. training step (SGD) with parsum.sum_models: {title}, batch {batch}"
+    print_steps(heading, medians, "fresh tensors", "fresh / this")
     return medians
+
+
+def print_steps(heading: str, medians: dict[str, float], base: str, ratio: str) -> None:
+    """A table of ms per step, and each method's speed against ``base``'s."""
+    print(heading)
+    width = len(ratio) + 3
+    print(f"   {'gradients held in':<24}{'ms / step':>11}{ratio:>{width}}")
+    for name, t in medians.items():
+        print(f"   {name:<24}{t * 1e3:>11.2f}{medians[base] / t:>{width}.2f}")
 
 
 def stacked_step(n_models: int, rounds: int, batch: int) -> dict[str, float]:
@@ -154,12 +160,11 @@ def stacked_step(n_models: int, rounds: int, batch: int) -> dict[str, float]:
 
         setups[name] = step
     medians = interleaved(setups, rounds)
-    print(f"\n3. training step (SGD), {n_models} identical MLPs of width 32 in stacked storage,")
-    print(f"   batch {batch}")
-    print(f"   {'gradients held in':<24}{'ms / step':>11}{'buffers / this':>17}")
-    base = medians["stack's buffers"]
-    for name, t in medians.items():
-        print(f"   {name:<24}{t * 1e3:>11.2f}{base / t:>17.2f}")
+    heading = (
+        f"\n3. training step (SGD), {n_models} identical MLPs of width 32 in stacked storage,"
+        f"\n   batch {batch}"
+    )
+    print_steps(heading, medians, "stack's buffers", "buffers / this")
     return medians
 
 

@@ -12,7 +12,7 @@ from torch import nn
 import parsum
 from parsum import _plans
 from parsum._plans import known_walk
-from tests.zoo import IN, OUT, ReadsAValue, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import IN, OUT, Branchy, clone_models, mlp, param_grads, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,17 +180,17 @@ def test_methods_and_lazy_modules_are_planned_on_every_call():
     assert known_walk(lazy) is None
 
 
-def count_plans(monkeypatch) -> list[int]:
-    """How many times units are planned from here on (one element per planning)."""
-    planned: list[int] = []
-    plan_units = parsum._api.plan_units
+def count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """How many times ``owner.name`` is called from here on (one element per call)."""
+    calls: list[int] = []
+    original = getattr(owner, name)
 
     def counting(*args, **kwargs):
-        planned.append(1)
-        return plan_units(*args, **kwargs)
+        calls.append(1)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(parsum._api, "plan_units", counting)
-    return planned
+    monkeypatch.setattr(owner, name, counting)
+    return calls
 
 
 STACKED_CHANGES = {
@@ -204,7 +204,7 @@ STACKED_CHANGES = {
 def test_stacked_units_are_reused_until_a_setting_changes(change, monkeypatch):
     models = [mlp([4], nn.LeakyReLU) for _ in range(3)]
     x = torch.randn(2, IN)
-    planned = count_plans(monkeypatch)
+    planned = count_calls(monkeypatch, parsum._api, "plan_units")
     for _ in range(3):
         parsum.sum_models(models, x, engine="stacked", n_jobs=1)
     assert len(planned) == 1
@@ -236,7 +236,7 @@ class HooksItsActivations(nn.Module):
 def test_a_hook_registered_elsewhere_keeps_the_plan_one_on_a_model_does_not(monkeypatch):
     models = [HooksItsActivations(), mlp([4])]
     x = torch.randn(3, IN)
-    planned = count_plans(monkeypatch)
+    planned = count_calls(monkeypatch, parsum._api, "plan_units")
     for _ in range(3):
         parsum.sum_models(models, x).sum().backward()
     assert len(planned) == 1 and len(models[0].seen) == 3
@@ -248,16 +248,9 @@ def test_a_hook_registered_elsewhere_keeps_the_plan_one_on_a_model_does_not(monk
 
 def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
     torch.manual_seed(0)
-    models = [ReadsAValue() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
+    models = [Branchy() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
     x = torch.randn(2, IN)
-    tried: list[int] = []
-    stacked_forward = parsum._engines.stacked_forward
-
-    def counting(*args, **kwargs):
-        tried.append(1)
-        return stacked_forward(*args, **kwargs)
-
-    monkeypatch.setattr(parsum._engines, "stacked_forward", counting)
+    tried = count_calls(monkeypatch, parsum._engines, "stacked_forward")
     ref = copy.deepcopy(models)
     for _ in range(3):
         torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))

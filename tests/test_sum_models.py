@@ -42,6 +42,17 @@ def run_both(models, x, weights=None, loss=lambda y: (y**2).sum(), **kw):
     return (y, x, models, weights), (y_ref, x_ref, ref_models, w_ref)
 
 
+def assert_matches(got, want, **tol):
+    """``run_both``'s two results alike: the sum, the argument's gradient, every parameter's,
+    and a weight tensor's where it requires grad."""
+    (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = got, want
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    assert_same_grads(models, ref_models, **tol)
+    if isinstance(w, torch.Tensor) and w.requires_grad:
+        torch.testing.assert_close(w.grad, w_ref.grad, **tol)
+
+
 def assert_same_grads(models, ref_models, **tol):
     got, want = param_grads(models), param_grads(ref_models)
     assert len(got) == len(want)
@@ -57,12 +68,7 @@ def assert_same_grads(models, ref_models, **tol):
 def test_matches_plain_sum(engine, n_jobs, dtype):
     models = zoo(dtype)
     x = torch.randn(5, IN, dtype=dtype, requires_grad=True)
-    (y, x, models, _), (y_ref, x_ref, ref_models, _) = run_both(
-        models, x, engine=engine, n_jobs=n_jobs
-    )
-    torch.testing.assert_close(y, y_ref, **TOL[dtype])
-    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[dtype])
-    assert_same_grads(models, ref_models, **TOL[dtype])
+    assert_matches(*run_both(models, x, engine=engine, n_jobs=n_jobs), **TOL[dtype])
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -76,15 +82,9 @@ def test_weights(engine, weights_kind):
         else torch.tensor(values, dtype=torch.float64, requires_grad=weights_kind == "tensor_grad")
     )
     x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
-    (y, x, models, w), (y_ref, x_ref, ref_models, w_ref) = run_both(
-        models, x, weights=weights, engine=engine, n_jobs=2
+    assert_matches(
+        *run_both(models, x, weights=weights, engine=engine, n_jobs=2), **TOL[torch.float64]
     )
-    tol = TOL[torch.float64]
-    torch.testing.assert_close(y, y_ref, **tol)
-    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
-    assert_same_grads(models, ref_models, **tol)
-    if weights_kind == "tensor_grad":
-        torch.testing.assert_close(w.grad, w_ref.grad, **tol)
 
 
 def test_numpy_weights_are_its_floats():

@@ -148,13 +148,13 @@ def param_grads(models: list[nn.Module]) -> list[torch.Tensor | None]:
     return grads
 
 
-class ReadsAValue(nn.Module):
-    """Reads a value in forward (``.item()``): vmap cannot run it."""
+class Branchy(nn.Module):
+    """Data-dependent control flow, which vmap cannot run."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(IN, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.lin(x)
-        return out if out.sum().item() > -1e9 else -out
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
