@@ -387,6 +387,11 @@ def test_auto_runs_one_by_one_what_vmap_cannot_run():
     assert_matches(got, want)
     # auto remembers the failure instead of trying vmap again on every call; "stacked" obeys.
     assert groups(models, "auto") == []
+    for m in models:
+        m.zero_grad()
+    got, want = run_both(models, x.detach().requires_grad_(), engine="auto")  # one by one
+    assert not as_one_group(got[0])
+    assert_matches(got, want)
     assert groups(models, "stacked") == [tuple(range(8))]
     with pytest.raises(parsum.ParsumError, match=r"model 0 \(Branchy\), stacked with models"):
         parsum.sum_models(models, x, engine="stacked")
