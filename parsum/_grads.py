@@ -115,6 +115,16 @@ class FlatGrad:
     block is also that tensor's ``.grad``, so one buffer holds the models' gradients, the
     stack's and the FlatGrad's, and the stacked backward writes it with one kernel a name.
 
+    >>> members = [torch.nn.Linear(3, 2) for _ in range(8)]
+    >>> stack = parsum.stack_(members)
+    >>> flat = parsum.FlatGrad(stack)
+    >>> opt = torch.optim.SGD(stack.parameters(), lr=0.1)   # steps every model
+    >>> parsum.sum_models(members, torch.ones(4, 3)).sum().backward()
+    >>> stack.values["weight"].grad.data_ptr() == flat.flat.data_ptr()
+    True
+    >>> members[1].weight.grad.data_ptr() == stack.values["weight"].grad[1].data_ptr()
+    True
+
     A parameter whose gradient comes row-sparse (:func:`parsum.take_rows`,
     ``nn.Embedding(sparse=True)``) has its rows added into its slot by ``sum_models`` (cost in
     proportion to the rows), so its ``.grad`` is dense; leave it out to keep a sparse ``.grad``
