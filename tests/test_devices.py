@@ -279,3 +279,32 @@ def test_cpu_models_with_cuda_outputs(n_jobs):
     plain_sum(ref, x).pow(2).sum().backward()
     for a, b in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_stacked_storage_trains_like_the_loop(device, flat, n_jobs):
+    # stack_ storage (and FlatGrad(stack), one buffer for it) with Adam over the stack, against
+    # Adam over the models' own parameters in the plain loop.
+    models = _models("identical", device)
+    ref = clone_models(models)
+    stack = parsum.stack_(models)
+    flat_grad = parsum.FlatGrad(stack) if flat else None
+    opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
+    opt_ref = torch.optim.Adam([p for m in ref for p in m.parameters()], lr=1e-2)
+    x = torch.randn(5, IN, device=device)
+    for _ in range(3):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b, **TOL)
+        opt.step()
+        opt_ref.step()
+    for m, r in zip(models, ref):
+        for a, b in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(a, b, **TOL)
+    if flat_grad is not None:
+        assert flat_grad.flat.device.type == device
