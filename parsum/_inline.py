@@ -83,6 +83,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -257,7 +258,9 @@ class CallerGraphSum(torch.autograd.Function):
         zeroed: list[Tensor] | None = []
         if has_flat_grads(params):
             zeroed = zeroed_slot_views(params)
-        elif list(map(_grad_of, params)).count(None) != len(params) or any(
+        # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
+        # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
+        elif any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None))) or any(
             # Autograd calls post-accumulate hooks also for the None this node returns.
             map(post_accumulate_hooks, params)
         ):
