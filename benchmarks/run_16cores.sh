@@ -49,7 +49,7 @@ threads)
     (cd benchmarks && timeout 200 python bench_phases.py --jobs 4,8,16 --rounds 10 \
         --chunk-sizes default,2,8) \
         > "$out/phases-16cores.txt" 2>&1
-    (cd benchmarks && timeout 120 python bench_stacking.py --threads 2,4,8,16 --rounds 6) \
+    (cd benchmarks && timeout 150 python bench_stacking.py --quick --threads 2,4,8,16 --rounds 6) \
         > "$out/stacking-16cores.txt" 2>&1
     ;;
 cpu)

@@ -20,12 +20,12 @@ from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
-    AUTO_STACK_MAX_PARAM_ROWS,
     AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
     chunks_of,
     plan_units,
+    storage_stack_limit,
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
@@ -157,7 +157,8 @@ def sum_models(
             limit: int | None = None
             if engine == "auto":
                 few = len(models) < AUTO_STACK_MIN_MODELS
-                limit = 0 if few else AUTO_STACK_MAX_PARAM_ROWS
+                device = next(iter(stack.values.values())).device
+                limit = 0 if few else storage_stack_limit(device, _config.thread_budget())
             elif engine != "stacked":
                 limit = 0
             try:

@@ -84,6 +84,30 @@ from ._sparse import any_sampled, sampled_elements
 # AUTO_STACK_MAX_PARAM_ROWS parameter-rows and AUTO_STACK_MAX_STATE_ELEMENTS elements of frozen
 # parameters and buffers each (NOTE [ Stacked groups ]).
 AUTO_STACK_MAX_PARAM_ROWS = 1_000_000
+
+# NOTE [ Stacked storage sizes ]
+# Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
+# in and no gradient out, and running them one by one instead costs more than it costs models
+# of their own (the gradients then gather into the stacked buffers). So "auto" batches them up
+# to larger sizes than the groups it stacks on every call. Measured on 2 cores (interleaved,
+# bench_stacking.py; 16 MLPs of widths 128-1024 and 32 of width 64, batches 16-1024), batched
+# against one by one in stack_ storage: with 2 intra-op threads 1.0-4.6x up to 39M
+# parameter-rows a model, 0.89-1.07x at 79-87M; with 1 thread 1.03-3.5x up to 6.7M (0.97x once
+# at 5.4M), 0.87-0.97x at 9-87M but 1.14x at 79M. On a GPU any size, as for auto's groups.
+AUTO_STACK_STORAGE_MAX_PARAM_ROWS = 40_000_000
+AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
+
+
+def storage_stack_limit(device: torch.device, budget: int) -> int | None:
+    """The parameter-rows a model up to which engine="auto" runs models in ``stack_`` storage
+    as one batched forward on ``budget`` threads (NOTE [ Stacked storage sizes ]); None: any."""
+    if device.type == "cuda":
+        return None
+    if budget > 1:
+        return AUTO_STACK_STORAGE_MAX_PARAM_ROWS
+    return AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD
+
+
 AUTO_STACK_MAX_STATE_ELEMENTS = 65_536
 AUTO_STACK_MIN_MODELS = 8
 

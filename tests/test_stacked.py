@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import parsum
+from parsum import _engines
 from parsum._engines import ModelParams
 from parsum._grouping import AUTO_STACK_MAX_STATE_ELEMENTS, Batch, plan_units
 from tests.test_errors import Boom
@@ -214,6 +215,30 @@ def test_sequential_linear_groups_run_as_batched_matmuls_not_vmap(engine, monkey
     assert len(groups(models, engine)) == 1
     x = torch.randn(5, IN, requires_grad=True)
     assert_matches(*run_both(models, x, engine=engine))
+
+
+@pytest.mark.parametrize("per_slice", [1, 2, 4])
+@pytest.mark.parametrize("storage", [False, True])
+def test_batched_matmuls_in_slices_match_the_loop(per_slice, storage, monkeypatch):
+    # NOTE [ Batched slices ]: 9 models in slices of 1, 2 or 4 (the last one shorter), with
+    # stack_ storage or stacked on every call, against the plain loop.
+    torch.manual_seed(0)
+    models = [mlp([8, 6], nn.LeakyReLU) for _ in range(9)]
+    x = torch.randn(5, IN, requires_grad=True)
+    widest, rows = 8, 5  # features of the widest layer, batch rows
+    monkeypatch.setattr(_engines, "SLICE_BYTES", per_slice * rows * widest * x.element_size())
+    slices = []
+    run_slice = _engines._run_slice
+    monkeypatch.setattr(
+        _engines,
+        "_run_slice",
+        lambda program, values, h: slices.append(1) or run_slice(program, values, h),
+    )
+    if storage:
+        parsum.stack_(models)
+    weights = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75]  # each model's output its own
+    assert_matches(*run_both(models, x, weights=weights, engine="stacked"))
+    assert len(slices) == -(-9 // per_slice)
 
 
 # -- one group that holds every model, in the caller's graph ----------------------------------

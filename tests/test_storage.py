@@ -322,12 +322,38 @@ def test_gradients_accumulate_over_stacked_and_one_by_one_calls():
     stack = parsum.stack_(models)
     for rows in (8, 1024, 8, 1024):
         x = torch.randn(rows, IN)
-        parsum.sum_models(models, x).pow(2).mean().backward()
+        y = parsum.sum_models(models, x)
+        # 68K parameters a model: 0.5M parameter-rows stacked, 70M one by one on any budget
+        # (NOTE [ Stacked storage sizes ]).
+        assert runs_stacked(y) == (rows == 8)
+        y.pow(2).mean().backward()
         plain_sum(plain, x).pow(2).mean().backward()
         assert_grads_close(models, plain, atol=1e-5)
         grad = stack.values["0.weight"].grad
         if grad is not None:  # then it holds every model's gradient
             torch.testing.assert_close(grad[3], models[3][0].weight.grad)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_auto_batches_stacked_storage_by_size_and_budget(threads):
+    # NOTE [ Stacked storage sizes ]: 68K parameters a model at 256 rows, 17.5M parameter-rows:
+    # batched with a budget of 2 threads or more, one by one with 1.
+    torch.manual_seed(0)
+    models = [mlp([256, 256]) for _ in range(8)]
+    plain = copy.deepcopy(models)
+    parsum.stack_(models)
+    x = torch.randn(256, IN)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        budget = parsum._config.thread_budget()
+        y = parsum.sum_models(models, x)
+    finally:
+        torch.set_num_threads(saved)
+    assert runs_stacked(y) == (budget > 1)
+    y.pow(2).mean().backward()
+    plain_sum(plain, x).pow(2).mean().backward()
+    assert_grads_close(models, plain, atol=1e-5)
 
 
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
