@@ -216,11 +216,11 @@ def _general_sum(
     on_device = _on_a_device(tensors, params)
     one_chunk = chosen and chunk_size is None and (budget <= INTRA_OP_ONLY_BUDGET or on_device)
     max_chunks = 1 if one_chunk else None
-    key = (engine, batch, chunk_size, max_chunks, chosen, vmap_failure_count())
+    key = (engine, batch, chunk_size, max_chunks, chosen, budget, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
-        units = plan_units(models, found, engine, batch, chunk_size)
+        units = plan_units(models, found, engine, batch, chunk_size, budget)
         chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
         workers = useful_workers(found, batch) if chosen else n_workers
         derived = Derived(units, chunks, workers)

@@ -732,9 +732,13 @@ ELEMENTWISE = (
 # tensors, which glibc's malloc serves from fresh mmaps on every call (its threshold grows only to
 # 32 MB), so each step faults in every page again: tanh over (16, 1024, 512) took 8.7 ms fresh,
 # 1.5 ms into a tensor reused, and 16 MLPs of width 512 stacked took 54 ms a step against 26 ms
-# for the plain loop. The program runs the models in slices whose layers stay under SLICE_BYTES
-# (parameters split once a name, so backward joins each name's gradient with one cat).
-SLICE_BYTES = 8 << 20
+# for the plain loop. Smaller tensors fare no better once the freed ones are trimmed from the
+# heap's top between steps: at batch 256 (8 MB a layer) the same models took 12.5 ms a step
+# against 7.4 for the plain loop, and 6.3-6.8 in slices of 1-4 MB (interleaved, 2 cores). So
+# the program runs the models in slices whose layers stay under SLICE_BYTES (parameters split
+# once a name, so backward joins each name's gradient with one cat); slices of 1, 2 and 4 MB
+# measured alike on six other shapes, within the noise of this machine.
+SLICE_BYTES = 4 << 20
 
 # A step of a batched program: a Linear's weight and bias names, or an elementwise module.
 Step = tuple[str, str | None] | nn.Module

@@ -11,9 +11,21 @@ whether threads pay.
 # module in training mode (forward would update it), or a module or parameter that another entry
 # also reaches (its compensated sum and attribute swap must stay per model).
 # engine="stacked" stacks every group of two or more such models; engine="auto" only groups of
-# small models, where vmap pays: 16 MLPs at 1 thread measured vmap against the plain loop at
-# 1.44x for 0.57M parameter-rows (parameters x batch rows) per model, 1.05-1.08x at 0.9-1.7M,
-# 0.84x at 6.7M; 64 tiny MLPs (55K) 7.3x. Smaller groups pay less, for vmap's cost per group:
+# small models, where stacking pays: 16 MLPs at 1 thread measured vmap against the plain loop
+# at 1.44x for 0.57M parameter-rows (parameters x batch rows) per model, 1.05-1.08x at
+# 0.9-1.7M, 0.84x at 6.7M; 64 tiny MLPs (55K) 7.3x. Measured again once Sequentials of Linear
+# layers ran as batched matmuls (2 cores, interleaved, batched on every call against one by
+# one, 16 MLPs of widths 128-1024 and 32 of width 64 at batches 16-1024): with 2 intra-op
+# threads 1.2-2.0x up to 2.5M parameter-rows for models of at most 38K parameters, 0.9-1.4x
+# at 6.7-10M (as often a loss as a win once measured one configuration a process: the
+# allocator's state decides, NOTE [ Batched slices ] in _engines), but 0.93-0.97x at batch 16
+# for models of 76-85K (the per-call stack copies every parameter in and every gradient out,
+# whatever the batch) and 0.49-0.98x from 20M; with 1 thread 1.02-1.79x up to 2.3M for models
+# of at most 38K (0.86-0.90x at 1.2-1.4M for those of 76-85K), 0.85-0.98x from 2.5M. 16 MLPs
+# of width 128 at batch 64, auto's default: 0.80 -> 1.30x the plain loop once stacked.
+# Hence: at most AUTO_STACK_MAX_PARAMS parameters a model, and at most
+# AUTO_STACK_MAX_PARAM_ROWS parameter-rows (AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD on a budget of
+# one thread). Smaller groups pay less, for vmap's cost per group:
 # 48 tiny MLPs in groups of k architectures, n_jobs=1, against the plain loop, stacked/autograd
 # measured 0.33/0.58 (k=2), 0.48/0.62 (4), 0.58/0.61 (6), 0.65/0.60 (8): hence groups of 8.
 # The frozen parameters and buffers are stacked on every call too, a copy that the models'
@@ -77,13 +89,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._config import thread_budget
 from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit
 from ._sparse import any_sampled, sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
-# AUTO_STACK_MAX_PARAM_ROWS parameter-rows and AUTO_STACK_MAX_STATE_ELEMENTS elements of frozen
+# AUTO_STACK_MAX_PARAMS parameters, AUTO_STACK_MAX_PARAM_ROWS parameter-rows (on one thread
+# AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD) and AUTO_STACK_MAX_STATE_ELEMENTS elements of frozen
 # parameters and buffers each (NOTE [ Stacked groups ]).
-AUTO_STACK_MAX_PARAM_ROWS = 1_000_000
+AUTO_STACK_MAX_PARAMS = 65_536
+AUTO_STACK_MAX_PARAM_ROWS = 4_000_000
+AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD = 2_000_000
 
 # NOTE [ Stacked storage sizes ]
 # Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
@@ -127,8 +143,10 @@ def plan_units(
     engine: str,
     batch: Batch,
     chunk_size: int | None,
+    budget: int | None = None,
 ) -> list[Unit]:
-    """The units of a call, in the order of their first model."""
+    """The units of a call, in the order of their first model, ``auto``'s groups sized for
+    ``budget`` threads (default: this thread's, ``_config.thread_budget``)."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
     auto = engine == "auto"
@@ -146,7 +164,7 @@ def plan_units(
         members = [
             i
             for i in same_layout
-            if i in stackable and (not auto or _small_enough(model_params[i], batch))
+            if i in stackable and (not auto or _small_enough(model_params[i], batch, budget))
         ]
         if len(members) < min_models:
             continue
@@ -174,12 +192,16 @@ def plan_units(
     return units
 
 
-def _small_enough(mp: ModelParams, batch: Batch) -> bool:
+def _small_enough(mp: ModelParams, batch: Batch, budget: int | None) -> bool:
     """Whether engine="auto" stacks this model (NOTE [ Stacked groups ])."""
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
+    if budget is None:
+        budget = thread_budget()
+    limit = AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
     return (
-        _param_rows(mp, batch) <= AUTO_STACK_MAX_PARAM_ROWS
+        sum([t.numel() for t in mp.tensors]) <= AUTO_STACK_MAX_PARAMS
+        and _param_rows(mp, batch) <= limit
         and sum([t.numel() for t in mp.state]) <= AUTO_STACK_MAX_STATE_ELEMENTS
     )
 

@@ -68,6 +68,28 @@ def test_auto_groups_only_many_small_models():
     assert groups(big, "stacked") == [tuple(range(8))]
 
 
+def test_auto_groups_by_parameters_rows_and_budget():
+    # NOTE [ Stacked groups ]: at most 64K parameters a model, 4M parameter-rows on several
+    # threads, 2M on one.
+    medium = [mlp([128, 128]) for _ in range(8)]  # 17.8K parameters
+    assert sum(p.numel() for p in medium[0].parameters()) < 20_000
+    every = [tuple(range(8))]
+    for rows, budget, stacked in [
+        (64, 1, True),
+        (128, 1, False),
+        (128, 2, True),
+        (1024, 16, False),
+    ]:
+        x = torch.randn(rows, IN)
+        units = plan_units(
+            medium, [ModelParams.of(m) for m in medium], "auto", Batch.of([x]), None, budget
+        )
+        assert [u.models for u in units if u.engine == "stacked"] == (every if stacked else [])
+    wide = [mlp([256, 256]) for _ in range(8)]  # 68K parameters: stacked copies cost at any batch
+    units = plan_units(wide, [ModelParams.of(m) for m in wide], "auto", Batch(4), None, 2)
+    assert all(u.engine == "autograd" for u in units)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_stacks_big_models_on_cuda():
     # On a GPU the models' small kernels one at a time cost more than batched ones.
