@@ -737,7 +737,8 @@ ELEMENTWISE = (
 # against 7.4 for the plain loop, and 6.3-6.8 in slices of 1-4 MB (interleaved, 2 cores). So
 # the program runs the models in slices whose layers stay under SLICE_BYTES (parameters split
 # once a name, so backward joins each name's gradient with one cat); slices of 1, 2 and 4 MB
-# measured alike on six other shapes, within the noise of this machine.
+# measured alike on six other shapes, within the noise of this machine. Only on the CPU: CUDA's
+# caching allocator reuses its blocks, and there slices would only add kernel launches.
 SLICE_BYTES = 4 << 20
 
 # A step of a batched program: a Linear's weight and bias names, or an elementwise module.
@@ -767,6 +768,8 @@ def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Te
     """Every model's output along dim 0 (NOTE [ Batched layers ]), the models in slices small
     enough that no layer's output exceeds SLICE_BYTES (NOTE [ Batched slices ])."""
     n_models = values[_first_weight(program)].shape[0]
+    if x.device.type != "cpu":  # a caching allocator: slices would only add kernel launches
+        return _run_slice(program, values, x)
     per_model = x.numel() // x.shape[-1] * x.element_size() * _widest(program, values)
     size = max(1, SLICE_BYTES // max(1, per_model))
     if size >= n_models:

@@ -240,10 +240,11 @@ def test_sequential_linear_groups_run_as_batched_matmuls_not_vmap(engine, monkey
 
 
 @pytest.mark.parametrize("per_slice", [1, 2, 4])
-@pytest.mark.parametrize("storage", [False, True])
-def test_batched_matmuls_in_slices_match_the_loop(per_slice, storage, monkeypatch):
-    # NOTE [ Batched slices ]: 9 models in slices of 1, 2 or 4 (the last one shorter), with
-    # stack_ storage or stacked on every call, against the plain loop.
+@pytest.mark.parametrize("kind", ["one group", "stack_", "beside others"])
+def test_batched_matmuls_in_slices_match_the_loop(per_slice, kind, monkeypatch):
+    # NOTE [ Batched slices ]: 9 models in slices of 1, 2 or 4 (the last one shorter), stacked
+    # on every call (alone or beside other models, in ParallelSum) or in stack_ storage,
+    # against the plain loop.
     torch.manual_seed(0)
     models = [mlp([8, 6], nn.LeakyReLU) for _ in range(9)]
     x = torch.randn(5, IN, requires_grad=True)
@@ -256,10 +257,13 @@ def test_batched_matmuls_in_slices_match_the_loop(per_slice, storage, monkeypatc
         "_run_slice",
         lambda program, values, h: slices.append(1) or run_slice(program, values, h),
     )
-    if storage:
-        parsum.stack_(models)
     weights = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75]  # each model's output its own
-    assert_matches(*run_both(models, x, weights=weights, engine="stacked"))
+    if kind == "stack_":
+        parsum.stack_(models)
+    elif kind == "beside others":
+        models = [mlp([5]), *models, mlp([7, 3])]
+        weights = [1.25, *weights, -0.75]
+    assert_matches(*run_both(models, x, weights=weights, engine="stacked", n_jobs=2))
     assert len(slices) == -(-9 // per_slice)
 
 
