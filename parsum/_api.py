@@ -20,9 +20,9 @@ from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
-    AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
+    auto_min_group,
     chunks_of,
     plan_units,
     storage_stack_limit,
@@ -97,9 +97,10 @@ def sum_models(
         engine: ``"autograd"`` (each model's own autograd graph), ``"vjp"``
             (``torch.func.vjp`` over ``functional_call``; pure models only), ``"stacked"``
             (structurally identical models vmapped as one group, the others by autograd) or
-            ``"auto"`` (``parsum.config``'s engine if set, else: groups of 8 or more small
-            identical models stacked, the rest by autograd; with ``n_jobs`` left unset, small
-            models run in the calling thread, where threads do not pay).
+            ``"auto"`` (``parsum.config``'s engine if set, else: groups of small identical
+            models stacked, 4 or more MLPs or 8 or more of other kinds, the rest by autograd;
+            with ``n_jobs`` left unset, small models run in the calling thread, where threads
+            do not pay).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
             the order of additions, never ``n_jobs``. Default: at most 16 chunks of about
             equal estimated cost (parameters times batch rows, plus a per-model overhead).
@@ -156,7 +157,7 @@ def sum_models(
             # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
-                few = len(models) < AUTO_STACK_MIN_MODELS
+                few = len(models) < auto_min_group(models[0])
                 device = next(iter(stack.values.values())).device
                 limit = 0 if few else storage_stack_limit(device, _config.thread_budget())
             elif engine != "stacked":

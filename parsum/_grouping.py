@@ -25,7 +25,11 @@ whether threads pay.
 # of width 128 at batch 64, auto's default: 0.80 -> 1.30x the plain loop once stacked.
 # Hence: at most AUTO_STACK_MAX_PARAMS parameters a model, and at most
 # AUTO_STACK_MAX_PARAM_ROWS parameter-rows (AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD on a budget of
-# one thread). Smaller groups pay less, for vmap's cost per group:
+# one thread). Groups that run as batched matmuls pay from AUTO_STACK_MIN_BATCHED models (48
+# tiny MLPs of k architectures, auto stacking groups of 2 or more against 8 or more: 0.78x for
+# groups of 2, 0.94x of 3, 1.09x of 4; the 64 tiny MLPs of 12 architectures of bench_speedup,
+# groups of 5-6: 8.3 -> 6.4 ms a step, plain loop 6.4). Through vmap smaller groups pay less,
+# for vmap's cost per group:
 # 48 tiny MLPs in groups of k architectures, n_jobs=1, against the plain loop, stacked/autograd
 # measured 0.33/0.58 (k=2), 0.48/0.62 (4), 0.58/0.61 (6), 0.65/0.60 (8): hence groups of 8.
 # The frozen parameters and buffers are stacked on every call too, a copy that the models'
@@ -90,10 +94,11 @@ import torch
 from torch import Tensor, nn
 
 from ._config import thread_budget
-from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit
+from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit, program_of
 from ._sparse import any_sampled, sampled_elements
 
-# engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models of at most
+# engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models (AUTO_STACK_MIN_BATCHED
+# where they run as batched matmuls) of at most
 # AUTO_STACK_MAX_PARAMS parameters, AUTO_STACK_MAX_PARAM_ROWS parameter-rows (on one thread
 # AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD) and AUTO_STACK_MAX_STATE_ELEMENTS elements of frozen
 # parameters and buffers each (NOTE [ Stacked groups ]).
@@ -126,6 +131,7 @@ def storage_stack_limit(device: torch.device, budget: int) -> int | None:
 
 AUTO_STACK_MAX_STATE_ELEMENTS = 65_536
 AUTO_STACK_MIN_MODELS = 8
+AUTO_STACK_MIN_BATCHED = 4
 
 # Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
@@ -150,7 +156,7 @@ def plan_units(
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
     auto = engine == "auto"
-    min_models = AUTO_STACK_MIN_MODELS if auto else 2
+    min_models = AUTO_STACK_MIN_BATCHED if auto else 2
     # Models of one parameter layout first: the sharing check and structure keys cost far more,
     # and this runs on every call, so only layouts with enough models get them.
     layouts: dict[Hashable, list[int]] = {}
@@ -174,7 +180,7 @@ def plan_units(
                 groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
-        if len(members) < min_models:
+        if len(members) < (auto_min_group(models[members[0]]) if auto else min_models):
             continue
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -190,6 +196,13 @@ def plan_units(
         elif found[0] == i:
             units.append(Unit(found, "stacked"))
     return units
+
+
+def auto_min_group(model: Any) -> int:
+    """The fewest identical models engine="auto" stacks: fewer where they run as batched
+    matmuls than through vmap (NOTE [ Stacked groups ])."""
+    batched = isinstance(model, nn.Module) and program_of(model) is not None
+    return AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS
 
 
 def _small_enough(mp: ModelParams, batch: Batch, budget: int | None) -> bool:

@@ -169,7 +169,7 @@ class BoomInside(nn.Module):
 def test_failed_backward_changes_no_grad_and_names_the_model(
     accumulated, failing, n_jobs, argument
 ):
-    models = [mlp([3]) for _ in range(6)]
+    models = [mlp([3 + i]) for i in range(6)]  # different: none stacked
     models.insert(4, failing())
     models.append(BoomBackward())  # a later failure, run first or in a chunk at the same time
     x = torch.randn(2, IN, requires_grad=argument)

@@ -248,7 +248,7 @@ def test_a_hook_registered_elsewhere_keeps_the_plan_one_on_a_model_does_not(monk
 
 def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
     torch.manual_seed(0)
-    models = [Branchy() for _ in range(parsum._api.AUTO_STACK_MIN_MODELS)]
+    models = [Branchy() for _ in range(parsum._grouping.AUTO_STACK_MIN_MODELS)]
     x = torch.randn(2, IN)
     tried = count_calls(monkeypatch, parsum._engines, "stacked_forward")
     ref = copy.deepcopy(models)

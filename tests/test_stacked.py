@@ -60,9 +60,13 @@ def test_identical_models_are_grouped_in_model_order():
 
 
 def test_auto_groups_only_many_small_models():
-    assert groups(family(), "auto") == []  # groups of 4, 3 and 2: vmap does not pay
+    # Groups of 4 MLPs, 3 MLPs and 2 ConvNets: batched matmuls pay from 4 models, vmap from 8.
+    assert groups(family(), "auto") == [(0, 3, 7, 9)]
     eight = [mlp([8]) for _ in range(8)] + [mlp([5])]
     assert groups(eight, "auto") == [tuple(range(8))]
+    convs = [ConvNet() for _ in range(7)]
+    assert groups(convs, "auto") == []
+    assert groups([*convs, ConvNet()], "auto") == [tuple(range(8))]
     big = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M parameters x 4 rows
     assert groups(big, "auto") == []
     assert groups(big, "stacked") == [tuple(range(8))]

@@ -241,7 +241,7 @@ def test_an_optimizer_over_the_stack_trains_models_too_large_to_run_stacked():
 
 @pytest.mark.parametrize(("n", "engine"), [(3, "auto"), (10, "autograd"), (10, "vjp")])
 def test_an_optimizer_over_a_stack_run_one_by_one_trains_the_models(n, engine):
-    # Fewer models than auto batches (AUTO_STACK_MIN_MODELS), or an engine that runs models
+    # Fewer models than auto batches (AUTO_STACK_MIN_BATCHED), or an engine that runs models
     # one by one: an optimizer over the stack still gets their gradients (none before, silently).
     torch.manual_seed(0)
     train_one_by_one_over_the_stack([mlp([8]) for _ in range(n)], rows=16, engine=engine)
