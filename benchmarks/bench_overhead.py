@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable
 
 import torch
-from common import interleaved, loss_of, one_thread, plain_step, workload
+from common import interleaved, loss_of, one_thread, parsum_step, plain_step, workload
 from torch.autograd.graph import get_gradient_edge
 
 import parsum
@@ -55,20 +55,23 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
 
         return run if zero_grad else step
 
-    def parsum_step(engine: str):
+    def step_of(engine: str):
         return zeroed(
             lambda: loss_of(parsum.sum_models(models, x, n_jobs=1, engine=engine)).backward()
         )
 
+    def plain() -> None:  # plain_step sets .grad to None first, which this run may not want
+        loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+
     methods = {
-        "plain-1t": one_thread(zeroed(lambda: plain_step(models, x))),
+        "plain-1t": one_thread(zeroed(plain)),
         "pullbacks only": one_thread(zeroed(lambda: pullbacks_only(models, x))),
         "function floor": one_thread(zeroed(function_floor(models, x))),
     }
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
             continue
-        methods[f"parsum {engine}"] = parsum_step(engine)
+        methods[f"parsum {engine}"] = step_of(engine)
     medians = interleaved(methods, rounds)
     base = medians["plain-1t"]
     print(f"\n{name}: {w.description}")
@@ -202,9 +205,8 @@ def large_buffers(rounds: int) -> dict[str, float]:
     methods = {}
     for mode, training in (("train", True), ("eval", False)):
         methods[f"plain-1t {mode}"] = in_mode(training, one_thread(lambda: plain_step(models, x)))
-        methods[f"parsum {mode}"] = in_mode(
-            training, lambda: loss_of(parsum.sum_models(models, x, n_jobs=1)).backward()
-        )
+        # Both set .grad to None first (plain_step does), as optimizer.zero_grad() would.
+        methods[f"parsum {mode}"] = in_mode(training, lambda: parsum_step(models, x, n_jobs=1))
     medians = interleaved(methods, rounds)
     print("\nlarge buffers: 8 MLPs of width 64, batch 64, each with a 1024 x 1024 buffer")
     print(f"{'mode':>6} {'plain-1t ms':>12} {'parsum ms':>10} {'plain-1t / parsum':>18}")
