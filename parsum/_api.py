@@ -20,6 +20,7 @@ from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
+    AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
     auto_min_group,
@@ -157,7 +158,9 @@ def sum_models(
             # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
-                few = len(models) < auto_min_group(models[0])
+                few = len(models) < AUTO_STACK_MIN_MODELS and len(models) < auto_min_group(
+                    models[0]
+                )
                 device = next(iter(stack.values.values())).device
                 limit = 0 if few else storage_stack_limit(device, _config.thread_budget())
             elif engine != "stacked":
