@@ -82,7 +82,7 @@ class Trainer:
         loss.backward()
         self.opt.step()
         self.seconds += time.perf_counter() - start
-        self.loss = loss.item()
+        self.loss = loss.detach().item()
 
     def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with torch.no_grad():
