@@ -20,10 +20,10 @@ from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
+    AUTO_STACK_MIN_BATCHED,
     AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
-    auto_min_group,
     chunks_of,
     plan_units,
     storage_stack_limit,
@@ -158,11 +158,11 @@ def sum_models(
             # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
-                few = len(models) < AUTO_STACK_MIN_MODELS and len(models) < auto_min_group(
-                    models[0]
-                )
+                batched = stack.runs_batched_matmuls()
+                few = len(models) < (AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS)
                 device = next(iter(stack.values.values())).device
-                limit = 0 if few else storage_stack_limit(device, _config.thread_budget())
+                budget = _config.thread_budget()
+                limit = 0 if few else storage_stack_limit(device, budget, batched)
             elif engine != "stacked":
                 limit = 0
             try:

@@ -738,7 +738,11 @@ ELEMENTWISE = (
 # the program runs the models in slices whose layers stay under SLICE_BYTES (parameters split
 # once a name, so backward joins each name's gradient with one cat); slices of 1, 2 and 4 MB
 # measured alike on six other shapes, within the noise of this machine. Only on the CPU: CUDA's
-# caching allocator reuses its blocks, and there slices would only add kernel launches.
+# caching allocator reuses its blocks, and there slices would only add kernel launches. Models
+# of other code run through vmap in chunks of as many models (its ``chunk_size``), their layers
+# estimated from the input's rows and the parameters' largest dimension: 16 two-layer residual
+# blocks of width 256 at batch 1024 in stack_ storage, 23.6 -> 17.9 ms a step (one by one 18.1),
+# of width 512 at batch 512 22.5 -> 18.0 (one by one 20.9).
 SLICE_BYTES = 4 << 20
 
 # A step of a batched program: a Linear's weight and bias names, or an elementwise module.
@@ -851,12 +855,32 @@ def batched_forward(
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
             return torch.func.functional_call(base, (p, s), args, kwargs)
 
-        out = torch.vmap(one, randomness="different")(trainable, state)
+        chunk = _models_per_chunk(trainable, args, kwargs)
+        out = torch.vmap(one, randomness="different", chunk_size=chunk)(trainable, state)
     leaves, spec = pytree.tree_flatten(out)
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
             raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
     return leaves, spec
+
+
+def _models_per_chunk(
+    trainable: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> int | None:
+    """vmap's ``chunk_size`` on the CPU (NOTE [ Batched slices ]): the layers of a model of
+    unknown code are estimated at the call's first tensor's rows times the largest dimension
+    of any parameter. None: all the models at once."""
+    first = next(
+        (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.dim() > 0),
+        None,
+    )
+    weights = [t for t in trainable.values() if t.dim() > 1]
+    if first is None or not weights or first.device.type != "cpu":
+        return None
+    widest = max(max(t.shape[1:]) for t in weights)
+    per_model = first.numel() // max(1, first.shape[-1]) * widest * weights[0].element_size()
+    size = max(1, SLICE_BYTES // max(1, per_model))
+    return None if size >= weights[0].shape[0] else size
 
 
 def stacked_forward(

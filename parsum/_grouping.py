@@ -115,15 +115,22 @@ AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD = 2_000_000
 # against one by one in stack_ storage: with 2 intra-op threads 1.0-4.6x up to 39M
 # parameter-rows a model, 0.89-1.07x at 79-87M; with 1 thread 1.03-3.5x up to 6.7M (0.97x once
 # at 5.4M), 0.87-0.97x at 9-87M but 1.14x at 79M. On a GPU any size, as for auto's groups.
+# That is for models that run as batched matmuls; through vmap (16 two-layer residual blocks
+# of widths 128-512) batched/one by one measured 1.34-1.44x up to 4.4M and 0.84-0.96x from
+# 8.6M with 2 threads, 1.26x at 1.1M and 0.96x at 4.4M with one: those go by the limits of
+# auto's groups (NOTE [ Stacked groups ]).
 AUTO_STACK_STORAGE_MAX_PARAM_ROWS = 40_000_000
 AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
 
 
-def storage_stack_limit(device: torch.device, budget: int) -> int | None:
+def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
     """The parameter-rows a model up to which engine="auto" runs models in ``stack_`` storage
-    as one batched forward on ``budget`` threads (NOTE [ Stacked storage sizes ]); None: any."""
+    as one batched forward on ``budget`` threads, ``batched`` if they run as batched matmuls
+    (NOTE [ Stacked storage sizes ]); None: any."""
     if device.type == "cuda":
         return None
+    if not batched:
+        return AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
     if budget > 1:
         return AUTO_STACK_STORAGE_MAX_PARAM_ROWS
     return AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD

@@ -208,6 +208,11 @@ class Stack(Sequence[nn.Module]):
         found = tuple(ref() for ref in self._refs)
         return found if None not in found else ()  # type: ignore[return-value]
 
+    def runs_batched_matmuls(self) -> bool:
+        """Whether the models are a Sequential of Linear layers and activations, which run as
+        batched matmuls (NOTE [ Batched layers ] in _engines) rather than through vmap."""
+        return self._program is not None
+
     def __len__(self) -> int:
         return len(self._refs)
 

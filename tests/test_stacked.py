@@ -271,10 +271,6 @@ def test_batched_matmuls_in_slices_match_the_loop(per_slice, kind, monkeypatch):
     assert len(slices) == -(-9 // per_slice)
 
 
-# -- one group that holds every model, in the caller's graph ----------------------------------
-# NOTE [ One group in the caller's graph ] in _stack
-
-
 class Residual(nn.Module):
     """Not a Sequential, with a keyword argument: the group runs through vmap."""
 
@@ -284,6 +280,39 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return self.b(x + scale * torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 4])
+@pytest.mark.parametrize("storage", [False, True])
+def test_vmap_in_chunks_matches_the_loop(per_chunk, storage, monkeypatch):
+    # NOTE [ Batched slices ]: a group vmap runs, in chunks of models sized from the input's
+    # rows and the parameters' largest dimension (IN here).
+    torch.manual_seed(0)
+    models = [Residual() for _ in range(9)]
+    x = torch.randn(5, IN, requires_grad=True)
+    monkeypatch.setattr(_engines, "SLICE_BYTES", per_chunk * 5 * IN * x.element_size())
+    chunks = []
+    vmap = torch.vmap
+    monkeypatch.setattr(
+        torch, "vmap", lambda f, **kw: chunks.append(kw["chunk_size"]) or vmap(f, **kw)
+    )
+    ref = clone_models(models)
+    if storage:
+        parsum.stack_(models)
+    weights = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75]
+    y = parsum.sum_models(models, x, weights=weights, engine="stacked", scale=0.5)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = sum(w * m(x_ref, scale=0.5) for w, m in zip(weights, ref))
+    torch.testing.assert_close(y, y_ref, **TOL[torch.float32])
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL[torch.float32])
+    assert_same_grads(models, ref, **TOL[torch.float32])
+    assert chunks == [per_chunk]
+
+
+# -- one group that holds every model, in the caller's graph ----------------------------------
+# NOTE [ One group in the caller's graph ] in _stack
 
 
 def one_group(dtype=torch.float32, n=9, kind="mlp"):

@@ -356,6 +356,33 @@ def test_auto_batches_stacked_storage_by_size_and_budget(threads):
     assert_grads_close(models, plain, atol=1e-5)
 
 
+class _Block(nn.Module):
+    """Not a Sequential: its stacked forward runs through vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, 512), nn.Linear(512, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def test_auto_batches_stacked_storage_through_vmap_only_up_to_the_groups_limit():
+    # NOTE [ Stacked storage sizes ]: 6.7K parameters a model, 1.7M parameter-rows at 256
+    # rows (batched) and 6.9M at 1024 (one by one on any budget, 4M at most).
+    torch.manual_seed(0)
+    models = [_Block() for _ in range(8)]
+    plain = copy.deepcopy(models)
+    parsum.stack_(models)
+    for rows in (256, 1024):
+        x = torch.randn(rows, IN)
+        y = parsum.sum_models(models, x)
+        assert runs_stacked(y) == (rows == 256)
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain, atol=1e-5)
+
+
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
     models, _, stack = stacked_and_plain()
     x = torch.randn(8, IN)
