@@ -53,6 +53,15 @@ def runs_stacked(y: torch.Tensor) -> bool:
     return type(y.grad_fn).__name__ not in ("ParallelSumBackward", "CallerGraphSumBackward")
 
 
+def step_like_plain(models, plain, x, stacked: bool) -> None:
+    """A training step's gradients, run stacked or not as said, alike to the plain loop's."""
+    y = parsum.sum_models(models, x)
+    assert runs_stacked(y) == stacked
+    y.pow(2).mean().backward()
+    plain_sum(plain, x).pow(2).mean().backward()
+    assert_grads_close(models, plain, atol=1e-5)
+
+
 def assert_params_close(models, plain) -> None:
     for m, q in zip(models, plain):
         for a, b in zip(m.parameters(), q.parameters()):
@@ -321,14 +330,9 @@ def test_gradients_accumulate_over_stacked_and_one_by_one_calls():
     plain = copy.deepcopy(models)
     stack = parsum.stack_(models)
     for rows in (8, 1024, 8, 1024):
-        x = torch.randn(rows, IN)
-        y = parsum.sum_models(models, x)
         # 68K parameters a model: 0.5M parameter-rows stacked, 70M one by one on any budget
         # (NOTE [ Stacked storage sizes ]).
-        assert runs_stacked(y) == (rows == 8)
-        y.pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain, atol=1e-5)
+        step_like_plain(models, plain, torch.randn(rows, IN), stacked=rows == 8)
         grad = stack.values["0.weight"].grad
         if grad is not None:  # then it holds every model's gradient
             torch.testing.assert_close(grad[3], models[3][0].weight.grad)
@@ -375,12 +379,7 @@ def test_auto_batches_stacked_storage_through_vmap_only_up_to_the_groups_limit()
     plain = copy.deepcopy(models)
     parsum.stack_(models)
     for rows in (256, 1024):
-        x = torch.randn(rows, IN)
-        y = parsum.sum_models(models, x)
-        assert runs_stacked(y) == (rows == 256)
-        y.pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain, atol=1e-5)
+        step_like_plain(models, plain, torch.randn(rows, IN), stacked=rows == 256)
 
 
 def test_models_that_run_one_by_one_leave_no_stacked_gradient():
