@@ -771,9 +771,9 @@ def program_of(model: nn.Module, prefix: str = "") -> list[Step] | None:
 def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Tensor:
     """Every model's output along dim 0 (NOTE [ Batched layers ]), the models in slices small
     enough that no layer's output exceeds SLICE_BYTES (NOTE [ Batched slices ])."""
-    n_models = values[_first_weight(program)].shape[0]
     if x.device.type != "cpu":  # a caching allocator: slices would only add kernel launches
         return _run_slice(program, values, x)
+    n_models = values[_first_weight(program)].shape[0]
     per_model = x.numel() // x.shape[-1] * x.element_size() * _widest(program, values)
     size = max(1, SLICE_BYTES // max(1, per_model))
     if size >= n_models:

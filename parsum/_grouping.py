@@ -105,6 +105,9 @@ from ._sparse import any_sampled, sampled_elements
 AUTO_STACK_MAX_PARAMS = 65_536
 AUTO_STACK_MAX_PARAM_ROWS = 4_000_000
 AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD = 2_000_000
+AUTO_STACK_MAX_STATE_ELEMENTS = 65_536
+AUTO_STACK_MIN_MODELS = 8
+AUTO_STACK_MIN_BATCHED = 4
 
 # NOTE [ Stacked storage sizes ]
 # Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
@@ -123,6 +126,16 @@ AUTO_STACK_STORAGE_MAX_PARAM_ROWS = 40_000_000
 AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
 
 
+# Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
+MAX_CHUNKS = 16
+MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
+
+# NOTE [ Threads that pay ]: budgets up to this go to intra-op threads; below this share of
+# kernel work over Python overhead the models run in the calling thread.
+INTRA_OP_ONLY_BUDGET = 2
+MIN_KERNEL_SHARE = 0.25
+
+
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
     """The parameter-rows a model up to which engine="auto" runs models in ``stack_`` storage
     as one batched forward on ``budget`` threads, ``batched`` if they run as batched matmuls
@@ -134,20 +147,6 @@ def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int
     if budget > 1:
         return AUTO_STACK_STORAGE_MAX_PARAM_ROWS
     return AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD
-
-
-AUTO_STACK_MAX_STATE_ELEMENTS = 65_536
-AUTO_STACK_MIN_MODELS = 8
-AUTO_STACK_MIN_BATCHED = 4
-
-# Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
-MAX_CHUNKS = 16
-MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
-
-# NOTE [ Threads that pay ]: budgets up to this go to intra-op threads; below this share of
-# kernel work over Python overhead the models run in the calling thread.
-INTRA_OP_ONLY_BUDGET = 2
-MIN_KERNEL_SHARE = 0.25
 
 
 def plan_units(
