@@ -158,7 +158,9 @@ def sum_models(
             # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
-                batched = stack.runs_batched_matmuls()
+                # As batched_forward decides: matmuls for one tensor argument, else vmap.
+                one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
+                batched = one_tensor and stack.runs_batched_matmuls()
                 few = len(models) < (AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS)
                 device = next(iter(stack.values.values())).device
                 budget = _config.thread_budget()
