@@ -357,7 +357,8 @@ def paired_ratio(
 class ProcessSplit:
     """P processes on this host (gloo on 127.0.0.1), each with its share of the thread budget
     (``budget // P`` intra-op threads, torchrun's way), each summing its share of the models
-    (round robin) with ``parsum.distributed.sum_models``: forward, then backward of the loss.
+    (round robin; identical ones in ``parsum.stack_`` storage) with
+    ``parsum.distributed.sum_models``: forward, then backward of the loss.
 
     The processes are started once (spawn, as torchrun does) and wait for a command on a pipe,
     so that a step can be timed in the same interleaved rounds as every other method: calling
@@ -425,6 +426,8 @@ def _process_rank(
     )
     w = workload(name, batch)
     mine = w.models[rank::world]
+    if w.identical:  # as the threads' rows run them, and as the README tells users to
+        parsum.stack_(mine)
     pipe.send("ready")
     try:
         while pipe.recv() == "step":
