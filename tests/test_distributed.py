@@ -14,10 +14,11 @@ from torch import nn
 
 import parsum
 from tests.test_errors import Boom, BoomBackward
-from tests.zoo import IN, OUT, clone_models, param_grads, zoo
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
 WORLD = 2
 TOL = dict(rtol=1e-12, atol=1e-12)
+F32 = dict(rtol=1e-5, atol=1e-6)
 
 
 def free_port() -> int:
@@ -143,6 +144,33 @@ def _backward_failure(rank: int) -> None:
         _same_on_every_rank(x.grad)
 
 
+def _stacked_storage(rank: int) -> None:
+    # Each rank keeps its identical models in stack_ storage; an optimizer over the stack steps
+    # them as the plain loop over all the models would.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(8 * WORLD)]
+    ref = clone_models(models)
+    mine = models[rank::WORLD]
+    stack = parsum.stack_(mine)
+    opt = torch.optim.Adam(stack.parameters(), lr=0.01)
+    opt_ref = torch.optim.Adam([p for m in ref for p in m.parameters()], lr=0.01)
+    for step in range(3):
+        torch.manual_seed(step)
+        x = torch.randn(6, IN)
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        y = parsum.distributed.sum_models(mine, x)
+        y.pow(2).mean().backward()
+        plain_sum(ref, x).pow(2).mean().backward()
+        torch.testing.assert_close(y, plain_sum(ref, x).detach(), **F32)
+        opt.step()
+        opt_ref.step()
+        _same_on_every_rank(y)
+    for got, want in zip(mine, ref[rank::WORLD]):
+        for p, q in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(p, q, **F32)
+
+
 def _nccl(rank: int) -> None:
     models = [m.cuda() for m in zoo()]
     x = torch.randn(9, IN, device="cuda", requires_grad=True)
@@ -160,11 +188,12 @@ SCENARIOS = {
     "mismatch": _mismatch,
     "backward_failure": _backward_failure,
     "nccl": _nccl,
+    "stacked_storage": _stacked_storage,
 }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scenario", ["agree", "forward_failure", "mismatch"])
+@pytest.mark.parametrize("scenario", ["agree", "forward_failure", "mismatch", "stacked_storage"])
 def test_two_processes(scenario):
     launch(scenario)
 
