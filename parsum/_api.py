@@ -14,16 +14,15 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from . import _config, _pool
-from ._engines import CallArgs, ModelParams, module_of, vmap_failure_count
+from ._engines import CallArgs, ModelParams, module_of, runs_as_program, vmap_failure_count
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
-    AUTO_STACK_MIN_BATCHED,
-    AUTO_STACK_MIN_MODELS,
     INTRA_OP_ONLY_BUDGET,
     Batch,
+    auto_min_group,
     chunks_of,
     plan_units,
     storage_stack_limit,
@@ -158,10 +157,8 @@ def sum_models(
             # an optimizer over the stack needs them.
             limit: int | None = None
             if engine == "auto":
-                # As batched_forward decides: matmuls for one tensor argument, else vmap.
-                one_tensor = not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
-                batched = one_tensor and stack.runs_batched_matmuls()
-                few = len(models) < (AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS)
+                batched = runs_as_program(stack.program, args, kwargs)
+                few = len(models) < auto_min_group(batched)
                 device = next(iter(stack.values.values())).device
                 budget = _config.thread_budget()
                 limit = 0 if few else storage_stack_limit(device, budget, batched)

@@ -775,8 +775,8 @@ def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Te
         return _run_slice(program, values, x)
     n_models = values[_first_weight(program)].shape[0]
     per_model = x.numel() // x.shape[-1] * x.element_size() * _widest(program, values)
-    size = max(1, SLICE_BYTES // max(1, per_model))
-    if size >= n_models:
+    size = _models_per_slice(per_model, n_models)
+    if size is None:
         return _run_slice(program, values, x)
     names = [name for step in program if isinstance(step, tuple) for name in step if name]
     pieces = {name: values[name].split(size) for name in names}  # one backward node a name
@@ -785,6 +785,19 @@ def run_program(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Te
         for k in range(len(pieces[names[0]]))
     ]
     return torch.cat(outs)
+
+
+def _models_per_slice(per_model: int, n_models: int) -> int | None:
+    """Models a slice holds when each makes layers of ``per_model`` bytes (NOTE [ Batched
+    slices ]); None: all of them at once."""
+    size = max(1, SLICE_BYTES // max(1, per_model))
+    return None if size >= n_models else size
+
+
+def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: dict) -> bool:
+    """Whether a batched forward runs ``program`` (one tensor argument, no keyword) rather
+    than vmap (NOTE [ Batched layers ])."""
+    return program is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
 
 
 def _first_weight(program: list[Step]) -> str:
@@ -847,7 +860,8 @@ def batched_forward(
     to the call, one tensor (NOTE [ Batched layers ]), else vmap over ``functional_call`` of a
     shadow of ``model`` (NOTE [ Shadow modules ]). The output's leaves, each the models' along
     dim 0, and its structure."""
-    if program is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+    if runs_as_program(program, args, kwargs):
+        assert program is not None
         out = run_program(program, {**trainable, **state}, args[0])
     else:
         base = shadow_module(model)
@@ -879,8 +893,7 @@ def _models_per_chunk(
         return None
     widest = max(max(t.shape[1:]) for t in weights)
     per_model = first.numel() // max(1, first.shape[-1]) * widest * weights[0].element_size()
-    size = max(1, SLICE_BYTES // max(1, per_model))
-    return None if size >= weights[0].shape[0] else size
+    return _models_per_slice(per_model, weights[0].shape[0])
 
 
 def stacked_forward(

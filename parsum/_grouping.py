@@ -143,7 +143,7 @@ def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int
     if device.type == "cuda":
         return None
     if not batched:
-        return AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
+        return _group_param_rows(budget)
     if budget > 1:
         return AUTO_STACK_STORAGE_MAX_PARAM_ROWS
     return AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD
@@ -186,7 +186,9 @@ def plan_units(
                 groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
-        if len(members) < (auto_min_group(models[members[0]]) if auto else min_models):
+        first = models[members[0]]
+        batched = isinstance(first, nn.Module) and program_of(first) is not None
+        if len(members) < (auto_min_group(batched) if auto else min_models):
             continue
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -204,11 +206,16 @@ def plan_units(
     return units
 
 
-def auto_min_group(model: Any) -> int:
-    """The fewest identical models engine="auto" stacks: fewer where they run as batched
-    matmuls than through vmap (NOTE [ Stacked groups ])."""
-    batched = isinstance(model, nn.Module) and program_of(model) is not None
+def auto_min_group(batched: bool) -> int:
+    """The fewest identical models engine="auto" stacks, ``batched`` if they run as batched
+    matmuls, which pay from fewer than vmap (NOTE [ Stacked groups ])."""
     return AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS
+
+
+def _group_param_rows(budget: int) -> int:
+    """The parameter-rows a model up to which engine="auto" stacks a group on every call on
+    ``budget`` threads (NOTE [ Stacked groups ])."""
+    return AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
 
 
 def _small_enough(mp: ModelParams, batch: Batch, budget: int | None) -> bool:
@@ -217,10 +224,9 @@ def _small_enough(mp: ModelParams, batch: Batch, budget: int | None) -> bool:
         return True  # kernels launched one model at a time cost more than batched ones
     if budget is None:
         budget = thread_budget()
-    limit = AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
     return (
         sum([t.numel() for t in mp.tensors]) <= AUTO_STACK_MAX_PARAMS
-        and _param_rows(mp, batch) <= limit
+        and _param_rows(mp, batch) <= _group_param_rows(budget)
         and sum([t.numel() for t in mp.state]) <= AUTO_STACK_MAX_STATE_ELEMENTS
     )
 

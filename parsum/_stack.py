@@ -82,6 +82,7 @@ from ._engines import (
     MODULE_INTERNALS,
     CallArgs,
     ModelParams,
+    Step,
     batched_forward,
     program_of,
     stacked_tensors,
@@ -208,10 +209,11 @@ class Stack(Sequence[nn.Module]):
         found = tuple(ref() for ref in self._refs)
         return found if None not in found else ()  # type: ignore[return-value]
 
-    def runs_batched_matmuls(self) -> bool:
-        """Whether the models are a Sequential of Linear layers and activations, which run as
-        batched matmuls (NOTE [ Batched layers ] in _engines) rather than through vmap."""
-        return self._program is not None
+    @property
+    def program(self) -> list[Step] | None:
+        """The models' batched matmuls where they are a Sequential of Linear layers and
+        activations (NOTE [ Batched layers ] in _engines); None: they run through vmap."""
+        return self._program
 
     def __len__(self) -> int:
         return len(self._refs)
