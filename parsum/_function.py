@@ -53,7 +53,7 @@ from ._errors import ParsumError
 from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
-from ._summation import WIDE, CompensatedAccumulator
+from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
 
 # Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
 # around sum_models stops its recomputation with one once it has what it needs.
@@ -214,7 +214,7 @@ def run_forward(
     signatures: list[Signature | None] = [None] * n
     pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
     outputs: list[list[Tensor] | None] = [None] * n
-    totals: list[CompensatedAccumulator] = []
+    totals: list[ChunkPartials] = []  # NOTE [ Combining chunk partials ] in _summation
 
     def models_of(chunks: range) -> list[int]:
         return sorted(i for k in chunks for u in plan.chunks[k] for i in plan.units[u].models)
@@ -310,7 +310,7 @@ def run_forward(
         if signatures[plan.units[plan.chunks[k][0]].models[0]] != signatures[0]:
             raise_first_mismatch(models_of(range(k, k + 1)))
         if not totals:
-            totals.extend(CompensatedAccumulator() for _ in accs)
+            totals.extend(ChunkPartials() for _ in accs)
         for total, acc in zip(totals, accs):
             total.merge(acc)
 

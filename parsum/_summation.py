@@ -165,6 +165,65 @@ class CompensatedAccumulator:
         return torch.where(torch.isfinite(s) & (self._comp != 0), s + self._comp, s)
 
 
+# NOTE [ Combining chunk partials ]
+# The chunks' partial sums are combined in chunk order. Where their dtype has a wider one, the
+# partials wait and are added with one reduction, ``torch.stack(partials).sum(0, dtype=wide)``,
+# as many at a time as PARTIALS_BYTES of wide values hold (a count that depends on the output's
+# shape and dtype alone, never on the threads; outputs too large for two are added one by one):
+# 16 models of one chunk each made 31 kernel calls a forward, one per merge and the widening
+# copy, against 3, with the same bound on the error as adding them one by one in the wide dtype
+# (16 MLPs of widths 128-512 at batch 64, one thread: 8.00 -> 7.95 ms a step, the plain loop
+# 7.14). Float64 partials are merged one by one with Neumaier's compensation, as before.
+PARTIALS_BYTES = 4 * 2**20
+
+
+class ChunkPartials:
+    """Chunk partial sums (``CompensatedAccumulator``s) combined in chunk order; see NOTE
+    [ Combining chunk partials ]. The accumulators merged are taken over."""
+
+    __slots__ = ("_limit", "_total", "_waiting")
+
+    def __init__(self) -> None:
+        self._total = CompensatedAccumulator()
+        self._waiting: list[CompensatedAccumulator] = []
+        self._limit = 0
+
+    def merge(self, acc: CompensatedAccumulator) -> None:
+        s = acc._sum
+        if s is None:
+            return
+        assert acc._dtype is not None
+        wide = WIDE.get(acc._dtype)
+        if wide is None or s.layout != torch.strided:
+            self._flush()
+            self._total.merge(acc)
+            return
+        if not self._waiting:
+            self._limit = PARTIALS_BYTES // max(1, s.numel() * wide.itemsize)
+        self._waiting.append(acc)
+        if len(self._waiting) >= self._limit:  # 1 or less: large outputs, added one by one
+            self._flush()
+
+    def _flush(self) -> None:
+        waiting = self._waiting
+        if len(waiting) == 1:
+            self._total.merge(waiting[0])
+        elif waiting:
+            dtype = waiting[0]._dtype
+            assert dtype is not None
+            wide = WIDE[dtype]
+            sums = [acc._sum for acc in waiting if acc._sum is not None]
+            if len({t.dtype for t in sums}) > 1:  # some partials wide already: all of them
+                sums = [t.to(wide) for t in sums]
+            self._total.add_wide(torch.stack(sums).sum(0, dtype=wide), dtype)
+        self._waiting = []
+
+    def result(self) -> Tensor:
+        """The combined sum, in the partials' dtype, a tensor the caller owns."""
+        self._flush()
+        return self._total.result()
+
+
 def compensated_add_(totals: TensorList, comps: TensorList, xs: TensorList) -> None:
     """``totals[i] + comps[i] += xs[i]`` in place, leaving in ``totals`` the rounded sums.
 
@@ -264,7 +323,7 @@ def compensated_sum(
     workers = _config.resolve_n_jobs(n_jobs, where)
     size = chunk_size or _config.current_settings().chunk_size
     chunks = _pool.chunk_ranges(len(items), size or _pool.default_chunk_size(len(items)))
-    total = CompensatedAccumulator()
+    total = ChunkPartials()
 
     def sum_chunk(k: int) -> CompensatedAccumulator:
         acc = CompensatedAccumulator()

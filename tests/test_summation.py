@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import parsum
-from parsum._summation import CompensatedAccumulator, compensated_add_
+from parsum import _summation
+from parsum._summation import ChunkPartials, CompensatedAccumulator, compensated_add_
 
 N_JOBS = [1, 2, 3]
 
@@ -110,6 +111,30 @@ def test_narrow_dtypes_give_the_rounded_exact_sum(dtype):
     got = parsum.compensated_sum(xs, chunk_size=3)
     assert got.dtype == dtype
     assert torch.equal(got, exact.to(dtype))
+
+
+@pytest.mark.parametrize("limit_bytes", [None, 1, 3 * 300 * 8])  # all at once, one by one, 3
+def test_chunk_partials_give_the_rounded_exact_sum(monkeypatch, limit_bytes):
+    # Partials of one tensor (borrowed, float32) and of several (already in float64), combined
+    # in groups of as many as the byte limit holds: NOTE [ Combining chunk partials ].
+    if limit_bytes is not None:
+        monkeypatch.setattr(_summation, "PARTIALS_BYTES", limit_bytes)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(300, generator=gen) * 4 ** (i % 7) for i in range(23)]
+    exact = torch.tensor([math.fsum(col) for col in torch.stack(xs).double().T.tolist()])
+    copies = [x.clone() for x in xs]
+    total = ChunkPartials()
+    at = 0
+    for size in [1, 3, 1, 1, 5, 2, 1, 4, 1, 1, 1, 2]:
+        acc = CompensatedAccumulator()
+        acc.add_all(xs[at : at + size])
+        total.merge(acc)
+        at += size
+    assert at == len(xs)
+    got = total.result()
+    assert got.dtype == torch.float32
+    assert torch.equal(got, exact.float())
+    assert all(torch.equal(x, c) for x, c in zip(xs, copies))  # the borrowed ones unwritten
 
 
 def test_accumulator_never_writes_its_inputs():
