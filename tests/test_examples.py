@@ -132,6 +132,13 @@ def test_bench_overhead(tmp_path):
     assert "parsum autograd" in out and "of the step" in out
 
 
+def test_bench_allocator(tmp_path):
+    args = ["--processes", "1", "--steps", "3", "--batch", "8"]
+    out = run("benchmarks/bench_allocator.py", *args, "--json", str(tmp_path / "alloc.json"))
+    assert out.count("parsum against plain") == 2 and "thresholds fixed" in out
+    assert (tmp_path / "alloc.json").exists()
+
+
 def test_bench_phases():
     args = ["--rounds", "1", "--jobs", "2", "--workloads", "heterogeneous-tiny"]
     out = run("benchmarks/bench_phases.py", *args)
