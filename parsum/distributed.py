@@ -23,6 +23,18 @@ gets the sum over all ranks.
 # With no input that needs a gradient there is no exchange in backward, and none is needed:
 # each rank's parameters get their gradients from its own models alone.
 #
+# NOTE [ One exchange a forward ]
+# A rank learns whether every rank succeeded, with outputs of its structure, before it may use
+# their sums; exchanging that first and the sums second cost two collectives a forward, each a
+# round trip (200-400 us with gloo on one 2-core host; 2 processes, 64 identical tiny MLPs:
+# 0.39 and 0.32 ms of a 1.7 ms forward). Every rank keeps, per process group and shapes of the
+# arguments (the same on every rank), the payload size that every rank agreed on in the last
+# call that succeeded everywhere; a call that finds one sends its status and its sums in one
+# all_gather of bytes, a rank that failed or whose sums have another size sending zeros of the
+# agreed size in their place. The statuses decide as before (every rank reads the same ones),
+# and where the sizes changed on every rank alike (a smaller last batch) the sums follow in a
+# second all_gather, as on a first call. Every rank therefore makes the same collectives.
+#
 # NOTE [ Releasing the process group ]
 # torch.distributed.nn.functional declares ``group=group.WORLD`` defaults, evaluated when it is
 # first imported. torch imports it lazily (``torch.optim`` does, through ``torch._dynamo``), so a
@@ -124,9 +136,30 @@ def sum_models(
     except Exception as exc:  # announced to the other ranks before it is raised here
         error = exc
     signature = repr([(tuple(t.shape), str(t.dtype)) for t in local_leaves]) + repr(out_spec)
-    status = torch.tensor([int(error is not None), zlib.crc32(signature.encode())], device=device)
-    statuses = [torch.empty_like(status) for _ in range(world)]
-    dist.all_gather(statuses, status, group=group)
+    payload = None if error is not None else _packed([t.detach() for t in local_leaves], device)
+    size = -1 if payload is None else payload.numel()
+    status = torch.tensor(
+        [int(error is not None), zlib.crc32(signature.encode()), size],
+        dtype=torch.int64,
+        device=device,
+    )
+    # NOTE [ One exchange a forward ]
+    key = (group, repr([(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor)]))
+    agreed = _agreed_sizes.get(key)
+    payloads: list[Tensor] | None = None
+    if agreed is None:
+        statuses = [torch.empty_like(status) for _ in range(world)]
+        dist.all_gather(statuses, status, group=group)
+    else:
+        mine = payload if size == agreed else None
+        if mine is None:
+            mine = torch.zeros(agreed, dtype=torch.uint8, device=device)
+        both = torch.cat([status.view(torch.uint8), mine])
+        gathered = [torch.empty_like(both) for _ in range(world)]
+        dist.all_gather(gathered, both, group=group)
+        at = status.numel() * status.element_size()
+        statuses = [g[:at].view(torch.int64) for g in gathered]
+        payloads = [g[at:] for g in gathered]
     if error is not None:
         try:
             raise error
@@ -144,9 +177,50 @@ def sum_models(
             f"{_WHERE}: rank(s) {differ} returned another output structure, shape or dtype than "
             f"rank {rank} ({signature}); every rank's models must return the same"
         )
-    assert out_spec is not None
-    total = _SumAcrossRanks.apply(group, *local_leaves)
+    assert out_spec is not None and payload is not None
+    if payloads is None or size != agreed:  # the same on every rank: every size is this one
+        payloads = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(payloads, payload, group=group)
+    if len(_agreed_sizes) >= 64:  # a few call shapes in a training loop; bounded all the same
+        _agreed_sizes.clear()
+    _agreed_sizes[key] = size
+    totals = _sums_in_rank_order(payloads, local_leaves)
+    total = _SumAcrossRanks.apply(totals, *local_leaves)
     return pytree.tree_unflatten(list(total), out_spec)
+
+
+# Per (process group, shapes of the arguments): the payload bytes every rank agreed on in the
+# last call that succeeded everywhere (NOTE [ One exchange a forward ]).
+_agreed_sizes: dict[tuple[Any, str], int] = {}
+_ALIGN = 16  # bytes: each leaf starts where any dtype may be viewed
+
+
+def _packed(leaves: list[Tensor], device: torch.device) -> Tensor:
+    """The leaves' bytes, one after another, each padded to _ALIGN bytes, on ``device`` (the
+    backend's: gloo's CPU for CUDA outputs too)."""
+    parts: list[Tensor] = []
+    for t in leaves:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
+        parts.append(raw)
+        pad = -raw.numel() % _ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _sums_in_rank_order(payloads: list[Tensor], leaves: list[Tensor]) -> list[Tensor]:
+    """Each leaf's sum over the ranks' payloads, added in rank order, compensated: the same
+    bits on every rank."""
+    totals = []
+    at = 0
+    for t in leaves:
+        n = t.numel() * t.element_size()
+        total = CompensatedAccumulator()
+        for p in payloads:
+            total.add(p[at : at + n].view(t.dtype).view(t.shape))
+        totals.append(total.result().to(t.device))
+        at += n + (-n % _ALIGN)
+    return totals
 
 
 def _status_device(group: Any) -> torch.device:
@@ -174,12 +248,12 @@ def _sum_in_rank_order(tensor: Tensor, group: Any) -> Tensor:
 
 
 class _SumAcrossRanks(torch.autograd.Function):
-    """forward: the sum over ranks of each leaf; backward: the gradient, unchanged, to this
-    rank's own sum (NOTE [ Cross-rank sum ])."""
+    """forward: the sums over ranks of the leaves, computed beforehand (``totals``); backward:
+    the gradient, unchanged, to this rank's own sum (NOTE [ Cross-rank sum ])."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *leaves: Tensor) -> tuple[Tensor, ...]:
-        return tuple(_sum_in_rank_order(t.detach(), group) for t in leaves)
+    def forward(ctx: Any, totals: list[Tensor], *leaves: Tensor) -> tuple[Tensor, ...]:
+        return tuple(totals)
 
     @staticmethod
     @once_differentiable

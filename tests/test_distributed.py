@@ -171,6 +171,57 @@ def _stacked_storage(rank: int) -> None:
             torch.testing.assert_close(p, q, **F32)
 
 
+def _one_exchange(rank: int) -> None:
+    # NOTE [ One exchange a forward ]: once a call succeeded everywhere, statuses and sums go
+    # in one all_gather; a failure, a new batch size or a mismatch after that still raise, or
+    # run, on every rank alike, and the sums have the bits of the two exchanges.
+    torch.manual_seed(0)  # the same model on both ranks: the sum is WORLD times its output
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    calls = []
+    gather = dist.all_gather
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].numel())
+        return gather(*args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        first = parsum.distributed.sum_models([good], x)
+        assert len(calls) == 2  # statuses, then sums: nothing agreed yet
+        again = parsum.distributed.sum_models([good], x)
+        assert len(calls) == 3  # one exchange
+    finally:
+        dist.all_gather = gather
+    assert torch.equal(first, again)
+    torch.testing.assert_close(again, WORLD * good(x).detach(), **F32)
+    _same_on_every_rank(again)
+    mine = [good] + ([Boom()] if rank == 1 else [])
+    if rank == 1:
+        with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\) raised ValueError"):
+            parsum.distributed.sum_models(mine, x)
+    else:
+        with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in forward"):
+            parsum.distributed.sum_models(mine, x)
+    # A smaller batch on every rank (the sizes agreed before no longer hold), then the
+    # agreed one again, and leaves of two dtypes whose bytes do not fill whole words.
+    for rows in (3, 4):
+        y = parsum.distributed.sum_models([good], x[:rows])
+        torch.testing.assert_close(y, WORLD * good(x[:rows]).detach(), **F32)
+        _same_on_every_rank(y)
+    with torch.no_grad():
+        for _ in range(2):
+            pair = parsum.distributed.sum_models(
+                [lambda t: {"h": t[:, :3].half(), "d": t.double()}], x
+            )
+            assert pair["h"].dtype == torch.float16 and pair["d"].dtype == torch.float64
+            assert torch.equal(pair["h"], (WORLD * x[:, :3]).half())
+            assert torch.equal(pair["d"], WORLD * x.double())
+    with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
+        parsum.distributed.sum_models([nn.Linear(IN, OUT + rank)], x)
+    _same_on_every_rank(parsum.distributed.sum_models([good], x))  # still in step
+
+
 def _nccl(rank: int) -> None:
     models = [m.cuda() for m in zoo()]
     x = torch.randn(9, IN, device="cuda", requires_grad=True)
@@ -189,11 +240,14 @@ SCENARIOS = {
     "backward_failure": _backward_failure,
     "nccl": _nccl,
     "stacked_storage": _stacked_storage,
+    "one_exchange": _one_exchange,
 }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scenario", ["agree", "forward_failure", "mismatch", "stacked_storage"])
+@pytest.mark.parametrize(
+    "scenario", ["agree", "forward_failure", "mismatch", "stacked_storage", "one_exchange"]
+)
 def test_two_processes(scenario):
     launch(scenario)
 
