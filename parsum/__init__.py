@@ -1,6 +1,6 @@
 """parsum: parallel, compensated and deterministic sums of PyTorch models."""
 
-from . import distributed
+from . import _allocator, distributed
 from ._api import sum_models
 from ._config import config
 from ._errors import ParsumError
@@ -13,6 +13,8 @@ from ._stack import Stack, stack_
 from ._summation import compensated_sum
 
 __version__ = "0.1.0"
+
+_allocator.keep_heap_top()  # NOTE [ glibc's heap top ]
 
 __all__ = [
     # the normal door
