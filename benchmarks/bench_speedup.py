@@ -21,7 +21,8 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
   procs P        parsum.distributed.sum_models over P processes on this host (gloo on
                  127.0.0.1), each with budget / P threads and its share of the models, as
                  torchrun --nproc-per-node P would run them (only with --procs); timed after
-                 the other methods, with only its own P processes alive
+                 the other methods, with only its own P processes alive, 10 steps a command
+                 of this process (a step: their time over 10)
 
 Every method runs once per round, interleaved, after a warm-up; the tables give medians over
 the rounds and ratios measured in this one process (absolute times drift on shared machines).
@@ -62,6 +63,8 @@ import parsum
 
 # The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md).
 CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
+# Steps the ranks run per command of the parent (ProcessSplit): as a torchrun job runs them.
+PROCESS_STEPS = 10
 
 
 def methods_for(
@@ -125,9 +128,10 @@ def time_processes(
     medians: dict[str, float] = {}
     # Every rank needs a model of its own: no more processes than models.
     for p in [p for p in procs if p <= len(models)]:
-        split = ProcessSplit(name, batch, p, budget)
+        split = ProcessSplit(name, batch, p, budget, PROCESS_STEPS)
         try:
-            medians[f"procs {p}"] = interleaved({"procs": split}, rounds)["procs"]
+            seconds = interleaved({"procs": split}, rounds)["procs"]
+            medians[f"procs {p}"] = seconds / PROCESS_STEPS
         finally:
             split.close()
     return medians
