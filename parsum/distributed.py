@@ -165,13 +165,14 @@ def sum_models(
             raise error
         finally:
             error = None  # this frame is on the error's traceback: no cycle through it
-    failed = [r for r, s in enumerate(statuses) if int(s[0])]
+    table = torch.stack(statuses).tolist()  # one conversion: (failed, checksum, size) a rank
+    failed = [r for r, (fails, _, _) in enumerate(table) if fails]
     if failed:
         raise ParsumError(
             f"{_WHERE}: rank(s) {failed} failed in forward (see their errors); rank {rank} "
             "stops too"
         )
-    differ = [r for r, s in enumerate(statuses) if int(s[1]) != int(status[1])]
+    differ = [r for r, (_, checksum, _) in enumerate(table) if checksum != table[rank][1]]
     if differ:
         raise ParsumError(
             f"{_WHERE}: rank(s) {differ} returned another output structure, shape or dtype than "
