@@ -357,7 +357,7 @@ def paired_ratio(
 class ProcessSplit:
     """P processes on this host (gloo on 127.0.0.1), each with its share of the thread budget
     (``budget // P`` intra-op threads, torchrun's way), each summing its share of the models
-    (round robin; identical ones in ``parsum.stack_`` storage) with
+    (``parsum.distributed.share``; identical ones in ``parsum.stack_`` storage) with
     ``parsum.distributed.sum_models``: forward, then backward of the loss.
 
     The processes are started once (spawn, as torchrun does) and wait for a command on a pipe,
@@ -437,7 +437,7 @@ def _process_rank(
         timeout=datetime.timedelta(seconds=300),
     )
     w = workload(name, batch)
-    mine = w.models[rank::world]
+    mine = [w.models[i] for i in parsum.distributed.share(w.models, w.x)]
     if w.identical:  # as the threads' rows run them, and as the README tells users to
         parsum.stack_(mine)
     pipe.send("ready")

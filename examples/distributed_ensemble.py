@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/distributed_ensemble.py [--members 12] [--epochs 3]
 
 Every rank builds the same members from the same seed and keeps its share,
-``members[rank::world_size]``; every rank sees the same batches. The ensemble's prediction, the
+``parsum.distributed.share(members, x)`` (parts of about equal cost); every rank sees the same
+batches. The ensemble's prediction, the
 average of all members' logits, is ``parsum.distributed.sum_models(mine, x, weights=...)``: the
 same bits on every rank. Every rank computes the loss from it and calls backward, which gives
 each rank's members their gradients; each rank steps only its own members. Rank 0 prints the
@@ -37,7 +38,7 @@ def main() -> None:
     x_tr, y_tr, x_te, y_te = load_data(args.seed)
     torch.manual_seed(args.seed)
     members = [make_member(i, x_tr.shape[1], 10) for i in range(args.members)]
-    mine = members[rank::world]
+    mine = [members[i] for i in parsum.distributed.share(members, x_tr[: args.batch_size])]
     weights = [1.0 / len(members)] * len(mine)
     opt = torch.optim.Adam([p for m in mine for p in m.parameters()], lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import parsum
+from parsum.distributed import balanced_shares
 from tests.test_errors import Boom, BoomBackward
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
@@ -222,6 +223,22 @@ def _one_exchange(rank: int) -> None:
     _same_on_every_rank(parsum.distributed.sum_models([good], x))  # still in step
 
 
+def _shares(rank: int) -> None:
+    # Every model on one rank, the same split on both, and the sum over the shares that of one
+    # process over all the models.
+    torch.manual_seed(0)
+    models = [mlp([4 + 8 * i]) for i in range(5)] + [mlp([6]) for _ in range(6)]
+    x = torch.randn(5, IN)
+    mine = parsum.distributed.share(models, x)
+    both = [None] * WORLD
+    dist.all_gather_object(both, mine)
+    assert both[rank] == mine and sorted(i for part in both for i in part) == list(range(11))
+    y = parsum.distributed.sum_models([models[i] for i in mine], x)
+    torch.testing.assert_close(y, plain_sum(models, x).detach(), **F32)
+    with pytest.raises(parsum.ParsumError, match=r"1 model\(s\) for 2 ranks"):
+        parsum.distributed.share(models[:1], x)
+
+
 def _nccl(rank: int) -> None:
     models = [m.cuda() for m in zoo()]
     x = torch.randn(9, IN, device="cuda", requires_grad=True)
@@ -241,15 +258,40 @@ SCENARIOS = {
     "nccl": _nccl,
     "stacked_storage": _stacked_storage,
     "one_exchange": _one_exchange,
+    "shares": _shares,
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "scenario", ["agree", "forward_failure", "mismatch", "stacked_storage", "one_exchange"]
+    "scenario",
+    ["agree", "forward_failure", "mismatch", "stacked_storage", "one_exchange", "shares"],
 )
 def test_two_processes(scenario):
     launch(scenario)
+
+
+def test_balanced_shares():
+    # NOTE [ Balanced shares ]: the costliest first, each to the least loaded rank; identical
+    # models that run stacked together where they fit, dealt to every rank where they do not.
+    torch.manual_seed(0)
+    wide = [mlp([512 * (i + 1)]) for i in range(4)]  # costs about 1 : 2 : 3 : 4
+    few = [mlp([8]) for _ in range(3)]  # too few to stack: one by one
+    group = [mlp([16]) for _ in range(4)]  # stacked together
+    models = wide + few + group
+    x = torch.randn(4096, IN)  # rows enough for the parameters to outweigh a model's own cost
+    parts = balanced_shares(models, (x,), {}, 2)
+    assert sorted(i for part in parts for i in part) == list(range(len(models)))
+    assert all(part == sorted(part) for part in parts)
+    assert any(set(range(7, 11)) <= set(part) for part in parts)  # the group on one rank
+    assert {0, 3} <= set(parts[0]) or {0, 3} <= set(parts[1])  # 1 + 4 against 2 + 3
+    assert balanced_shares(models, (x,), {}, 2) == parts  # the same split every time
+    # A group costlier than a fair share goes to every rank.
+    big = [mlp([512]) for _ in range(8)]
+    parts = balanced_shares(big + few, (x,), {}, 2)
+    assert all(len(set(part) & set(range(8))) == 4 for part in parts)
+    with pytest.raises(parsum.ParsumError, match="not initialized"):
+        parsum.distributed.share(models, x)
 
 
 @pytest.mark.timeout(120)
