@@ -37,13 +37,15 @@ gets the sum over all ranks.
 # A rank learns whether every rank succeeded, with outputs of its structure, before it may use
 # their sums; exchanging that first and the sums second cost two collectives a forward, each a
 # round trip (200-400 us with gloo on one 2-core host; 2 processes, 64 identical tiny MLPs:
-# 0.39 and 0.32 ms of a 1.7 ms forward). Every rank keeps, per process group and shapes of the
-# arguments (the same on every rank), the payload size that every rank agreed on in the last
-# call that succeeded everywhere; a call that finds one sends its status and its sums in one
-# all_gather of bytes, a rank that failed or whose sums have another size sending zeros of the
-# agreed size in their place. The statuses decide as before (every rank reads the same ones),
-# and where the sizes changed on every rank alike (a smaller last batch) the sums follow in a
-# second all_gather, as on a first call. Every rank therefore makes the same collectives.
+# 0.39 and 0.32 ms of a 1.7 ms forward). Every rank keeps, per process group, the payload size
+# that every rank agreed on in the last call that succeeded everywhere: each rank updates it
+# from the same gathered statuses, so it is the same on every rank whatever each passed. A call
+# that finds one sends its status and its sums in one all_gather of bytes, a rank that failed
+# or whose sums have another size sending zeros of the agreed size in their place. The statuses
+# decide as before (every rank reads the same ones), and where the sizes changed on every rank
+# alike (a smaller last batch, an evaluation between training steps) the sums follow in a second
+# all_gather, as on a first call. Every rank therefore makes the same collectives, also where
+# ranks pass arguments of different shapes by mistake (the statuses then name them).
 #
 # NOTE [ Releasing the process group ]
 # torch.distributed.nn.functional declares ``group=group.WORLD`` defaults, evaluated when it is
@@ -156,8 +158,7 @@ def sum_models(
         device=device,
     )
     # NOTE [ One exchange a forward ]
-    key = (group, repr([(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor)]))
-    agreed = _agreed_sizes.get(key)
+    agreed = _agreed_sizes.get(group)
     payloads: list[Tensor] | None = None
     if agreed is None:
         statuses = [torch.empty_like(status) for _ in range(world)]
@@ -194,17 +195,17 @@ def sum_models(
     if payloads is None or size != agreed:  # the same on every rank: every size is this one
         payloads = [torch.empty_like(payload) for _ in range(world)]
         dist.all_gather(payloads, payload, group=group)
-    if len(_agreed_sizes) >= 64:  # a few call shapes in a training loop; bounded all the same
+    if len(_agreed_sizes) >= 64:  # groups made and dropped again and again: bounded
         _agreed_sizes.clear()
-    _agreed_sizes[key] = size
+    _agreed_sizes[group] = size
     totals = _sums_in_rank_order(payloads, local_leaves)
     total = _SumAcrossRanks.apply(totals, *local_leaves)
     return pytree.tree_unflatten(list(total), out_spec)
 
 
-# Per (process group, shapes of the arguments): the payload bytes every rank agreed on in the
-# last call that succeeded everywhere (NOTE [ One exchange a forward ]).
-_agreed_sizes: dict[tuple[Any, str], int] = {}
+# Per process group: the payload bytes every rank agreed on in the last call that succeeded
+# everywhere (NOTE [ One exchange a forward ]).
+_agreed_sizes: dict[Any, int] = {}
 _ALIGN = 16  # bytes: each leaf starts where any dtype may be viewed
 
 

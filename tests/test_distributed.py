@@ -221,6 +221,10 @@ def _one_exchange(rank: int) -> None:
     with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
         parsum.distributed.sum_models([nn.Linear(IN, OUT + rank)], x)
     _same_on_every_rank(parsum.distributed.sum_models([good], x))  # still in step
+    # Arguments of different shapes on the ranks, by mistake: an error on both, no hang.
+    with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
+        parsum.distributed.sum_models([good], x[: 3 + rank])
+    _same_on_every_rank(parsum.distributed.sum_models([good], x))
 
 
 def _shares(rank: int) -> None:
