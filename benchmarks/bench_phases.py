@@ -48,7 +48,7 @@ def phases(
     """Median milliseconds (forward, backward, step) of each method."""
     w = workload(name, batch)
     models, x = w.models, w.x
-    split, two = HandSplit(models, threads), TwoPhase(models, threads)
+    split, two = HandSplit(models, threads, x), TwoPhase(models, threads, x)
 
     def hand() -> tuple[float, float]:
         zero_grads(models)

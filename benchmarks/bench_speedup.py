@@ -13,8 +13,9 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  one by one) and parsum+adam sib (one Adam per model in a StepInBackward,
                  stepped as one over the stack); parsum no stack_ runs twins of the models
                  left in their own storage, which auto batches anew on every call
-  hand-split P   the ceiling: the models split by hand over P threads, each running the plain
-                 loop on its share with 1 intra-op thread, no reduction
+  hand-split P   the ceiling: the models split by hand over P threads in shares of about
+                 equal estimated cost (common.balanced_split), each running the plain loop on
+                 its share with 1 intra-op thread, no reduction
   parsum P       parsum.sum_models(models, x, n_jobs=P), engine="auto"
   parsum default parsum.sum_models(models, x): n_jobs left to parsum (NOTE [ Threads that
                  pay ]: the budget spent on intra-op threads, or on workers)
@@ -108,7 +109,7 @@ def methods_for(
     methods["parsum default"] = lambda: parsum_step(models, x)
     for p in jobs:
         if p > 1 and device == "cpu":
-            split = HandSplit(models, p)
+            split = HandSplit(models, p, x)
             methods[f"hand-split {p}"] = lambda split=split: split(x)
         methods[f"parsum {p}"] = lambda p=p: parsum_step(models, x, n_jobs=p)
     if device != "cpu":  # a step ends when the device is done with it
