@@ -7,6 +7,8 @@
 #                                           # forward and backward against the two-phase ceiling
 #   bash benchmarks/run_16cores.sh cpu      # the table over 1-16 workers and processes, the
 #                                           # main example
+#   bash benchmarks/run_16cores.sh alloc    # page faults from glibc's heap trimming, with and
+#                                           # without parsum imported (bench_allocator.py)
 # Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
 # runs from this checkout through PYTHONPATH instead of being installed.
 set -uo pipefail
@@ -56,6 +58,10 @@ cpu)
     # With 12 rounds this ran out of its 460 s before the last workload on the lent machine.
     speedup 470 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 8
     timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
+    ;;
+alloc)
+    (cd benchmarks && timeout 400 python bench_allocator.py --processes 3 \
+        --json "$out/allocator-16cores.json") > "$out/allocator-16cores.txt" 2>&1
     ;;
 esac
 tail -n 4 "$out"/*.txt
