@@ -45,7 +45,10 @@ gets the sum over all ranks.
 # decide as before (every rank reads the same ones), and where the sizes changed on every rank
 # alike (a smaller last batch, an evaluation between training steps) the sums follow in a second
 # all_gather, as on a first call. Every rank therefore makes the same collectives, also where
-# ranks pass arguments of different shapes by mistake (the statuses then name them).
+# ranks pass arguments of different shapes by mistake (the statuses then name them). Not
+# covered: a process that destroys its process group and makes one of the same size with other
+# processes keeps its agreed size where the newcomers have none (their first all_gathers then
+# differ in size).
 #
 # NOTE [ Releasing the process group ]
 # torch.distributed.nn.functional declares ``group=group.WORLD`` defaults, evaluated when it is
@@ -158,7 +161,10 @@ def sum_models(
         device=device,
     )
     # NOTE [ One exchange a forward ]
-    agreed = _agreed_sizes.get(group)
+    # By name, not by object: holding a process group keeps gloo's threads alive into the
+    # interpreter's shutdown (NOTE [ Releasing the process group ]).
+    key = (None if group is None else group.group_name, world)
+    agreed = _agreed_sizes.get(key)
     payloads: list[Tensor] | None = None
     if agreed is None:
         statuses = [torch.empty_like(status) for _ in range(world)]
@@ -197,15 +203,15 @@ def sum_models(
         dist.all_gather(payloads, payload, group=group)
     if len(_agreed_sizes) >= 64:  # groups made and dropped again and again: bounded
         _agreed_sizes.clear()
-    _agreed_sizes[group] = size
+    _agreed_sizes[key] = size
     totals = _sums_in_rank_order(payloads, local_leaves)
     total = _SumAcrossRanks.apply(totals, *local_leaves)
     return pytree.tree_unflatten(list(total), out_spec)
 
 
-# Per process group: the payload bytes every rank agreed on in the last call that succeeded
-# everywhere (NOTE [ One exchange a forward ]).
-_agreed_sizes: dict[Any, int] = {}
+# Per process group (its name, the same on every rank, and size): the payload bytes every rank
+# agreed on in the last call that succeeded everywhere (NOTE [ One exchange a forward ]).
+_agreed_sizes: dict[tuple[str | None, int], int] = {}
 _ALIGN = 16  # bytes: each leaf starts where any dtype may be viewed
 
 

@@ -225,6 +225,12 @@ def _one_exchange(rank: int) -> None:
     with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
         parsum.distributed.sum_models([good], x[: 3 + rank])
     _same_on_every_rank(parsum.distributed.sum_models([good], x))
+    # A group of its own keeps its own agreed size (by name: the group is not held).
+    group = dist.new_group(list(range(WORLD)))
+    for _ in range(2):
+        y = parsum.distributed.sum_models([good], x[:2], group=group)
+        torch.testing.assert_close(y, WORLD * good(x[:2]).detach(), **F32)
+    assert (group.group_name, WORLD) in parsum.distributed._agreed_sizes
 
 
 def _shares(rank: int) -> None:
