@@ -124,11 +124,7 @@ def sum_models(
             (naming the model), or when another rank's failed or returned another structure,
             shape or dtype (naming the ranks).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise ParsumError(
-            f"{_WHERE}: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group first (launch with torchrun)"
-        )
+    _check_initialized(_WHERE)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _status_device(group)
     # The models' arguments are the same on every rank; parsum's own keywords (weights for this
@@ -235,10 +231,8 @@ def _sums_in_rank_order(payloads: list[Tensor], leaves: list[Tensor]) -> list[Te
     at = 0
     for t in leaves:
         n = t.numel() * t.element_size()
-        total = CompensatedAccumulator()
-        for p in payloads:
-            total.add(p[at : at + n].view(t.dtype).view(t.shape))
-        totals.append(total.result().to(t.device))
+        ranks = [p[at : at + n].view(t.dtype).view(t.shape) for p in payloads]
+        totals.append(_added_in_rank_order(ranks).to(t.device))
         at += n + (-n % _ALIGN)
     return totals
 
@@ -257,11 +251,7 @@ def share(
         ParsumError: when torch.distributed is not initialized, or there are fewer models
             than ranks.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise ParsumError(
-            "parsum.distributed.share: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group first (launch with torchrun)"
-        )
+    _check_initialized("parsum.distributed.share")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     models = list(models)
     if len(models) < world:
@@ -303,6 +293,14 @@ def balanced_shares(
     return [sorted(part) for part in parts]
 
 
+def _check_initialized(where: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParsumError(
+            f"{where}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first (launch with torchrun)"
+        )
+
+
 def _status_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -321,8 +319,13 @@ def _sum_in_rank_order(tensor: Tensor, group: Any) -> Tensor:
     """Every rank's ``tensor`` added in rank order, compensated: the same bits on every rank."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return _added_in_rank_order(gathered)
+
+
+def _added_in_rank_order(tensors: list[Tensor]) -> Tensor:
+    """The ranks' tensors added in rank order, compensated: the same bits on every rank."""
     total = CompensatedAccumulator()
-    for t in gathered:
+    for t in tensors:
         total.add(t)
     return total.result()
 

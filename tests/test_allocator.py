@@ -1,5 +1,6 @@
 """Importing parsum raises glibc's dynamic heap thresholds (NOTE [ glibc's heap top ])."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -29,7 +30,7 @@ libc.free(block)
 
 
 def probe(imports: str, **env: str) -> str:
-    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MALLOC_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
         [sys.executable, "-c", PROBE.format(imports=imports)],
         capture_output=True,

@@ -101,15 +101,20 @@ def _agrees_with_one_process(rank: int) -> None:
     torch.testing.assert_close(pair["a"], 3 * x.detach())
 
 
-def _forward_failure(rank: int) -> None:
-    mine = [nn.Linear(IN, OUT)] + ([Boom()] if rank == 1 else [])
-    x = torch.randn(4, IN)
+def _raises_for_rank_1s_model(rank: int, mine: list[nn.Module], x: torch.Tensor) -> None:
+    """Rank 1's model 1 raises in forward: rank 1's error names it, the others' name rank 1."""
     if rank == 1:
         with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\) raised ValueError"):
             parsum.distributed.sum_models(mine, x)
     else:
         with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in forward"):
             parsum.distributed.sum_models(mine, x)
+
+
+def _forward_failure(rank: int) -> None:
+    mine = [nn.Linear(IN, OUT)] + ([Boom()] if rank == 1 else [])
+    x = torch.randn(4, IN)
+    _raises_for_rank_1s_model(rank, mine, x)
     assert all(p.grad is None for p in mine[0].parameters())
     # The ranks are still in step: the next call works.
     y = parsum.distributed.sum_models(mine[:1], x)
@@ -197,13 +202,7 @@ def _one_exchange(rank: int) -> None:
     assert torch.equal(first, again)
     torch.testing.assert_close(again, WORLD * good(x).detach(), **F32)
     _same_on_every_rank(again)
-    mine = [good] + ([Boom()] if rank == 1 else [])
-    if rank == 1:
-        with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\) raised ValueError"):
-            parsum.distributed.sum_models(mine, x)
-    else:
-        with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in forward"):
-            parsum.distributed.sum_models(mine, x)
+    _raises_for_rank_1s_model(rank, [good] + ([Boom()] if rank == 1 else []), x)
     # A smaller batch on every rank (the sizes agreed before no longer hold), then the
     # agreed one again, and leaves of two dtypes whose bytes do not fill whole words.
     for rows in (3, 4):
