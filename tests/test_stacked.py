@@ -271,6 +271,32 @@ def test_batched_matmuls_in_slices_match_the_loop(per_slice, kind, monkeypatch):
     assert len(slices) == -(-9 // per_slice)
 
 
+def no_bias_mlp() -> nn.Sequential:
+    """Starts with an activation and has a Linear without bias."""
+    return nn.Sequential(
+        nn.Tanh(), nn.Linear(IN, 6, bias=False), nn.ReLU(), nn.Linear(6, OUT, bias=True)
+    )
+
+
+@pytest.mark.parametrize("shape", [(IN,), (5, IN), (2, 3, IN), (0, IN)])
+@pytest.mark.parametrize("kind", ["one group", "stack_", "beside others"])
+@pytest.mark.parametrize("make", [lambda: mlp([8, 6]), no_bias_mlp])
+def test_batched_matmuls_take_any_rows_and_give_a_result_in_order(shape, kind, make):
+    # NOTE [ Features first ]: the layers run as (models, features, rows); the result comes
+    # back in the input's row shape, contiguous like the loop's, so that .view works on it.
+    torch.manual_seed(0)
+    models = [make() for _ in range(6)]
+    x = torch.randn(*shape, requires_grad=True)
+    if kind == "stack_":
+        parsum.stack_(models)
+    elif kind == "beside others":  # in ParallelSum, each model's output a view of the batch's
+        models = [mlp([5]), *models]
+    loss = lambda y: (y.view(-1) ** 2).sum()  # noqa: E731
+    got, want = run_both(models, x, engine="stacked", n_jobs=2, loss=loss)
+    assert got[0].shape == want[0].shape and got[0].is_contiguous()
+    assert_matches(got, want)
+
+
 class Residual(nn.Module):
     """Not a Sequential, with a keyword argument: the group runs through vmap."""
 

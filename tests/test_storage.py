@@ -604,6 +604,45 @@ def test_concurrent_callers_on_one_stack():
         torch.testing.assert_close(g, 60 * h, atol=1e-4, rtol=1e-4)
 
 
+def test_graphs_alive_together_each_give_their_gradient():
+    # NOTE [ Lasting aliases ]: every call's graph reads the same leaf; each backward hands
+    # its own gradient to the models, in whatever order the graphs are pulled back.
+    models, plain, _ = stacked_and_plain()
+    xs = [torch.randn(8, IN) for _ in range(3)]
+    losses = [parsum.sum_models(models, x).pow(2).sum() for x in xs]
+    losses[2].backward(retain_graph=True)
+    losses[0].backward()
+    losses[2].backward()
+    losses[1].backward()
+    for x, times in zip(xs, (1, 1, 2)):
+        (times * plain_sum(plain, x).pow(2).sum()).backward()
+    assert_grads_close(models, plain, atol=1e-5)
+
+
+def test_calls_with_and_without_step_in_backward_alternate():
+    # A call with step_in_backward reads aliases of its own, whose hooks step; the lasting ones
+    # of other calls must neither step nor lose a gradient meanwhile.
+    models, plain, _ = stacked_and_plain()
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    plain_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in plain]
+    x = torch.randn(8, IN)
+    for step in range(4):
+        if step % 2:
+            parsum.sum_models(models, x, step_in_backward=sib).pow(2).mean().backward()
+            plain_sum(plain, x).pow(2).mean().backward()
+            for opt in plain_opts:
+                opt.step()
+                opt.zero_grad()
+        else:
+            parsum.sum_models(models, x).pow(2).mean().backward()
+            plain_sum(plain, x).pow(2).mean().backward()
+            assert_grads_close(models, plain, atol=1e-5)
+            for m, q in zip(models, plain):
+                m.zero_grad()
+                q.zero_grad()
+        assert_params_close(models, plain)
+
+
 def test_repeated_calls_leave_nothing_behind():
     import gc
     import weakref
