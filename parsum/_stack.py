@@ -23,11 +23,14 @@
 # any models) with a warning, once per stack and reason.
 #
 # NOTE [ Lasting aliases ]
-# The aliases are made, and their post-accumulate hooks registered, once per storage, not per
-# call (64 tiny MLPs: 1.07 -> 0.99 ms a step; an alias and its hook cost 6 us a name). Graphs
-# alive together share an alias, and so its AccumulateGrad node, whose lock serializes their
-# backwards: each hook takes the gradient just accumulated and leaves ``.grad`` None for the
-# next. A call with ``step_in_backward`` gets aliases of its own, whose hooks step.
+# An alias and its post-accumulate hook cost 6 us a name to make, so they are kept from call to
+# call (64 tiny MLPs: 1.07 -> 0.99 ms a step), but lent to one graph at a time: a call takes
+# the stack's alias, and its hook gives it back once the backward that freed its graph has
+# delivered the gradient. Shared by graphs of several threads, an alias's ``.grad`` was set to
+# None by one thread's hook while another's AccumulateGrad added to it (autograd raised
+# "Expected a proper Tensor but got None"). A call that finds the alias lent (a graph alive, a
+# graph retained, never pulled back, or run on another thread) makes one of its own, as does a
+# call with ``step_in_backward``, whose hooks step.
 #
 # NOTE [ Gradient buffers ]
 # After ``zero_grad()`` (``.grad = None``), the models' gradients of one name are views of one
@@ -95,6 +98,7 @@ from ._engines import (
     stacked_tensors,
 )
 from ._errors import ParsumError
+from ._function import _engine_keeps_graph
 from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
 from ._grouping import Batch, structure_key
@@ -195,8 +199,10 @@ class Stack(Sequence[nn.Module]):
         self._broken: str | None = None
         self._grad_buffers: dict[str, Tensor] = {}
         self._grad_views: dict[str, tuple[Tensor, ...]] = {}
-        # per trainable name, the leaf the batched forwards read (NOTE [ Lasting aliases ])
+        # Per trainable name, a leaf for the next batched forward to read, lent to one graph
+        # at a time, and the storage it views (NOTE [ Lasting aliases ]).
         self._aliases: dict[str, Tensor] = {}
+        self._generation = 0
         # Whether parameters() was called: only then do models run one by one gather their
         # gradients into the stacked ``.grad`` (``attach_at_backward``).
         self._stacked_grads_wanted = False
@@ -266,6 +272,7 @@ class Stack(Sequence[nn.Module]):
         self._grad_buffers.clear()
         self._grad_views.clear()
         self._aliases.clear()
+        self._generation += 1
         self._flat_blocks.clear()
         self._given.clear()
         self._record(infos)
@@ -350,6 +357,7 @@ class Stack(Sequence[nn.Module]):
                     del _stack_of[model]
             self.values = {}
             self._aliases.clear()
+            self._generation += 1
             self._broken = "they were unstacked"
 
     # -- the per-call check --------------------------------------------------------------
@@ -742,10 +750,12 @@ def stacked_sum(
             me = weakref.ref(stack)
             if step_in_backward is None:
                 for name in trainable:
-                    alias = stack._aliases.get(name)
-                    if alias is None:
-                        alias = stack._aliases[name] = values[name].detach().requires_grad_()
-                        alias.register_post_accumulate_grad_hook(_Deliver(me, name))
+                    alias = stack._aliases.pop(name, None)  # lent to this graph
+                    if alias is None:  # each is lent to another graph: one of its own
+                        alias = values[name].detach().requires_grad_()
+                        alias.register_post_accumulate_grad_hook(
+                            _Deliver(me, name, stack._generation)
+                        )
                         hooked += 1
                     tensors[name] = alias
             else:  # this call's own aliases: its hooks step the optimizer
@@ -833,17 +843,22 @@ def _attach(stack: weakref.ref[Stack]) -> None:
 class _Deliver:
     """An alias's post-accumulate hook: its gradient goes to the models' ``.grad``."""
 
-    __slots__ = ("name", "stack")
+    __slots__ = ("generation", "name", "stack")
 
-    def __init__(self, stack: weakref.ref[Stack], name: str) -> None:
-        self.stack, self.name = stack, name
+    def __init__(self, stack: weakref.ref[Stack], name: str, generation: int) -> None:
+        self.stack, self.name, self.generation = stack, name, generation
 
     def __call__(self, alias: Tensor) -> None:
         grad, alias.grad = alias.grad, None
         stack = self.stack()
-        if stack is not None and grad is not None:
-            with stack._lock:
-                stack._settle(self.name, grad)
+        if stack is None or grad is None:
+            return
+        with stack._lock:
+            stack._settle(self.name, grad)
+            # Its graph is freed as this backward ends: the alias can serve the next call,
+            # unless the storage changed since (NOTE [ Lasting aliases ]).
+            if not _engine_keeps_graph() and stack._generation == self.generation:
+                stack._aliases.setdefault(self.name, alias)
 
 
 class _Stepping:

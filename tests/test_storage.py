@@ -587,8 +587,8 @@ def test_concurrent_callers_on_one_stack():
     errors: list[BaseException] = []
 
     def work() -> None:
-        try:
-            for _ in range(20):
+        try:  # NOTE [ Lasting aliases ]: an alias shared by threads' graphs failed here
+            for _ in range(50):
                 parsum.sum_models(models, x).sum().backward()
         except BaseException as exc:
             errors.append(exc)
@@ -601,7 +601,7 @@ def test_concurrent_callers_on_one_stack():
     assert not errors and not any(t.is_alive() for t in threads)
     plain_sum(plain, x).sum().backward()
     for g, h in zip(param_grads(models), param_grads(plain)):
-        torch.testing.assert_close(g, 60 * h, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g, 150 * h, atol=1e-3, rtol=1e-4)
 
 
 def test_graphs_alive_together_each_give_their_gradient():
@@ -647,10 +647,15 @@ def test_repeated_calls_leave_nothing_behind():
     import gc
     import weakref
 
+    from torch.utils.hooks import RemovableHandle
+
     models, _, stack = stacked_and_plain()
     x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()
+    hooks = RemovableHandle.next_id
     for _ in range(5):
         parsum.sum_models(models, x).sum().backward()
+    assert RemovableHandle.next_id == hooks  # the aliases' hooks are kept (Lasting aliases)
     ref = weakref.ref(stack)
     del stack, models
     gc.collect()
