@@ -162,6 +162,10 @@ class ShareThreads:
     are done. The machinery of the hand split and the two-phase ceiling."""
 
     def __init__(self, threads: int) -> None:
+        # PyTorch gives a thread its intra-op count on its first parallel op, from the last
+        # count any thread set: the helpers' 1 would become the caller's for good if it had
+        # run none yet (8 CNNs' plain loop measured 100 ms a step there, against 56).
+        torch.get_num_threads()
         self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads - 1)]
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         for p, tasks in enumerate(self.tasks, 1):
