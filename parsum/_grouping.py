@@ -109,6 +109,20 @@ AUTO_STACK_MAX_STATE_ELEMENTS = 65_536
 AUTO_STACK_MIN_MODELS = 8
 AUTO_STACK_MIN_BATCHED = 4
 
+# NOTE [ Batched groups once features first ]
+# Groups that run as batched matmuls cost less since their layers run features first (NOTE
+# [ Features first ] in _engines): the gradients are no longer copied out of a transposed
+# layout. Measured again on 2 cores (interleaved, bench_stacking.py and single cases, stacked
+# on every call against auto's one by one in the calling thread): with 2 threads 1.1-1.8x for
+# models of 9K-301K parameters from 1.4M to 21.8M parameter-rows (85K parameters at batch 16:
+# 1.56x, where the copies in and out had cost 0.93-0.97x before), 0.96-1.07x at 26.8-87M, and
+# 0.42-0.52x for models of 1.1M parameters even at 4.5M (the stack copies 36 MB a call); with 1
+# thread 1.12-1.31x for 85K parameters up to 6.7M, 0.88-0.97x from 9.2M, 0.92x for 301K
+# parameters. Hence, where the budget leaves every model in the calling thread (at most
+# INTRA_OP_ONLY_BUDGET threads: stacking takes no worker's work away), such groups go by
+# AUTO_STACK_BATCHED_LIMITS. Larger budgets keep the limits above: unmeasured there.
+AUTO_STACK_BATCHED_LIMITS = {1: (131_072, 6_000_000), 2: (327_680, 24_000_000)}
+
 # NOTE [ Stacked storage sizes ]
 # Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
 # in and no gradient out, and running them one by one instead costs more than it costs models
@@ -176,7 +190,8 @@ def plan_units(
         members = [
             i
             for i in same_layout
-            if i in stackable and (not auto or _small_enough(model_params[i], batch, budget))
+            if i in stackable
+            and (not auto or _small_enough(model_params[i], batch, budget, _batched(models[i])))
         ]
         if len(members) < min_models:
             continue
@@ -206,6 +221,12 @@ def plan_units(
     return units
 
 
+def _batched(model: Any) -> bool:
+    """Whether a stacked group of such models runs as batched matmuls (NOTE [ Batched layers ]
+    in _engines)."""
+    return isinstance(model, nn.Module) and program_of(model) is not None
+
+
 def auto_min_group(batched: bool) -> int:
     """The fewest identical models engine="auto" stacks, ``batched`` if they run as batched
     matmuls, which pay from fewer than vmap (NOTE [ Stacked groups ])."""
@@ -218,15 +239,19 @@ def _group_param_rows(budget: int) -> int:
     return AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
 
 
-def _small_enough(mp: ModelParams, batch: Batch, budget: int | None) -> bool:
-    """Whether engine="auto" stacks this model (NOTE [ Stacked groups ])."""
+def _small_enough(mp: ModelParams, batch: Batch, budget: int | None, batched: bool) -> bool:
+    """Whether engine="auto" stacks this model, ``batched`` if it runs as batched matmuls
+    (NOTE [ Stacked groups ], NOTE [ Batched groups once features first ])."""
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
     if budget is None:
         budget = thread_budget()
+    max_params, max_rows = AUTO_STACK_MAX_PARAMS, _group_param_rows(budget)
+    if batched and budget in AUTO_STACK_BATCHED_LIMITS:
+        max_params, max_rows = AUTO_STACK_BATCHED_LIMITS[budget]
     return (
-        sum([t.numel() for t in mp.tensors]) <= AUTO_STACK_MAX_PARAMS
-        and _param_rows(mp, batch) <= _group_param_rows(budget)
+        sum([t.numel() for t in mp.tensors]) <= max_params
+        and _param_rows(mp, batch) <= max_rows
         and sum([t.numel() for t in mp.state]) <= AUTO_STACK_MAX_STATE_ELEMENTS
     )
 

@@ -109,7 +109,7 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
     # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
     cores(n_cores)
-    models = [mlp([256, 256]) for _ in range(8)]
+    models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
     x = torch.randn(64, IN)
     parsum.sum_models(models, x)
     chunks, workers = jobs_run[-1]

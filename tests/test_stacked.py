@@ -73,25 +73,47 @@ def test_auto_groups_only_many_small_models():
 
 
 def test_auto_groups_by_parameters_rows_and_budget():
-    # NOTE [ Stacked groups ]: at most 64K parameters a model, 4M parameter-rows on several
-    # threads, 2M on one.
+    # NOTE [ Stacked groups ], NOTE [ Batched groups once features first ]: batched matmuls at
+    # most 128K parameters a model and 6M parameter-rows on one thread, 320K and 24M on two;
+    # on larger budgets 64K and 4M.
     medium = [mlp([128, 128]) for _ in range(8)]  # 17.8K parameters
-    assert sum(p.numel() for p in medium[0].parameters()) < 20_000
+    assert 17_000 < sum(p.numel() for p in medium[0].parameters()) < 18_000
     every = [tuple(range(8))]
-    for rows, budget, stacked in [
-        (64, 1, True),
-        (128, 1, False),
-        (128, 2, True),
-        (1024, 16, False),
-    ]:
+
+    def stacked(models, rows, budget):
         x = torch.randn(rows, IN)
-        units = plan_units(
-            medium, [ModelParams.of(m) for m in medium], "auto", Batch.of([x]), None, budget
-        )
-        assert [u.models for u in units if u.engine == "stacked"] == (every if stacked else [])
-    wide = [mlp([256, 256]) for _ in range(8)]  # 68K parameters: stacked copies cost at any batch
-    units = plan_units(wide, [ModelParams.of(m) for m in wide], "auto", Batch(4), None, 2)
-    assert all(u.engine == "autograd" for u in units)
+        found = [ModelParams.of(m) for m in models]
+        units = plan_units(models, found, "auto", Batch.of([x]), None, budget)
+        grouped = [u.models for u in units if u.engine == "stacked"]
+        assert grouped in (every, [])
+        return grouped == every
+
+    for rows, budget, expected in [
+        (256, 1, True),  # 4.6M parameter-rows
+        (512, 1, False),  # 9.1M
+        (1024, 2, True),  # 18.2M
+        (2048, 2, False),  # 36.4M
+        (128, 16, True),  # 2.3M
+        (256, 16, False),
+    ]:
+        assert stacked(medium, rows, budget) == expected, (rows, budget)
+    wide = [mlp([256, 256]) for _ in range(8)]  # 68K parameters
+    assert stacked(wide, 4, 2) and stacked(wide, 4, 1) and not stacked(wide, 4, 16)
+    huge = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M: its copy in costs at any batch
+    assert not stacked(huge, 4, 2)
+    # Through vmap (not a Sequential), 64K parameters and 4M parameter-rows on any budget of
+    # several threads.
+    wrapped = [Wrapped(mlp([128, 128])) for _ in range(8)]
+    assert stacked(wrapped, 128, 2) and not stacked(wrapped, 256, 2)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
