@@ -191,7 +191,7 @@ def plan_units(
             i
             for i in same_layout
             if i in stackable
-            and (not auto or _small_enough(model_params[i], batch, budget, _batched(models[i])))
+            and (not auto or _small_enough(models[i], model_params[i], batch, budget))
         ]
         if len(members) < min_models:
             continue
@@ -201,9 +201,7 @@ def plan_units(
                 groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
-        first = models[members[0]]
-        batched = isinstance(first, nn.Module) and program_of(first) is not None
-        if len(members) < (auto_min_group(batched) if auto else min_models):
+        if len(members) < (auto_min_group(_batched(models[members[0]])) if auto else min_models):
             continue
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -239,15 +237,15 @@ def _group_param_rows(budget: int) -> int:
     return AUTO_STACK_MAX_PARAM_ROWS if budget > 1 else AUTO_STACK_MAX_PARAM_ROWS_ONE_THREAD
 
 
-def _small_enough(mp: ModelParams, batch: Batch, budget: int | None, batched: bool) -> bool:
-    """Whether engine="auto" stacks this model, ``batched`` if it runs as batched matmuls
-    (NOTE [ Stacked groups ], NOTE [ Batched groups once features first ])."""
+def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None) -> bool:
+    """Whether engine="auto" stacks this model (NOTE [ Stacked groups ], NOTE [ Batched groups
+    once features first ])."""
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
     if budget is None:
         budget = thread_budget()
     max_params, max_rows = AUTO_STACK_MAX_PARAMS, _group_param_rows(budget)
-    if batched and budget in AUTO_STACK_BATCHED_LIMITS:
+    if budget in AUTO_STACK_BATCHED_LIMITS and _batched(model):
         max_params, max_rows = AUTO_STACK_BATCHED_LIMITS[budget]
     return (
         sum([t.numel() for t in mp.tensors]) <= max_params

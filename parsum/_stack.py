@@ -200,9 +200,8 @@ class Stack(Sequence[nn.Module]):
         self._grad_buffers: dict[str, Tensor] = {}
         self._grad_views: dict[str, tuple[Tensor, ...]] = {}
         # Per trainable name, a leaf for the next batched forward to read, lent to one graph
-        # at a time, and the storage it views (NOTE [ Lasting aliases ]).
+        # at a time (NOTE [ Lasting aliases ]).
         self._aliases: dict[str, Tensor] = {}
-        self._generation = 0
         # Whether parameters() was called: only then do models run one by one gather their
         # gradients into the stacked ``.grad`` (``attach_at_backward``).
         self._stacked_grads_wanted = False
@@ -272,7 +271,6 @@ class Stack(Sequence[nn.Module]):
         self._grad_buffers.clear()
         self._grad_views.clear()
         self._aliases.clear()
-        self._generation += 1
         self._flat_blocks.clear()
         self._given.clear()
         self._record(infos)
@@ -357,7 +355,6 @@ class Stack(Sequence[nn.Module]):
                     del _stack_of[model]
             self.values = {}
             self._aliases.clear()
-            self._generation += 1
             self._broken = "they were unstacked"
 
     # -- the per-call check --------------------------------------------------------------
@@ -753,9 +750,7 @@ def stacked_sum(
                     alias = stack._aliases.pop(name, None)  # lent to this graph
                     if alias is None:  # each is lent to another graph: one of its own
                         alias = values[name].detach().requires_grad_()
-                        alias.register_post_accumulate_grad_hook(
-                            _Deliver(me, name, stack._generation)
-                        )
+                        alias.register_post_accumulate_grad_hook(_Deliver(me, name))
                         hooked += 1
                     tensors[name] = alias
             else:  # this call's own aliases: its hooks step the optimizer
@@ -843,10 +838,10 @@ def _attach(stack: weakref.ref[Stack]) -> None:
 class _Deliver:
     """An alias's post-accumulate hook: its gradient goes to the models' ``.grad``."""
 
-    __slots__ = ("generation", "name", "stack")
+    __slots__ = ("name", "stack")
 
-    def __init__(self, stack: weakref.ref[Stack], name: str, generation: int) -> None:
-        self.stack, self.name, self.generation = stack, name, generation
+    def __init__(self, stack: weakref.ref[Stack], name: str) -> None:
+        self.stack, self.name = stack, name
 
     def __call__(self, alias: Tensor) -> None:
         grad, alias.grad = alias.grad, None
@@ -856,8 +851,14 @@ class _Deliver:
         with stack._lock:
             stack._settle(self.name, grad)
             # Its graph is freed as this backward ends: the alias can serve the next call,
-            # unless the storage changed since (NOTE [ Lasting aliases ]).
-            if not _engine_keeps_graph() and stack._generation == self.generation:
+            # unless the stack has other storage since (the alias keeps its own alive, so no
+            # new storage can start where it does: NOTE [ Lasting aliases ]).
+            values = stack.values.get(self.name)
+            if (
+                not _engine_keeps_graph()
+                and values is not None
+                and values.data_ptr() == alias.data_ptr()
+            ):
                 stack._aliases.setdefault(self.name, alias)
 
 

@@ -605,8 +605,8 @@ def test_concurrent_callers_on_one_stack():
 
 
 def test_graphs_alive_together_each_give_their_gradient():
-    # NOTE [ Lasting aliases ]: every call's graph reads the same leaf; each backward hands
-    # its own gradient to the models, in whatever order the graphs are pulled back.
+    # NOTE [ Lasting aliases ]: graphs alive together each read a leaf of their own; each
+    # backward hands its own gradient to the models, in whatever order they are pulled back.
     models, plain, _ = stacked_and_plain()
     xs = [torch.randn(8, IN) for _ in range(3)]
     losses = [parsum.sum_models(models, x).pow(2).sum() for x in xs]
@@ -616,6 +616,26 @@ def test_graphs_alive_together_each_give_their_gradient():
     losses[1].backward()
     for x, times in zip(xs, (1, 1, 2)):
         (times * plain_sum(plain, x).pow(2).sum()).backward()
+    assert_grads_close(models, plain, atol=1e-5)
+
+
+def test_a_graph_pulled_back_after_a_restack_lends_no_stale_alias():
+    # NOTE [ Lasting aliases ]: a graph made before the models were stacked again gives its
+    # alias back only if it still views the stack's storage; the next call must read the new.
+    models, plain, _ = stacked_and_plain()
+    x = torch.randn(8, IN)
+    before = parsum.sum_models(models, x).pow(2).sum()
+    with torch.no_grad():
+        for m, q in zip(models, plain):
+            m[0].weight.data = m[0].weight.data + 1  # new storage: the next call restacks
+            q[0].weight.add_(1)
+    after = parsum.sum_models(models, x).pow(2).sum()
+    before.backward()  # its graph read the old storage: first back
+    after.backward()
+    for m in models:
+        m.zero_grad()
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(plain, x).pow(2).sum().backward()
     assert_grads_close(models, plain, atol=1e-5)
 
 
