@@ -20,10 +20,11 @@ from ._function import ParallelSum, SumPlan, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
-    INTRA_OP_ONLY_BUDGET,
     Batch,
     auto_min_group,
     chunks_of,
+    costliest_first,
+    intra_op_only,
     plan_units,
     storage_stack_limit,
     useful_workers,
@@ -217,16 +218,17 @@ def _general_sum(
     chosen = engine == "auto" and _config.n_jobs_is_default(n_jobs)
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
-    one_chunk = chosen and chunk_size is None and (budget <= INTRA_OP_ONLY_BUDGET or on_device)
-    max_chunks = 1 if one_chunk else None
-    key = (engine, batch, chunk_size, max_chunks, chosen, budget, vmap_failure_count())
+    key = (engine, batch, chunk_size, chosen, budget, on_device, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
+        one_chunk = (
+            chosen and chunk_size is None and (on_device or intra_op_only(found, batch, budget))
+        )
         units = plan_units(models, found, engine, batch, chunk_size, budget)
-        chunks = chunks_of(units, found, batch, chunk_size, max_chunks)
+        chunks = chunks_of(units, found, batch, chunk_size, 1 if one_chunk else None)
         workers = useful_workers(found, batch) if chosen else n_workers
-        derived = Derived(units, chunks, workers)
+        derived = Derived(units, chunks, workers, costliest_first(units, chunks, found, batch))
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
@@ -245,6 +247,7 @@ def _general_sum(
         engine=engine,
         units=units,
         chunks=chunks,
+        claim_order=derived.order,
         n_workers=n_workers,
         forward_workers=1 if walk.forward_in_order else n_workers,
         step_in_backward=step_in_backward,

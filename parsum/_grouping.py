@@ -49,8 +49,15 @@ whether threads pay.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
 #   in the calling thread as one chunk with the whole budget, as the plain loop does. Measured
 #   on the 2-core machines, the plain loop with its 2 intra-op threads was as fast as or faster
-#   than the same models split by hand over 2 threads on every workload (tiny and medium MLPs,
-#   CNNs, wide MLPs: hand split / plain 0.59-1.02x), so no worker split can beat it there.
+#   than the same models split by hand over 2 threads on MLPs of every size (tiny, medium,
+#   wide: hand split / plain 0.54-1.00x), so no worker split can beat it there. Convolutions
+#   are the exception: their kernels split worse over intra-op threads than models side by
+#   side, so where models with convolutions do most of the work (by the estimate below), a
+#   budget of 2 goes to workers too. Measured on 2 cores, the default before and after (with
+#   NOTE [ Costliest chunks first ]), 8 CNNs on 28x28 images of widths 8-24: 56.8 -> 54.0 ms a
+#   step at batch 64 (alternating processes, 3 each; the plain loop 58.8, two balanced shares
+#   by hand 53-55), 17.0 -> 15.7 at batch 16; widths 4-6: 23.7 -> 22.8; widths 32-96: 294 ->
+#   285; 8 of width 16 on 56x56 images at batch 32: 106.0 -> 106.3.
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -148,6 +155,8 @@ MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
 # kernel work over Python overhead the models run in the calling thread.
 INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
+# NOTE [ Costliest chunks first ]: from this share of kernel work over Python overhead.
+ORDER_MIN_KERNEL_SHARE = 10
 
 
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
@@ -272,9 +281,30 @@ class Batch(NamedTuple):
 
 def useful_workers(model_params: Sequence[ModelParams], batch: Batch) -> int:
     """The most workers that pay for these models: 1 + C / O (NOTE [ Threads that pay ])."""
-    kernels = sum(_param_rows(mp, batch) for mp in model_params)
-    share = kernels / (MODEL_OVERHEAD_PARAM_ROWS * len(model_params))
+    share = _kernel_share(model_params, batch)
     return 1 if share < MIN_KERNEL_SHARE else math.ceil(1 + share)
+
+
+def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:
+    """C / O: the models' kernel work over their Python overhead, as estimated from shapes."""
+    kernels = sum(_param_rows(mp, batch) for mp in model_params)
+    overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
+    return kernels / overhead if overhead else math.inf
+
+
+def intra_op_only(model_params: Sequence[ModelParams], batch: Batch, budget: int) -> bool:
+    """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
+    in the calling thread: a budget of at most INTRA_OP_ONLY_BUDGET, unless convolutions do
+    most of the work (NOTE [ Threads that pay ])."""
+    if budget <= 1:
+        return True
+    if budget > INTRA_OP_ONLY_BUDGET:
+        return False
+    convolutional = [bool(_conv_positions(mp, batch)) for mp in model_params]
+    if not any(convolutional):
+        return True
+    costs = [_param_rows(mp, batch) for mp in model_params]
+    return 2 * sum(c for c, conv in zip(costs, convolutional) if conv) < sum(costs)
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
@@ -347,6 +377,38 @@ def cost_chunks(
         chunks[c : c + 1] = [range(chunk.start, cut), range(cut, chunk.stop)]
         chunk_costs[c : c + 1] = [sum(costs[chunk.start : cut]), sum(costs[cut : chunk.stop])]
     return chunks
+
+
+# NOTE [ Costliest chunks first ]
+# Threads claim chunks as they finish their last one. Claimed in chunk order, the costliest
+# chunk may come last and run alone at the end: 8 small CNNs of widths 8-24 (the widest last)
+# on 2 threads gave one thread 36 ms of forwards and the other 25 (a balanced split: 29 and 32),
+# and parsum at n_jobs=2 took 60 ms a step against 53 for the two-phase ceiling over two
+# balanced shares (benchmarks' TwoPhase). Where the models' kernels outweigh their Python
+# overhead at least ORDER_MIN_KERNEL_SHARE times (the estimate of NOTE [ Threads that pay ]),
+# the threads claim the chunks costliest first (the longest-processing-time rule). Measured
+# at n_jobs=2 on 2 cores, the two orders interleaved in one process: those CNNs 59.1 -> 53.4
+# ms a step at batch 64 (kernel share 63), 17.0 -> 16.0 at batch 16 (16), 244 -> 228 at batch
+# 256. Below it the GIL serializes most of the work, and chunk order measured faster: 16 MLPs
+# of widths 128-512 6.40 -> 6.60 ms at batch 64 (share 2.2; 6.77 with only the chunks of twice
+# the mean cost first), 8.57 -> 8.71 at 128 (4.4), 15.15 -> 15.26 at 256 (8.9). Which thread
+# runs a chunk changes no bits: results are combined in chunk order, a chunk that finishes
+# before those in front of it waiting for them (at most one partial sum per chunk).
+
+
+def costliest_first(
+    units: Sequence[Unit],
+    chunks: Sequence[range],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+) -> tuple[int, ...] | None:
+    """The order threads claim the chunks in: costliest first (ties in chunk order) where
+    kernels dominate, else None, chunk order (NOTE [ Costliest chunks first ])."""
+    if _kernel_share(model_params, batch) < ORDER_MIN_KERNEL_SHARE:
+        return None
+    costs = [estimated_cost(mp, batch) for mp in model_params]
+    totals = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
+    return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
 
 
 def _param_rows(

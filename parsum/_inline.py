@@ -326,7 +326,13 @@ class CallerGraphSum(torch.autograd.Function):
                         for k in range(n_chunks):
                             pull_back_chunks(k, (k,))
             else:  # NOTE [ The caller's graph on several threads ]
-                _pool.run_ordered(lambda k: pull_back_chunks(k, (k,)), n_chunks, workers, _ignore)
+                _pool.run_ordered(
+                    lambda k: pull_back_chunks(k, (k,)),
+                    n_chunks,
+                    workers,
+                    _ignore,
+                    plan.claim_order,
+                )
         except BaseException as exc:
             for alias in (a for mine in aliases or () for a in mine):
                 alias.grad = None  # what a model that ran accumulated

@@ -64,6 +64,7 @@ class Derived(NamedTuple):
     units: list[Unit]
     chunks: list[range]
     workers: int  # the workers that pay, where parsum chooses them
+    order: tuple[int, ...] | None  # the order threads claim the chunks in (costliest_first)
 
 
 class _Watched(NamedTuple):

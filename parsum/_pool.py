@@ -54,7 +54,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +162,8 @@ class ThreadState:
 
 
 class _Job:
-    """One call's chunks: claimed in order by any thread, results consumed in order."""
+    """One call's chunks: claimed by any thread in ``order`` (default: chunk order), results
+    consumed in chunk order."""
 
     def __init__(
         self,
@@ -171,8 +172,10 @@ class _Job:
         consume: Callable[[int, Any], None],
         state: ThreadState,
         intra_threads: int,
+        order: Sequence[int] | None = None,
     ) -> None:
         self.task: Callable[[int], Any] | None = task
+        self.order = order
         self.consume: Callable[[int, Any], None] | None = consume
         self.n_tasks = n_tasks
         self.state = state
@@ -189,21 +192,34 @@ class _Job:
 
     def _claim(self) -> int | None:
         with self._lock:
-            if self._stopped() or self._next_claim >= self.n_tasks:
+            if self.task is None or self._cancelled:
                 return None
-            k = self._next_claim
-            self._next_claim += 1
-            self._running += 1
-            return k
+            while self._next_claim < self.n_tasks:
+                at = self._next_claim
+                self._next_claim += 1
+                k = at if self.order is None else self.order[at]
+                # After a failure only the chunks before it start: the smallest failing chunk
+                # is then the one a run on one thread would meet first.
+                if self.failures and k > min(self.failures):
+                    continue
+                self._running += 1
+                return k
+            return None
 
     def _release(self) -> None:
         with self._lock:
             self._running -= 1
-            if self._running == 0 and (self._stopped() or self._next_claim >= self.n_tasks):
+            if self._running == 0 and self._nothing_to_claim():
                 self.done.set()
 
-    def _stopped(self) -> bool:
-        return self.task is None or self._cancelled or bool(self.failures)
+    def _nothing_to_claim(self) -> bool:
+        if self.task is None or self._cancelled:
+            return True
+        rest = range(self._next_claim, self.n_tasks)
+        if not self.failures:
+            return not rest
+        first = min(self.failures)
+        return all((at if self.order is None else self.order[at]) > first for at in rest)
 
     def cancel(self) -> None:
         """Start no chunk any more; ``done`` is set once the running ones have finished."""
@@ -346,20 +362,24 @@ def run_ordered(
     n_tasks: int,
     n_workers: int,
     consume: Callable[[int, Any], None],
+    order: Sequence[int] | None = None,
 ) -> None:
-    """Run ``task(k)`` for every chunk ``k`` on up to ``n_workers`` threads (caller included).
+    """Run ``task(k)`` for every chunk ``k`` on up to ``n_workers`` threads (caller included),
+    the threads claiming the chunks in ``order`` (a permutation of them; default 0, 1, ...;
+    NOTE [ Costliest chunks first ]).
 
     ``consume(k, result)`` is called once per chunk in the order k = 0, 1, ..., never two at
-    once. If a task or a consume raises, no new chunk starts, the chunks already running finish,
-    and the exception of the smallest failing chunk is raised in the caller. See NOTE [ Caller
-    runs, no deadlock ] and NOTE [ Thread control ].
+    once. If a task or a consume raises, only the chunks before it may still start, the chunks
+    already running finish, and the exception of the smallest failing chunk is raised in the
+    caller. See NOTE [ Caller runs, no deadlock ] and NOTE [ Thread control ].
     """
     threads = threads_for(n_tasks, n_workers)
     with as_one_task(n_tasks) as intra_threads:
         if threads <= 1:  # one thread (or nested): no job, no locks, no state to hand over
             _run_here(task, n_tasks, consume)
             return
-        _run_job(_Job(task, n_tasks, consume, ThreadState.capture(), intra_threads), threads)
+        state = ThreadState.capture()
+        _run_job(_Job(task, n_tasks, consume, state, intra_threads, order), threads)
 
 
 @contextlib.contextmanager

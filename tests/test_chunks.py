@@ -9,7 +9,7 @@ import parsum
 from parsum import _grouping, _pool
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
-from tests.zoo import IN, mlp, param_grads
+from tests.zoo import IN, OUT, mlp, param_grads
 
 
 def units_of(n):
@@ -96,9 +96,9 @@ def jobs_run(monkeypatch):
     seen = []
     run_ordered = _pool.run_ordered
 
-    def spy(task, n_tasks, n_workers, consume):
+    def spy(task, n_tasks, n_workers, consume, order=None):
         seen.append((n_tasks, n_workers))
-        run_ordered(task, n_tasks, n_workers, consume)
+        run_ordered(task, n_tasks, n_workers, consume, order)
 
     monkeypatch.setattr(_pool, "run_ordered", spy)
     return seen
@@ -119,6 +119,47 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
         assert chunks == len(models) and 1 < workers <= n_cores
     parsum.sum_models(models, x, n_jobs=2)  # an explicit n_jobs: chunks as always
     assert jobs_run[-1] == (len(models), 2)
+
+
+def small_cnn(channels):
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, channels, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(2 * channels * 8 * 8, OUT),
+    )
+
+
+def wide_mlp():
+    return torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(256, 8192), torch.nn.Linear(8192, OUT)
+    )
+
+
+@pytest.mark.parametrize("n_cores", [1, 2])
+@pytest.mark.parametrize("mlps", [0, 4])
+def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
+    cores, n_cores, mlps, jobs_run
+):
+    # NOTE [ Threads that pay ]: their kernels split worse over intra-op threads.
+    cores(n_cores)
+    models = [small_cnn(c) for c in (8, 12, 16, 24)]
+    models += [wide_mlp() for _ in range(mlps)]
+    x = torch.randn(16, 1, 16, 16)
+    mps = [ModelParams.of(m) for m in models]
+    conv_work = sum(_grouping._param_rows(mp, Batch.of([x])) for mp in mps[:4])
+    all_work = sum(_grouping._param_rows(mp, Batch.of([x])) for mp in mps)
+    assert (2 * conv_work > all_work) == (mlps == 0)
+    y = parsum.sum_models(models, x)
+    if n_cores == 2 and mlps == 0:
+        assert jobs_run[-1] == (len(models), 2)
+    else:
+        assert jobs_run[-1][0] == 1  # one chunk, on the intra-op threads
+    y.sum().backward()
+    expected = torch.stack([m(x) for m in models]).double().sum(0)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def useful_workers_of(models, x):
@@ -186,3 +227,80 @@ def test_the_default_runs_device_models_in_the_calling_thread(cores, jobs_run):
         y = parsum.sum_models(models, torch.empty(64, IN, device="meta"))
     assert y.device.type == "meta"
     assert jobs_run[-1] == (1, 1)
+
+
+# NOTE [ Costliest chunks first ]
+
+
+def test_threads_claim_the_costliest_chunks_first(monkeypatch):
+    orders = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume, order=None):
+        orders.append(order)
+        run_ordered(task, n_tasks, n_workers, consume, order)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    monkeypatch.setattr(_grouping, "ORDER_MIN_KERNEL_SHARE", 0)
+    widths = [8, 300, 64, 300, 16]  # one chunk each; the two widest tie
+    models = [mlp([w, w]) for w in widths]
+    x = torch.randn(32, IN)
+    y = parsum.sum_models(models, x, engine="autograd", n_jobs=2)
+    y.sum().backward()
+    assert orders == [(1, 3, 2, 4, 0)] * 2  # forward, then backward
+    mps = [ModelParams.of(m) for m in models]
+    costs = [estimated_cost(mp, Batch.of([x])) for mp in mps]
+    assert costs[1] == costs[3] > costs[2] > costs[4] > costs[0]
+
+
+@pytest.mark.parametrize("batch, costliest_first", [(8, False), (2048, True)])
+def test_chunks_are_claimed_costliest_first_only_where_kernels_dominate(batch, costliest_first):
+    # Where the models' Python overhead weighs, claiming in chunk order measured faster.
+    models = [mlp([w, w]) for w in (64, 512, 128)]
+    mps = [ModelParams.of(m) for m in models]
+    b = Batch.of([torch.randn(batch, IN)])
+    units = units_of(3)
+    chunks = [range(u, u + 1) for u in range(3)]
+    order = _grouping.costliest_first(units, chunks, mps, b)
+    share = _grouping._kernel_share(mps, b)
+    assert (share >= _grouping.ORDER_MIN_KERNEL_SHARE) == costliest_first
+    assert order == ((1, 2, 0) if costliest_first else None)
+
+
+def run_job(n_tasks, order, failing=()):
+    """A job's chunks run by one thread: the chunks it ran, those consumed, its failure."""
+    ran, consumed = [], []
+
+    def task(k):
+        ran.append(k)
+        if k in failing:
+            raise RuntimeError(f"chunk {k}")
+        return k
+
+    job = _pool._Job(task, n_tasks, lambda k, r: consumed.append((k, r)), None, 1, order)
+    job.work()
+    assert job.done.is_set()
+    return ran, consumed, job.close()
+
+
+def test_a_job_claims_in_its_order_and_consumes_in_chunk_order():
+    ran, consumed, failure = run_job(5, (3, 0, 4, 1, 2))
+    assert ran == [3, 0, 4, 1, 2]
+    assert consumed == [(k, k) for k in range(5)]
+    assert failure is None
+
+
+@pytest.mark.parametrize(
+    "order, failing, ran",
+    [
+        ((0, 1, 2, 3), {1, 3}, [0, 1]),  # in order: nothing starts after a failure
+        ((3, 2, 1, 0), {1, 3}, [3, 2, 1, 0]),  # the chunks before a failure still run
+        ((3, 1, 2, 0), {1, 3}, [3, 1, 0]),  # ... and only those: 2 comes after chunk 1
+    ],
+)
+def test_after_a_failure_only_the_chunks_before_it_start(order, failing, ran):
+    # The smallest failing chunk is raised: the one a run in chunk order meets first.
+    got, consumed, failure = run_job(4, order, failing)
+    assert got == ran
+    assert str(failure) == "chunk 1"
+    assert all(k < 1 for k, _ in consumed)
