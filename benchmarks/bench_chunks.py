@@ -4,8 +4,9 @@ parsum cuts the models into at most 16 chunks, consecutive in model order; the c
 fix the order of additions, so they never depend on n_jobs (NOTE [ Chunks ] in
 parsum/_grouping.py). By default a chunk holds about a sixteenth of the estimated cost
 (parameters x batch rows, plus a per-model overhead); ``chunk_size=ceil(M/16)`` gives chunks
-of equal counts instead. With P workers claiming chunks in order, a chunk much costlier than
-the others decides the time when P is close to the number of chunks.
+of equal counts instead. With P workers claiming chunks in order (costliest first where the
+kernels dominate: NOTE [ Costliest chunks first ]), a chunk much costlier than the others
+decides the time when P is close to the number of chunks.
 
     cost chunks    parsum.sum_models(models, x, n_jobs=P, engine="autograd")
     count chunks   the same with chunk_size=ceil(M/16)

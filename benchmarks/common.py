@@ -317,21 +317,25 @@ Key = TypeVar("Key", bound=Hashable)
 
 
 def interleaved(
-    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3
+    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3, settle: int = 0
 ) -> dict[Key, float]:
     """Median seconds per call of each method (see ``interleaved_rounds``)."""
-    times = interleaved_rounds(methods, rounds, warmup)
+    times = interleaved_rounds(methods, rounds, warmup, settle)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def interleaved_rounds(
-    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3
+    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3, settle: int = 0
 ) -> dict[Key, list[float]]:
     """Seconds of each call of each method, the methods run in turn, round by round, so
     that drift of the machine affects them alike. The order is shuffled every round (seeded):
     in a fixed order a method's time depended on which method ran before it (the same parsum
     call measured 0.91x and 0.75x the plain loop in two orders), and a fixed order charges
-    that to the same method in every round."""
+    that to the same method in every round. With ``settle``, each method's turn first makes
+    that many calls untimed, so that the timed call runs as it does in a loop of its own: the
+    first call after another method pays for what that one left behind (libgomp's threads
+    spinning for milliseconds after the plain loop's last parallel region, taking a core from
+    the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0 second)."""
     for fn in methods.values():
         for _ in range(warmup):
             fn()
@@ -342,6 +346,8 @@ def interleaved_rounds(
         shuffle(order)
         for name in order:
             fn = methods[name]
+            for _ in range(settle):
+                fn()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
