@@ -127,8 +127,36 @@ def test_first_failing_model_is_reported():
             parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=1)
 
 
+class WideBoom(nn.Module):
+    """Costlier by the estimate than the other models here: claimed first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, 300)
+
+    def forward(self, x):
+        raise ValueError("wide boom in forward")
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, 3])
+def test_first_failing_model_is_reported_when_the_costliest_start_first(monkeypatch, n_jobs):
+    # NOTE [ Costliest chunks first ]: the wide ones are claimed (and fail) first; the chunks
+    # before them still run, so model 1 is named, as a run in model order names it.
+    monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
+    models = [mlp([3]), Boom(), mlp([3]), WideBoom(), WideBoom()]
+    x = torch.randn(2, IN)
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\)"):
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+    models[1] = mlp([3])
+    with pytest.raises(parsum.ParsumError, match=r"model 3 \(WideBoom\)"):
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+
+
+@pytest.mark.parametrize("costliest_first", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_model_raising_in_backward_changes_no_grad(n_jobs):
+def test_model_raising_in_backward_changes_no_grad(monkeypatch, n_jobs, costliest_first):
+    if costliest_first:  # NOTE [ Costliest chunks first ]
+        monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
     models = zoo()
     models.insert(5, BoomBackward())
     x = torch.randn(2, IN, requires_grad=True)

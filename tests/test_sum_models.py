@@ -379,7 +379,12 @@ def test_autocast_is_reentered_in_workers():
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, 3])
 @pytest.mark.parametrize("weights", [None, "tensor"])
-def test_bitwise_identical_for_any_n_jobs(engine, chunk_size, weights):
+@pytest.mark.parametrize("costliest_first", [False, True])
+def test_bitwise_identical_for_any_n_jobs(
+    monkeypatch, engine, chunk_size, weights, costliest_first
+):
+    if costliest_first:  # the threads claim chunks out of order (NOTE [ Costliest chunks first ])
+        monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
     results = []
     for n_jobs in (1, 2, 3, 4):
         models = zoo(seed=3)  # 7 models: an odd count
