@@ -58,6 +58,15 @@ whether threads pay.
 #   step at batch 64 (alternating processes, 3 each; the plain loop 58.8, two balanced shares
 #   by hand 53-55), 17.0 -> 15.7 at batch 16; widths 4-6: 23.7 -> 22.8; widths 32-96: 294 ->
 #   285; 8 of width 16 on 56x56 images at batch 32: 106.0 -> 106.3.
+#   MLPs whose kernel share C / O (below) lies in MIXED_KERNEL_SHARES go to workers too: their
+#   kernels are large enough to overlap the other thread's Python, too small for intra-op
+#   threads to split them well. Measured in blocks of 12 steps, 2 workers against one chunk on 2
+#   intra-op threads, 16 MLPs of widths 128-512: 5.15 against 4.80 ms a step at batch 32 (share
+#   1.1), 6.19 / 6.61 at 64 (2.2), 8.60 / 9.39 at 128 (4.4), 15.19 / 15.04 at 256 (8.9); 24
+#   MLPs of widths 32-64 and 8 of 512-768: 9.39 / 9.57 at batch 64 (2.0), 14.06 / 13.97 at 128
+#   (3.9), 24.4 / 24.8 at 256 (7.9). The default before and after, alternating processes (3
+#   each): the first 6.48 -> 6.10 ms at batch 64, 9.29 -> 8.45 at 128; the second 9.70 -> 9.88
+#   at 64, 14.72 -> 14.45 at 128.
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -157,6 +166,8 @@ INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
 # NOTE [ Costliest chunks first ]: from this share of kernel work over Python overhead.
 ORDER_MIN_KERNEL_SHARE = 10
+# NOTE [ Threads that pay ]: kernel shares at which a budget of 2 goes to workers.
+MIXED_KERNEL_SHARES = (2.0, 6.0)
 
 
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
@@ -294,11 +305,15 @@ def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:
 
 def intra_op_only(model_params: Sequence[ModelParams], batch: Batch, budget: int) -> bool:
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
-    in the calling thread: a budget of at most INTRA_OP_ONLY_BUDGET, unless convolutions do
-    most of the work (NOTE [ Threads that pay ])."""
+    in the calling thread: a budget of at most INTRA_OP_ONLY_BUDGET, unless the kernel share
+    lies in MIXED_KERNEL_SHARES or convolutions do most of the work (NOTE [ Threads that
+    pay ])."""
     if budget <= 1:
         return True
     if budget > INTRA_OP_ONLY_BUDGET:
+        return False
+    low, high = MIXED_KERNEL_SHARES
+    if low <= _kernel_share(model_params, batch) < high:
         return False
     convolutional = [bool(_conv_positions(mp, batch)) for mp in model_params]
     if not any(convolutional):

@@ -121,6 +121,20 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     assert jobs_run[-1] == (len(models), 2)
 
 
+@pytest.mark.parametrize("batch, workers", [(64, False), (128, True), (512, False)])
+def test_a_budget_of_2_goes_to_workers_at_middling_kernel_shares(cores, batch, workers, jobs_run):
+    # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python,
+    # too small for intra-op threads to split well.
+    cores(2)
+    models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
+    x = torch.randn(batch, IN)
+    share = _grouping._kernel_share([ModelParams.of(m) for m in models], Batch.of([x]))
+    low, high = _grouping.MIXED_KERNEL_SHARES
+    assert (low <= share < high) == workers
+    parsum.sum_models(models, x)
+    assert jobs_run[-1] == ((len(models), 2) if workers else (1, 2))
+
+
 def small_cnn(channels):
     return torch.nn.Sequential(
         torch.nn.Conv2d(1, channels, 3, padding=1),
