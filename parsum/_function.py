@@ -832,9 +832,11 @@ class _Backward:
                 # in 16 calls, 9.0 ms in one. The results are consumed chunk by chunk, in
                 # order, so the sums and bits are unchanged.
                 self.one_call = _pool.threads_for(len(plan.chunks), workers) <= 1
-                _pool.run_ordered(
-                    self.chunk, len(plan.chunks), workers, self.consume, plan.claim_order
-                )
+                # With optimizer steps in the pullbacks, chunk order: after a failure the
+                # chunks before it still start (NOTE [ Costliest chunks first ]), and their
+                # steps would change parameters the failed call then names.
+                order = plan.claim_order if plan.step_in_backward is None else None
+                _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order)
                 for slot, acc in self.shared_totals.items():
                     if flat is not None and slot in flat:
                         flat.write([(slot, acc.result())])

@@ -408,7 +408,10 @@ def cost_chunks(
 # of widths 128-512 6.40 -> 6.60 ms at batch 64 (share 2.2; 6.77 with only the chunks of twice
 # the mean cost first), 8.57 -> 8.71 at 128 (4.4), 15.15 -> 15.26 at 256 (8.9). Which thread
 # runs a chunk changes no bits: results are combined in chunk order, a chunk that finishes
-# before those in front of it waiting for them (at most one partial sum per chunk).
+# before those in front of it waiting for them (at most one partial sum per chunk). After a
+# failure the chunks before it still start, so that the failure named is the first in chunk
+# order; what they wrote is undone with the rest, except optimizer steps, so a backward with
+# step_in_backward keeps chunk order.
 
 
 def costliest_first(

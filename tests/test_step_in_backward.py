@@ -181,6 +181,26 @@ def test_failed_pullback_names_the_models_already_stepped():
     assert all(p.grad is None for p in trainable(models))
 
 
+def test_steps_run_in_chunk_order_when_the_costliest_would_start_first(monkeypatch):
+    # NOTE [ Costliest chunks first ]: after a failure the chunks before it still start; with
+    # steps in the pullbacks that would change more parameters, so their backward keeps chunk
+    # order (its forward, which steps nothing, does not).
+    monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
+    orders = []
+    run_ordered = parsum._pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume, order=None):
+        orders.append(order)
+        run_ordered(task, n_tasks, n_workers, consume, order)
+
+    monkeypatch.setattr(parsum._pool, "run_ordered", spy)
+    models = [mlp([4]), mlp([64]), mlp([16])]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2, chunk_size=1)
+    y.sum().backward()
+    assert orders == [(1, 2, 0), None]
+
+
 def test_failing_step_is_named():
     models = [mlp([8]), mlp([4])]
 
