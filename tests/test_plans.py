@@ -92,7 +92,10 @@ def test_a_change_between_calls_is_noticed(change, n_jobs):
     assert [g is None for g in grads] == [g is None for g in ref_grads]
     for a, b in zip(grads, ref_grads):
         if a is not None:
-            torch.testing.assert_close(a, b)
+            # Loading weights + 1 makes gradients of ~40 whose float32 rounding (both sums are
+            # within a few ulps of float64) exceeds the default atol; a change not noticed
+            # would differ by far more than this scaled tolerance.
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * (1 + b.abs().max().item()))
     if change == "tensor attribute":
         torch.testing.assert_close(models[8].scale.grad, ref[8].scale.grad)
 
