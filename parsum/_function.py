@@ -331,7 +331,12 @@ def run_forward(
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
-    return _Forward([t.result() for t in totals], pullbacks, outputs)
+    # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
+    # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
+    # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
+    with _pool.as_one_task(len(plan.chunks)):
+        leaves = [t.result() for t in totals]
+    return _Forward(leaves, pullbacks, outputs)
 
 
 def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> None:
@@ -837,11 +842,13 @@ class _Backward:
                 # steps would change parameters the failed call then names.
                 order = plan.claim_order if plan.step_in_backward is None else None
                 _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order)
-                for slot, acc in self.shared_totals.items():
-                    if flat is not None and slot in flat:
-                        flat.write([(slot, acc.result())])
-                    else:
-                        self.param_grads[slot] = acc.result()
+                # NOTE [ Spinning intra-op threads ] in _pool
+                with _pool.as_one_task(len(plan.chunks)):
+                    for slot, acc in self.shared_totals.items():
+                        if flat is not None and slot in flat:
+                            flat.write([(slot, acc.result())])
+                        else:
+                            self.param_grads[slot] = acc.result()
         except BaseException as exc:
             if flat is not None:
                 flat.rollback()
@@ -864,12 +871,13 @@ class _Backward:
         arguments', the weights', the parameters'."""
         ctx, plan = self.ctx, self.plan
         n_arg_grads = len(ctx.call.grad_positions)
-        arg_results = iter(
-            [
-                self.arg_totals[j].result() if j in self.arg_totals else None
-                for j in range(n_arg_grads)
-            ]
-        )
+        with _pool.as_one_task(len(plan.chunks)):  # NOTE [ Spinning intra-op threads ]
+            arg_results = iter(
+                [
+                    self.arg_totals[j].result() if j in self.arg_totals else None
+                    for j in range(n_arg_grads)
+                ]
+            )
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]
         if plan.has_weight_tensor:

@@ -361,7 +361,8 @@ class CallerGraphSum(torch.autograd.Function):
                 error = edges = None
         arg_grads: list[Tensor | None] = [None] * n_args
         if aliases is not None:
-            arg_grads = _argument_gradients(plan, aliases, captured, n_args)
+            with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
+                arg_grads = _argument_gradients(plan, aliases, captured, n_args)
             if not keep_graph:
                 state.aliases = None
         return (None, None, None, *arg_grads, *weight_part, *param_grads)

@@ -121,6 +121,30 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     assert jobs_run[-1] == (len(models), 2)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_final_sums_run_under_the_tasks_intra_op_threads(cores, monkeypatch, shared):
+    # NOTE [ Spinning intra-op threads ]: a sum on the caller's 2 threads between jobs left
+    # OpenMP's threads spinning on the core the next job's helper needed.
+    cores(2)
+    threads_seen = []
+    result = parsum._summation.CompensatedAccumulator.result
+
+    def spy(self):
+        threads_seen.append(torch.get_num_threads())
+        return result(self)
+
+    monkeypatch.setattr(parsum._summation.CompensatedAccumulator, "result", spy)
+    models = [mlp([256 + i, 256]) for i in range(8)]
+    if shared:  # a module twice: ParallelSum, which sums the shared gradients itself
+        models.append(models[0])
+    x = torch.randn(64, IN, requires_grad=True)
+    parsum.sum_models(models, x, n_jobs=2).pow(2).sum().backward()
+    # the outputs, the argument's gradient, and the shared parameters' gradients
+    assert len(threads_seen) >= (2 + 2 * shared)
+    assert threads_seen == [1] * len(threads_seen)
+    assert torch.get_num_threads() == 2  # the caller's, restored
+
+
 @pytest.mark.parametrize("batch, workers", [(64, False), (128, True), (512, False)])
 def test_a_budget_of_2_goes_to_workers_at_middling_kernel_shares(cores, batch, workers, jobs_run):
     # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python,
