@@ -218,17 +218,22 @@ def _general_sum(
     chosen = engine == "auto" and _config.n_jobs_is_default(n_jobs)
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
-    key = (engine, batch, chunk_size, chosen, budget, on_device, vmap_failure_count())
+    stepping = step_in_backward is not None
+    key = (engine, batch, chunk_size, chosen, budget, on_device, stepping, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
-        one_chunk = (
-            chosen and chunk_size is None and (on_device or intra_op_only(found, batch, budget))
-        )
         units = plan_units(models, found, engine, batch, chunk_size, budget)
-        chunks = chunks_of(units, found, batch, chunk_size, 1 if one_chunk else None)
+        chunks = chunks_of(units, found, batch, chunk_size)
+        order = costliest_first(units, chunks, found, batch)
+        if (
+            chosen
+            and chunk_size is None
+            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
+        ):
+            chunks, order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch) if chosen else n_workers
-        derived = Derived(units, chunks, workers, costliest_first(units, chunks, found, batch))
+        derived = Derived(units, chunks, workers, order)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:

@@ -47,26 +47,31 @@ whether threads pay.
 # [ Thread budget ] in _pool) is spent: on intra-op threads inside each model's kernels, or on
 # workers that run different models side by side.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
-#   in the calling thread as one chunk with the whole budget, as the plain loop does. Measured
-#   on the 2-core machines, the plain loop with its 2 intra-op threads was as fast as or faster
-#   than the same models split by hand over 2 threads on MLPs of every size (tiny, medium,
-#   wide: hand split / plain 0.54-1.00x), so no worker split can beat it there. Convolutions
-#   are the exception: their kernels split worse over intra-op threads than models side by
-#   side, so where models with convolutions do most of the work (by the estimate below), a
-#   budget of 2 goes to workers too. Measured on 2 cores, the default before and after (with
-#   NOTE [ Costliest chunks first ]), 8 CNNs on 28x28 images of widths 8-24: 56.8 -> 54.0 ms a
-#   step at batch 64 (alternating processes, 3 each; the plain loop 58.8, two balanced shares
-#   by hand 53-55), 17.0 -> 15.7 at batch 16; widths 4-6: 23.7 -> 22.8; widths 32-96: 294 ->
-#   285; 8 of width 16 on 56x56 images at batch 32: 106.0 -> 106.3.
-#   MLPs whose kernel share C / O (below) lies in MIXED_KERNEL_SHARES go to workers too: their
-#   kernels are large enough to overlap the other thread's Python, too small for intra-op
-#   threads to split them well. Measured in blocks of 12 steps, 2 workers against one chunk on 2
-#   intra-op threads, 16 MLPs of widths 128-512: 5.15 against 4.80 ms a step at batch 32 (share
-#   1.1), 6.19 / 6.61 at 64 (2.2), 8.60 / 9.39 at 128 (4.4), 15.19 / 15.04 at 256 (8.9); 24
-#   MLPs of widths 32-64 and 8 of 512-768: 9.39 / 9.57 at batch 64 (2.0), 14.06 / 13.97 at 128
-#   (3.9), 24.4 / 24.8 at 256 (7.9). The default before and after, alternating processes (3
-#   each): the first 6.48 -> 6.10 ms at batch 64, 9.29 -> 8.45 at 128; the second 9.70 -> 9.88
-#   at 64, 14.72 -> 14.45 at 128.
+#   in the calling thread as one chunk with the whole budget, as the plain loop does, unless
+#   the optimizer steps in the backward (step_in_backward) and the models' kernels pay for
+#   workers. The optimizer decides it: an ordinary step between calls runs on the caller's
+#   intra-op threads, whose OpenMP threads then spin for about 9 ms on the cores (NOTE
+#   [ Spinning intra-op threads ] in _pool), and the next call's helper shares a core with one.
+#   Measured on 2 cores in blocks of 12 steps, 2 workers against one chunk on 2 intra-op
+#   threads, with an Adam step over all parameters after each: 16 MLPs of widths 128-512 at
+#   batch 256 33.4-35.6 against 30.6-31.0 ms, at batch 64 17.0-17.2 against 14.0-16.3 (the
+#   plain loop 29.4-30.3 and 13.0-15.3); 8 CNNs of widths 8-24 at batch 64 47.2-49.8 against
+#   45.0-47.4 (3 runs of 4), 4 MLPs of width 1024 at batch 512 104.7 against 106.1. Without
+#   an optimizer, 2 workers won (1.10-1.12x one chunk for the medium MLPs at batch 64 and 256,
+#   1.02-1.13x for wider ones, 8 CNNs about 1.05x), which is what the default measured before,
+#   with workers for MLPs of kernel shares 2 to 6 and for CNNs. With step_in_backward each
+#   model's step runs in its worker on one intra-op thread: one Adam per model, 2 workers 29.2
+#   and 13.0 ms against one chunk's 31.6 and 14.9 for the medium MLPs (the plain loop with
+#   one Adam step 29.4 and 13.0). There, 2 workers take models whose kernel share C / O (below)
+#   is at least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too much: 5.15 against
+#   4.80 ms a step for the medium MLPs at batch 32, share 1.1) or where models with
+#   convolutions do most of the work (by the estimate below: their kernels split worse over
+#   intra-op threads), and only where the chunks, claimed in their order by whichever worker
+#   is free, would finish within MAX_IMBALANCE of an even split by estimated cost: two large
+#   models and a small one left a worker idle (3 MLPs of widths 512, 512 and 512 with one
+#   layer fewer, batch 256: 2 workers 0.94x one chunk, estimated 1.08 of even; 24 MLPs of
+#   widths 32-64 and 8 of 512-768 at batch 128, 1.12 of even: 0.94x; 3 of widths 256-2048:
+#   0.58-0.64x).
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -166,8 +171,10 @@ INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
 # NOTE [ Costliest chunks first ]: from this share of kernel work over Python overhead.
 ORDER_MIN_KERNEL_SHARE = 10
-# NOTE [ Threads that pay ]: kernel shares at which a budget of 2 goes to workers.
-MIXED_KERNEL_SHARES = (2.0, 6.0)
+# NOTE [ Threads that pay ]: with step_in_backward, from this kernel share a budget of 2 goes
+# to workers, where the chunks split over them within MAX_IMBALANCE of evenly.
+WORKERS_MIN_KERNEL_SHARE = 2.0
+MAX_IMBALANCE = 1.05
 
 
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
@@ -303,23 +310,52 @@ def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:
     return kernels / overhead if overhead else math.inf
 
 
-def intra_op_only(model_params: Sequence[ModelParams], batch: Batch, budget: int) -> bool:
+def intra_op_only(
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    budget: int,
+    units: Sequence[Unit],
+    chunks: Sequence[range],
+    order: Sequence[int] | None,
+    stepping: bool,
+) -> bool:
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
-    in the calling thread: a budget of at most INTRA_OP_ONLY_BUDGET, unless the kernel share
-    lies in MIXED_KERNEL_SHARES or convolutions do most of the work (NOTE [ Threads that
-    pay ])."""
+    in the calling thread rather than ``chunks`` (claimed in ``order``) on workers: a budget
+    of at most INTRA_OP_ONLY_BUDGET, unless the optimizer steps in the backward (``stepping``)
+    and the kernel share is at least WORKERS_MIN_KERNEL_SHARE or convolutions do most of the
+    work, and the chunks split evenly over the budget's workers (NOTE [ Threads that pay ])."""
     if budget <= 1:
         return True
     if budget > INTRA_OP_ONLY_BUDGET:
         return False
-    low, high = MIXED_KERNEL_SHARES
-    if low <= _kernel_share(model_params, batch) < high:
+    if not stepping or not _split_evenly(units, chunks, order, model_params, batch, budget):
+        return True
+    if _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE:
         return False
     convolutional = [bool(_conv_positions(mp, batch)) for mp in model_params]
     if not any(convolutional):
         return True
     costs = [_param_rows(mp, batch) for mp in model_params]
     return 2 * sum(c for c, conv in zip(costs, convolutional) if conv) < sum(costs)
+
+
+def _split_evenly(
+    units: Sequence[Unit],
+    chunks: Sequence[range],
+    order: Sequence[int] | None,
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    workers: int,
+) -> bool:
+    """Whether ``workers`` threads claiming the chunks in ``order`` (each the next one as soon
+    as it is free) would finish within MAX_IMBALANCE of an even split, by estimated cost."""
+    costs = [estimated_cost(mp, batch) for mp in model_params]
+    chunk_costs = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
+    busy_until = [0] * workers
+    for k in order if order is not None else range(len(chunks)):
+        free = busy_until.index(min(busy_until))
+        busy_until[free] += chunk_costs[k]
+    return max(busy_until) <= MAX_IMBALANCE * sum(chunk_costs) / workers
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:

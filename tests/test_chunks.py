@@ -145,17 +145,42 @@ def test_the_final_sums_run_under_the_tasks_intra_op_threads(cores, monkeypatch,
     assert torch.get_num_threads() == 2  # the caller's, restored
 
 
-@pytest.mark.parametrize("batch, workers", [(64, False), (128, True), (512, False)])
-def test_a_budget_of_2_goes_to_workers_at_middling_kernel_shares(cores, batch, workers, jobs_run):
+def stepping(models):
+    """A StepInBackward that changes nothing (a learning rate of 0)."""
+    return parsum.StepInBackward(models, torch.optim.SGD, lr=0.0)
+
+
+@pytest.mark.parametrize("batch, workers", [(64, False), (128, True), (512, True)])
+def test_a_budget_of_2_goes_to_workers_from_a_kernel_share_with_steps_in_backward(
+    cores, batch, workers, jobs_run
+):
     # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python,
-    # too small for intra-op threads to split well.
+    # and no optimizer step on the caller's intra-op threads between calls.
     cores(2)
     models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
     x = torch.randn(batch, IN)
     share = _grouping._kernel_share([ModelParams.of(m) for m in models], Batch.of([x]))
-    low, high = _grouping.MIXED_KERNEL_SHARES
-    assert (low <= share < high) == workers
-    parsum.sum_models(models, x)
+    assert (share >= _grouping.WORKERS_MIN_KERNEL_SHARE) == workers
+    parsum.sum_models(models, x, step_in_backward=stepping(models))
+    assert jobs_run[-1] == ((len(models), 2) if workers else (1, 2))
+    parsum.sum_models(models, x)  # an ordinary optimizer's step would spin OpenMP's threads
+    assert jobs_run[-1] == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "widths, workers", [((512, 512, 512, 512), True), ((512, 512, 256), False)]
+)
+def test_a_budget_of_2_goes_to_workers_only_where_the_chunks_split_evenly(
+    cores, widths, workers, jobs_run
+):
+    # NOTE [ Threads that pay ]: two large models and a small one leave one worker idle for
+    # half the step; four alike keep both busy.
+    cores(2)
+    models = [mlp([w, w]) for w in widths]
+    x = torch.randn(256, IN)
+    mps = [ModelParams.of(m) for m in models]
+    assert _grouping._kernel_share(mps, Batch.of([x])) >= _grouping.WORKERS_MIN_KERNEL_SHARE
+    parsum.sum_models(models, x, step_in_backward=stepping(models))
     assert jobs_run[-1] == ((len(models), 2) if workers else (1, 2))
 
 
@@ -178,19 +203,22 @@ def wide_mlp():
 
 @pytest.mark.parametrize("n_cores", [1, 2])
 @pytest.mark.parametrize("mlps", [0, 4])
-def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
+def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work_with_steps(
     cores, n_cores, mlps, jobs_run
 ):
     # NOTE [ Threads that pay ]: their kernels split worse over intra-op threads.
     cores(n_cores)
-    models = [small_cnn(c) for c in (8, 12, 16, 24)]
+    models = [small_cnn(c) for c in (12, 16, 16, 12)]  # split evenly in chunk order
     models += [wide_mlp() for _ in range(mlps)]
-    x = torch.randn(16, 1, 16, 16)
+    x = torch.randn(2, 1, 16, 16)  # a kernel share below WORKERS_MIN_KERNEL_SHARE
     mps = [ModelParams.of(m) for m in models]
+    assert _grouping._kernel_share(mps, Batch.of([x])) < _grouping.WORKERS_MIN_KERNEL_SHARE
     conv_work = sum(_grouping._param_rows(mp, Batch.of([x])) for mp in mps[:4])
     all_work = sum(_grouping._param_rows(mp, Batch.of([x])) for mp in mps)
     assert (2 * conv_work > all_work) == (mlps == 0)
-    y = parsum.sum_models(models, x)
+    parsum.sum_models(models, x)  # without steps in backward: one chunk
+    assert jobs_run[-1][0] == 1
+    y = parsum.sum_models(models, x, step_in_backward=stepping(models))
     if n_cores == 2 and mlps == 0:
         assert jobs_run[-1] == (len(models), 2)
     else:
