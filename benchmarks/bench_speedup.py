@@ -13,6 +13,10 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  one by one) and parsum+adam sib (one Adam per model in a StepInBackward,
                  stepped as one over the stack); parsum no stack_ runs twins of the models
                  left in their own storage, which auto batches anew on every call
+  plain+adam     for models of several architectures, training steps with Adam on twins of
+                 the models: the plain loop then one Adam over every parameter, parsum+adam
+                 parsum's default then the same, parsum+adam sib one Adam per model in a
+                 StepInBackward (the step in the backward's workers)
   hand-split P   the ceiling: the models split by hand over P threads in shares of about
                  equal estimated cost (common.balanced_split), each running the plain loop on
                  its share with 1 intra-op thread, no reduction
@@ -57,6 +61,7 @@ from common import (
     parsum_adam_step,
     parsum_sib_step,
     parsum_step,
+    plain_adam_step,
     plain_step,
     synchronized,
     vmap_step,
@@ -109,6 +114,19 @@ def methods_for(
         # Without stack_: auto batches the group on every call (NOTE [ Stacked groups ]).
         loose = [m.to(device) for m in workload(name, batch).models]
         methods["parsum no stack_"] = lambda: parsum_step(loose, x)
+    else:
+        # Training steps with Adam, on twins of the models (the same weights): the optimizer's
+        # parallel ops on the caller's threads come before the next call, as in a user's loop.
+        twins = [[m.to(device) for m in workload(name, batch).models] for _ in range(3)]
+        adam_steps = {
+            "plain+adam": plain_adam_step(twins[0]),
+            "parsum+adam": parsum_adam_step(
+                twins[1], [p for m in twins[1] for p in m.parameters()], shared=False
+            ),
+            "parsum+adam sib": parsum_sib_step(twins[2]),
+        }
+        for key, fn in adam_steps.items():
+            methods[key] = lambda fn=fn: fn(x)
     methods["parsum default"] = lambda: parsum_step(models, x)
     for p in jobs:
         if p > 1 and device == "cpu":
@@ -173,6 +191,13 @@ def report(name: str, description: str, medians: dict[str, float], jobs: list[in
         print(
             f"  with an Adam step, against vmap+adam: parsum+adam {vmap_adam / stacked:.2f}x, "
             f"parsum+adam own {vmap_adam / own:.2f}x, parsum+adam sib {vmap_adam / fused:.2f}x"
+        )
+    if "plain+adam" in medians:
+        plain_adam = medians["plain+adam"]
+        print(
+            f"  with an Adam step, against plain+adam: parsum+adam "
+            f"{plain_adam / medians['parsum+adam']:.2f}x, parsum+adam sib "
+            f"{plain_adam / medians['parsum+adam sib']:.2f}x"
         )
     return {"workload": name, "description": description, "seconds": medians}
 

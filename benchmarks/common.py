@@ -279,6 +279,19 @@ def vmap_step(models: list[nn.Module], adam: bool = False) -> Callable[[torch.Te
     return step
 
 
+def plain_adam_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
+    """The plain loop then one ``torch.optim.Adam`` step over every model's parameters (its
+    ``zero_grad()`` first): a training step as users write it."""
+    optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-3)
+
+    def step(x: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+        optimizer.step()
+
+    return step
+
+
 def parsum_adam_step(
     models: list[nn.Module], parameters: list[torch.Tensor], shared: bool
 ) -> Callable[[torch.Tensor], None]:
