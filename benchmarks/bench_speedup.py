@@ -30,14 +30,16 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  of this process (a step: their time over 10)
 
 Every method takes its turn once per round, interleaved, after a warm-up, and in its turn
-makes --settle untimed calls (default 1) before the timed one, so that the time is that of a
-loop of its own rather than of a first call after another method (common.interleaved_rounds);
+makes --settle untimed calls (default 1), and more until --settle-ms (default 20) have passed,
+before the timed one, so that the time is that of a loop of its own rather than of a first call
+after another method, whose OpenMP threads may still spin (common.interleaved_rounds);
 the tables give medians over the rounds and ratios measured in this one process (absolute
 times drift on shared machines). A JSON file and a PNG (speedup over plain-1t against workers,
 one line per method) are written.
 
     python benchmarks/bench_speedup.py [--jobs 1,2] [--procs 1,2] [--workloads all]
-        [--rounds 20] [--settle 1] [--json speedup.json] [--png speedup.png] [--device cuda]
+        [--rounds 20] [--settle 1] [--settle-ms 20] [--json speedup.json] [--png speedup.png]
+        [--device cuda]
 
 With ``--device cuda`` the models and the batch live on the GPU, every method synchronizes
 the device after its step, the medium workload also runs at batch 4096, and the hand split
@@ -254,6 +256,12 @@ def main() -> None:
         default=1,
         help="untimed calls in each method's turn before its timed one (common.interleaved_rounds)",
     )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=20.0,
+        help="and untimed calls until this long has passed in the turn (common.interleaved_rounds)",
+    )
     parser.add_argument("--json", default="speedup.json")
     parser.add_argument("--png", default="speedup.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw --png from saved results")
@@ -276,13 +284,16 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {cores} usable cores ({os.cpu_count()} in the machine), "
         f"{torch.get_num_threads()} intra-op threads by default; medians of {args.rounds} "
-        f"interleaved rounds, each method's timed call after {args.settle} untimed in its turn"
+        f"interleaved rounds, each method's timed call after {args.settle} untimed in its turn "
+        f"and at least {args.settle_ms:g} ms of them"
     )
     procs = tuple(int(p) for p in args.procs.split(",") if p)
     results = []
     for name, batch in cases:
         description, methods = methods_for(name, batch, jobs, args.device)
-        medians = interleaved(methods, args.rounds, settle=args.settle)
+        medians = interleaved(
+            methods, args.rounds, settle=args.settle, settle_seconds=args.settle_ms / 1e3
+        )
         if procs and args.device == "cpu":
             medians.update(time_processes(name, batch, procs, args.rounds))
         results.append(report(name, description, medians, jobs))

@@ -330,15 +330,23 @@ Key = TypeVar("Key", bound=Hashable)
 
 
 def interleaved(
-    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3, settle: int = 0
+    methods: dict[Key, Callable[[], None]],
+    rounds: int,
+    warmup: int = 3,
+    settle: int = 0,
+    settle_seconds: float = 0.0,
 ) -> dict[Key, float]:
     """Median seconds per call of each method (see ``interleaved_rounds``)."""
-    times = interleaved_rounds(methods, rounds, warmup, settle)
+    times = interleaved_rounds(methods, rounds, warmup, settle, settle_seconds)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def interleaved_rounds(
-    methods: dict[Key, Callable[[], None]], rounds: int, warmup: int = 3, settle: int = 0
+    methods: dict[Key, Callable[[], None]],
+    rounds: int,
+    warmup: int = 3,
+    settle: int = 0,
+    settle_seconds: float = 0.0,
 ) -> dict[Key, list[float]]:
     """Seconds of each call of each method, the methods run in turn, round by round, so
     that drift of the machine affects them alike. The order is shuffled every round (seeded):
@@ -348,7 +356,11 @@ def interleaved_rounds(
     that many calls untimed, so that the timed call runs as it does in a loop of its own: the
     first call after another method pays for what that one left behind (libgomp's threads
     spinning for milliseconds after the plain loop's last parallel region, taking a core from
-    the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0 second)."""
+    the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0 second).
+    With ``settle_seconds``, the untimed calls go on until that long has passed in the turn:
+    libgomp's threads spin for about 9 ms (NOTE [ Spinning intra-op threads ] in parsum's
+    _pool), longer than one call of 1 ms steps (64 identical tiny MLPs, parsum in stack_ with
+    one settling call: 0.71x vmap in a full run, 0.94-0.95x in blocks of 30 calls)."""
     for fn in methods.values():
         for _ in range(warmup):
             fn()
@@ -359,7 +371,10 @@ def interleaved_rounds(
         shuffle(order)
         for name in order:
             fn = methods[name]
+            turn = time.perf_counter()
             for _ in range(settle):
+                fn()
+            while time.perf_counter() - turn < settle_seconds:
                 fn()
             start = time.perf_counter()
             fn()
