@@ -48,30 +48,28 @@ whether threads pay.
 # workers that run different models side by side.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
 #   in the calling thread as one chunk with the whole budget, as the plain loop does, unless
-#   the optimizer steps in the backward (step_in_backward) and the models' kernels pay for
-#   workers. The optimizer decides it: an ordinary step between calls runs on the caller's
-#   intra-op threads, whose OpenMP threads then spin for about 9 ms on the cores (NOTE
-#   [ Spinning intra-op threads ] in _pool), and the next call's helper shares a core with one.
-#   Measured on 2 cores in blocks of 12 steps, 2 workers against one chunk on 2 intra-op
-#   threads, with an Adam step over all parameters after each: 16 MLPs of widths 128-512 at
-#   batch 256 33.4-35.6 against 30.6-31.0 ms, at batch 64 17.0-17.2 against 14.0-16.3 (the
-#   plain loop 29.4-30.3 and 13.0-15.3); 8 CNNs of widths 8-24 at batch 64 47.2-49.8 against
-#   45.0-47.4 (3 runs of 4), 4 MLPs of width 1024 at batch 512 104.7 against 106.1. Without
-#   an optimizer, 2 workers won (1.10-1.12x one chunk for the medium MLPs at batch 64 and 256,
-#   1.02-1.13x for wider ones, 8 CNNs about 1.05x), which is what the default measured before,
-#   with workers for MLPs of kernel shares 2 to 6 and for CNNs. With step_in_backward each
-#   model's step runs in its worker on one intra-op thread: one Adam per model, 2 workers 29.2
-#   and 13.0 ms against one chunk's 31.6 and 14.9 for the medium MLPs (the plain loop with
-#   one Adam step 29.4 and 13.0). There, 2 workers take models whose kernel share C / O (below)
-#   is at least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too much: 5.15 against
-#   4.80 ms a step for the medium MLPs at batch 32, share 1.1) or where models with
-#   convolutions do most of the work (by the estimate below: their kernels split worse over
-#   intra-op threads), and only where the chunks, claimed in their order by whichever worker
-#   is free, would finish within MAX_IMBALANCE of an even split by estimated cost: two large
-#   models and a small one left a worker idle (3 MLPs of widths 512, 512 and 512 with one
-#   layer fewer, batch 256: 2 workers 0.94x one chunk, estimated 1.08 of even; 24 MLPs of
-#   widths 32-64 and 8 of 512-768 at batch 128, 1.12 of even: 0.94x; 3 of widths 256-2048:
-#   0.58-0.64x).
+#   their chunks split evenly over 2 workers and the workers pay with the optimizer the user
+#   runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
+#   whose OpenMP threads then spin for about 9 ms on the cores (NOTE [ Spinning intra-op
+#   threads ] in _pool): the next call's helper shares a core with one. Measured on 2 cores,
+#   interleaved (20 ms of untimed steps before each timed one), a step with torch.optim.Adam
+#   (its default, per-tensor form on the CPU) after each call, against the plain loop with
+#   the same: 16 MLPs of widths 128-512 at batch 64, one chunk 0.95x, 2 workers 0.86x; at
+#   batch 256, 0.97x and 0.94x; 8 CNNs of widths 8-24 at batch 64, 0.96-0.99x and 1.01-1.02x
+#   (three runs). Without an optimizer 2 workers won on all of them (the MLPs 1.10-1.12x one
+#   chunk), which is what the default measured before (MLPs of kernel shares 2 to 6 and CNNs
+#   on workers). With step_in_backward each model's step runs in its worker on one intra-op
+#   thread, and the workers win with it: 1.05x, 1.07x and 1.04-1.07x the plain loop with Adam.
+#   So 2 workers take models where those with convolutions do most of the work (by the
+#   estimate below: their kernels split worse over intra-op threads, enough to pay for the
+#   spinning), and, with step_in_backward, models whose kernel share C / O (below) is at
+#   least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too much: 5.15 against 4.80 ms
+#   a step for the medium MLPs at batch 32, share 1.1). Either only where the chunks, claimed
+#   in their order by whichever worker is free, would finish within MAX_IMBALANCE of an even
+#   split by estimated cost: two large models and a small one left a worker idle (3 MLPs of
+#   widths 512, 512 and 512 with one layer fewer, batch 256: 2 workers 0.94x one chunk,
+#   estimated 1.08 of even; 24 MLPs of widths 32-64 and 8 of 512-768 at batch 128, 1.12 of
+#   even: 0.94x; 3 of widths 256-2048: 0.58-0.64x).
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -321,22 +319,22 @@ def intra_op_only(
 ) -> bool:
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
     in the calling thread rather than ``chunks`` (claimed in ``order``) on workers: a budget
-    of at most INTRA_OP_ONLY_BUDGET, unless the optimizer steps in the backward (``stepping``)
-    and the kernel share is at least WORKERS_MIN_KERNEL_SHARE or convolutions do most of the
-    work, and the chunks split evenly over the budget's workers (NOTE [ Threads that pay ])."""
+    of at most INTRA_OP_ONLY_BUDGET, unless the chunks split evenly over the budget's workers
+    and convolutions do most of the work or, with the optimizer stepping in the backward
+    (``stepping``), the kernel share is at least WORKERS_MIN_KERNEL_SHARE (NOTE [ Threads that
+    pay ])."""
     if budget <= 1:
         return True
     if budget > INTRA_OP_ONLY_BUDGET:
         return False
-    if not stepping or not _split_evenly(units, chunks, order, model_params, batch, budget):
+    if not _split_evenly(units, chunks, order, model_params, batch, budget):
         return True
-    if _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE:
-        return False
     convolutional = [bool(_conv_positions(mp, batch)) for mp in model_params]
-    if not any(convolutional):
-        return True
-    costs = [_param_rows(mp, batch) for mp in model_params]
-    return 2 * sum(c for c, conv in zip(costs, convolutional) if conv) < sum(costs)
+    if any(convolutional):
+        costs = [_param_rows(mp, batch) for mp in model_params]
+        if 2 * sum(c for c, conv in zip(costs, convolutional) if conv) >= sum(costs):
+            return False
+    return not (stepping and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
 
 
 def _split_evenly(
