@@ -108,6 +108,7 @@ def test_bench_speedup_with_processes(tmp_path):
         str(tmp_path / "s.png"),
     )
     assert "procs 2" in out and "best processes" in out
+    assert "with an Adam step, against plain+adam: parsum+adam" in out
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
