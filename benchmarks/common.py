@@ -358,7 +358,7 @@ def interleaved_rounds(
     spinning for milliseconds after the plain loop's last parallel region, taking a core from
     the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0 second).
     With ``settle_seconds``, the untimed calls go on until that long has passed in the turn:
-    libgomp's threads spin for about 9 ms (NOTE [ Spinning intra-op threads ] in parsum's
+    libgomp's threads spin for 5-9 ms (NOTE [ Spinning intra-op threads ] in parsum's
     _pool), longer than one call of 1 ms steps (64 identical tiny MLPs, parsum in stack_ with
     one settling call: 0.71x vmap in a full run, 0.94-0.95x in blocks of 30 calls)."""
     for fn in methods.values():

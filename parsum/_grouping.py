@@ -50,7 +50,7 @@ whether threads pay.
 #   in the calling thread as one chunk with the whole budget, as the plain loop does, unless
 #   their chunks split evenly over 2 workers and the workers pay with the optimizer the user
 #   runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
-#   whose OpenMP threads then spin for about 9 ms on the cores (NOTE [ Spinning intra-op
+#   whose OpenMP threads then spin for 5-9 ms on the cores (NOTE [ Spinning intra-op
 #   threads ] in _pool): the next call's helper shares a core with one. Measured on 2 cores,
 #   interleaved (20 ms of untimed steps before each timed one), a step with torch.optim.Adam
 #   (its default, per-tensor form on the CPU) after each call, against the plain loop with
