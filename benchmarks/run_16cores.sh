@@ -9,6 +9,11 @@
 #                                           # main example
 #   bash benchmarks/run_16cores.sh alloc    # page faults from glibc's heap trimming, with and
 #                                           # without parsum imported (bench_allocator.py)
+#   bash benchmarks/run_16cores.sh first    # for a session with 15 minutes of the machine: the
+#                                           # CUDA smoke test and tests (the caller's-graph paths
+#                                           # never ran on a GPU), then the medium MLPs over 1-16
+#                                           # workers with the Adam rows (does an optimizer step's
+#                                           # spinning OpenMP threads cost the workers there?)
 # Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
 # runs from this checkout through PYTHONPATH instead of being installed.
 set -uo pipefail
@@ -58,6 +63,23 @@ cpu)
     # With 12 rounds this ran out of its 460 s before the last workload on the lent machine.
     speedup 470 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 8
     timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
+    ;;
+first)
+    timeout 90 python -X faulthandler -c "
+import faulthandler, torch, parsum
+faulthandler.dump_traceback_later(60, exit=True)
+models = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+          .cuda() for _ in range(16)]
+for n_jobs in (None, 1, 2, 4):
+    parsum.sum_models(models, torch.randn(64, 8, device='cuda'), n_jobs=n_jobs).pow(2).mean().backward()
+    torch.cuda.synchronize()
+    print('backward returned, n_jobs', n_jobs)
+" > "$out/cuda-smoke.txt" 2>&1
+    timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
+        tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
+        -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
+    speedup 240 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
+        --rounds 10
     ;;
 alloc)
     (cd benchmarks && timeout 400 python bench_allocator.py --processes 3 \
