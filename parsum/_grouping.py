@@ -55,14 +55,14 @@ whether threads pay.
 #   interleaved (20 ms of untimed steps before each timed one), a step with torch.optim.Adam
 #   (its default, per-tensor form on the CPU) after each call, against the plain loop with
 #   the same: 16 MLPs of widths 128-512 at batch 64, one chunk 0.95x, 2 workers 0.86x; at
-#   batch 256, 0.97x and 0.94x; 8 CNNs of widths 8-24 at batch 64, 0.96-0.99x and 1.01-1.02x
-#   (three runs). Without an optimizer 2 workers won on all of them (the MLPs 1.10-1.12x one
+#   batch 256, 0.97x and 0.94x; 8 CNNs of widths 8-24 at batch 64, 0.96-0.99x and 0.92-1.05x
+#   (six runs: even). Without an optimizer 2 workers won on all of them (the MLPs 1.10-1.12x one
 #   chunk), which is what the default measured before (MLPs of kernel shares 2 to 6 and CNNs
 #   on workers). With step_in_backward each model's step runs in its worker on one intra-op
 #   thread, and the workers win with it: 1.05x, 1.07x and 1.04-1.07x the plain loop with Adam.
 #   So 2 workers take models where those with convolutions do most of the work (by the
-#   estimate below: their kernels split worse over intra-op threads, enough to pay for the
-#   spinning), and, with step_in_backward, models whose kernel share C / O (below) is at
+#   estimate below: their kernels split worse over intra-op threads, about enough to pay for
+#   the spinning), and, with step_in_backward, models whose kernel share C / O (below) is at
 #   least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too much: 5.15 against 4.80 ms
 #   a step for the medium MLPs at batch 32, share 1.1). Either only where the chunks, claimed
 #   in their order by whichever worker is free, would finish within MAX_IMBALANCE of an even
