@@ -38,17 +38,20 @@
 # unset, a call starts no helper thread.
 #
 # NOTE [ Spinning intra-op threads ]
-# After a parallel region, OpenMP's threads (libgomp's, in PyTorch's Linux wheels) spin for a
-# while before they sleep, each on a core. A helper woken then shares its core with a spinning
-# thread. Measured on 2 cores, 16 MLPs of widths 128-512 at batch 256 on 2 workers: the helper
-# started the backward's chunks 1.1-1.8 ms after they were submitted (0.05-0.1 ms otherwise)
-# and the backward took 16.5 ms instead of 13.2, as long as with OMP_WAIT_POLICY=passive. The
-# region was parsum's own: the chunk partials' wide reduction (16 x 256 x 10 elements, above
-# the intra-op grain), run on the caller's 2 threads between the forward and the backward.
-# parsum's own work between jobs (the final sums) therefore runs under the tasks' intra-op
-# threads, as the chunks did. A parallel op of the caller's right before a call (an optimizer
-# step on the caller's threads) delays the helpers the same way; OMP_WAIT_POLICY=passive, set
-# before torch is imported, ends the spinning, at a cost to every parallel op.
+# After a parallel region, OpenMP's threads (libgomp's, in PyTorch's Linux wheels) spin before
+# they sleep, each on a core: 5-9 ms here (their CPU time while the caller slept). A helper
+# woken then shares its core with a spinning thread. Measured on 2 cores, 16 MLPs of widths
+# 128-512 at batch 256 on 2 workers: the helper started the backward's chunks 1.1-1.8 ms after
+# they were submitted (0.05-0.1 ms otherwise), and the backward took 16.5 ms against the 13.2
+# it took with OMP_WAIT_POLICY=passive or in chunks of 2 models. The region was parsum's own:
+# the chunk partials' wide reduction (16 x 256 x 10 elements, above the intra-op grain), run
+# on the caller's 2 threads between the forward and the backward. parsum's own work between
+# jobs (the final sums) therefore runs under the tasks' intra-op threads, as the chunks did.
+# A parallel op of the caller's right before a call (an optimizer step on the caller's
+# threads) delays the helpers the same way, which is why a budget of 2 keeps MLPs off workers
+# unless the optimizer steps in the backward (NOTE [ Threads that pay ] in _grouping);
+# OMP_WAIT_POLICY=passive, set before torch is imported, ends the spinning, at a cost to
+# every parallel op.
 #
 # NOTE [ Saved-tensor hooks ]
 # Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are
