@@ -184,6 +184,25 @@ def test_a_budget_of_2_goes_to_workers_only_where_the_chunks_split_evenly(
     assert jobs_run[-1] == ((len(models), 2) if workers else (1, 2))
 
 
+@pytest.mark.parametrize(
+    "costs, order, even",
+    [
+        ([10, 10, 10, 10], None, True),
+        ([10, 10, 1], None, True),  # 11 against 10: within MAX_IMBALANCE of even
+        ([10, 10, 3], None, False),  # one worker idles while the other runs the third
+        ([10, 1, 1, 10], None, False),  # in chunk order the last large one comes late: 12, 10
+        ([10, 1, 1, 10], (0, 3, 1, 2), True),  # costliest first: 11 and 11
+        ([5] * 16, None, True),
+    ],
+)
+def test_split_evenly_simulates_workers_claiming_in_order(monkeypatch, costs, order, even):
+    # NOTE [ Threads that pay ]: each chunk goes to whichever of 2 workers is free first.
+    monkeypatch.setattr(_grouping, "estimated_cost", lambda mp, batch: mp)
+    units = units_of(len(costs))
+    chunks = [range(u, u + 1) for u in range(len(costs))]
+    assert _grouping._split_evenly(units, chunks, order, costs, None, 2) == even
+
+
 def small_cnn(channels):
     return torch.nn.Sequential(
         torch.nn.Conv2d(1, channels, 3, padding=1),
