@@ -347,8 +347,7 @@ def _split_evenly(
 ) -> bool:
     """Whether ``workers`` threads claiming the chunks in ``order`` (each the next one as soon
     as it is free) would finish within MAX_IMBALANCE of an even split, by estimated cost."""
-    costs = [estimated_cost(mp, batch) for mp in model_params]
-    chunk_costs = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
+    chunk_costs = _chunk_costs(units, chunks, model_params, batch)
     busy_until = [0] * workers
     for k in order if order is not None else range(len(chunks)):
         free = busy_until.index(min(busy_until))
@@ -458,9 +457,19 @@ def costliest_first(
     kernels dominate, else None, chunk order (NOTE [ Costliest chunks first ])."""
     if _kernel_share(model_params, batch) < ORDER_MIN_KERNEL_SHARE:
         return None
-    costs = [estimated_cost(mp, batch) for mp in model_params]
-    totals = [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
+    totals = _chunk_costs(units, chunks, model_params, batch)
     return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
+
+
+def _chunk_costs(
+    units: Sequence[Unit],
+    chunks: Sequence[range],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+) -> list[int]:
+    """Each chunk's estimated cost, the sum of its models' (NOTE [ Chunks ])."""
+    costs = [estimated_cost(mp, batch) for mp in model_params]
+    return [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
 
 
 def _param_rows(
