@@ -31,8 +31,7 @@ speedup() {  # speedup SECONDS NAME ARGS...: the table, its JSON and plot
     (cd benchmarks && timeout "$seconds" python bench_speedup.py "$@" --json "$out/$name.json" \
         --png "$out/$name.png") > "$out/$name.txt" 2>&1
 }
-case $mode in
-cuda)
+cuda_checks() {  # the CUDA smoke test and the CUDA tests, each under a hard limit
     # The default used to hang in backward on CUDA: a hard limit, and every thread's stack if hit.
     timeout 90 python -X faulthandler -c "
 import faulthandler, torch, parsum
@@ -48,6 +47,10 @@ for n_jobs in (None, 1, 2, 4):
     timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
         tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
+}
+case $mode in
+cuda)
+    cuda_checks
     speedup 170 speedup-cuda --device cuda --jobs 1,4 --rounds 15
     timeout 200 python -m pytest -n 12 -q -rf -p no:cacheprovider tests > "$out/tests.txt" 2>&1
     ;;
@@ -65,19 +68,7 @@ cpu)
     timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
     ;;
 first)
-    timeout 90 python -X faulthandler -c "
-import faulthandler, torch, parsum
-faulthandler.dump_traceback_later(60, exit=True)
-models = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
-          .cuda() for _ in range(16)]
-for n_jobs in (None, 1, 2, 4):
-    parsum.sum_models(models, torch.randn(64, 8, device='cuda'), n_jobs=n_jobs).pow(2).mean().backward()
-    torch.cuda.synchronize()
-    print('backward returned, n_jobs', n_jobs)
-" > "$out/cuda-smoke.txt" 2>&1
-    timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
-        tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
-        -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
+    cuda_checks
     speedup 240 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
         --rounds 10
     ;;
