@@ -117,6 +117,11 @@ class HandSplitTrainer:
         return float(loss.detach())
 
     def _serve(self, p: int, tasks: queue.SimpleQueue) -> None:
+        # A new thread takes its intra-op count at its first parallel op (get_num_threads counts
+        # as one) from whichever thread set one last: asked for first, the 1 set here stays.
+        # Else the caller's restoring its count could give this thread an OpenMP team of its
+        # own, and a process with more OpenMP threads than cores slows every thread's ops.
+        torch.get_num_threads()
         torch.set_num_threads(1)
         while True:
             x, y = tasks.get()
