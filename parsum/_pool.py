@@ -63,9 +63,16 @@
 # and after that thread ended. A helper runs with more than one intra-op thread where a job has
 # fewer chunks than the budget has threads (on 16 cores: 4 large models, 8 CNNs), and a team
 # kept by a helper between calls would slow the user's own ops (optimizer steps, the loss,
-# evaluation) for the rest of the process: such a helper leaves the pool after its job and
-# ends, its team with it, and the next job starts a new one (a thread start, about 0.1 ms).
-# Helpers on one intra-op thread (many models a call, or a budget of 2) hold no team and stay.
+# evaluation) for the rest of the process: such a helper starts a successor after its job and
+# ends, its team with it. The successor starts between jobs: started by the next call, in the
+# caller, a thread waited for a core that the caller's own OpenMP threads were spinning on. A
+# fresh helper and team each job cost the call itself: simulated on 2 cores (the call seeing a
+# budget of 4 over 2 chunks, the user's Adam step on the 2 cores' threads), a training step of
+# 4 large MLPs took 36-39 ms against 37-41 with teams kept (parsum's call 30-33 against 28-31,
+# the Adam step 5.6-5.8 against 9.3-10.1), 16 medium MLPs 16.4-17.2 against 17.2-29.3, and 8
+# CNNs 62-69 against 59-65 (their Adam step is short). Not measured on a machine with that many
+# cores. Helpers on one intra-op thread (many models a call, or a budget of 2) hold no team and
+# stay.
 #
 # NOTE [ Saved-tensor hooks ]
 # Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are
@@ -332,13 +339,14 @@ class _Pool:
             for _ in threads:
                 self._queue.put(None)
         for thread in threads:
-            thread.join(timeout=5)
+            if thread.ident is not None:  # a successor not started yet meets its None later
+                thread.join(timeout=5)
 
     def ensure_helpers(self, n: int) -> None:
         with self._lock:
-            # A helper that ended on a stop() meant for one that had left on its own (NOTE
-            # [ Helpers' OpenMP teams ]) is replaced.
-            self._threads = [t for t in self._threads if t.is_alive()]
+            # A helper that ended on a stop() meant for one that handed over (NOTE [ Helpers'
+            # OpenMP teams ]) is replaced; a successor not started yet is kept.
+            self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
             while len(self._threads) < n:
                 thread = threading.Thread(
                     target=self._serve, name=f"parsum-worker-{len(self._threads)}", daemon=True
@@ -362,24 +370,26 @@ class _Pool:
                 return
             if job.done.is_set():
                 continue
-            # NOTE [ Helpers' OpenMP teams ]: out of the pool before the job can end, so that
-            # the next job counts it out and starts another helper.
-            leaving = job.intra_threads > 1
-            if leaving:
-                self._leave()
             _set_threads(job.intra_threads)
             with job.state.entered():
                 job.work()
+            teamed = job.intra_threads > 1
             del job
-            if leaving:
+            if teamed:  # NOTE [ Helpers' OpenMP teams ]
+                self._hand_over()
                 return
 
-    def _leave(self) -> None:
-        """Take this helper out of the pool; it ends after its job."""
+    def _hand_over(self) -> None:
+        """Put a new helper in this one's place in the pool; this one then ends."""
+        me = threading.current_thread()
         with self._lock:
-            me = threading.current_thread()
-            if me in self._threads:  # else stop() took every helper out already
-                self._threads.remove(me)
+            if me not in self._threads:  # stop() took every helper out
+                return
+            successor = threading.Thread(target=self._serve, name=me.name, daemon=True)
+            self._threads[self._threads.index(me)] = successor
+        # Started here, not by the next call: a thread's start waits for a core, which the
+        # caller's intra-op threads may still be spinning on.
+        successor.start()
 
 
 _pool = _Pool()
