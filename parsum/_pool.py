@@ -389,7 +389,12 @@ class _Pool:
             self._threads[self._threads.index(me)] = successor
         # Started here, not by the next call: a thread's start waits for a core, which the
         # caller's intra-op threads may still be spinning on.
-        successor.start()
+        try:
+            successor.start()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            with self._lock:
+                if successor in self._threads:
+                    self._threads.remove(successor)
 
 
 _pool = _Pool()
