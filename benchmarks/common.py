@@ -165,7 +165,7 @@ def one_intra_op_thread() -> None:
     thread then ran its share with an OpenMP team of the caller's size, and while that team
     lived, the process held more OpenMP threads than cores, which makes libgomp's waits sleep
     instead of spin in every thread: the plain loop on 2 cores took 18 ms a step instead of 8
-    afterwards (16 MLPs of widths 128-512, batch 64), in one run of two."""
+    afterwards (16 MLPs of widths 128-512, batch 64), in 2 of 8 runs."""
     torch.get_num_threads()
     torch.set_num_threads(1)
 
