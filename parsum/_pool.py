@@ -348,11 +348,12 @@ class _Pool:
             # OpenMP teams ]) is replaced; a successor not started yet is kept.
             self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
             while len(self._threads) < n:
-                thread = threading.Thread(
-                    target=self._serve, name=f"parsum-worker-{len(self._threads)}", daemon=True
-                )
+                thread = self._new_helper(f"parsum-worker-{len(self._threads)}")
                 thread.start()
                 self._threads.append(thread)
+
+    def _new_helper(self, name: str) -> threading.Thread:
+        return threading.Thread(target=self._serve, name=name, daemon=True)
 
     def submit(self, job: _Job, helpers: int) -> None:
         for _ in range(helpers):
@@ -385,7 +386,7 @@ class _Pool:
         with self._lock:
             if me not in self._threads:  # stop() took every helper out
                 return
-            successor = threading.Thread(target=self._serve, name=me.name, daemon=True)
+            successor = self._new_helper(me.name)
             self._threads[self._threads.index(me)] = successor
         # Started here, not by the next call: a thread's start waits for a core, which the
         # caller's intra-op threads may still be spinning on.
