@@ -60,16 +60,20 @@ whether threads pay.
 #   chunk), which is what the default measured before (MLPs of kernel shares 2 to 6 and CNNs
 #   on workers). With step_in_backward each model's step runs in its worker on one intra-op
 #   thread, and the workers win with it: 1.05x, 1.07x and 1.04-1.07x the plain loop with Adam.
+#   Ending the caller's OpenMP team before the workers start (NOTE [ The caller's OpenMP
+#   team ] in _pool) gives them the core back: with Adam, the MLPs on 2 workers 0.94-0.97x
+#   (batch 64) and 0.98-1.04x (256) the plain loop with Adam, one chunk 0.91x; without an
+#   optimizer 0.97x against one chunk's 0.89x (batch 64; alternating processes).
 #   So 2 workers take models where those with convolutions do most of the work (by the
-#   estimate below: their kernels split worse over intra-op threads, about enough to pay for
-#   the spinning), and, with step_in_backward, models whose kernel share C / O (below) is at
-#   least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too much: 5.15 against 4.80 ms
-#   a step for the medium MLPs at batch 32, share 1.1). Either only where the chunks, claimed
-#   in their order by whichever worker is free, would finish within MAX_IMBALANCE of an even
-#   split by estimated cost: two large models and a small one left a worker idle (3 MLPs of
-#   widths 512, 512 and 512 with one layer fewer, batch 256: 2 workers 0.94x one chunk,
-#   estimated 1.08 of even; 24 MLPs of widths 32-64 and 8 of 512-768 at batch 128, 1.12 of
-#   even: 0.94x; 3 of widths 256-2048: 0.58-0.64x).
+#   estimate below: their kernels split worse over intra-op threads), and models whose kernel
+#   share C / O (below) is at least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too
+#   much: 5.15 against 4.80 ms a step for the medium MLPs at batch 32, share 1.1), the latter
+#   only where the caller's team can be ended or with step_in_backward. Either only where the
+#   chunks, claimed in their order by whichever worker is free, would finish within
+#   MAX_IMBALANCE of an even split by estimated cost: two large models and a small one left a
+#   worker idle (3 MLPs of widths 512, 512 and 512 with one layer fewer, batch 256: 2 workers
+#   0.94x one chunk, estimated 1.08 of even; 24 MLPs of widths 32-64 and 8 of 512-768 at batch
+#   128, 1.12 of even: 0.94x; 3 of widths 256-2048: 0.58-0.64x).
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -112,6 +116,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from . import _pool
 from ._config import thread_budget
 from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit, program_of
 from ._sparse import any_sampled, sampled_elements
@@ -169,8 +174,9 @@ INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
 # NOTE [ Costliest chunks first ]: from this share of kernel work over Python overhead.
 ORDER_MIN_KERNEL_SHARE = 10
-# NOTE [ Threads that pay ]: with step_in_backward, from this kernel share a budget of 2 goes
-# to workers, where the chunks split over them within MAX_IMBALANCE of evenly.
+# NOTE [ Threads that pay ]: from this kernel share a budget of 2 goes to workers (with the
+# caller's team ended, or step_in_backward), where the chunks split within MAX_IMBALANCE of
+# evenly.
 WORKERS_MIN_KERNEL_SHARE = 2.0
 MAX_IMBALANCE = 1.05
 
@@ -320,8 +326,9 @@ def intra_op_only(
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
     in the calling thread rather than ``chunks`` (claimed in ``order``) on workers: a budget
     of at most INTRA_OP_ONLY_BUDGET, unless the chunks split evenly over the budget's workers
-    and convolutions do most of the work or, with the optimizer stepping in the backward
-    (``stepping``), the kernel share is at least WORKERS_MIN_KERNEL_SHARE (NOTE [ Threads that
+    and convolutions do most of the work or the kernel share is at least
+    WORKERS_MIN_KERNEL_SHARE, the latter where the caller's OpenMP team is ended before the
+    workers start or the optimizer steps in the backward (``stepping``; NOTE [ Threads that
     pay ])."""
     if budget <= 1:
         return True
@@ -334,7 +341,10 @@ def intra_op_only(
         costs = [_param_rows(mp, batch) for mp in model_params]
         if 2 * sum(c for c, conv in zip(costs, convolutional) if conv) >= sum(costs):
             return False
-    return not (stepping and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
+    # Without the caller's team released, its spinning threads take the helper's core after
+    # an optimizer step (NOTE [ The caller's OpenMP team ] in _pool).
+    paid = stepping or _pool.releases_callers_team()
+    return not (paid and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
 
 
 def _split_evenly(

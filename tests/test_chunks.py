@@ -150,21 +150,24 @@ def stepping(models):
     return parsum.StepInBackward(models, torch.optim.SGD, lr=0.0)
 
 
+@pytest.mark.parametrize("releases", [False, True])
 @pytest.mark.parametrize("batch, workers", [(64, False), (128, True), (512, True)])
-def test_a_budget_of_2_goes_to_workers_from_a_kernel_share_with_steps_in_backward(
-    cores, batch, workers, jobs_run
+def test_a_budget_of_2_goes_to_workers_from_a_kernel_share(
+    cores, monkeypatch, releases, batch, workers, jobs_run
 ):
-    # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python,
-    # and no optimizer step on the caller's intra-op threads between calls.
+    # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python, and
+    # no OpenMP team of the caller's spinning on the helper's core: ended before the job
+    # (NOTE [ The caller's OpenMP team ]), or none made, the optimizer stepping in the backward.
     cores(2)
+    monkeypatch.setattr(_pool, "releases_callers_team", lambda: releases)
     models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
     x = torch.randn(batch, IN)
     share = _grouping._kernel_share([ModelParams.of(m) for m in models], Batch.of([x]))
     assert (share >= _grouping.WORKERS_MIN_KERNEL_SHARE) == workers
     parsum.sum_models(models, x, step_in_backward=stepping(models))
     assert jobs_run[-1] == ((len(models), 2) if workers else (1, 2))
-    parsum.sum_models(models, x)  # an ordinary optimizer's step would spin OpenMP's threads
-    assert jobs_run[-1] == (1, 2)
+    parsum.sum_models(models, x)  # with an ordinary optimizer's step between calls
+    assert jobs_run[-1] == ((len(models), 2) if workers and releases else (1, 2))
 
 
 @pytest.mark.parametrize(

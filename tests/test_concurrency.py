@@ -5,6 +5,7 @@ Every test here runs under a short timeout: a deadlock fails fast instead of han
 
 import gc
 import multiprocessing
+import os
 import threading
 import time
 import warnings
@@ -517,6 +518,51 @@ def test_helpers_on_several_intra_op_threads_end_after_their_job(cores, budget, 
     ran.clear()
     parsum.sum_models(models, x, n_jobs=2, chunk_size=2).sum().backward()  # helpers again
     assert any(t is not threading.current_thread() for t in ran)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(
+    not _pool.releases_callers_team() or not os.path.isdir("/proc/self/task"),
+    reason="torch's OpenMP is not libgomp, or no /proc to count threads in",
+)
+def test_a_job_on_workers_ends_the_callers_openmp_team_first(cores):
+    # NOTE [ The caller's OpenMP team ]: the team of the caller's last parallel op would spin
+    # on the core the helper takes; it ends, and the next parallel op makes a new one.
+    cores(2)
+    models = [mlp([64 + i, 64]) for i in range(4)]  # of their own: none stacked
+    x = torch.randn(8, IN)
+    want = plain_sum(models, x)
+    parsum.sum_models(models, x, n_jobs=2)  # the helper started
+    big = torch.ones(1 << 22)
+    big.mul_(1.0)  # a parallel op on the caller's 2 threads: a team of 2
+    with_team = _os_threads()
+    big.mul_(1.0)
+    assert _os_threads() == with_team  # kept between parallel ops
+    with torch.no_grad():
+        y = parsum.sum_models(models, x, n_jobs=2)
+    assert _os_threads() == with_team - 1  # the team's other thread ended
+    torch.testing.assert_close(y, want)
+    big.mul_(1.0)
+    assert _os_threads() == with_team
+    assert torch.get_num_threads() == 2
+
+
+def test_no_team_is_ended_where_torch_runs_another_openmp(monkeypatch):
+    # NOTE [ The caller's OpenMP team ]: only libgomp's pause acts on the calling thread alone.
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native")
+    _pool._omp_pause.cache_clear()
+    try:
+        assert not _pool.releases_callers_team()
+        _pool.release_callers_team()  # does nothing
+    finally:
+        monkeypatch.undo()
+        _pool._omp_pause.cache_clear()
+    models = [mlp([64, 64]) for _ in range(4)]
+    x = torch.randn(8, IN)
+    torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), plain_sum(models, x))
 
 
 def _sum_in_child(models, x, want, names, results):
