@@ -486,22 +486,32 @@ _OMP_PAUSE_SOFT = 1
 def _omp_pause() -> Callable[[int], int] | None:
     """libgomp's ``omp_pause_resource_all``, from the libgomp that torch loaded; None where
     torch's intra-op threads are not libgomp's (another OpenMP, another platform)."""
-    if "OpenMP" not in torch.__config__.parallel_info():
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line.split("/")[-1]}
     except OSError:
         return None
-    ours = [p for p in paths if p.startswith(os.path.dirname(torch.__file__))]
-    if len(ours) != 1 and len(paths) != 1:
+    path = torchs_libgomp(paths)
+    if path is None:
         return None
     try:
-        pause = ctypes.CDLL((ours or sorted(paths))[0]).omp_pause_resource_all
+        pause = ctypes.CDLL(path).omp_pause_resource_all
     except (OSError, AttributeError):
         return None
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause
+
+
+def torchs_libgomp(paths: set[str]) -> str | None:
+    """Of the libgomp files mapped into the process, torch's: the one in torch's folder (its
+    wheels' torch/lib, or torch.libs where auditwheel repaired one), else the only one."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = [p for p in paths if p.startswith((torch_dir + os.sep, torch_dir + ".libs" + os.sep))]
+    if len(ours) == 1:
+        return ours[0]
+    return next(iter(paths)) if not ours and len(paths) == 1 else None
 
 
 @contextlib.contextmanager

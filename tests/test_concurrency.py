@@ -565,6 +565,20 @@ def test_no_team_is_ended_where_torch_runs_another_openmp(monkeypatch):
     torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), plain_sum(models, x))
 
 
+def test_torchs_libgomp_is_the_one_in_torchs_folder():
+    # NOTE [ The caller's OpenMP team ]: scikit-learn and others bring libgomps of their own.
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    repaired = os.path.dirname(torch.__file__) + ".libs/libgomp-1a2b3c4d.so.1"
+    other = "/site-packages/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0"
+    vision = os.path.dirname(torch.__file__) + "vision.libs/libgomp-5e6f.so.1"
+    assert _pool.torchs_libgomp({lib, other}) == lib
+    assert _pool.torchs_libgomp({repaired, other}) == repaired
+    assert _pool.torchs_libgomp({other}) == other  # the only one: torch's, linked from outside
+    assert _pool.torchs_libgomp({other, vision}) is None  # which is torch's is unknown
+    assert _pool.torchs_libgomp({lib, repaired}) is None
+    assert _pool.torchs_libgomp(set()) is None
+
+
 def _sum_in_child(models, x, want, names, results):
     # Plain values only go back: a tensor sent through the queue would need this process alive.
     try:
