@@ -9,11 +9,13 @@
 #                                           # main example
 #   bash benchmarks/run_16cores.sh alloc    # page faults from glibc's heap trimming, with and
 #                                           # without parsum imported (bench_allocator.py)
+#   bash benchmarks/run_16cores.sh team     # ending the caller's OpenMP team before workers,
+#                                           # against keeping it, with an Adam step (bench_team.py)
 #   bash benchmarks/run_16cores.sh first    # for a session with 15 minutes of the machine: the
 #                                           # CUDA smoke test and tests (the caller's-graph paths
-#                                           # never ran on a GPU), then the medium MLPs over 1-16
-#                                           # workers with the Adam rows (does an optimizer step's
-#                                           # spinning OpenMP threads cost the workers there?)
+#                                           # never ran on a GPU), the team's end against keeping
+#                                           # it, then the medium MLPs over 1-16 workers with the
+#                                           # Adam rows
 # Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
 # runs from this checkout through PYTHONPATH instead of being installed.
 set -uo pipefail
@@ -48,6 +50,10 @@ for n_jobs in (None, 1, 2, 4):
         tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
 }
+team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers, or kept
+    (cd benchmarks && timeout "$1" python bench_team.py --jobs default,4,16 --rounds 10 \
+        --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
+}
 case $mode in
 cuda)
     cuda_checks
@@ -67,10 +73,14 @@ cpu)
     speedup 470 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 8
     timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
     ;;
+team)
+    team 150
+    ;;
 first)
     cuda_checks
-    speedup 240 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
-        --rounds 10
+    team 110
+    speedup 170 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
+        --rounds 8
     ;;
 alloc)
     (cd benchmarks && timeout 400 python bench_allocator.py --processes 3 \

@@ -147,6 +147,13 @@ def test_bench_phases():
     assert "two-phase" in out and "x the two-phase ceiling's speed" in out
 
 
+def test_bench_team():
+    args = ["--rounds", "1", "--settle-ms", "0", "--workloads", "heterogeneous-medium:16"]
+    out = run("benchmarks/bench_team.py", *args, "--jobs", "default,2")
+    assert "parsum+adam 2w kept" in out and "parsum+adam 2w: team ended / kept" in out
+    assert "the caller's team can be ended: " in out
+
+
 def test_bench_stacking():
     out = run("benchmarks/bench_stacking.py", "--quick", "--threads", "1", "--rounds", "1")
     assert "64x width 32 depth 2 batch 32 (0.06M param-rows), 1 threads: plain" in out
