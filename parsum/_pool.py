@@ -68,7 +68,10 @@
 # ended, a budget of 2 goes to workers with any optimizer (NOTE [ Threads that pay ] in
 # _grouping). Only libgomp, the OpenMP of PyTorch's Linux wheels, is called: another OpenMP's
 # pause (LLVM's) acts on every thread of the process. Elsewhere nothing is ended, and a budget
-# of 2 keeps MLPs off workers unless the optimizer steps in the backward. Not measured on many
+# of 2 keeps MLPs off workers unless the optimizer steps in the backward. Nor in a forked
+# child: its libgomp still lists the team threads of the thread that forked, which the child
+# does not have, and the pause would wait for them forever (as would a parallel op of its own
+# on 2 threads; parsum's tasks on one intra-op thread run there). Not measured on many
 # cores, where the user's next parallel op starts up to 15 threads again after each call.
 #
 # NOTE [ Helpers' OpenMP teams ]
@@ -470,14 +473,25 @@ def run_ordered(
 def release_callers_team() -> None:
     """End this thread's OpenMP team, if OpenMP is libgomp (NOTE [ The caller's OpenMP
     team ]); its next parallel op starts a new one."""
-    pause = _omp_pause()
+    pause = None if _forked.child else _omp_pause()
     if pause is not None:
         pause(_OMP_PAUSE_SOFT)
 
 
 def releases_callers_team() -> bool:
-    """Whether ``release_callers_team`` ends the team (torch's OpenMP is libgomp)."""
-    return _omp_pause() is not None
+    """Whether ``release_callers_team`` ends the team (torch's OpenMP is libgomp, and this
+    process was not forked: a forked child's libgomp lists the parent's team threads, which
+    the child does not have, and waits for them forever)."""
+    return not _forked.child and _omp_pause() is not None
+
+
+class _Forked:
+    child = False
+
+
+_forked = _Forked()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: setattr(_forked, "child", True))
 
 
 _OMP_PAUSE_SOFT = 1

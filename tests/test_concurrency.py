@@ -565,6 +565,38 @@ def test_no_team_is_ended_where_torch_runs_another_openmp(monkeypatch):
     torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), plain_sum(models, x))
 
 
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="PyTorch refuses autograd in a child forked after the parent's device threads started",
+)
+def test_a_child_forked_beside_a_team_ends_none(cores):
+    # NOTE [ The caller's OpenMP team ]: the child's libgomp lists the parent's team threads,
+    # which the child does not have; ending that team would wait for them forever.
+    cores(2)
+    names = []
+    models = [Probe(thread_recorder(names, 0.0)) for _ in range(4)]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=2)
+    torch.ones(1 << 22).mul_(1.0)  # a team of 2 in this thread when it forks
+    with torch.no_grad():
+        want = plain_sum(models, x)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()
+    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, names, results))
+    child.start()
+    child.join(timeout=40)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, "the forked child hung or failed"
+    got = results.get()
+    assert not isinstance(got, str), got
+    assert got[0] < 1e-5 and got[1]
+    assert _pool.releases_callers_team() == (_pool._omp_pause() is not None)  # here, not forked
+
+
 def test_torchs_libgomp_is_the_one_in_torchs_folder():
     # NOTE [ The caller's OpenMP team ]: scikit-learn and others bring libgomps of their own.
     lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
