@@ -565,38 +565,6 @@ def test_no_team_is_ended_where_torch_runs_another_openmp(monkeypatch):
     torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), plain_sum(models, x))
 
 
-@pytest.mark.skipif(
-    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
-)
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="PyTorch refuses autograd in a child forked after the parent's device threads started",
-)
-def test_a_child_forked_beside_a_team_ends_none(cores):
-    # NOTE [ The caller's OpenMP team ]: the child's libgomp lists the parent's team threads,
-    # which the child does not have; ending that team would wait for them forever.
-    cores(2)
-    names = []
-    models = [Probe(thread_recorder(names, 0.0)) for _ in range(4)]
-    x = torch.randn(5, IN)
-    parsum.sum_models(models, x, n_jobs=2)
-    torch.ones(1 << 22).mul_(1.0)  # a team of 2 in this thread when it forks
-    with torch.no_grad():
-        want = plain_sum(models, x)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.SimpleQueue()
-    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, names, results))
-    child.start()
-    child.join(timeout=40)
-    if child.exitcode is None:
-        child.kill()
-    assert child.exitcode == 0, "the forked child hung or failed"
-    got = results.get()
-    assert not isinstance(got, str), got
-    assert got[0] < 1e-5 and got[1]
-    assert _pool.releases_callers_team() == (_pool._omp_pause() is not None)  # here, not forked
-
-
 def test_torchs_libgomp_is_the_one_in_torchs_folder():
     # NOTE [ The caller's OpenMP team ]: scikit-learn and others bring libgomps of their own.
     lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
@@ -623,15 +591,35 @@ def _sum_in_child(models, x, want, names, results):
         results.put(repr(exc))
 
 
-@pytest.mark.skipif(
-    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
-)
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
+needs_fork = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods()
     # Seen on the 16-core machine with a GPU: once any backward has run in this process (an
     # earlier test's), PyTorch refuses autograd in a forked child, with or without parsum.
-    reason="PyTorch refuses autograd in a child forked after the parent's device threads started",
+    or torch.cuda.is_available(),
+    reason="needs the fork start method, and no GPU (PyTorch refuses autograd in a child "
+    "forked after the parent's device threads started)",
 )
+
+
+def _sum_in_forked_child(models, x, names):
+    """``_sum_in_child`` in a forked child, which must finish: its error against the plain
+    sum, whether every model got a gradient, and the threads its call ran on."""
+    with torch.no_grad():
+        want = plain_sum(models, x)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()
+    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, names, results))
+    child.start()
+    child.join(timeout=40)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, "the forked child hung or failed"
+    got = results.get()
+    assert not isinstance(got, str), got
+    return got
+
+
+@needs_fork
 def test_forked_child_starts_its_own_helpers(cores):
     # A child forked after the parent's helpers started has none of them: it must start its
     # own instead of running every chunk in the caller (or waiting on a lock held at the fork).
@@ -641,16 +629,21 @@ def test_forked_child_starts_its_own_helpers(cores):
     x = torch.randn(5, IN)
     parsum.sum_models(models, x, n_jobs=2)  # the parent's helpers are running now
     assert _pool.pool_size() >= 1
-    with torch.no_grad():
-        want = plain_sum(models, x)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.SimpleQueue()
-    child = ctx.Process(target=_sum_in_child, args=(clone_models(models), x, want, names, results))
-    child.start()
-    child.join(timeout=40)
-    assert child.exitcode == 0
-    got = results.get()
-    assert not isinstance(got, str), got
-    error, have_grads, names = got
+    error, have_grads, names = _sum_in_forked_child(models, x, names)
     assert error < 1e-5 and have_grads
     assert any(name.startswith("parsum-worker") for name in names), names
+
+
+@needs_fork
+def test_a_child_forked_beside_a_team_ends_none(cores):
+    # NOTE [ The caller's OpenMP team ]: the child's libgomp lists the parent's team threads,
+    # which the child does not have; ending that team would wait for them forever.
+    cores(2)
+    names = []
+    models = [Probe(thread_recorder(names, 0.0)) for _ in range(4)]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=2)
+    torch.ones(1 << 22).mul_(1.0)  # a team of 2 in this thread when it forks
+    error, have_grads, _ = _sum_in_forked_child(models, x, names)
+    assert error < 1e-5 and have_grads
+    assert _pool.releases_callers_team() == (_pool._omp_pause() is not None)  # not forked here
