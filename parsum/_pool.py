@@ -64,7 +64,9 @@
 # intra-op threads: 0.91x), at batch 256 0.88-0.89x -> 0.98-1.04x; 8 CNNs of widths 8-24 (on
 # 2 workers by default) 0.92-0.95x -> 1.00x. Without an optimizer it changed nothing
 # measurable (medium MLPs at batch 64 on 2 workers: 8.37 against 8.32 ms). In one process,
-# ended or kept call by call (benchmarks/bench_team.py): ended / kept 1.08-1.16x. With the team
+# ended or kept call by call (benchmarks/bench_team.py): ended / kept 1.08-1.16x; against the
+# code before, in one process (bench_against.py), the default with Adam 1.07-1.08x faster for
+# the medium MLPs (now on workers), 1.08x for the CNNs. With the team
 # ended, a budget of 2 goes to workers with any optimizer (NOTE [ Threads that pay ] in
 # _grouping). Only libgomp, the OpenMP of PyTorch's Linux wheels, is called: another OpenMP's
 # pause (LLVM's) acts on every thread of the process. Elsewhere nothing is ended, and a budget

@@ -154,6 +154,12 @@ def test_bench_team():
     assert "the caller's team can be ended: " in out
 
 
+def test_bench_against_another_revision():
+    args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--adam"]
+    out = run("benchmarks/bench_against.py", *args, "--workloads", "heterogeneous-medium:16")
+    assert "this checkout against HEAD" in out and "this / HEAD " in out
+
+
 def test_bench_stacking():
     out = run("benchmarks/bench_stacking.py", "--quick", "--threads", "1", "--rounds", "1")
     assert "64x width 32 depth 2 batch 32 (0.06M param-rows), 1 threads: plain" in out

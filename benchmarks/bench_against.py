@@ -1,0 +1,119 @@
+"""This checkout's parsum against the parsum of another git revision, in one process.
+
+On a VM whose speed drifts from process to process (the plain loop's step here moved from 7.3
+to 9.7 ms between runs of one afternoon), comparing two versions in alternating processes
+needs many runs; in one process both see the same machine. The other revision's package is
+copied out of git (``git archive``) and imported as ``parsum_base``, its own pool, plans and
+threads beside this checkout's; each method steps its own copy of the models, the methods in
+turn (``common.interleaved``), each after ``--settle-ms`` of untimed steps. A step is
+forward, backward and, with ``--adam``, one ``torch.optim.Adam`` step on the caller's threads,
+or with ``--sib`` a ``StepInBackward`` of Adam.
+
+    python benchmarks/bench_against.py --rev HEAD~3 [--adam] [--sib] [--n-jobs 2]
+        [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import io
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import interleaved, loss_of, plain_adam_step, workload, zero_grads
+
+import parsum
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def import_revision(rev: str, into: pathlib.Path) -> Any:
+    """The ``parsum`` package of git revision ``rev``, imported as ``parsum_base``."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "parsum"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
+    (into / "parsum").rename(into / "parsum_base")  # its imports are relative: it runs there
+    sys.path.insert(0, str(into))
+    return importlib.import_module("parsum_base")
+
+
+def step_of(
+    pkg: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
+) -> Callable[[], None]:
+    """One training step with ``pkg.sum_models`` (the plain loop where ``pkg`` is None)."""
+    if pkg is None:
+        if args.adam:
+            step = plain_adam_step(models)
+            return lambda: step(x)
+
+        def plain() -> None:
+            zero_grads(models)
+            loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+
+        return plain
+    if args.sib:
+        sib = pkg.StepInBackward(list(models), torch.optim.Adam, lr=1e-3)
+        return lambda: loss_of(pkg.sum_models(models, x, step_in_backward=sib)).backward()
+    optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_of(pkg.sum_models(models, x, n_jobs=args.n_jobs)).backward()
+        if args.adam:
+            optimizer.step()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", required=True, help="the git revision to compare against")
+    parser.add_argument("--adam", action="store_true", help="an Adam step after each call")
+    parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
+    parser.add_argument("--n-jobs", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--settle-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = import_revision(args.rev, pathlib.Path(tmp))
+        plain = "plain+adam" if args.adam or args.sib else "plain"
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
+            f"checkout against {args.rev}; medians of {args.rounds} interleaved rounds"
+        )
+        for spec in args.workloads.split(","):
+            name, _, batch = spec.partition(":")
+            w = workload(name, int(batch) if batch else None)
+            methods = {
+                label: step_of(pkg, copy.deepcopy(w.models), w.x, args)
+                for label, pkg in ((plain, None), ("this", parsum), (args.rev, base))
+            }
+            seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
+            shown = ", ".join(
+                f"{label} {t * 1e3:.2f} ms ({seconds[plain] / t:.3f}x {plain})"
+                for label, t in seconds.items()
+            )
+            print(
+                f"{w.description}: {shown}; this / {args.rev} "
+                f"{seconds[args.rev] / seconds['this']:.3f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
