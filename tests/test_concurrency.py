@@ -85,7 +85,10 @@ def test_nested_calls_in_models_that_auto_would_stack():
         torch.testing.assert_close(a, b)
 
 
-def test_concurrent_callers():
+@pytest.mark.parametrize("teams", [False, True])
+def test_concurrent_callers(teams):
+    # With teams: each caller runs a parallel op of its own before each call, whose OpenMP
+    # team the call then ends (NOTE [ The caller's OpenMP team ]) while the others run theirs.
     n_threads, rounds = 4, 5
     torch.manual_seed(0)
     sets = [zoo(torch.float64, seed=s) for s in range(n_threads)]
@@ -105,6 +108,8 @@ def test_concurrent_callers():
             barrier.wait()
             out = []
             for _ in range(rounds):
+                if teams:
+                    torch.ones(1 << 21).mul_(1.0)
                 xr = inputs[t].clone().requires_grad_()
                 y = parsum.sum_models(sets[t], xr, n_jobs=2, chunk_size=1)
                 y.sum().backward()
