@@ -55,26 +55,27 @@
 # NOTE [ The caller's OpenMP team ]
 # A job on several threads first ends the caller's OpenMP team where the caller ran with more
 # intra-op threads than the job's tasks use: the team of its last parallel op (the user's
-# optimizer step, a large loss) would spin on the cores the helpers are about to take.
-# libgomp's ``omp_pause_resource_all`` joins the calling thread's team and no other thread's;
-# the caller's next parallel op after the call starts a new team (about 30 us a thread here).
-# Measured on 2 cores (alternating processes, each method after 20 ms of untimed steps), a
-# step with torch.optim.Adam after each call, against the plain loop with the same: 16 MLPs
-# of widths 128-512 at batch 64 on 2 workers 0.80-0.82x -> 0.94-0.97x (one chunk on 2
-# intra-op threads: 0.91x), at batch 256 0.88-0.89x -> 0.98-1.04x; 8 CNNs of widths 8-24 (on
-# 2 workers by default) 0.92-0.95x -> 1.00x. Without an optimizer it changed nothing
-# measurable (medium MLPs at batch 64 on 2 workers: 8.37 against 8.32 ms). In one process,
-# ended or kept call by call (benchmarks/bench_team.py): ended / kept 1.08-1.16x; against the
-# code before, in one process (bench_against.py), the default with Adam 1.07-1.08x faster for
-# the medium MLPs (now on workers), 1.08x for the CNNs. With the team
-# ended, a budget of 2 goes to workers with any optimizer (NOTE [ Threads that pay ] in
-# _grouping). Only libgomp, the OpenMP of PyTorch's Linux wheels, is called: another OpenMP's
-# pause (LLVM's) acts on every thread of the process. Elsewhere nothing is ended, and a budget
-# of 2 keeps MLPs off workers unless the optimizer steps in the backward. Nor in a forked
-# child: its libgomp still lists the team threads of the thread that forked, which the child
-# does not have, and the pause would wait for them forever (as would a parallel op of its own
-# on 2 threads; parsum's tasks on one intra-op thread run there). Not measured on many
-# cores, where the user's next parallel op starts up to 15 threads again after each call.
+# optimizer step, a large loss) would spin on the cores the helpers are about to take. libgomp's
+# ``omp_pause_resource_all`` joins the calling thread's team and no other thread's; the caller's
+# next parallel op after the call starts a new team (about 30 us a thread here). Measured on 2
+# cores (alternating processes, each method after 20 ms of untimed steps), a step with
+# torch.optim.Adam after each call, against the plain loop with the same: 16 MLPs of widths
+# 128-512 at batch 64 on 2 workers 0.80-0.82x -> 0.94-0.97x (one chunk on 2 intra-op threads:
+# 0.91x), at batch 256 0.88-0.89x -> 0.98-1.04x; 8 CNNs of widths 8-24 (on 2 workers by default)
+# 0.92-0.95x -> 1.00x. Without an optimizer it changed nothing measurable (medium MLPs at batch
+# 64 on 2 workers: 8.37 against 8.32 ms). In one process, ended or kept call by call
+# (benchmarks/bench_team.py): ended / kept 1.08-1.16x; against the code before, in one process
+# (bench_against.py), the default with Adam 1.07-1.08x faster for the medium MLPs (now on
+# workers), 1.08x for the CNNs. With the team ended, a budget of 2 goes to workers with any
+# optimizer (NOTE [ Threads that pay ] in _grouping). Only libgomp, the OpenMP of PyTorch's
+# Linux wheels, is called: another OpenMP's pause (LLVM's) acts on every thread of the process.
+# Elsewhere nothing is ended, and a budget of 2 keeps MLPs off workers unless the optimizer
+# steps in the backward. Nor in a forked child: its libgomp still lists the team threads of the
+# thread that forked, which the child does not have, and the pause waited for them forever
+# (reproduced). Such a child is fragile with or without parsum: a parallel op of its own on 2
+# threads hangs there too, and one run of the suite saw a child forked beside a live team crash
+# in a 1-thread Linear. Not measured on many cores, where the user's next parallel op starts up
+# to 15 threads again after each call.
 #
 # NOTE [ Helpers' OpenMP teams ]
 # A thread that runs a parallel op on n intra-op threads keeps an OpenMP team of n - 1 threads
