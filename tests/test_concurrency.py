@@ -658,7 +658,7 @@ def test_a_forked_child_ends_no_team(cores):
     # thread that forked, which the child does not have; ending that team waited for them
     # forever (reproduced: a child forked right after a parallel op of 2 threads hung in its
     # first call on workers). The child never ends one. (A child forked beside a live team is
-    # not made here: libgomp is not fork-safe, and its own ops may hang or crash there.)
+    # not made here: libgomp is not fork-safe, and one such child crashed in a Linear once.)
     cores(2)
     models = [mlp([16 + i, 16]) for i in range(4)]
     x = torch.randn(5, IN)
