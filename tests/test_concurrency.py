@@ -557,17 +557,18 @@ def test_a_job_on_workers_ends_the_callers_openmp_team_first(cores):
 
 def test_no_team_is_ended_where_torch_runs_another_openmp(monkeypatch):
     # NOTE [ The caller's OpenMP team ]: only libgomp's pause acts on the calling thread alone.
+    models = [mlp([64 + i, 64]) for i in range(4)]  # of their own: a job on 2 threads
+    x = torch.randn(8, IN)
     monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native")
     _pool._omp_pause.cache_clear()
     try:
         assert not _pool.releases_callers_team()
         _pool.release_callers_team()  # does nothing
+        y = parsum.sum_models(models, x, n_jobs=2)
     finally:
         monkeypatch.undo()
         _pool._omp_pause.cache_clear()
-    models = [mlp([64, 64]) for _ in range(4)]
-    x = torch.randn(8, IN)
-    torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), plain_sum(models, x))
+    torch.testing.assert_close(y, plain_sum(models, x))
 
 
 def test_torchs_libgomp_is_the_one_in_torchs_folder():
