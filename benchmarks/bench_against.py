@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import io
 import pathlib
@@ -28,7 +29,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import interleaved, loss_of, plain_adam_step, workload, zero_grads
+from common import (
+    interleaved,
+    parsum_adam_step,
+    parsum_sib_step,
+    parsum_step,
+    plain_adam_step,
+    plain_step,
+    workload,
+)
 
 import parsum
 
@@ -51,31 +60,19 @@ def import_revision(rev: str, into: pathlib.Path) -> Any:
 
 
 def step_of(
-    pkg: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
+    package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
-    """One training step with ``pkg.sum_models`` (the plain loop where ``pkg`` is None)."""
-    if pkg is None:
-        if args.adam:
-            step = plain_adam_step(models)
-            return lambda: step(x)
-
-        def plain() -> None:
-            zero_grads(models)
-            loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
-
-        return plain
+    """One training step with ``package.sum_models`` (the plain loop where it is None)."""
+    if package is None:
+        if args.adam or args.sib:
+            return functools.partial(plain_adam_step(models), x)
+        return functools.partial(plain_step, models, x)
     if args.sib:
-        sib = pkg.StepInBackward(list(models), torch.optim.Adam, lr=1e-3)
-        return lambda: loss_of(pkg.sum_models(models, x, step_in_backward=sib)).backward()
-    optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        loss_of(pkg.sum_models(models, x, n_jobs=args.n_jobs)).backward()
-        if args.adam:
-            optimizer.step()
-
-    return step
+        return functools.partial(parsum_sib_step(models, package), x)
+    if args.adam:
+        params = [p for m in models for p in m.parameters()]
+        return functools.partial(parsum_adam_step(models, params, False, args.n_jobs, package), x)
+    return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
 
 
 def main() -> None:

@@ -23,34 +23,28 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 from collections.abc import Callable
 
 import torch
-from common import interleaved, loss_of, workload
+from common import interleaved, parsum_adam_step, plain_adam_step, workload
 
 import parsum
 from parsum import _pool
 
 
-def adam_step(models: list[torch.nn.Module], x: torch.Tensor, n_jobs: int | None, keep: bool):
-    """One training step with parsum (or the plain loop where ``n_jobs`` is 0)."""
-    optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-5)
+def team_kept(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the caller's team left as it is (parsum's release a no-op meanwhile)."""
     release = _pool.release_callers_team
 
-    def step() -> None:
-        optimizer.zero_grad()
-        if n_jobs == 0:
-            loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
-        else:
-            if keep:  # the team left as it is, for this call only
-                _pool.release_callers_team = lambda: None
-            try:
-                loss_of(parsum.sum_models(models, x, n_jobs=n_jobs)).backward()
-            finally:
-                _pool.release_callers_team = release
-        optimizer.step()
+    def run() -> None:
+        _pool.release_callers_team = lambda: None
+        try:
+            step()
+        finally:
+            _pool.release_callers_team = release
 
-    return step
+    return run
 
 
 def main() -> None:
@@ -74,19 +68,22 @@ def main() -> None:
     for spec in args.workloads.split(","):
         name, _, batch = spec.partition(":")
         w = workload(name, int(batch) if batch else None)
-        methods: dict[str, Callable[[], None]] = {
-            "plain+adam": adam_step(copy.deepcopy(w.models), w.x, 0, False)
-        }
+        plain = plain_adam_step(copy.deepcopy(w.models))
+        methods: dict[str, Callable[[], None]] = {"plain+adam": functools.partial(plain, w.x)}
         for n in jobs:
             label = f"parsum+adam {'default' if n is None else f'{n}w'}"
-            methods[label] = adam_step(copy.deepcopy(w.models), w.x, n, False)
-            methods[f"{label} kept"] = adam_step(copy.deepcopy(w.models), w.x, n, True)
+            for kept in (False, True):
+                models = copy.deepcopy(w.models)
+                params = [p for m in models for p in m.parameters()]
+                step = parsum_adam_step(models, params, shared=False, n_jobs=n)
+                run = functools.partial(step, w.x)
+                methods[f"{label} kept" if kept else label] = team_kept(run) if kept else run
         seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
-        plain = seconds["plain+adam"]
+        baseline = seconds["plain+adam"]
         print(f"\n{w.name}: {w.description}")
         print(f"{'method':>28} {'ms/step':>9} {'plain+adam / this':>18}")
         for label, t in seconds.items():
-            print(f"{label:>28} {t * 1e3:9.2f} {plain / t:18.2f}")
+            print(f"{label:>28} {t * 1e3:9.2f} {baseline / t:18.2f}")
         for n in jobs:
             label = f"parsum+adam {'default' if n is None else f'{n}w'}"
             gain = seconds[f"{label} kept"] / seconds[label]

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -134,12 +134,22 @@ def plain_step(models: list[nn.Module], x: torch.Tensor) -> None:
     loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
 
 
-def parsum_step(models: list[nn.Module], x: torch.Tensor, **kwargs: object) -> None:
-    """``parsum.sum_models(models, x, **kwargs)``, forward and backward."""
+def parsum_step(
+    models: list[nn.Module], x: torch.Tensor, package: Any = None, **kwargs: object
+) -> None:
+    """``parsum.sum_models(models, x, **kwargs)``, forward and backward (``package``: another
+    parsum to call, such as bench_against's other revision)."""
+    zero_grads(models)
+    loss_of(_parsum(package).sum_models(models, x, **kwargs)).backward()
+
+
+def _parsum(package: Any) -> Any:
+    """``package``, or this checkout's parsum."""
+    if package is not None:
+        return package
     import parsum
 
-    zero_grads(models)
-    loss_of(parsum.sum_models(models, x, **kwargs)).backward()
+    return parsum
 
 
 def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
@@ -307,31 +317,35 @@ def plain_adam_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
 
 
 def parsum_adam_step(
-    models: list[nn.Module], parameters: list[torch.Tensor], shared: bool
+    models: list[nn.Module],
+    parameters: list[torch.Tensor],
+    shared: bool,
+    n_jobs: int | None = None,
+    package: Any = None,
 ) -> Callable[[torch.Tensor], None]:
     """``parsum.sum_models`` then one ``torch.optim.Adam`` step over ``parameters``; the
     models' own ``.grad`` are set to None first only where other methods run the same models
     (``shared``) and leave gradients of their own there: a user's loop zeroes through the
-    optimizer alone."""
-    import parsum
-
+    optimizer alone. ``package``: another parsum to call (bench_against's)."""
+    sum_models = _parsum(package).sum_models
     optimizer = torch.optim.Adam(parameters, lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
         if shared:
             zero_grads(models)
         optimizer.zero_grad()
-        loss_of(parsum.sum_models(models, x)).backward()
+        loss_of(sum_models(models, x, n_jobs=n_jobs)).backward()
         optimizer.step()
 
     return step
 
 
-def parsum_sib_step(models: Sequence[nn.Module]) -> Callable[[torch.Tensor], None]:
+def parsum_sib_step(
+    models: Sequence[nn.Module], package: Any = None
+) -> Callable[[torch.Tensor], None]:
     """``parsum.sum_models`` with a ``StepInBackward`` of one Adam per model: the step runs
-    in the backward."""
-    import parsum
-
+    in the backward. ``package``: another parsum to call (bench_against's)."""
+    parsum = _parsum(package)
     sib = parsum.StepInBackward(list(models), torch.optim.Adam, lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
