@@ -477,16 +477,21 @@ def run_ordered(
 def release_callers_team() -> None:
     """End this thread's OpenMP team, if OpenMP is libgomp (NOTE [ The caller's OpenMP
     team ]); its next parallel op starts a new one."""
-    pause = None if _forked.child else _omp_pause()
+    pause = _team_pause()
     if pause is not None:
         pause(_OMP_PAUSE_SOFT)
 
 
 def releases_callers_team() -> bool:
-    """Whether ``release_callers_team`` ends the team (torch's OpenMP is libgomp, and this
-    process was not forked: a forked child's libgomp lists the parent's team threads, which
-    the child does not have, and waits for them forever)."""
-    return not _forked.child and _omp_pause() is not None
+    """Whether ``release_callers_team`` ends the team."""
+    return _team_pause() is not None
+
+
+def _team_pause() -> Callable[[int], int] | None:
+    """The pause that ends this thread's team: libgomp's, where this process was not forked
+    (a forked child's libgomp lists the parent's team threads, which the child does not have,
+    and the pause waits for them forever)."""
+    return None if _forked.child else _omp_pause()
 
 
 class _Forked:
