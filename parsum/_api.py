@@ -257,6 +257,7 @@ def _general_sum(
         forward_workers=1 if walk.forward_in_order else n_workers,
         step_in_backward=step_in_backward,
         step_index=step_index,
+        walk=walk,
     )
     differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
     build_graph = torch.is_grad_enabled() and (

@@ -30,7 +30,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
@@ -46,7 +46,9 @@ from ._engines import (
     Unit,
     UnitPullback,
     UnitRun,
+    direct_calls_allowed,
     pull_back_together,
+    run_direct,
     unit_forward,
 )
 from ._errors import ParsumError
@@ -54,6 +56,9 @@ from ._fused import StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
+
+if TYPE_CHECKING:
+    from ._plans import Walk
 
 # Exceptions that are torch's control flow, not a model's failure: non-reentrant checkpointing
 # around sum_models stops its recomputation with one once it has what it needs.
@@ -89,6 +94,8 @@ class SumPlan:
         where: the public name to start error messages with.
         step_in_backward: the fused optimizer steps, or None; ``step_index`` gives each
             model's position in it.
+        walk: the walk over the models the plan came from (NOTE [ Reused plans ] in _plans),
+            or None.
     """
 
     models: list[Callable[..., Any]]
@@ -109,6 +116,12 @@ class SumPlan:
     out_spec: pytree.TreeSpec | None = None
     step_in_backward: StepInBackward | None = None
     step_index: list[int | None] | None = None
+    walk: Walk | None = None
+
+    def hookless(self) -> bool:
+        """Whether no parameter has a gradient or post-accumulate-grad hook, where the walk can
+        tell cheaply; False: look."""
+        return self.walk is not None and self.walk.hookless_params()
 
     def model_error(
         self, i: int, phase: str, exc: BaseException, unit: Unit | None = None
@@ -236,6 +249,14 @@ def run_forward(
     weighted = weight_tensor is not None or plan.weights is not None
     models = plan.models
     positions = call.grad_positions
+    # Models called as the plain loop calls them: in the caller's graph, or with no graph.
+    # They read the same arguments, built once (a model gets its own keyword dict from
+    # ``**``), unless each reads aliases of its own.
+    as_called = roots is not None or not build_graph
+    shared_args = call.build() if as_called and aliases is None else None
+    programs = None  # NOTE [ Direct programs ] in _engines
+    if as_called and plan.walk is not None and plan.walk.programs:
+        programs = plan.walk.programs if direct_calls_allowed(call) else None
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -250,17 +271,30 @@ def run_forward(
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
         first: int | None = None
-        if roots is not None:  # the caller's graph: one model a unit, run as the plain loop does
-            args, kwargs = call.build()
         for u in plan.chunks[k]:
             unit = plan.units[u]
             try:
-                if roots is not None:
-                    if aliases is not None:  # its own, for its own argument gradients
+                if roots is not None:  # the caller's graph: one model a unit, run as the plain
+                    # loop runs it
+                    i = unit.models[0]
+                    if shared_args is not None:
+                        args, kwargs = shared_args
+                    else:  # aliases of its own, for its own argument gradients
                         mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
-                        aliases[unit.models[0]] = list(mine.values())
+                        aliases[i] = list(mine.values())  # type: ignore[index]
                         args, kwargs = call.build(mine)
-                    run = UnitRun([models[unit.models[0]](*args, **kwargs)], None)
+                    program = programs[i] if programs is not None else None
+                    out = run_direct(program, args[0]) if program is not None else None
+                    if out is None:
+                        out = models[i](*args, **kwargs)
+                    run = UnitRun([out], None)
+                elif (
+                    programs is not None
+                    and len(unit.models) == 1
+                    and (program := programs[unit.models[0]]) is not None
+                    and (out := run_direct(program, shared_args[0][0])) is not None  # type: ignore[index]
+                ):
+                    run = UnitRun([out], None)  # no graph: as plain_forward, called directly
                 else:
                     run = unit_forward(
                         unit, models, call, plan.model_params, build_graph, plan.engine == "auto"

@@ -130,7 +130,14 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
             _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
             # Pulled back in helpers: only where backward runs on a CPU thread (NOTE [ Device
             # threads ] in _function).
-            or all(t.device.type == "cpu" for t in [*tensors, *plan.params])
+            or (
+                all(t.device.type == "cpu" for t in tensors)
+                and (
+                    plan.walk.params_on_cpu
+                    if plan.walk is not None
+                    else all(p.device.type == "cpu" for p in plan.params)
+                )
+            )
         )
         and plan.step_in_backward is None
         and all(unit.engine == "autograd" for unit in plan.units)
@@ -138,7 +145,10 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
         and not reports_failures()
         and all(module_of(m) is not None for m in plan.models)
         and not has_compensated_flat_grads(plan.params)
-        and all(p._backward_hooks is None or not has_user_hooks(p) for p in plan.params)
+        and (
+            plan.hookless()
+            or all(p._backward_hooks is None or not has_user_hooks(p) for p in plan.params)
+        )
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
     )
 
@@ -165,7 +175,6 @@ class _State:
         self.in_order = in_order
         # Each model's aliases of the arguments that need a gradient (None: none does).
         self.aliases = aliases
-        self.anchor_node: Any = None  # the anchor's AccumulateGrad
 
 
 def sum_in_callers_graph(
@@ -196,14 +205,20 @@ def sum_in_callers_graph(
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     del roots, result, edges
-    anchor = torch.empty(0, requires_grad=True)  # its node says how backward runs
-    # Read from the node's edges, that one costs 70 us with 386 parameters (a tuple of them).
-    state.anchor_node = _edge(anchor).node
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
     return list(
-        CallerGraphSum.apply(state, anchor, len(arguments), *arguments, *weights, *plan.params)
+        CallerGraphSum.apply(state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params)
     )
+
+
+# Every node's first input: whether the running backward runs the anchor's AccumulateGrad (which
+# receives None) says whether it accumulates into every leaf (NOTE [ Accumulating in the pullback ]
+# in _function). One for all calls: a new leaf and its AccumulateGrad on every call cost 60 us of
+# a step's forward in place (16 MLPs of widths 128-512, batch 64, one thread), for a node that
+# only answers that question.
+_ANCHOR = torch.empty(0, requires_grad=True)
+_ANCHOR_NODE = _edge(_ANCHOR).node
 
 
 class CallerGraphSum(torch.autograd.Function):
@@ -260,13 +275,13 @@ class CallerGraphSum(torch.autograd.Function):
             zeroed = zeroed_slot_views(params)
         # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
         # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
-        elif any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None))) or any(
+        elif any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None))) or (
             # Autograd calls post-accumulate hooks also for the None this node returns.
-            map(post_accumulate_hooks, params)
+            not plan.hookless() and any(map(post_accumulate_hooks, params))
         ):
             zeroed = None
         accumulate = (
-            zeroed is not None and not ctx.create_graph and engine_runs_all([state.anchor_node])[0]
+            zeroed is not None and not ctx.create_graph and engine_runs_all([_ANCHOR_NODE])[0]
         )
         weighted = weight_tensor is not None or plan.weights is not None
         param_grads: list[Tensor | None] = [None] * len(params)

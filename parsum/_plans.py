@@ -45,9 +45,17 @@ from typing import Any, NamedTuple
 from torch import Tensor, nn
 from torch.nn.parameter import Parameter
 
-from ._engines import MODULE_INTERNALS, ModelParams, Unit, _may_hold_loose_tensors
+from ._engines import (
+    HOOK_DICTS,
+    MODULE_INTERNALS,
+    DirectProgram,
+    ModelParams,
+    Unit,
+    _may_hold_loose_tensors,
+    direct_program,
+)
 from ._sparse import any_sampled
-from ._stack import _HOOK_DICTS, _data_ptr, _handle_count, _requires_grad
+from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
 
 MAX_PLANS = 8
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)
@@ -113,6 +121,24 @@ class Walk:
         self._handles: int | None = None
         self._hook_ids: list[tuple[int, ...]] = []
         self._model_refs: list[weakref.ref[Any]] = []
+        # Where every parameter is (a move gives it a new storage: the walk no longer holds).
+        self.params_on_cpu = all(p.device.type == "cpu" for p in params)
+        # Each model's direct program (NOTE [ Direct programs ] in _engines), made when the
+        # walk is kept: [] for a walk made for one call.
+        self.programs: list[DirectProgram | None] = []
+        self._hookless_at: int | None = None  # the handle count of the last hookless_params
+
+    def hookless_params(self) -> bool:
+        """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
+        again only where a hook was registered somewhere since (a handle made): a call's
+        checks read two attributes of every parameter otherwise (NOTE [ Reused plans ])."""
+        handles = _handle_count()  # read first: a hook registered while looking shows next time
+        if handles is not None and handles == self._hookless_at:
+            return True
+        if any(map(_tensor_hooks, self.params)) or any(map(_post_hooks, self.params)):
+            return False
+        self._hookless_at = handles
+        return True
 
     def holds(self) -> bool:
         """Whether a walk now would find what this one found (NOTE [ Reused plans ])."""
@@ -216,7 +242,8 @@ class Walk:
         return True
 
 
-_module_hooks = operator.attrgetter(*_HOOK_DICTS)
+_module_hooks = operator.attrgetter(*HOOK_DICTS)
+_post_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 def _hook_ids(module: nn.Module) -> tuple[int, ...]:
@@ -282,6 +309,7 @@ def keep_walk(
                 modules.append(module)
     if not walk._record(modules):
         return
+    walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
     key = tuple(map(id, models))
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)

@@ -82,13 +82,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ._config import check_model_sequence
 from ._engines import (
     ELEMENTWISE,
+    GLOBAL_HOOKS,
+    HOOK_DICTS,
     MODULE_INTERNALS,
     CallArgs,
     ModelParams,
@@ -112,17 +113,6 @@ _stack_of: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictiona
 # The stacks whose parameters() were asked for (an optimizer over their tensors).
 _wanted: weakref.WeakSet[Stack] = weakref.WeakSet()
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = tuple(
-    getattr(module_globals, name)
-    for name in (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-    if hasattr(module_globals, name)
-)
 _data_ptr = Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -283,7 +273,7 @@ class Stack(Sequence[nn.Module]):
         for info in infos:
             for module in info.modules:
                 attributes = vars(module)
-                hooks.extend(attributes[key] for key in _HOOK_DICTS)
+                hooks.extend(attributes[key] for key in HOOK_DICTS)
                 kind = type(module)
                 if kind is nn.Linear:  # its forward reads its weight and bias, nothing else
                     inner = attributes["_parameters"]
@@ -374,7 +364,7 @@ class Stack(Sequence[nn.Module]):
             return self._restack()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
-            if any(map(len, self._hook_dicts)) or any(map(len, _GLOBAL_HOOKS)):
+            if any(map(len, self._hook_dicts)) or any(map(len, GLOBAL_HOOKS)):
                 return "a module hook was registered"
             tensors = self._trainable_tensors
             if any(map(_tensor_hooks, tensors)):

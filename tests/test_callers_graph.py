@@ -409,3 +409,140 @@ def test_several_threads_pull_back_on_several_threads(cores):
     assert len(seen) == 4 and len(set(seen)) == 2, seen  # the caller and a helper
     for a, b in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(a, b)
+
+
+# NOTE [ Direct programs ]
+
+
+def direct_models() -> list[nn.Module]:
+    torch.manual_seed(4)
+    return [
+        mlp([8], nn.Tanh),
+        mlp([16, 12], nn.ReLU),
+        nn.Linear(IN, OUT),
+        nn.Sequential(nn.Linear(IN, 5, bias=False), nn.Dropout(0.3), nn.GELU(), nn.Linear(5, OUT)),
+    ]
+
+
+@pytest.fixture
+def direct_runs(monkeypatch) -> list[bool]:
+    """Whether each model run in the caller's graph ran as a direct program."""
+    from parsum import _function
+
+    runs: list[bool] = []
+    run = _function.run_direct
+
+    def spy(program, x):
+        out = run(program, x)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_function, "run_direct", spy)
+    return runs
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_mlps_run_as_direct_programs_with_the_bits_of_module_calls(n_jobs, direct_runs):
+    x = torch.randn(7, IN)
+    results = []
+    for direct in (True, False):
+        models = direct_models()
+        # A global forward hook that does nothing makes every layer a module call.
+        handle = None if direct else nn.modules.module.register_module_forward_hook(lambda *a: None)
+        try:
+            for _ in range(2):  # planned, then reused
+                for m in models:
+                    m.zero_grad(set_to_none=True)
+                torch.manual_seed(11)  # the dropout masks
+                y = parsum.sum_models(models, x, n_jobs=n_jobs)
+                assert in_callers_graph(y)
+                y.pow(2).sum().backward()
+        finally:
+            if handle is not None:
+                handle.remove()
+        results.append((y.detach(), param_grads(models)))
+        assert direct_runs == [True] * 2 * len(models) if direct else not direct_runs
+        direct_runs.clear()
+    (y_direct, g_direct), (y_modules, g_modules) = results
+    assert torch.equal(y_direct, y_modules)
+    assert all(torch.equal(a, b) for a, b in zip(g_direct, g_modules))
+
+
+def test_a_direct_program_matches_the_plain_loop_and_float64():
+    models = direct_models()
+    for m in models:
+        m.eval()  # no dropout: the plain loop and float64 see the same function
+    x = torch.randn(9, IN)
+    y = parsum.sum_models(models, x, n_jobs=1)
+    ref = plain_sum(clone_models(models), x)
+    exact = plain_sum([copy_to_double(m) for m in models], x.double())
+    torch.testing.assert_close(y, ref)
+    assert (y.double() - exact).abs().max() <= (ref.double() - exact).abs().max()
+
+
+def copy_to_double(m: nn.Module) -> nn.Module:
+    return clone_models([m])[0].double()
+
+
+CALL_CHANGES = ["forward hook", "global forward hook", "forward of its own", "compiled in place"]
+
+
+@pytest.mark.parametrize("change", CALL_CHANGES)
+def test_what_a_module_call_would_do_differently_is_done(change, direct_runs):
+    models = [mlp([8]), mlp([5, 4])]
+    x = torch.randn(3, IN)
+    parsum.sum_models(models, x, n_jobs=1)
+    assert direct_runs == [True, True]
+    direct_runs.clear()
+    calls: list[str] = []
+    layer, handle = models[1][2], None
+    if change == "forward hook":
+        layer.register_forward_hook(lambda m, i, out: calls.append(change) or 2 * out)
+    elif change == "global forward hook":
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda m, i, out: calls.append(change) or (2 * out if m is layer else out)
+        )
+    elif change == "forward of its own":
+        layer.forward = lambda h: (
+            calls.append(change) or 2 * nn.functional.linear(h, layer.weight, layer.bias)
+        )
+    else:  # what Module.compile() sets; here a wrapper that doubles the output
+        layer._compiled_call_impl = lambda *a: calls.append(change) or 2 * layer._call_impl(*a)
+    try:
+        y = parsum.sum_models(models, x, n_jobs=1)
+        called = len(calls)
+        ref = plain_sum(models, x)  # through the same changed modules
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert called >= 1 and len(calls) == 2 * called
+    # The first model as a program; the second called as a module: planned without a program
+    # (a hook), or its program declined on the call; under a global hook no program at all.
+    assert (
+        direct_runs
+        == {
+            "forward hook": [True],
+            "global forward hook": [],
+            "forward of its own": [True, False],
+            "compiled in place": [True, False],
+        }[change]
+    )
+    torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_direct_programs_without_a_graph(mode, direct_runs):
+    models = direct_models()
+    x = torch.randn(5, IN)
+    results = []
+    for direct in (True, False):
+        handle = None if direct else nn.modules.module.register_module_forward_hook(lambda *a: None)
+        try:
+            with getattr(torch, mode)():
+                torch.manual_seed(3)
+                results.append(parsum.sum_models(models, x, n_jobs=1))
+        finally:
+            if handle is not None:
+                handle.remove()
+    assert direct_runs == [True] * len(models)
+    assert results[0].grad_fn is None and torch.equal(results[0], results[1])
