@@ -395,9 +395,13 @@ def plain_forward(model: Callable[..., Any], call: CallArgs) -> Any:
 
 
 def autograd_forward(
-    model: Callable[..., Any], call: CallArgs, params: ModelParams
+    model: Callable[..., Any],
+    call: CallArgs,
+    params: ModelParams,
+    program: DirectProgram | None = None,
 ) -> tuple[Any, Pullback]:
-    """Run the model on detached inputs under enable_grad; pull back with autograd.grad."""
+    """Run the model on detached inputs under enable_grad (its layers called directly where
+    ``program`` is given: NOTE [ Direct programs ]); pull back with autograd.grad."""
     # NOTE [ Hooks run once ]: differentiating with respect to a parameter would run its
     # tensor hooks (register_hook) in the pullback, and autograd runs them again on the whole
     # gradient that ParallelSum returns. Such a parameter is read through an alias, a view of
@@ -421,7 +425,9 @@ def autograd_forward(
             wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
-        out = model(*args, **kwargs)
+        out = None if program is None or hooked else run_direct(program, args[0])
+        if out is None:
+            out = model(*args, **kwargs)
         if hooked:
             write_back(shadowed.values(), aliases.values())
     finally:
@@ -633,10 +639,13 @@ def unit_forward(
     model_params: Sequence[ModelParams],
     build_graph: bool,
     fall_back: bool = False,
+    program: DirectProgram | None = None,
 ) -> UnitRun:
     """Run a unit's models.
 
-    With ``fall_back``, a stacked unit that vmap cannot run runs its models one by one.
+    With ``fall_back``, a stacked unit that vmap cannot run runs its models one by one. A
+    one-model unit of engine "autograd" runs ``program`` where it is given (NOTE [ Direct
+    programs ]).
     """
     if unit.engine == "stacked":
         group = [models[i] for i in unit.models]
@@ -657,7 +666,10 @@ def unit_forward(
     (i,) = unit.models
     if not build_graph:
         return UnitRun([plain_forward(models[i], call)], None)
-    out, pullback = ENGINE_FORWARDS[unit.engine](models[i], call, model_params[i])
+    if unit.engine == "autograd":
+        out, pullback = autograd_forward(models[i], call, model_params[i], program)
+    else:
+        out, pullback = ENGINE_FORWARDS[unit.engine](models[i], call, model_params[i])
     return UnitRun([out], SinglePullback(pullback))
 
 

@@ -255,8 +255,8 @@ def run_forward(
     as_called = roots is not None or not build_graph
     shared_args = call.build() if as_called and aliases is None else None
     programs = None  # NOTE [ Direct programs ] in _engines
-    if as_called and plan.walk is not None and plan.walk.programs:
-        programs = plan.walk.programs if direct_calls_allowed(call) else None
+    if plan.walk is not None and plan.walk.programs and direct_calls_allowed(call):
+        programs = plan.walk.programs
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -289,15 +289,23 @@ def run_forward(
                         out = models[i](*args, **kwargs)
                     run = UnitRun([out], None)
                 elif (
-                    programs is not None
+                    shared_args is not None
+                    and programs is not None
                     and len(unit.models) == 1
                     and (program := programs[unit.models[0]]) is not None
-                    and (out := run_direct(program, shared_args[0][0])) is not None  # type: ignore[index]
+                    and (out := run_direct(program, shared_args[0][0])) is not None
                 ):
                     run = UnitRun([out], None)  # no graph: as plain_forward, called directly
                 else:
+                    one = programs[unit.models[0]] if programs and len(unit.models) == 1 else None
                     run = unit_forward(
-                        unit, models, call, plan.model_params, build_graph, plan.engine == "auto"
+                        unit,
+                        models,
+                        call,
+                        plan.model_params,
+                        build_graph,
+                        plan.engine == "auto",
+                        one,
                     )
             except _CONTROL_FLOW:
                 raise

@@ -426,11 +426,12 @@ def direct_models() -> list[nn.Module]:
 
 @pytest.fixture
 def direct_runs(monkeypatch) -> list[bool]:
-    """Whether each model run in the caller's graph ran as a direct program."""
-    from parsum import _function
+    """Whether each model run ran as a direct program (in the caller's graph, with no graph,
+    or in ParallelSum)."""
+    from parsum import _engines, _function
 
     runs: list[bool] = []
-    run = _function.run_direct
+    run = _engines.run_direct
 
     def spy(program, x):
         out = run(program, x)
@@ -438,15 +439,22 @@ def direct_runs(monkeypatch) -> list[bool]:
         return out
 
     monkeypatch.setattr(_function, "run_direct", spy)
+    monkeypatch.setattr(_engines, "run_direct", spy)
     return runs
 
 
+@pytest.mark.parametrize("callers_graph", [True, False])
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_mlps_run_as_direct_programs_with_the_bits_of_module_calls(n_jobs, direct_runs):
+def test_mlps_run_as_direct_programs_with_the_bits_of_module_calls(
+    n_jobs, callers_graph, direct_runs, monkeypatch
+):
+    monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: callers_graph)
     x = torch.randn(7, IN)
     results = []
     for direct in (True, False):
         models = direct_models()
+        for m in models:  # dropout's draws follow the order the threads run in
+            m.train(n_jobs == 1)
         # A global forward hook that does nothing makes every layer a module call.
         handle = None if direct else nn.modules.module.register_module_forward_hook(lambda *a: None)
         try:
@@ -454,8 +462,8 @@ def test_mlps_run_as_direct_programs_with_the_bits_of_module_calls(n_jobs, direc
                 for m in models:
                     m.zero_grad(set_to_none=True)
                 torch.manual_seed(11)  # the dropout masks
-                y = parsum.sum_models(models, x, n_jobs=n_jobs)
-                assert in_callers_graph(y)
+                y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1)
+                assert in_callers_graph(y) == callers_graph
                 y.pow(2).sum().backward()
         finally:
             if handle is not None:
