@@ -400,6 +400,8 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
         raise ParsumError(
             f"{_WHERE}: weights has length {len(weights)}; expected len(models) = {n_models}"
         )
+    if all(type(w) is float for w in weights):  # the usual case: no ABC check a weight
+        return list(weights), None
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
             raise ParsumError(
