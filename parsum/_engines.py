@@ -823,24 +823,26 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
 
 
 # NOTE [ Direct programs ]
-# In the caller's graph (NOTE [ The caller's graph ] in _inline), a model whose batched program
-# exists (``program_of``: an nn.Sequential of nn.Linear and elementwise layers, exactly these
-# types, or one nn.Linear) runs as its layers' functions called directly, ``F.linear`` and each
-# activation module's own ``forward``, instead of through ``nn.Module.__call__`` a layer: the
-# same kernels in the same order, so the same bits and the same autograd graph, without each
-# layer's call machinery (hooks looked for, ``forward`` looked up, Sequential's iteration). The
+# A model that is an nn.Sequential (nested ones included) of layers of torch.nn, or one such
+# layer, runs in the caller's graph (NOTE [ The caller's graph ] in _inline), in ParallelSum and
+# with no graph as those layers called directly, ``F.linear`` for an nn.Linear and each other
+# layer's own ``forward``, instead of through ``nn.Module.__call__`` a layer: the same kernels
+# in the same order, so the same bits and the same autograd graph, without each layer's call
+# machinery (hooks looked for, ``forward`` looked up, Sequential's iteration). The
 # plain loop against the same layers called directly, one thread: 16 MLPs of widths 128-512 at
 # batch 64 13.00 -> 12.73 ms a step, 64 tiny MLPs 5.15 -> 4.33. Only where a module call would
 # do nothing more: no hook on any of the model's modules when the walk was made (a hook added
 # since changes the walk's hook check, NOTE [ Reused plans ] in _plans), no global module hook,
-# not under the JIT tracer, one tensor argument and no keyword (``runs_as_program``), and, looked
-# at on every call, no module compiled in place (``Module.compile``) or given a ``forward`` of
-# its own. The program holds its modules weakly: a walk keeps no model alive.
+# not under the JIT tracer, one tensor argument and no keyword (``direct_calls_allowed``), and,
+# looked at on every call, no module compiled in place (``Module.compile``) or given a
+# ``forward`` of its own. Layers of classes outside torch.nn are called as modules: such a class
+# may define its own ``__call__``. The program holds its modules weakly: a walk keeps no model
+# alive.
 
 
 class DirectProgram(NamedTuple):
     """A model's layers to call directly (NOTE [ Direct programs ]): a Linear's weight and
-    bias, or an elementwise module (weakly); and every module of the model (weakly)."""
+    bias, or another layer (weakly); and every module of the model (weakly)."""
 
     steps: list[tuple[Tensor, Tensor | None] | weakref.ref[nn.Module]]
     modules: list[weakref.ref[nn.Module]]
@@ -848,22 +850,31 @@ class DirectProgram(NamedTuple):
 
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:
     """The model's direct program, where it has one and no module of it has hooks."""
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, nn.Module) or any(any(_hook_dicts(m)) for m in params.modules):
         return None
-    program = program_of(model)
-    if program is None or any(any(_hook_dicts(m)) for m in params.modules):
-        return None
-    found = dict(model.named_parameters(remove_duplicate=False))
-    steps: list[tuple[Tensor, Tensor | None] | weakref.ref[nn.Module]] = []
-    for step in program:
-        if isinstance(step, nn.Module):
-            steps.append(weakref.ref(step))
-            continue
-        weight = found.get(step[0])
-        if weight is None or (step[1] is not None and step[1] not in found):
-            return None
-        steps.append((weight, found[step[1]] if step[1] is not None else None))
-    return DirectProgram(steps, [weakref.ref(m) for m in params.modules])
+    steps = _direct_steps(model)
+    return None if steps is None else DirectProgram(steps, [weakref.ref(m) for m in params.modules])
+
+
+def _direct_steps(module: nn.Module) -> list[tuple[Tensor, Tensor | None] | weakref.ref] | None:
+    """An nn.Sequential's layers, nested ones flattened, as what Sequential.forward would call:
+    a Linear's weight and bias, or another layer of torch.nn (whose forward is what calling it
+    runs), held weakly; None for anything else (a class of the user's may call differently)."""
+    kind = type(module)
+    if kind is nn.Sequential:
+        steps: list[tuple[Tensor, Tensor | None] | weakref.ref] = []
+        for child in module._modules.values():
+            found = None if child is None else _direct_steps(child)
+            if found is None:
+                return None
+            steps += found
+        return steps
+    if kind is nn.Linear:
+        weight = module._parameters.get("weight")
+        return None if weight is None else [(weight, module._parameters.get("bias"))]
+    if kind.__module__.startswith("torch.nn.") and kind.__call__ is nn.Module.__call__:
+        return [weakref.ref(module)]
+    return None
 
 
 # A module's hooks that a call runs, and every module's (NOTE [ Direct programs ]; stacking).

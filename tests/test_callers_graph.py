@@ -421,6 +421,12 @@ def direct_models() -> list[nn.Module]:
         mlp([16, 12], nn.ReLU),
         nn.Linear(IN, OUT),
         nn.Sequential(nn.Linear(IN, 5, bias=False), nn.Dropout(0.3), nn.GELU(), nn.Linear(5, OUT)),
+        nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, OUT)),
+        nn.Sequential(  # nested; BatchNorm's statistics updated as by module calls
+            nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8)),
+            nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 2, 3), nn.Flatten()),
+            nn.Linear(12, OUT),
+        ),
     ]
 
 
@@ -468,12 +474,26 @@ def test_mlps_run_as_direct_programs_with_the_bits_of_module_calls(
         finally:
             if handle is not None:
                 handle.remove()
-        results.append((y.detach(), param_grads(models)))
+        buffers = [b.clone() for m in models for b in m.buffers()]
+        results.append((y.detach(), param_grads(models), buffers))
         assert direct_runs == [True] * 2 * len(models) if direct else not direct_runs
         direct_runs.clear()
-    (y_direct, g_direct), (y_modules, g_modules) = results
+    (y_direct, g_direct, b_direct), (y_modules, g_modules, b_modules) = results
     assert torch.equal(y_direct, y_modules)
     assert all(torch.equal(a, b) for a, b in zip(g_direct, g_modules))
+    assert b_direct and all(torch.equal(a, b) for a, b in zip(b_direct, b_modules))
+
+
+def test_a_layer_of_another_class_keeps_its_model_a_module_call(direct_runs):
+    class Squash(nn.Module):  # may define its own __call__: called as a module
+        def forward(self, x):
+            return torch.tanh(x)
+
+    models = [mlp([4]), nn.Sequential(nn.Linear(IN, 4), Squash(), nn.Linear(4, OUT))]
+    x = torch.randn(3, IN)
+    y = parsum.sum_models(models, x, n_jobs=1)
+    assert direct_runs == [True]  # the first model only
+    torch.testing.assert_close(y, plain_sum(models, x))
 
 
 def test_a_direct_program_matches_the_plain_loop_and_float64():
