@@ -212,12 +212,12 @@ def sum_in_callers_graph(
     )
 
 
-# Every node's first input: whether the running backward runs the anchor's AccumulateGrad (which
-# receives None) says whether it accumulates into every leaf (NOTE [ Accumulating in the pullback ]
-# in _function). One for all calls: a new leaf and its AccumulateGrad on every call cost 60 us of
-# a step's forward in place (16 MLPs of widths 128-512, batch 64, one thread), for a node that
-# only answers that question.
-_ANCHOR = torch.empty(0, requires_grad=True)
+# Every node's first tensor input: whether the running backward runs the anchor's AccumulateGrad
+# (which receives None) says whether it accumulates into every leaf (NOTE [ Accumulating in the
+# pullback ] in _function). One for all calls: a new leaf and its AccumulateGrad on every call
+# cost 50-60 us of a step's forward in place (16 MLPs of widths 128-512, batch 64, one thread),
+# for a node that only answers that question. On the CPU whatever the default device at import.
+_ANCHOR = torch.empty(0, requires_grad=True, device="cpu")
 _ANCHOR_NODE = _edge(_ANCHOR).node
 
 
