@@ -350,3 +350,39 @@ def test_destroy_process_group_stops_gloo_threads_when_parsum_is_imported_first(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+ONE_RANK_SCRIPT = """
+import copy, torch, torch.distributed as dist
+import parsum
+from tests.zoo import IN, param_grads, zoo
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+def no_exchange(*args, **kwargs):
+    raise AssertionError("a group of one rank exchanged something")
+dist.all_gather = no_exchange
+models = zoo(seed=5)
+ref = copy.deepcopy(models)
+x = torch.randn(4, IN, requires_grad=True)
+x_ref = x.detach().clone().requires_grad_()
+y = parsum.distributed.sum_models(models, x, weights=[0.5] * len(models))
+y_ref = parsum.sum_models(ref, x_ref, weights=[0.5] * len(ref))
+y.pow(2).sum().backward()
+y_ref.pow(2).sum().backward()
+assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad)
+assert all(torch.equal(a, b) for a, b in zip(param_grads(models), param_grads(ref)))
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_exchanges_nothing_and_gives_the_local_bits():
+    # NOTE [ One rank ]
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_RANK_SCRIPT % free_port()],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
