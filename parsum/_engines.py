@@ -425,9 +425,11 @@ def autograd_forward(
             wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         args, kwargs = call.build(inputs)
-        out = None if program is None or hooked else run_direct(program, args[0])
-        if out is None:
-            out = model(*args, **kwargs)
+        out = (  # NOTE [ Direct programs ]
+            run_direct(program, args[0])
+            if program is not None and not hooked
+            else model(*args, **kwargs)
+        )
         if hooked:
             write_back(shadowed.values(), aliases.values())
     finally:
@@ -831,29 +833,39 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
 # machinery (hooks looked for, ``forward`` looked up, Sequential's iteration). The
 # plain loop against the same layers called directly, one thread: 16 MLPs of widths 128-512 at
 # batch 64 13.00 -> 12.73 ms a step, 64 tiny MLPs 5.15 -> 4.33. Only where a module call would
-# do nothing more: no hook on any of the model's modules when the walk was made (a hook added
-# since changes the walk's hook check, NOTE [ Reused plans ] in _plans), no global module hook,
-# not under the JIT tracer, one tensor argument and no keyword (``direct_calls_allowed``), and,
-# looked at on every call, no module compiled in place (``Module.compile``) or given a
-# ``forward`` of its own. Layers of classes outside torch.nn are called as modules: such a class
-# may define its own ``__call__``. The program holds its modules weakly: a walk keeps no model
-# alive.
+# do nothing more: when the walk was made, no module of the model had a hook, a ``forward`` of
+# its own or a compiled call (``Module.compile``), and the walk's check notices any of them
+# added since (NOTE [ Reused plans ] in _plans: the next call plans anew); on the call, no global
+# module hook, no JIT tracer, one tensor argument and no keyword (``direct_calls_allowed``).
+# Layers of classes outside torch.nn are called as modules: such a class may define its own
+# ``__call__``. The program holds its modules weakly: a walk keeps no model alive. Looking for a
+# forward of its own and a compiled call in every module on every call, in the program, cost
+# more than in the walk's check, which reads the same attribute dictionaries already.
 
 
 class DirectProgram(NamedTuple):
     """A model's layers to call directly (NOTE [ Direct programs ]): a Linear's weight and
-    bias, or another layer (weakly); and every module of the model (weakly)."""
+    bias, or another layer (weakly)."""
 
     steps: list[tuple[Tensor, Tensor | None] | weakref.ref[nn.Module]]
-    modules: list[weakref.ref[nn.Module]]
 
 
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:
-    """The model's direct program, where it has one and no module of it has hooks."""
-    if not isinstance(model, nn.Module) or any(any(_hook_dicts(m)) for m in params.modules):
+    """The model's direct program, where it has one and calling its modules would do no more
+    than their classes' forward: no hooks, no forward of its own, not compiled in place."""
+    if not isinstance(model, nn.Module) or any(map(_called_otherwise, params.modules)):
         return None
     steps = _direct_steps(model)
-    return None if steps is None else DirectProgram(steps, [weakref.ref(m) for m in params.modules])
+    return None if steps is None else DirectProgram(steps)
+
+
+def _called_otherwise(module: nn.Module) -> bool:
+    attributes = vars(module)
+    return (
+        any(_hook_dicts(module))
+        or "forward" in attributes
+        or attributes.get("_compiled_call_impl") is not None
+    )
 
 
 def _direct_steps(module: nn.Module) -> list[tuple[Tensor, Tensor | None] | weakref.ref] | None:
@@ -905,13 +917,8 @@ def direct_calls_allowed(call: CallArgs) -> bool:
     )
 
 
-def run_direct(program: DirectProgram, x: Tensor) -> Tensor | None:
-    """The model's output from its layers called directly; None where a module was compiled
-    in place or given a forward of its own since (then it is called as a module)."""
-    for ref in program.modules:
-        attributes = vars(ref())
-        if "forward" in attributes or attributes.get("_compiled_call_impl") is not None:
-            return None
+def run_direct(program: DirectProgram, x: Tensor) -> Tensor:
+    """The model's output from its layers called directly."""
     h = x
     for step in program.steps:
         if isinstance(step, tuple):  # a Linear: nn.Linear.forward's own call

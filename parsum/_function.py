@@ -284,18 +284,17 @@ def run_forward(
                         aliases[i] = list(mine.values())  # type: ignore[index]
                         args, kwargs = call.build(mine)
                     program = programs[i] if programs is not None else None
-                    out = run_direct(program, args[0]) if program is not None else None
-                    if out is None:
-                        out = models[i](*args, **kwargs)
-                    run = UnitRun([out], None)
+                    if program is not None:
+                        run = UnitRun([run_direct(program, args[0])], None)
+                    else:
+                        run = UnitRun([models[i](*args, **kwargs)], None)
                 elif (
                     shared_args is not None
                     and programs is not None
                     and len(unit.models) == 1
                     and (program := programs[unit.models[0]]) is not None
-                    and (out := run_direct(program, shared_args[0][0])) is not None
-                ):
-                    run = UnitRun([out], None)  # no graph: as plain_forward, called directly
+                ):  # no graph: as plain_forward, its layers called directly
+                    run = UnitRun([run_direct(program, shared_args[0][0])], None)
                 else:
                     one = programs[unit.models[0]] if programs and len(unit.models) == 1 else None
                     run = unit_forward(

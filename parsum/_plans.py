@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import threading
 import weakref
@@ -127,6 +128,7 @@ class Walk:
         # walk is kept: [] for a walk made for one call.
         self.programs: list[DirectProgram | None] = []
         self._hookless_at: int | None = None  # the handle count of the last hookless_params
+        self._calls: list[bool] = []
 
     def hookless_params(self) -> bool:
         """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
@@ -151,6 +153,7 @@ class Walk:
         if (
             list(map(type, modules)) != self._types
             or list(map(_training, modules)) != self._training
+            or _call_flags(modules) != self._calls
             or list(map(len, self._sized)) != self._sizes
             or not all(
                 map(_is, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values)
@@ -232,6 +235,7 @@ class Walk:
             return False
         self._types = list(map(type, modules))
         self._training = list(map(_training, modules))
+        self._calls = _call_flags(modules)
         self._sizes = list(map(len, self._sized))
         self._entry_dicts = [e[0] for e in entries]
         self._entry_keys = [e[1] for e in entries]
@@ -243,7 +247,25 @@ class Walk:
 
 
 _module_hooks = operator.attrgetter(*HOOK_DICTS)
+
+
+def _call_flags(modules: Sequence[Any]) -> list[bool]:
+    """Whether each module has a forward of its own, then whether each is not compiled in place
+    (``Module.compile``): what would make calling it more than its class's forward (NOTE
+    [ Direct programs ] in _engines)."""
+    attributes: list[dict[str, Any]] = list(map(_attributes_of, modules))
+    return [
+        *map(operator.contains, attributes, itertools.repeat("forward")),
+        *map(
+            _is,
+            map(dict.get, attributes, itertools.repeat("_compiled_call_impl")),
+            itertools.repeat(None),
+        ),
+    ]
+
+
 _post_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+_attributes_of = operator.attrgetter("__dict__")
 
 
 def _hook_ids(module: nn.Module) -> tuple[int, ...]:
