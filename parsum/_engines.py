@@ -868,15 +868,21 @@ def _called_otherwise(module: nn.Module) -> bool:
     )
 
 
-def _direct_steps(module: nn.Module) -> list[tuple[Tensor, Tensor | None] | weakref.ref] | None:
+def _direct_steps(
+    module: nn.Module, inside: frozenset[int] = frozenset()
+) -> list[tuple[Tensor, Tensor | None] | weakref.ref] | None:
     """An nn.Sequential's layers, nested ones flattened, as what Sequential.forward would call:
     a Linear's weight and bias, or another layer of torch.nn (whose forward is what calling it
-    runs), held weakly; None for anything else (a class of the user's may call differently)."""
+    runs), held weakly; None for anything else (a class of the user's may call differently, a
+    Sequential inside itself recurses forever, which its module calls report)."""
     kind = type(module)
     if kind is nn.Sequential:
+        if id(module) in inside:
+            return None
+        inside = inside | {id(module)}
         steps: list[tuple[Tensor, Tensor | None] | weakref.ref] = []
         for child in module._modules.values():
-            found = None if child is None else _direct_steps(child)
+            found = None if child is None else _direct_steps(child, inside)
             if found is None:
                 return None
             steps += found

@@ -566,3 +566,10 @@ def test_direct_programs_without_a_graph(mode, direct_runs):
                 handle.remove()
     assert direct_runs == [True] * len(models)
     assert results[0].grad_fn is None and torch.equal(results[0], results[1])
+
+
+def test_a_sequential_inside_itself_fails_as_a_model_that_raises():
+    looped = nn.Sequential(nn.Linear(IN, IN))
+    looped.append(looped)  # its forward recurses until Python stops it
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\) raised RecursionError"):
+        parsum.sum_models([looped, mlp([4])], torch.randn(2, IN), n_jobs=1)
