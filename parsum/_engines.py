@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import operator
 import types
 import weakref
@@ -853,19 +854,29 @@ class DirectProgram(NamedTuple):
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:
     """The model's direct program, where it has one and calling its modules would do no more
     than their classes' forward: no hooks, no forward of its own, not compiled in place."""
-    if not isinstance(model, nn.Module) or any(map(_called_otherwise, params.modules)):
+    modules = params.modules
+    if (
+        not isinstance(model, nn.Module)
+        or any(map(any, map(module_hooks, modules)))
+        or any(own_calls(modules))
+    ):
         return None
     steps = _direct_steps(model)
     return None if steps is None else DirectProgram(steps)
 
 
-def _called_otherwise(module: nn.Module) -> bool:
-    attributes = vars(module)
-    return (
-        any(_hook_dicts(module))
-        or "forward" in attributes
-        or attributes.get("_compiled_call_impl") is not None
-    )
+def own_calls(modules: Sequence[Any]) -> list[bool]:
+    """Whether calling each module runs more than its class's forward, hooks aside: a
+    ``forward`` of its own or a compiled call (``Module.compile``). The walk's check compares
+    them call by call (NOTE [ Direct programs ])."""
+    attributes = list(map(_attributes_of, modules))
+    forwards = map(operator.contains, attributes, itertools.repeat("forward"))
+    calls = map(dict.get, attributes, itertools.repeat("_compiled_call_impl"))
+    compiled = map(operator.is_not, calls, itertools.repeat(None))
+    return list(map(operator.or_, forwards, compiled))
+
+
+_attributes_of = operator.attrgetter("__dict__")
 
 
 def _direct_steps(
@@ -907,7 +918,7 @@ GLOBAL_HOOKS = tuple(
     )
     if hasattr(module_globals, name)
 )
-_hook_dicts = operator.attrgetter(*HOOK_DICTS)
+module_hooks = operator.attrgetter(*HOOK_DICTS)
 
 
 def direct_calls_allowed(call: CallArgs) -> bool:

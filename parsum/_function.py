@@ -94,8 +94,7 @@ class SumPlan:
         where: the public name to start error messages with.
         step_in_backward: the fused optimizer steps, or None; ``step_index`` gives each
             model's position in it.
-        walk: the walk over the models the plan came from (NOTE [ Reused plans ] in _plans),
-            or None.
+        walk: the walk over the models the plan came from (NOTE [ Reused plans ] in _plans).
     """
 
     models: list[Callable[..., Any]]
@@ -111,17 +110,12 @@ class SumPlan:
     chunks: list[range]
     n_workers: int
     forward_workers: int
+    walk: Walk
     claim_order: Sequence[int] | None = None
     where: str = "sum_models"
     out_spec: pytree.TreeSpec | None = None
     step_in_backward: StepInBackward | None = None
     step_index: list[int | None] | None = None
-    walk: Walk | None = None
-
-    def hookless(self) -> bool:
-        """Whether no parameter has a gradient or post-accumulate-grad hook, where the walk can
-        tell cheaply; False: look."""
-        return self.walk is not None and self.walk.hookless_params()
 
     def model_error(
         self, i: int, phase: str, exc: BaseException, unit: Unit | None = None
@@ -255,7 +249,7 @@ def run_forward(
     as_called = roots is not None or not build_graph
     shared_args = call.build() if as_called and aliases is None else None
     programs = None  # NOTE [ Direct programs ] in _engines
-    if plan.walk is not None and plan.walk.programs and direct_calls_allowed(call):
+    if plan.walk.programs and direct_calls_allowed(call):
         programs = plan.walk.programs
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:

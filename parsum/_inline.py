@@ -130,14 +130,7 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
             _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
             # Pulled back in helpers: only where backward runs on a CPU thread (NOTE [ Device
             # threads ] in _function).
-            or (
-                all(t.device.type == "cpu" for t in tensors)
-                and (
-                    plan.walk.params_on_cpu
-                    if plan.walk is not None
-                    else all(p.device.type == "cpu" for p in plan.params)
-                )
-            )
+            or (plan.walk.params_on_cpu and all(t.device.type == "cpu" for t in tensors))
         )
         and plan.step_in_backward is None
         and all(unit.engine == "autograd" for unit in plan.units)
@@ -146,7 +139,7 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
         and all(module_of(m) is not None for m in plan.models)
         and not has_compensated_flat_grads(plan.params)
         and (
-            plan.hookless()
+            plan.walk.hookless_params()
             or all(p._backward_hooks is None or not has_user_hooks(p) for p in plan.params)
         )
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
@@ -277,7 +270,7 @@ class CallerGraphSum(torch.autograd.Function):
         # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
         elif any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None))) or (
             # Autograd calls post-accumulate hooks also for the None this node returns.
-            not plan.hookless() and any(map(post_accumulate_hooks, params))
+            not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params))
         ):
             zeroed = None
         accumulate = (

@@ -35,7 +35,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import threading
 import weakref
@@ -47,15 +46,16 @@ from torch import Tensor, nn
 from torch.nn.parameter import Parameter
 
 from ._engines import (
-    HOOK_DICTS,
     MODULE_INTERNALS,
     DirectProgram,
     ModelParams,
     Unit,
     _may_hold_loose_tensors,
     direct_program,
+    module_hooks,
+    own_calls,
 )
-from ._sparse import any_sampled
+from ._sparse import any_sampled, post_accumulate_hooks
 from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
 
 MAX_PLANS = 8
@@ -137,7 +137,7 @@ class Walk:
         handles = _handle_count()  # read first: a hook registered while looking shows next time
         if handles is not None and handles == self._hookless_at:
             return True
-        if any(map(_tensor_hooks, self.params)) or any(map(_post_hooks, self.params)):
+        if any(map(_tensor_hooks, self.params)) or any(map(post_accumulate_hooks, self.params)):
             return False
         self._hookless_at = handles
         return True
@@ -153,7 +153,7 @@ class Walk:
         if (
             list(map(type, modules)) != self._types
             or list(map(_training, modules)) != self._training
-            or _call_flags(modules) != self._calls
+            or own_calls(modules) != self._calls
             or list(map(len, self._sized)) != self._sizes
             or not all(
                 map(_is, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values)
@@ -235,7 +235,7 @@ class Walk:
             return False
         self._types = list(map(type, modules))
         self._training = list(map(_training, modules))
-        self._calls = _call_flags(modules)
+        self._calls = own_calls(modules)
         self._sizes = list(map(len, self._sized))
         self._entry_dicts = [e[0] for e in entries]
         self._entry_keys = [e[1] for e in entries]
@@ -246,31 +246,9 @@ class Walk:
         return True
 
 
-_module_hooks = operator.attrgetter(*HOOK_DICTS)
-
-
-def _call_flags(modules: Sequence[Any]) -> list[bool]:
-    """Whether each module has a forward of its own, then whether each is not compiled in place
-    (``Module.compile``): what would make calling it more than its class's forward (NOTE
-    [ Direct programs ] in _engines)."""
-    attributes: list[dict[str, Any]] = list(map(_attributes_of, modules))
-    return [
-        *map(operator.contains, attributes, itertools.repeat("forward")),
-        *map(
-            _is,
-            map(dict.get, attributes, itertools.repeat("_compiled_call_impl")),
-            itertools.repeat(None),
-        ),
-    ]
-
-
-_post_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
-_attributes_of = operator.attrgetter("__dict__")
-
-
 def _hook_ids(module: nn.Module) -> tuple[int, ...]:
     """The handle ids of a module's hooks (unique: a hook replaced by another shows)."""
-    forward, forward_pre, backward, backward_pre = _module_hooks(module)
+    forward, forward_pre, backward, backward_pre = module_hooks(module)
     return (*forward, *forward_pre, *backward, *backward_pre)
 
 
