@@ -342,14 +342,19 @@ print(sorted(t for t in threads if "gloo" in t))
 def test_destroy_process_group_stops_gloo_threads_when_parsum_is_imported_first():
     # NOTE [ Releasing the process group ]. Without the import of parsum this prints gloo's
     # three threads on torch 2.13.
+    assert run_script(RELEASE_SCRIPT) == "[]"
+
+
+def run_script(script: str) -> str:
+    """What ``script`` (its ``%d`` a free port) prints, run in a Python process of its own."""
     done = subprocess.run(
-        [sys.executable, "-c", RELEASE_SCRIPT % free_port()],
+        [sys.executable, "-c", script % free_port()],
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return done.stdout.strip()
 
 
 ONE_RANK_SCRIPT = """
@@ -378,11 +383,4 @@ print("ok")
 @pytest.mark.timeout(120)
 def test_one_rank_exchanges_nothing_and_gives_the_local_bits():
     # NOTE [ One rank ]
-    done = subprocess.run(
-        [sys.executable, "-c", ONE_RANK_SCRIPT % free_port()],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert run_script(ONE_RANK_SCRIPT) == "ok"
