@@ -389,10 +389,13 @@ def pull_back(
     )
 
 
-def plain_forward(model: Callable[..., Any], call: CallArgs) -> Any:
-    """Run the model with no graph (no grad, inference mode, or nothing to differentiate)."""
+def plain_forward(
+    model: Callable[..., Any], call: CallArgs, program: DirectProgram | None = None
+) -> Any:
+    """Run the model with no graph (no grad, inference mode, or nothing to differentiate), its
+    layers called directly where ``program`` is given (NOTE [ Direct programs ])."""
     args, kwargs = call.build()
-    return model(*args, **kwargs)
+    return model(*args, **kwargs) if program is None else run_direct(program, args[0])
 
 
 def autograd_forward(
@@ -647,8 +650,8 @@ def unit_forward(
     """Run a unit's models.
 
     With ``fall_back``, a stacked unit that vmap cannot run runs its models one by one. A
-    one-model unit of engine "autograd" runs ``program`` where it is given (NOTE [ Direct
-    programs ]).
+    one-model unit runs ``program`` where it is given, with no graph or by engine "autograd"
+    (NOTE [ Direct programs ]).
     """
     if unit.engine == "stacked":
         group = [models[i] for i in unit.models]
@@ -668,7 +671,7 @@ def unit_forward(
             return run
     (i,) = unit.models
     if not build_graph:
-        return UnitRun([plain_forward(models[i], call)], None)
+        return UnitRun([plain_forward(models[i], call, program)], None)
     if unit.engine == "autograd":
         out, pullback = autograd_forward(models[i], call, model_params[i], program)
     else:

@@ -243,11 +243,9 @@ def run_forward(
     weighted = weight_tensor is not None or plan.weights is not None
     models = plan.models
     positions = call.grad_positions
-    # Models called as the plain loop calls them: in the caller's graph, or with no graph.
-    # They read the same arguments, built once (a model gets its own keyword dict from
-    # ``**``), unless each reads aliases of its own.
-    as_called = roots is not None or not build_graph
-    shared_args = call.build() if as_called and aliases is None else None
+    # In the caller's graph every model reads the same arguments, built once (a model gets its
+    # own keyword dict from ``**``), unless each reads aliases of its own.
+    shared_args = call.build() if roots is not None and aliases is None else None
     programs = None  # NOTE [ Direct programs ] in _engines
     if plan.walk.programs and direct_calls_allowed(call):
         programs = plan.walk.programs
@@ -282,13 +280,6 @@ def run_forward(
                         run = UnitRun([run_direct(program, args[0])], None)
                     else:
                         run = UnitRun([models[i](*args, **kwargs)], None)
-                elif (
-                    shared_args is not None
-                    and programs is not None
-                    and len(unit.models) == 1
-                    and (program := programs[unit.models[0]]) is not None
-                ):  # no graph: as plain_forward, its layers called directly
-                    run = UnitRun([run_direct(program, shared_args[0][0])], None)
                 else:
                     one = programs[unit.models[0]] if programs and len(unit.models) == 1 else None
                     run = unit_forward(
