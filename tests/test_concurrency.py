@@ -283,9 +283,10 @@ def test_grad_mode_crosses_into_workers():
     assert seen == [False] * 4
 
 
-def test_default_device_crosses_into_workers(cores):
+@pytest.mark.parametrize("how", ["context", "set_default_device"])
+def test_default_device_crosses_into_workers(cores, how):
     # Thread-local in PyTorch: a helper must see the caller's, or the tensors a model creates
-    # (torch.zeros(n) in forward) land on another device.
+    # (torch.zeros(n) in forward) land on another device. Set for a block or for the thread.
     cores(2)  # two threads, whatever the machine
     seen = []
 
@@ -298,8 +299,15 @@ def test_default_device_crosses_into_workers(cores):
     with torch.no_grad():
         want = plain_sum(models, x)
     seen.clear()
-    with torch.device("meta"):
-        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    if how == "context":
+        with torch.device("meta"):
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    else:
+        torch.set_default_device("meta")
+        try:
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        finally:
+            torch.set_default_device(None)
     y.sum().backward()
     torch.testing.assert_close(y.detach(), want)
     assert {device for _, device in seen} == {"meta"}
