@@ -52,7 +52,7 @@ from ._engines import (
     unit_forward,
 )
 from ._errors import ParsumError
-from ._fused import StepInBackward
+from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
@@ -704,6 +704,36 @@ class ParallelSum(torch.autograd.Function):
         return run.gradients()
 
 
+class WaitingSteps:
+    """The optimizer steps of a chunk's small models, waiting for the chunk's last pullback
+    (NOTE [ One step over a chunk's small models ] in _fused), with their gradients: at most
+    MERGED_STEP_ELEMENTS parameter elements in all."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, int, list[Tensor], list[Tensor | None]]] = []
+        self.elements = 0
+
+    def add(self, i: int, j: int, params: list[Tensor], grads: list[Tensor | None]) -> bool:
+        """Wait with model ``i``'s step (``sib.optimizers[j]``); False for a model too large
+        to wait, which steps now."""
+        elements = sum(map(Tensor.numel, params))
+        if elements > MERGED_STEP_ELEMENTS:
+            return False
+        self.entries.append((i, j, params, grads))
+        self.elements += elements
+        return True
+
+    @property
+    def full(self) -> bool:
+        """Whether as many elements wait as may: the waiting steps run now."""
+        return self.elements >= MERGED_STEP_ELEMENTS
+
+    def take(self) -> tuple[list[tuple[int, int, list[Tensor], list[Tensor | None]]], list[int]]:
+        """The waiting steps and their models; none wait any more."""
+        entries, self.entries, self.elements = self.entries, [], 0
+        return entries, [i for i, _, _, _ in entries]
+
+
 class _Backward:
     """One backward of ``ParallelSum``, step by step: route the incoming gradients
     (``__init__``), pull back each chunk and route each model's gradients (``chunk``), reduce
@@ -764,9 +794,16 @@ class _Backward:
         self.one_call = False
         self.all_chunks: Batched | None = None
 
-    def route(self, i: int, grads: list[Tensor | None], shared_accs: dict[int, GradSum]) -> None:
-        """Model ``i``'s parameter gradients: to its optimizer step, a shared parameter's
-        accumulator, a FlatGrad slot, or what backward returns."""
+    def route(
+        self,
+        i: int,
+        grads: list[Tensor | None],
+        shared_accs: dict[int, GradSum],
+        waiting: WaitingSteps | None,
+    ) -> None:
+        """Model ``i``'s parameter gradients: to its optimizer step (now, or with its chunk's
+        other small models: ``waiting``), a shared parameter's accumulator, a FlatGrad slot,
+        or what backward returns."""
         plan, flat, accumulates = self.plan, self.flat, self.accumulates
         slots = plan.param_slots[i]
         j = None if plan.step_index is None else plan.step_index[i]
@@ -776,11 +813,11 @@ class _Backward:
                 for p, g, s in zip(plan.model_params[i].tensors, grads, slots)
                 if accumulates[s]
             ]
-            try:
-                self.sib.step(j, [p for p, _ in mine], [g for _, g in mine])
-            except Exception as exc:
-                raise plan.model_error(i, "its optimizer step", exc) from exc
-            self.stepped.append(i)
+            params, param_grads = [p for p, _ in mine], [g for _, g in mine]
+            if waiting is None or not waiting.add(i, j, params, param_grads):
+                self.step(i, j, params, param_grads)
+            elif waiting.full:
+                self.step_waiting(waiting)
             grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
         to_flat = []
         for slot, g in zip(slots, grads):
@@ -796,6 +833,35 @@ class _Backward:
             assert flat is not None
             flat.write(to_flat)
 
+    def step(self, i: int, j: int, params: list[Tensor], grads: list[Tensor | None]) -> None:
+        """Model ``i``'s optimizer step (``sib.optimizers[j]``)."""
+        assert self.sib is not None
+        try:
+            self.sib.step(j, params, grads)
+        except Exception as exc:
+            raise self.plan.model_error(i, "its optimizer step", exc) from exc
+        self.stepped.append(i)
+
+    def step_waiting(self, waiting: WaitingSteps) -> None:
+        """The steps of a chunk's small models that wait: as one where their optimizers
+        allow (NOTE [ One step over a chunk's small models ] in _fused)."""
+        assert self.sib is not None
+        entries, models = waiting.take()
+        if len(entries) > 1:
+            try:
+                as_one = self.sib.step_as_one([(j, ps, gs) for _, j, ps, gs in entries])
+            except Exception as exc:
+                self.stepped.extend(models)  # some of their parameters may have changed
+                who = ", ".join(map(str, models))
+                raise self.plan.model_error(
+                    models[0], f"the optimizer step it took as one with models {who}", exc
+                ) from exc
+            if as_one:
+                self.stepped.extend(models)
+                return
+        for i, j, params, grads in entries:
+            self.step(i, j, params, grads)
+
     def chunk(self, k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
         """Pull back chunk ``k``; its argument gradients and shared-parameter gradients summed."""
         plan, grad_outputs = self.plan, self.grad_outputs
@@ -810,6 +876,10 @@ class _Backward:
             )
         arg_accs: dict[int, GradSum] = {}
         shared_accs: dict[int, GradSum] = {}
+        # A chunk of one model steps it right after its pullback.
+        units = plan.chunks[k]
+        one_model = len(units) == 1 and len(plan.units[units[0]].models) == 1
+        waiting = None if self.sib is None or one_model else WaitingSteps()
         # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
         # RowSparseAccumulator, which coalesces them all at once.
         with coalesce_later(self.shared_params):
@@ -828,7 +898,7 @@ class _Backward:
                         add_grad(arg_accs, j, g)
                 del arg_grads
                 for i, grads in zip(unit.models, model_grads):
-                    self.route(i, grads, shared_accs)
+                    self.route(i, grads, shared_accs, waiting)
                 del model_grads
                 for i in unit.models if self.ctx.weight_needs_grad else ():
                     out = self.outputs[i]
@@ -836,6 +906,8 @@ class _Backward:
                         self.outputs[i] = None
                     assert out is not None
                     self.weight_grads[i] = model_weight_grad(grad_outputs, out)
+        if waiting is not None and waiting.entries:
+            self.step_waiting(waiting)
         return arg_accs, shared_accs
 
     def consume(self, k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:

@@ -1,5 +1,8 @@
 """StepInBackward: per-model steps fused into the parallel backward equal plain training."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -58,12 +61,14 @@ def test_equals_plain_training(cls, kw, engine):
         torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-10)
 
 
-def test_bitwise_for_any_n_jobs():
+@pytest.mark.parametrize("chunk_size", [None, 3])  # 3: small models step as one
+def test_bitwise_for_any_n_jobs(chunk_size):
     batches = [torch.randn(6, IN) for _ in range(3)]
     finals = []
     for n_jobs in (1, 2, 3):
         models = zoo(seed=3)
-        train_fused(models, batches, torch.optim.Adam, dict(lr=1e-2), n_jobs=n_jobs)
+        kw = dict(lr=1e-2)
+        train_fused(models, batches, torch.optim.Adam, kw, n_jobs=n_jobs, chunk_size=chunk_size)
         finals.append([p.detach().clone() for p in trainable(models)])
     for other in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
@@ -216,6 +221,179 @@ def test_failing_step_is_named():
         r"in its optimizer step: no step today",
     ):
         y.sum().backward()
+
+
+# -- one step over a chunk's small models (NOTE [ One step over a chunk's small models ]) ----
+
+
+def count_steps(monkeypatch, cls):
+    """The optimizers of class ``cls`` stepped, in order, and the live ``.grad`` of
+    ``watched`` (a list the test fills) at each step."""
+    stepped, live, watched = [], [], []
+    step = cls.step
+
+    def counting(self, *args, **kwargs):
+        stepped.append(self)
+        live.append(sum(p.grad is not None for p in watched))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "step", counting)
+    return stepped, live, watched
+
+
+def no_op_hook(optimizer, args, kwargs):
+    return None
+
+
+@pytest.mark.parametrize(("cls", "kw"), OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
+def test_small_models_of_a_chunk_step_as_one(monkeypatch, cls, kw):
+    # Six models in chunks of three: two steps, each over its chunk's parameters, with the
+    # bits of one step a model (forced by a step hook, which a step as one would skip) and
+    # the values of plain training; the models' optimizers hold the same state.
+    batches = [torch.randn(5, IN, dtype=torch.float64) for _ in range(3)]
+    base = [mlp([(4, 8, 6)[i % 3]]).double() for i in range(6)]
+    merged, alone, ref = clone_models(base), clone_models(base), clone_models(base)
+    stepped, live, watched = count_steps(monkeypatch, cls)
+    watched.extend(trainable(merged))
+    sib = train_fused(merged, batches, cls, kw, chunk_size=3, n_jobs=1)
+    assert len(stepped) == 2 * len(batches)
+    assert all(o not in sib.optimizers for o in stepped)
+    assert live == [3 * 4] * len(stepped)  # one chunk's gradients at a time, 4 a model
+    stepped.clear()
+    sib_alone = parsum.StepInBackward(alone, cls, **kw)
+    for o in sib_alone.optimizers:
+        o.register_step_pre_hook(no_op_hook)
+    for x in batches:
+        y = parsum.sum_models(alone, x, step_in_backward=sib_alone, chunk_size=3, n_jobs=1)
+        y.pow(2).mean().backward()
+    assert stepped == sib_alone.optimizers * len(batches)
+    for p, q in zip(trainable(merged), trainable(alone)):
+        assert torch.equal(p, q)
+    train_plain(ref, batches, cls, kw)
+    for p, r in zip(trainable(merged), trainable(ref)):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-10)
+    for o, a in zip(sib.optimizers, sib_alone.optimizers):
+        mine, theirs = o.state_dict()["state"], a.state_dict()["state"]
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            for name, value in mine[key].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[key][name]))
+
+
+def test_steps_as_one_keep_lr_schedulers_counting():
+    # A scheduler per optimizer: the lr follows, and the scheduler sees its optimizer stepped
+    # (no "lr_scheduler.step() before optimizer.step()" warning).
+    models = [mlp([w]).double() for w in (8, 4, 6, 5)]
+    ref = clone_models(models)
+    batches = [torch.randn(5, IN, dtype=torch.float64) for _ in range(5)]
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        sib = train_fused(models, batches, torch.optim.SGD, dict(lr=0.1), schedule, chunk_size=4)
+    train_plain(ref, batches, torch.optim.SGD, dict(lr=0.1), schedule)
+    assert all(o.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**2) for o in sib.optimizers)
+    for p, r in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, r)
+
+
+def test_optimizers_with_other_settings_step_alone(monkeypatch):
+    models = [mlp([w]) for w in (8, 4, 6)]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    stepped, _, _ = count_steps(monkeypatch, torch.optim.SGD)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    sib.optimizers[1].param_groups[0]["lr"] = 0.0  # model 1 frozen by its own settings
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=3)
+    y.pow(2).mean().backward()
+    assert stepped == sib.optimizers
+    changed = [
+        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+        for m, saved in zip(models, before)
+    ]
+    assert changed == [True, False, True]
+
+
+def test_steps_as_one_continue_from_a_loaded_state():
+    # The state a step as one updates is each model's optimizer's own: saved, then loaded
+    # back into the same optimizers (whose state dicts it replaces), it gives what training on
+    # without the round trip gave, bit for bit.
+    models = [mlp([w]) for w in (8, 4, 6, 5)]
+    batches = [torch.randn(5, IN) for _ in range(4)]
+    sib = train_fused(models, batches[:2], torch.optim.Adam, dict(lr=1e-2), chunk_size=4)
+    saved_models = [copy.deepcopy(m.state_dict()) for m in models]
+    saved_state = copy.deepcopy(sib.state_dict())
+
+    def train_on():
+        for x in batches[2:]:
+            y = parsum.sum_models(models, x, step_in_backward=sib, chunk_size=4)
+            y.pow(2).mean().backward()
+        return [p.detach().clone() for p in trainable(models)]
+
+    first = train_on()
+    for m, saved in zip(models, saved_models):
+        m.load_state_dict(saved)
+    sib.load_state_dict(saved_state)
+    again = train_on()
+    assert sib.optimizers[0].state_dict()["state"][0]["step"] == 4
+    assert all(torch.equal(p, q) for p, q in zip(first, again))
+
+
+def test_a_failing_step_as_one_names_its_models(monkeypatch):
+    models = [mlp([w]) for w in (8, 4, 6, 5)]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    step = torch.optim.SGD.step
+
+    def fails_as_one(self, *args, **kwargs):
+        if self not in sib.optimizers:
+            raise RuntimeError("no step today")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", fails_as_one)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=2)
+    with pytest.raises(parsum.ParsumError) as info:
+        y.sum().backward()
+    message = str(info.value)
+    assert "the optimizer step it took as one with models 0, 1: no step today" in message
+    assert "already ran for models [0, 1]" in message
+    assert all(p.grad is None for p in trainable(models))
+
+
+def test_a_failed_pullback_drops_the_steps_waiting_in_its_chunk():
+    models = [mlp([8]), mlp([4]), FailsInBackward(), mlp([6])]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=1, chunk_size=2)
+    with pytest.raises(parsum.ParsumError, match="already ran for models \\[0, 1\\]"):
+        y.sum().backward()
+    changed = [
+        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+        for m, saved in zip(models, before)
+    ]
+    assert changed == [True, True, False, False]  # model 3 waited for model 2, which failed
+    assert all(p.grad is None for p in trainable(models))
+
+
+def test_models_too_large_to_wait_step_after_their_pullback(monkeypatch):
+    # MERGED_STEP_ELEMENTS bounds the gradients that wait: models above it step alone, and
+    # the waiting ones step as soon as they reach it.
+    models = [mlp([w]) for w in (8, 4, 6, 5)]  # 83, 43, 63 and 53 elements
+    stepped, live, watched = count_steps(monkeypatch, torch.optim.SGD)
+    watched.extend(trainable(models))
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    monkeypatch.setattr(parsum._function, "MERGED_STEP_ELEMENTS", 100)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=4, n_jobs=1)
+    y.sum().backward()
+    # 83 waits; 83 + 43 reach 100: they step as one; 63 waits, 63 + 53 too.
+    assert len(stepped) == 2 and live == [8, 8]
+    assert all(o not in sib.optimizers for o in stepped)
+    stepped.clear()
+    monkeypatch.setattr(parsum._function, "MERGED_STEP_ELEMENTS", 50)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=4, n_jobs=1)
+    y.sum().backward()
+    # Each alone: only 43 fits, and nothing waits beside it.
+    assert sorted(map(sib.optimizers.index, stepped)) == [0, 1, 2, 3]
 
 
 # -- bad input -----------------------------------------------------------------------------

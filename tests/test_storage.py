@@ -940,6 +940,31 @@ def test_step_in_backward_over_stacked_models_names_a_failing_step():
         y.sum().backward()
 
 
+def test_step_in_backward_over_stacked_models_keeps_lr_schedulers_and_step_hooks():
+    # One step over the stack records the step for each model's LR scheduler (which warns of
+    # a scheduler stepped before its optimizer otherwise); an optimizer with a step hook of
+    # its own steps itself, so that the hook runs.
+    models = members(n=10)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in sib.optimizers
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(2):
+            y = parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
+            assert runs_stacked(y)
+            y.pow(2).mean().backward()
+            for s in schedulers:
+                s.step()
+    assert all(o.param_groups[0]["lr"] == pytest.approx(0.025) for o in sib.optimizers)
+    hooked = []
+    sib.optimizers[4].register_step_pre_hook(lambda opt, args, kwargs: hooked.append(opt))
+    parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib).sum().backward()
+    assert hooked == [sib.optimizers[4]]
+
+
 def test_step_in_backward_without_every_stacked_model_is_refused():
     models = members(n=10)
     parsum.stack_(models)
@@ -948,7 +973,7 @@ def test_step_in_backward_without_every_stacked_model_is_refused():
         parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
 
 
-def test_step_in_backward_over_stacked_models_steps_them_as_one_and_falls_back():
+def test_step_in_backward_over_stacked_models_steps_them_as_one_and_falls_back(monkeypatch):
     """NOTE [ One step over stacked models ]: one step over the stacked tensors while the
     models' optimizers agree; their own steps when not (a model's learning rate changed alone,
     models run one by one), their states gathered again after those or after a state load;
@@ -960,14 +985,14 @@ def test_step_in_backward_over_stacked_models_steps_them_as_one_and_falls_back()
     sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2)
     own = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in plain]
     calls = [0] * len(models)
-    for k, opt in enumerate(sib.optimizers):
-        step = opt.step
+    step = torch.optim.Adam.step
 
-        def counted(*args, k=k, step=step, **kwargs):
-            calls[k] += 1
-            return step(*args, **kwargs)
+    def counted(self, *args, **kwargs):  # the models' own steps, counted
+        if self in sib.optimizers:
+            calls[sib.optimizers.index(self)] += 1
+        return step(self, *args, **kwargs)
 
-        opt.step = counted
+    monkeypatch.setattr(torch.optim.Adam, "step", counted)
 
     def train(engine="auto", stacked=True):
         x = torch.randn(8, IN, dtype=torch.float64)
