@@ -172,8 +172,6 @@ MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
 # kernel work over Python overhead the models run in the calling thread.
 INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
-# NOTE [ Costliest chunks first ]: from this share of kernel work over Python overhead.
-ORDER_MIN_KERNEL_SHARE = 10
 # NOTE [ Threads that pay ]: from this kernel share a budget of 2 goes to workers (with the
 # caller's team ended, or step_in_backward), where the chunks split within MAX_IMBALANCE of
 # evenly.
@@ -442,14 +440,17 @@ def cost_chunks(
 # chunk may come last and run alone at the end: 8 small CNNs of widths 8-24 (the widest last)
 # on 2 threads gave one thread 36 ms of forwards and the other 25 (a balanced split: 29 and 32),
 # and parsum at n_jobs=2 took 60 ms a step against 53 for the two-phase ceiling over two
-# balanced shares (benchmarks' TwoPhase). Where the models' kernels outweigh their Python
-# overhead at least ORDER_MIN_KERNEL_SHARE times (the estimate of NOTE [ Threads that pay ]),
-# the threads claim the chunks costliest first (the longest-processing-time rule). Measured
-# at n_jobs=2 on 2 cores, the two orders interleaved in one process: those CNNs 59.1 -> 53.4
-# ms a step at batch 64 (kernel share 63), 17.0 -> 16.0 at batch 16 (16), 244 -> 228 at batch
-# 256. Below it the GIL serializes most of the work, and chunk order measured faster: 16 MLPs
-# of widths 128-512 6.40 -> 6.60 ms at batch 64 (share 2.2; 6.77 with only the chunks of twice
-# the mean cost first), 8.57 -> 8.71 at 128 (4.4), 15.15 -> 15.26 at 256 (8.9). Which thread
+# balanced shares (benchmarks' TwoPhase). The threads therefore claim the chunks costliest
+# first (the longest-processing-time rule). Measured at n_jobs=2 on 2 cores, the two orders
+# interleaved in one process: those CNNs 59.1 -> 53.4 ms a step at batch 64, 17.0 -> 16.0 at
+# batch 16, 244 -> 228 at batch 256. Where the models' Python overhead weighs more, chunk order
+# once measured faster (16 MLPs of widths 128-512 at batch 64: 6.40 -> 6.60 ms), and only
+# kernel-heavy models were ordered; since the models run with less Python (NOTE [ Direct
+# programs ] in _engines) the order pays there too: at batch 64 the helper's last chunk was
+# most often the costliest (1.7 ms of backward), the caller waiting 0.21 ms a backward for it,
+# and costliest first measured 1.001-1.011x (four runs of 150-300 rounds; 1.002x at the
+# default budget), at batch 256 1.013x, 64 tiny MLPs on 2 workers 1.010x, 16 identical MLPs
+# (chunks of one cost) 1.002x. Which thread
 # runs a chunk changes no bits: results are combined in chunk order, a chunk that finishes
 # before those in front of it waiting for them (at most one partial sum per chunk). After a
 # failure the chunks before it still start, so that the failure named is the first in chunk
@@ -463,10 +464,8 @@ def costliest_first(
     model_params: Sequence[ModelParams],
     batch: Batch,
 ) -> tuple[int, ...] | None:
-    """The order threads claim the chunks in: costliest first (ties in chunk order) where
-    kernels dominate, else None, chunk order (NOTE [ Costliest chunks first ])."""
-    if _kernel_share(model_params, batch) < ORDER_MIN_KERNEL_SHARE:
-        return None
+    """The order threads claim the chunks in: costliest first, ties in chunk order (NOTE
+    [ Costliest chunks first ])."""
     totals = _chunk_costs(units, chunks, model_params, batch)
     return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
 

@@ -139,10 +139,9 @@ class WideBoom(nn.Module):
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2, 3])
-def test_first_failing_model_is_reported_when_the_costliest_start_first(monkeypatch, n_jobs):
+def test_first_failing_model_is_reported_when_the_costliest_start_first(n_jobs):
     # NOTE [ Costliest chunks first ]: the wide ones are claimed (and fail) first; the chunks
     # before them still run, so model 1 is named, as a run in model order names it.
-    monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
     models = [mlp([3]), Boom(), mlp([3]), WideBoom(), WideBoom()]
     x = torch.randn(2, IN)
     with pytest.raises(parsum.ParsumError, match=r"model 1 \(Boom\)"):
@@ -155,8 +154,8 @@ def test_first_failing_model_is_reported_when_the_costliest_start_first(monkeypa
 @pytest.mark.parametrize("costliest_first", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_model_raising_in_backward_changes_no_grad(monkeypatch, n_jobs, costliest_first):
-    if costliest_first:  # NOTE [ Costliest chunks first ]
-        monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
+    if not costliest_first:  # chunk order, as a backward with step_in_backward claims them
+        monkeypatch.setattr(parsum._api, "costliest_first", lambda *args: None)
     models = zoo()
     models.insert(5, BoomBackward())
     x = torch.randn(2, IN, requires_grad=True)

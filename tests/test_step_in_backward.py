@@ -190,7 +190,6 @@ def test_steps_run_in_chunk_order_when_the_costliest_would_start_first(monkeypat
     # NOTE [ Costliest chunks first ]: after a failure the chunks before it still start; with
     # steps in the pullbacks that would change more parameters, so their backward keeps chunk
     # order (its forward, which steps nothing, does not).
-    monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
     orders = []
     run_ordered = parsum._pool.run_ordered
 

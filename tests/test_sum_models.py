@@ -383,8 +383,8 @@ def test_autocast_is_reentered_in_workers():
 def test_bitwise_identical_for_any_n_jobs(
     monkeypatch, engine, chunk_size, weights, costliest_first
 ):
-    if costliest_first:  # the threads claim chunks out of order (NOTE [ Costliest chunks first ])
-        monkeypatch.setattr(parsum._grouping, "ORDER_MIN_KERNEL_SHARE", 0)
+    if not costliest_first:  # chunk order (NOTE [ Costliest chunks first ]), as a backward
+        monkeypatch.setattr(parsum._api, "costliest_first", lambda *args: None)  # that steps
     results = []
     for n_jobs in (1, 2, 3, 4):
         models = zoo(seed=3)  # 7 models: an odd count
