@@ -48,10 +48,11 @@ from __future__ import annotations
 import collections
 import importlib
 import inspect
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -236,24 +237,16 @@ class StepInBackward:
         if self._shared_counts:  # a stacked model's step count: its own step separates it
             return False
         optimizers: list[Any] = [self.optimizers[j] for j, _, _ in entries]
-        first = optimizers[0]
-        if first is None or type(first) not in _STACKABLE or _global_step_hooks():
+        hyper = _agreeing(optimizers, [ps for _, ps, _ in entries])
+        if hyper is None:
             return False
-        hyper = {k: v for k, v in first.param_groups[0].items() if k != "params"}
-        for opt, (_, params, grads) in zip(optimizers, entries):
-            if opt is None or type(opt) is not type(first) or len(opt.param_groups) != 1:
-                return False
-            group = opt.param_groups[0]
-            if not _are(group["params"], params):
-                return False
-            if len(group) != len(hyper) + 1 or not all(
-                _same(group[k], v) for k, v in hyper.items()
-            ):
-                return False
-            if any(p.grad is not None for p in params):  # to add to: each model's own step
-                return False
-            if any(g is None for g in grads) or not _steps_plainly(opt):
-                return False
+        every_grad = itertools.chain.from_iterable(gs for _, _, gs in entries)
+        if any(map(operator.is_, every_grad, itertools.repeat(None))):
+            return False
+        every_param = itertools.chain.from_iterable(ps for _, ps, _ in entries)
+        if any(map(operator.is_not, map(_grad_of, every_param), itertools.repeat(None))):
+            return False  # a .grad to add to: each model's own step adds it
+        first = optimizers[0]
         key = tuple(j for j, _, _ in entries)
         merged = self._merged.get(key)
         params = [p for _, ps, _ in entries for p in ps]
@@ -290,12 +283,70 @@ class _SharedState(collections.defaultdict):
         return entry
 
 
-def _steps_plainly(opt: torch.optim.Optimizer) -> bool:
-    """Whether stepping ``opt`` runs no more than its class's step: no step hook of its own,
-    and no ``step`` of its own but an LR scheduler's wrapper, which only records the call
-    (``_count_steps`` does that instead)."""
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return False
+def _agreeing(
+    optimizers: Sequence[torch.optim.Optimizer | None], params: Sequence[Sequence[Tensor]]
+) -> dict[str, Any] | None:
+    """The settings shared by ``optimizers`` (each over ``params[k]`` alone, in one group) where
+    one optimizer over all their parameters steps them as each would (NOTE [ One step over a
+    chunk's small models ]); None where it would not. Read with few Python steps a model, for
+    the steps as one and the stacked steps alike (64 tiny models' optimizers: 0.23 ms in
+    place, of a 12 ms step)."""
+    first = optimizers[0]
+    kind = type(first)
+    if first is None or kind not in _STACKABLE or _global_step_hooks():
+        return None
+    if not all(map(operator.is_, map(type, optimizers), itertools.repeat(kind))):
+        return None
+    opts = cast(list[torch.optim.Optimizer], list(optimizers))  # no None: of one class
+    groups = list(map(_param_groups, opts))
+    if not all(map(operator.eq, map(len, groups), itertools.repeat(1))):
+        return None
+    groups = list(map(operator.itemgetter(0), groups))
+    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    if not all(map(operator.eq, map(len, groups), itertools.repeat(len(hyper) + 1))):
+        return None
+    owned = list(map(operator.itemgetter("params"), groups))
+    if list(map(len, owned)) != list(map(len, params)):
+        return None
+    if not all(
+        map(
+            operator.is_,
+            itertools.chain.from_iterable(owned),
+            itertools.chain.from_iterable(params),
+        )
+    ):
+        return None
+    try:
+        settings = list(map(operator.itemgetter(*hyper), groups)) if hyper else []
+    except KeyError:
+        return None
+    if len(hyper) == 1:  # itemgetter of one key gives the value, not a tuple
+        settings = [(v,) for v in settings]
+    for column, ref in zip(zip(*settings), hyper.values()):
+        # The same objects (the optimizers were built from the same arguments), else equal
+        # values (an LR scheduler's new float each step).
+        same = map(operator.is_, column, itertools.repeat(ref))
+        if not all(same) and not all(map(_same, column, itertools.repeat(ref))):
+            return None
+    if any(map(_step_hooks, opts)):
+        return None
+    own_steps = any(map(operator.contains, map(vars, opts), itertools.repeat("step")))
+    if own_steps and not all(map(_counts_only, opts)):
+        return None
+    return hyper
+
+
+_param_groups = operator.attrgetter("param_groups")
+_grad_of = operator.attrgetter("grad")
+
+
+def _step_hooks(opt: torch.optim.Optimizer) -> bool:
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
+
+
+def _counts_only(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` is its class's, or an LR scheduler's wrapper of it, which only
+    records the call (``_count_steps`` does that instead)."""
     own = vars(opt).get("step")
     return own is None or getattr(own, "_wrapped_by_lr_sched", False)
 
@@ -372,24 +423,11 @@ def step_stacked(
     """Step models ``order[k]`` (whose parameters are ``params[n][k]``, slices of ``values[n]``)
     with the stacked gradients ``grads`` as one (NOTE [ One step over stacked models ]); False,
     nothing changed, where their optimizers cannot step as one."""
-    first = sib.optimizers[order[0]]
-    if first is None or type(first) not in _STACKABLE or _global_step_hooks():
+    optimizers: list[Any] = [sib.optimizers[j] for j in order]
+    hyper = _agreeing(optimizers, list(zip(*params)))  # each model's parameters
+    if hyper is None:
         return False
-    hyper = {k: v for k, v in first.param_groups[0].items() if k != "params"}
-    optimizers: list[torch.optim.Optimizer] = []
-    for k, j in enumerate(order):
-        opt = sib.optimizers[j]
-        if opt is None or type(opt) is not type(first) or len(opt.param_groups) != 1:
-            return False
-        if not _steps_plainly(opt):
-            return False
-        optimizers.append(opt)
-        group = opt.param_groups[0]
-        own = group["params"]
-        if len(own) != len(params) or any(a is not b[k] for a, b in zip(own, params)):
-            return False
-        if len(group) != len(hyper) + 1 or not all(_same(group[k], v) for k, v in hyper.items()):
-            return False
+    first = optimizers[0]
     stacked = sib._stacked.get(stack_key)
     installed = stacked is not None and _still_installed(stacked, optimizers, params)
     if stacked is None or not installed:

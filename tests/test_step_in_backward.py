@@ -314,6 +314,37 @@ def test_optimizers_with_other_settings_step_alone(monkeypatch):
     assert changed == [True, False, True]
 
 
+def test_an_optimizer_with_a_step_of_its_own_steps_alone():
+    # A wrapper of one optimizer's step (clipping, logging) must run: that model steps alone,
+    # through it, and the others still step as one.
+    models = [mlp([w]) for w in (8, 4, 6)]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    wrapped = []
+    step = sib.optimizers[2].step
+
+    def logged(*args, **kwargs):
+        wrapped.append(True)
+        return step(*args, **kwargs)
+
+    sib.optimizers[2].step = logged
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=3)
+    y.pow(2).mean().backward()
+    assert wrapped == [True]
+
+
+def test_an_optimizer_over_other_parameters_steps_alone():
+    # One model's optimizer replaced by one over its weight alone: its bias must not step, as
+    # one optimizer over every parameter of the chunk would step it.
+    models = [mlp([w]) for w in (8, 4, 6)]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    sib.optimizers[1] = torch.optim.SGD([models[1][0].weight], lr=0.1)
+    weight, bias = models[1][0].weight.detach().clone(), models[1][0].bias.detach().clone()
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=3)
+    y.pow(2).mean().backward()
+    assert not torch.equal(models[1][0].weight, weight)
+    assert torch.equal(models[1][0].bias, bias)
+
+
 def test_steps_as_one_continue_from_a_loaded_state():
     # The state a step as one updates is each model's optimizer's own: saved, then loaded
     # back into the same optimizers (whose state dicts it replaces), it gives what training on
