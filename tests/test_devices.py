@@ -86,14 +86,16 @@ def test_flatgrad(device, compensated):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n_jobs", [1, 2, None])
-def test_step_in_backward(device, n_jobs):
+@pytest.mark.parametrize("chunk_size", [None, 3])  # 3: small models step as one
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam])
+def test_step_in_backward(device, n_jobs, chunk_size, cls):
     models = _models("zoo", device)
     ref = clone_models(models)
-    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.05)
-    opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.05)
+    sib = parsum.StepInBackward(models, cls, lr=0.05)
+    opt = cls([p for m in ref for p in m.parameters()], lr=0.05)
     x = torch.randn(5, IN, device=device)
     for _ in range(3):
-        y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs)
+        y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs, chunk_size=chunk_size)
         y.pow(2).sum().backward()
         opt.zero_grad()
         plain_sum(ref, x).pow(2).sum().backward()
