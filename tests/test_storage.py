@@ -965,6 +965,24 @@ def test_step_in_backward_over_stacked_models_keeps_lr_schedulers_and_step_hooks
     assert hooked == [sib.optimizers[4]]
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_step_in_backward_over_stacked_models_keeps_its_optimizer(momentum):
+    # The optimizer over the stack and the state it installed in the models' optimizers are
+    # kept from step to step, also where the optimizer keeps no state (SGD without momentum,
+    # whose models' entries it had found "changed" on every step, gathering anew each time).
+    models = members(n=10)
+    parsum.stack_(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1, momentum=momentum)
+    kept = []
+    for _ in range(3):
+        y = parsum.sum_models(models, torch.randn(8, IN), step_in_backward=sib)
+        assert runs_stacked(y)
+        y.pow(2).mean().backward()
+        (stacked,) = sib._stacked.values()
+        kept.append(stacked.optimizer)
+    assert kept[1] is kept[2]
+
+
 def test_step_in_backward_without_every_stacked_model_is_refused():
     models = members(n=10)
     parsum.stack_(models)
