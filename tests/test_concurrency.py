@@ -130,6 +130,45 @@ def test_concurrent_callers(teams):
             assert torch.equal(y, expected[t][0]) and torch.equal(g, expected[t][1])
 
 
+def test_concurrent_training_with_step_in_backward():
+    # Two threads train their own models, each with its StepInBackward, small models stepping
+    # as one in chunks of 3 on the pool: the same parameters, bit for bit, as training them
+    # one after the other.
+    def train(models, sib, batches):
+        for x in batches:
+            y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2, chunk_size=3)
+            y.pow(2).mean().backward()
+        return [p.detach().clone() for m in models for p in m.parameters()]
+
+    torch.manual_seed(0)
+    sets = [[mlp([w]) for w in (8, 4, 6, 5, 7, 3)] for _ in range(2)]
+    batches = [[torch.randn(5, IN) for _ in range(6)] for _ in range(2)]
+    expected = []
+    for models, xs in zip(clone_models(sets), batches):
+        expected.append(train(models, parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2), xs))
+    sibs = [parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2) for models in sets]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def caller(t):
+        try:
+            barrier.wait()
+            results[t] = train(sets[t], sibs[t], batches[t])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=50)
+    assert not any(th.is_alive() for th in threads), "concurrent callers deadlocked"
+    assert not errors, errors
+    for t in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(results[t], expected[t]))
+
+
 def test_repeated_calls_free_graphs_and_grow_nothing():
     saved_activation = []
 
