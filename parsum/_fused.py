@@ -338,8 +338,6 @@ def _agreeing(
 
 _param_groups = operator.attrgetter("param_groups")
 _grad_of = operator.attrgetter("grad")
-
-
 _pre_hooks = operator.attrgetter("_optimizer_step_pre_hooks")
 _post_hooks = operator.attrgetter("_optimizer_step_post_hooks")
 
