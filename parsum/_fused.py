@@ -263,7 +263,9 @@ class StepInBackward:
         finally:
             for p in params:
                 p.grad = None
-            merged.state = _SharedState([], [])  # holds no model's state between steps
+            # Between steps it holds no model's state, in a plain dict (copied and pickled
+            # with the StepInBackward).
+            merged.state = collections.defaultdict(dict)
         _count_steps(optimizers)
         self._stepped.update(map(id, params))
         return True

@@ -1,6 +1,7 @@
 """StepInBackward: per-model steps fused into the parallel backward equal plain training."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -368,6 +369,24 @@ def test_steps_as_one_continue_from_a_loaded_state():
     again = train_on()
     assert sib.optimizers[0].state_dict()["state"][0]["step"] == 4
     assert all(torch.equal(p, q) for p, q in zip(first, again))
+
+
+def test_a_step_in_backward_that_stepped_models_as_one_copies_and_pickles():
+    # As before steps as one: the optimizer that steps them holds no state of its own
+    # between steps (a dict subclass there had made copying fail).
+    models = [mlp([w]) for w in (8, 4, 6)]
+    batches = [torch.randn(5, IN) for _ in range(3)]
+    sib = train_fused(models, batches[:2], torch.optim.Adam, dict(lr=1e-2), chunk_size=3)
+    assert sib._merged  # they stepped as one
+    copied = copy.deepcopy(sib)
+    assert copied.state_dict()["optimizers"][1]["state"][0]["step"] == 2
+    buffer = io.BytesIO()
+    torch.save((models, sib), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False)
+    y = parsum.sum_models(models, batches[2], step_in_backward=sib, chunk_size=3)
+    y.pow(2).mean().backward()
+    assert sib.optimizers[1].state_dict()["state"][0]["step"] == 3
 
 
 def test_a_failing_step_as_one_names_its_models(monkeypatch):
