@@ -4,7 +4,8 @@
    parsum needs must not grow with M (it never holds all M per-model input gradients).
 2. two training steps (forward, backward, Adam step, zero_grad) of M larger models: plain
    loop, parsum, and parsum with StepInBackward, which never stores the gradients of the whole
-   set. Target: the peak falls by at least 80% of the total gradient bytes.
+   set, at the default and at n_jobs=1. Target: the peak falls by at least 80% of the total
+   gradient bytes.
 
 Every figure is the growth of the peak resident set (VmHWM, reset through
 /proc/self/clear_refs) during the measured work, in a new Python process, after one warm-up
@@ -66,10 +67,11 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
 
     opt = None
     sib = None
-    if mode == "sib-train":
+    if mode.startswith("sib-train"):
         sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-3)
     elif mode.endswith("-train"):
         opt = torch.optim.Adam(params, lr=1e-3)
+    n_jobs = 1 if mode.endswith("-1") else None
 
     def work() -> None:
         if mode == "plain":
@@ -86,9 +88,10 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
                 parsum.sum_models(models, x).pow(2).mean().backward()
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad()  # type: ignore[union-attr]
-        elif mode == "sib-train":
+        elif mode.startswith("sib-train"):
             for _ in range(2):
-                parsum.sum_models(models, x, step_in_backward=sib).pow(2).mean().backward()
+                y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs)
+                y.pow(2).mean().backward()
 
     work()  # warm-up: lazily built state (thread pool, Adam's moments) is not the peak's
     gc.collect()
@@ -150,7 +153,7 @@ def main() -> None:
     print(f"\n2. two training steps (Adam) of {n} MLPs (512 -> 1024 -> 512), batch 64")
     rows = {
         mode: measure(mode, n, width, batch)
-        for mode in ("plain-train", "parsum-train", "sib-train")
+        for mode in ("plain-train", "parsum-train", "sib-train", "sib-train-1")
     }
     grads = rows["sib-train"]["grad_bytes"]
     print(f"   gradients of the whole set: {grads / MIB:.1f} MiB")
@@ -159,6 +162,7 @@ def main() -> None:
         "plain-train": "plain loop, backward + step",
         "parsum-train": "parsum, backward + step",
         "sib-train": "parsum with StepInBackward",
+        "sib-train-1": "the same, n_jobs=1",
     }
     for mode, label in labels.items():
         print(f"   {label:<34}{rows[mode]['peak_growth'] / MIB:>17.1f}")
@@ -171,6 +175,10 @@ def main() -> None:
     print(
         f"   and by {fall_plain / MIB:.1f} MiB against the plain loop = "
         f"{fall_plain / grads:.0%} of the gradient bytes"
+    )
+    fall_one = rows["parsum-train"]["peak_growth"] - rows["sib-train-1"]["peak_growth"]
+    print(
+        f"   at n_jobs=1 by {fall_one / MIB:.1f} MiB = {fall_one / grads:.0%} of the gradient bytes"
     )
     results["train"].append(rows)
     if args.json:

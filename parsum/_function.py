@@ -933,8 +933,12 @@ class _Backward:
                 # first chunk (under the tasks' intra-op threads). Each call inside a backward
                 # measured about 80 us here: 16 medium MLPs at one thread took 11.4 ms a step
                 # in 16 calls, 9.0 ms in one. The results are consumed chunk by chunk, in
-                # order, so the sums and bits are unchanged.
-                self.one_call = _pool.threads_for(len(plan.chunks), workers) <= 1
+                # order, so the sums and bits are unchanged. Not where optimizers step in the
+                # backward: one call would hold every model's gradients at once, which
+                # StepInBackward exists to avoid.
+                self.one_call = (
+                    _pool.threads_for(len(plan.chunks), workers) <= 1 and self.sib is None
+                )
                 # With optimizer steps in the pullbacks, chunk order: after a failure the
                 # chunks before it still start (NOTE [ Costliest chunks first ]), and their
                 # steps would change parameters the failed call then names.

@@ -120,6 +120,30 @@ def test_gradients_of_the_whole_set_are_never_stored_at_once():
     assert seen_live == [per_model] * len(models)
 
 
+def test_one_thread_pulls_back_chunk_by_chunk(monkeypatch):
+    # At one thread the pullbacks of every chunk run in one engine call, except where the
+    # optimizers step in the backward: that call held every model's gradients at once (32
+    # models with 128 MiB of gradients: a peak of 140 MiB with StepInBackward at n_jobs=1,
+    # 20 chunk by chunk; benchmarks/bench_memory.py).
+    calls = []
+    batched = parsum._function._pull_back_batched
+
+    def spy(plan, units, *args, **kwargs):
+        calls.append(len(units))  # units pulled back in one engine call
+        return batched(plan, units, *args, **kwargs)
+
+    monkeypatch.setattr(parsum._function, "_pull_back_batched", spy)
+    models = [mlp([8]), mlp([4]), mlp([6])]
+    x = torch.randn(3, IN)
+    shared = [*models, models[0]]  # a model twice: ParallelSum, as with step_in_backward
+    parsum.sum_models(shared, x, n_jobs=1, engine="autograd").sum().backward()
+    assert calls == [4]
+    calls.clear()
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(models, x, step_in_backward=sib, n_jobs=1, chunk_size=1).sum().backward()
+    assert calls == [1, 1, 1]
+
+
 def test_autograd_grad_does_not_step():
     models = [mlp([8]), mlp([4])]
     before = [p.detach().clone() for p in trainable(models)]
