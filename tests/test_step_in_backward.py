@@ -121,10 +121,10 @@ def test_gradients_of_the_whole_set_are_never_stored_at_once():
 
 
 def test_one_thread_pulls_back_chunk_by_chunk(monkeypatch):
-    # At one thread the pullbacks of every chunk run in one engine call, except where the
-    # optimizers step in the backward: that call held every model's gradients at once (32
-    # models with 128 MiB of gradients: a peak of 140 MiB with StepInBackward at n_jobs=1,
-    # 20 chunk by chunk; benchmarks/bench_memory.py).
+    # At one thread the pullbacks of every chunk run in one engine call, except where each
+    # chunk's gradients go somewhere as it ends (optimizer steps, FlatGrad slots): that call
+    # held every model's gradients at once (32 models with 128 MiB of gradients: a peak of 140
+    # MiB with StepInBackward at n_jobs=1, 20 chunk by chunk; benchmarks/bench_memory.py).
     calls = []
     batched = parsum._function._pull_back_batched
 
@@ -141,6 +141,11 @@ def test_one_thread_pulls_back_chunk_by_chunk(monkeypatch):
     calls.clear()
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     parsum.sum_models(models, x, step_in_backward=sib, n_jobs=1, chunk_size=1).sum().backward()
+    assert calls == [1, 1, 1]
+    calls.clear()  # the same for the slots of a compensated FlatGrad (405 -> 285 MiB there)
+    others = [mlp([8]), mlp([4]), mlp([6])]
+    parsum.FlatGrad(others, compensated=True)
+    parsum.sum_models(others, x, n_jobs=1, chunk_size=1).sum().backward()
     assert calls == [1, 1, 1]
 
 
