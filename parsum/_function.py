@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils.checkpoint
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
 from . import _pool
@@ -46,6 +47,7 @@ from ._engines import (
     Unit,
     UnitPullback,
     UnitRun,
+    _edge,
     direct_calls_allowed,
     pull_back_together,
     run_direct,
@@ -210,15 +212,18 @@ def run_forward(
     weight_tensor: Tensor | None,
     build_graph: bool,
     keep_outputs: bool = False,
-    roots: list[list[Tensor] | None] | None = None,
+    roots: list[list[tuple[GradientEdge, int]] | None] | None = None,
     aliases: list[list[Tensor]] | None = None,
 ) -> _Forward:
     """Run every model, sum the weighted outputs; see NOTE [ Data flow ].
 
     With ``roots`` (and ``build_graph`` False), the models run in the caller's graph, and
-    ``roots[i]`` receives model ``i``'s output leaves as they are (NOTE [ The caller's graph ]
-    in ``_inline``); where arguments need a gradient (``call.grad_positions``), each model reads
-    aliases of them of its own, ``aliases[i]``.
+    ``roots[i]`` receives the gradient edge of each of model ``i``'s output leaves that needs a
+    gradient, with the leaf's index (NOTE [ The caller's graph ] in ``_inline``), taken as the
+    model returns, so that the outputs go with their chunk's sum: held to the end of the
+    forward, 128 MLPs' outputs of 512 x 128 had made the call's peak 42 MiB above the plain
+    loop's. Where arguments need a gradient (``call.grad_positions``), each model reads aliases
+    of them of its own, ``aliases[i]``.
     """
     n = len(plan.models)
     signatures: list[Signature | None] = [None] * n
@@ -321,7 +326,9 @@ def run_forward(
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
                 if roots is not None:
-                    roots[i] = leaves
+                    roots[i] = [
+                        (_edge(leaf), j) for j, leaf in enumerate(leaves) if leaf.requires_grad
+                    ]
                 # Detached values and weights: no graph is recorded, with no grad-mode switch.
                 values = [leaf.detach() for leaf in leaves]
                 if keep_outputs:
@@ -945,8 +952,11 @@ class _Backward:
                 )
                 # With optimizer steps in the pullbacks, chunk order: after a failure the
                 # chunks before it still start (NOTE [ Costliest chunks first ]), and their
-                # steps would change parameters the failed call then names.
-                order = plan.claim_order if plan.step_in_backward is None else None
+                # steps would change parameters the failed call then names. With argument
+                # gradients, too: their sums wait for the chunks in front of them (NOTE
+                # [ Argument gradients chunk by chunk ] in _inline).
+                ordered = plan.step_in_backward is None and not self.ctx.call.grad_positions
+                order = plan.claim_order if ordered else None
                 _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order)
                 # NOTE [ Spinning intra-op threads ] in _pool
                 with _pool.as_one_task(len(plan.chunks)):

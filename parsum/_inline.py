@@ -174,7 +174,7 @@ def sum_in_callers_graph(
     plan: SumPlan, call: CallArgs, weight_tensor: Tensor | None
 ) -> list[Tensor]:
     """Run the models in the caller's graph; their sum, as one node of it."""
-    roots: list[list[Tensor] | None] = [None] * len(plan.models)
+    roots: list[list[tuple[GradientEdge, int]] | None] = [None] * len(plan.models)
     weight_needs_grad = weight_tensor is not None and weight_tensor.requires_grad
     tensors = [call.leaves[j] for j in call.tensor_positions]
     needs = [t.requires_grad for t in tensors]
@@ -191,10 +191,7 @@ def sum_in_callers_graph(
         roots=roots,
         aliases=aliases,
     )
-    edges = [
-        [(_edge(leaf), j) for j, leaf in enumerate(leaves or ()) if leaf.requires_grad]
-        for leaves in roots
-    ]
+    edges = [model_edges or [] for model_edges in roots]
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     del roots, result, edges
@@ -278,8 +275,9 @@ class CallerGraphSum(torch.autograd.Function):
         )
         weighted = weight_tensor is not None or plan.weights is not None
         param_grads: list[Tensor | None] = [None] * len(params)
-        # Each model's argument gradients, where the pullback captures them.
-        captured: dict[int, Sequence[Tensor | None]] = {}
+        # The arguments' gradients, each chunk's summed as soon as its models are pulled back
+        # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]).
+        totals: dict[int, GradSum] = {}
         if not params and aliases is None:
             return (None, None, None, *weight_part)
         error: BaseException | None = None
@@ -287,13 +285,15 @@ class CallerGraphSum(torch.autograd.Function):
         failing: dict[int, list[int]] = {}
         graphs = edges  # as narrowed here, for the function below
 
-        def pull_back_chunks(k: int, chunks: Sequence[int]) -> None:
+        def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, GradSum] | None:
             """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
-            the caller's graph ]); a failure is recorded under ``k``."""
+            the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
+            gradients summed, where arguments need them."""
+            captured: dict[int, Sequence[Tensor | None]] = {}  # argument gradients returned
             running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
             running = [i for i in running if graphs[i]]  # an output that needs a gradient
             if not running:
-                return
+                return None
             failing[k] = running
             outs = [edge for i in running for edge, _ in graphs[i]]
             if weighted:
@@ -319,7 +319,15 @@ class CallerGraphSum(torch.autograd.Function):
                     for i in running:
                         captured[i] = found[at : at + n_args]
                         at += n_args
+                del found
             del failing[k]
+            if aliases is None:
+                return None
+            return _argument_gradients_of(plan, chunks, aliases, captured)
+
+        def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
+            for j, acc in (partial or {}).items():
+                merge_grads(totals, j, acc)
 
         n_chunks = len(plan.chunks)
         try:
@@ -328,19 +336,19 @@ class CallerGraphSum(torch.autograd.Function):
             workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
             if _pool.threads_for(n_chunks, workers) <= 1:
                 with _pool.as_one_task(n_chunks):  # the chunks' threads
-                    if state.in_order:
+                    if state.in_order and aliases is None:
                         pull_back_chunks(0, range(n_chunks))
                     else:  # forwards on several threads: each chunk's ran in order
                         for k in range(n_chunks):
-                            pull_back_chunks(k, (k,))
+                            add_in_order(k, pull_back_chunks(k, (k,)))
             else:  # NOTE [ The caller's graph on several threads ]
                 _pool.run_ordered(
                     lambda k: pull_back_chunks(k, (k,)),
                     n_chunks,
                     workers,
-                    _ignore,
-                    plan.claim_order,
-                )
+                    add_in_order,
+                    plan.claim_order if aliases is None else None,  # NOTE [ Argument
+                )  # gradients chunk by chunk ]
         except BaseException as exc:
             for alias in (a for mine in aliases or () for a in mine):
                 alias.grad = None  # what a model that ran accumulated
@@ -370,45 +378,50 @@ class CallerGraphSum(torch.autograd.Function):
         arg_grads: list[Tensor | None] = [None] * n_args
         if aliases is not None:
             with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
-                arg_grads = _argument_gradients(plan, aliases, captured, n_args)
+                arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
             if not keep_graph:
                 state.aliases = None
         return (None, None, None, *arg_grads, *weight_part, *param_grads)
 
 
-def _argument_gradients(
+# NOTE [ Argument gradients chunk by chunk ]
+# Each model reads the arguments through aliases of its own, whose gradients are added with
+# ParallelSum's compensated sum: model by model within a chunk, then the chunks in order. A
+# chunk's sum is taken as soon as its models are pulled back, in the thread that pulled them
+# back, its models' gradients dropped, and added to the total in chunk order as soon as the
+# chunks before it are (``run_ordered``'s consume), so that a call holds the total, the sums of
+# chunks that finished before those in front of them, and the gradients of the chunks being
+# pulled back, never one gradient a model: 32 small heads reading a 4096 x 512 batch that
+# needs a gradient peaked 300 MiB above the plain loop (a float64 sum of 16 MiB a chunk kept
+# for every chunk to the end), at one thread also where one engine call pulled back every
+# chunk. At one thread such chunks are pulled back one engine call each.
+
+
+def _argument_gradients_of(
     plan: SumPlan,
+    chunks: Sequence[int],
     aliases: list[list[Tensor]],
     captured: dict[int, Sequence[Tensor | None]],
-    n_args: int,
-) -> list[Tensor | None]:
-    """The arguments' gradients: each model's, from its aliases (``.grad``, where the pullback
-    accumulated into every leaf) or ``captured``, added with the compensated sum ParallelSum
-    uses, model by model within a chunk and the chunks in order: the same bits."""
-    totals: dict[int, GradSum] = {}
-    for chunk in plan.chunks:
-        accs: dict[int, GradSum] = {}
-        for u in chunk:
+) -> dict[int, GradSum]:
+    """The argument gradients of ``chunks``' models summed, model by model in model order, from
+    each model's aliases (``.grad``, where the pullback accumulated into every leaf, taken so
+    that a retained graph's next backward starts from None again) or ``captured``."""
+    accs: dict[int, GradSum] = {}
+    for c in chunks:
+        for u in plan.chunks[c]:
             for i in plan.units[u].models:
-                grads = captured.get(i)
-                if grads is None:  # accumulated: taken, so that a retained graph's next
-                    # backward starts from None again
+                grads = captured.pop(i, None)
+                if grads is None:
                     grads = list(map(_grad_of, aliases[i]))
                     for alias in aliases[i]:
                         alias.grad = None
                 for j, g in enumerate(grads):
                     if g is not None:
                         add_grad(accs, j, g)
-        for j, acc in accs.items():
-            merge_grads(totals, j, acc)
-    return [totals[j].result() if j in totals else None for j in range(n_args)]
+    return accs
 
 
 _grad_of = operator.attrgetter("grad")
-
-
-def _ignore(k: int, result: None) -> None:
-    """The chunks' pullbacks write their gradients themselves: nothing to consume."""
 
 
 def _raise_first_failure(
