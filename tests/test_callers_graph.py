@@ -575,6 +575,14 @@ def test_a_sequential_inside_itself_fails_as_a_model_that_raises():
         parsum.sum_models([looped, mlp([4])], torch.randn(2, IN), n_jobs=1)
 
 
+class _Layer(nn.Module):
+    """One Linear, in a class outside torch.nn: its calls run as module calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_outputs_go_with_their_chunks_sum(n_jobs):
     # A model's output is held until its chunk is summed, not to the end of the forward: held
@@ -583,11 +591,7 @@ def test_outputs_go_with_their_chunks_sum(n_jobs):
     outputs = []
     alive = []
 
-    class Recorder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
-
+    class Recorder(_Layer):
         def forward(self, x):
             gc.collect()
             alive.append(sum(ref() is not None for ref in outputs))
@@ -613,11 +617,7 @@ def test_argument_gradients_are_summed_chunk_by_chunk():
     aliases = []
     alive = []
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(IN, OUT)
-
+    class Head(_Layer):
         def forward(self, x):  # x: this model's alias of the argument
             aliases.append(x)
             x.register_hook(self.seen)
