@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import Any
 
 import joblib
 import numpy as np
@@ -99,32 +100,19 @@ def test_concurrent_callers(teams):
         y = parsum.sum_models(models, xr, n_jobs=1)
         y.sum().backward()
         expected.append((y.detach(), xr.grad))
-    results: dict[int, list] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n_threads)
 
     def caller(t):
-        try:
-            barrier.wait()
-            out = []
-            for _ in range(rounds):
-                if teams:
-                    torch.ones(1 << 21).mul_(1.0)
-                xr = inputs[t].clone().requires_grad_()
-                y = parsum.sum_models(sets[t], xr, n_jobs=2, chunk_size=1)
-                y.sum().backward()
-                out.append((y.detach(), xr.grad))
-            results[t] = out
-        except BaseException as exc:
-            errors.append(exc)
+        out = []
+        for _ in range(rounds):
+            if teams:
+                torch.ones(1 << 21).mul_(1.0)
+            xr = inputs[t].clone().requires_grad_()
+            y = parsum.sum_models(sets[t], xr, n_jobs=2, chunk_size=1)
+            y.sum().backward()
+            out.append((y.detach(), xr.grad))
+        return out
 
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(n_threads)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=50)
-    assert not any(th.is_alive() for th in threads), "concurrent callers deadlocked"
-    assert not errors, errors
+    results = _together(caller, n_threads)
     for t in range(n_threads):
         for y, g in results[t]:
             assert torch.equal(y, expected[t][0]) and torch.equal(g, expected[t][1])
@@ -147,26 +135,33 @@ def test_concurrent_training_with_step_in_backward():
     for models, xs in zip(clone_models(sets), batches):
         expected.append(train(models, parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2), xs))
     sibs = [parsum.StepInBackward(models, torch.optim.Adam, lr=1e-2) for models in sets]
-    results: dict[int, list] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
+    results = _together(lambda t: train(sets[t], sibs[t], batches[t]), 2)
+    for t in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(results[t], expected[t]))
 
-    def caller(t):
+
+def _together(work, n_threads):
+    """``work(t)`` for t = 0 .. n_threads - 1, in threads started at once; their results. A
+    deadlock or an error in any of them fails the test."""
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n_threads)
+
+    def run(t):
         try:
             barrier.wait()
-            results[t] = train(sets[t], sibs[t], batches[t])
+            results[t] = work(t)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(2)]
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n_threads)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(timeout=50)
     assert not any(th.is_alive() for th in threads), "concurrent callers deadlocked"
     assert not errors, errors
-    for t in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(results[t], expected[t]))
+    return results
 
 
 def test_repeated_calls_free_graphs_and_grow_nothing():
