@@ -323,7 +323,8 @@ class CallerGraphSum(torch.autograd.Function):
             del failing[k]
             if aliases is None:
                 return None
-            return _argument_gradients_of(plan, chunks, aliases, captured)
+            (chunk,) = chunks  # with arguments to differentiate, one chunk a call
+            return _chunk_argument_gradients(plan, chunk, aliases, captured)
 
         def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
             for j, acc in (partial or {}).items():
@@ -397,27 +398,26 @@ class CallerGraphSum(torch.autograd.Function):
 # chunk. At one thread such chunks are pulled back one engine call each.
 
 
-def _argument_gradients_of(
+def _chunk_argument_gradients(
     plan: SumPlan,
-    chunks: Sequence[int],
+    chunk: int,
     aliases: list[list[Tensor]],
     captured: dict[int, Sequence[Tensor | None]],
 ) -> dict[int, GradSum]:
-    """The argument gradients of ``chunks``' models summed, model by model in model order, from
+    """The argument gradients of ``chunk``'s models summed, model by model in model order, from
     each model's aliases (``.grad``, where the pullback accumulated into every leaf, taken so
     that a retained graph's next backward starts from None again) or ``captured``."""
     accs: dict[int, GradSum] = {}
-    for c in chunks:
-        for u in plan.chunks[c]:
-            for i in plan.units[u].models:
-                grads = captured.pop(i, None)
-                if grads is None:
-                    grads = list(map(_grad_of, aliases[i]))
-                    for alias in aliases[i]:
-                        alias.grad = None
-                for j, g in enumerate(grads):
-                    if g is not None:
-                        add_grad(accs, j, g)
+    for u in plan.chunks[chunk]:
+        for i in plan.units[u].models:
+            grads = captured.pop(i, None)
+            if grads is None:
+                grads = list(map(_grad_of, aliases[i]))
+                for alias in aliases[i]:
+                    alias.grad = None
+            for j, g in enumerate(grads):
+                if g is not None:
+                    add_grad(accs, j, g)
     return accs
 
 
