@@ -226,14 +226,15 @@ def _general_sum(
         units = plan_units(models, found, engine, batch, chunk_size, budget)
         chunks = chunks_of(units, found, batch, chunk_size)
         order = costliest_first(units, chunks, found, batch)
+        claim_order: tuple[int, ...] | None = order
         if (
             chosen
             and chunk_size is None
             and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
         ):
-            chunks, order = chunks_of(units, found, batch, chunk_size, 1), None
+            chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch) if chosen else n_workers
-        derived = Derived(units, chunks, workers, order)
+        derived = Derived(units, chunks, workers, claim_order)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:

@@ -318,7 +318,7 @@ def intra_op_only(
     budget: int,
     units: Sequence[Unit],
     chunks: Sequence[range],
-    order: Sequence[int] | None,
+    order: Sequence[int],
     stepping: bool,
 ) -> bool:
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
@@ -348,7 +348,7 @@ def intra_op_only(
 def _split_evenly(
     units: Sequence[Unit],
     chunks: Sequence[range],
-    order: Sequence[int] | None,
+    order: Sequence[int],
     model_params: Sequence[ModelParams],
     batch: Batch,
     workers: int,
@@ -357,7 +357,7 @@ def _split_evenly(
     as it is free) would finish within MAX_IMBALANCE of an even split, by estimated cost."""
     chunk_costs = _chunk_costs(units, chunks, model_params, batch)
     busy_until = [0] * workers
-    for k in order if order is not None else range(len(chunks)):
+    for k in order:
         free = busy_until.index(min(busy_until))
         busy_until[free] += chunk_costs[k]
     return max(busy_until) <= MAX_IMBALANCE * sum(chunk_costs) / workers
@@ -463,7 +463,7 @@ def costliest_first(
     chunks: Sequence[range],
     model_params: Sequence[ModelParams],
     batch: Batch,
-) -> tuple[int, ...] | None:
+) -> tuple[int, ...]:
     """The order threads claim the chunks in: costliest first, ties in chunk order (NOTE
     [ Costliest chunks first ])."""
     totals = _chunk_costs(units, chunks, model_params, batch)

@@ -203,7 +203,8 @@ def test_split_evenly_simulates_workers_claiming_in_order(monkeypatch, costs, or
     monkeypatch.setattr(_grouping, "estimated_cost", lambda mp, batch: mp)
     units = units_of(len(costs))
     chunks = [range(u, u + 1) for u in range(len(costs))]
-    assert _grouping._split_evenly(units, chunks, order, costs, None, 2) == even
+    in_order = range(len(costs)) if order is None else order  # None: chunk order
+    assert _grouping._split_evenly(units, chunks, in_order, costs, None, 2) == even
 
 
 def small_cnn(channels):
