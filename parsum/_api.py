@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from . import _config, _pool
 from ._engines import CallArgs, ModelParams, module_of, runs_as_program, vmap_failure_count
 from ._errors import ParsumError
-from ._function import ParallelSum, SumPlan, reports_failures, run_forward
+from ._function import ParallelSum, SumPlan, direct_apply, reports_failures, run_forward
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
@@ -278,8 +278,9 @@ def _general_sum(
         # NOTE [ The caller's graph ]
         leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:
-        inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else []), *params]
-        leaves = list(ParallelSum.apply(plan, *inputs))
+        inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
+        # NOTE [ Applying a Function with many inputs ] in _function
+        leaves = list(direct_apply(ParallelSum, 1 + len(inputs), plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
     assert plan.out_spec is not None

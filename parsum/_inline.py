@@ -100,6 +100,7 @@ from ._function import (
     _engine_keeps_graph,
     _on_device_thread,
     _once_differentiable,
+    direct_apply,
     freed_graph_error,
     model_weight_grad,
     reports_failures,
@@ -197,9 +198,9 @@ def sum_in_callers_graph(
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
-    return list(
-        CallerGraphSum.apply(state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params)
-    )
+    n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
+    inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params)
+    return list(direct_apply(CallerGraphSum, n_unwrapped, *inputs))
 
 
 # Every node's first tensor input: whether the running backward runs the anchor's AccumulateGrad
