@@ -73,10 +73,10 @@
 # steps in the backward. Nor in a forked child: its libgomp still lists the team threads of the
 # thread that forked, which the child does not have, and the pause waited for them forever
 # (reproduced). Such a child is fragile with or without parsum: a parallel op of its own on 2
-# threads hangs there too. One run of the suite saw a child forked beside a live team crash in a
-# Linear while its caller and helper ran models (not reproduced in 40 such forks here, nor with
-# two plain threads): the test checks the child with a spy instead. Not measured on many cores,
-# where the user's next parallel op starts up to 15 threads again after each call.
+# threads hangs there too. (A child seen to crash in a Linear while its caller and helper ran
+# models most likely met another race: NOTE [ A forked child's autograd engine ].) The test
+# checks the child with a spy. Not measured on many cores, where the user's next parallel op
+# starts up to 15 threads again after each call.
 #
 # NOTE [ Helpers' OpenMP teams ]
 # A thread that runs a parallel op on n intra-op threads keeps an OpenMP team of n - 1 threads
@@ -370,6 +370,7 @@ class _Pool:
                 thread.join(timeout=5)
 
     def ensure_helpers(self, n: int) -> None:
+        _rebuild_engine_here()  # NOTE [ A forked child's autograd engine ]
         with self._lock:
             # A helper that ended on a stop() meant for one that handed over (NOTE [ Helpers'
             # OpenMP teams ]) is replaced; a successor not started yet is kept.
@@ -496,11 +497,41 @@ def _team_pause() -> Callable[[int], int] | None:
 
 class _Forked:
     child = False
+    engine_rebuilt = True  # NOTE [ A forked child's autograd engine ]
+
+    def after_in_child(self) -> None:
+        self.child = True
+        self.engine_rebuilt = False
 
 
 _forked = _Forked()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: setattr(_forked, "child", True))
+    os.register_at_fork(after_in_child=_forked.after_in_child)
+
+
+# NOTE [ A forked child's autograd engine ]
+# PyTorch rebuilds its autograd engine in a forked child: a fork handler marks it, and the first
+# use of the engine in the child destroys it and builds it anew in place, with no lock (its
+# comment assumes the GIL is held; recording a saved tensor for backward reaches it without).
+# Two threads whose first autograd use in the child comes at once both rebuild it: a child whose
+# first sum_models ran models on the caller and a helper at once crashed (SIGSEGV in the
+# engine's destructor, under ``SavedVariable::get_default_hooks``, from a helper's Linear; about
+# one run in ten of the fork tests under pytest-xdist). Before a child's first helper starts,
+# the calling thread, alone, uses the engine once: a backward of one scalar.
+
+
+def _rebuild_engine_here() -> None:
+    """Use the autograd engine in this thread, where this is a forked child that has not
+    started a helper yet (NOTE [ A forked child's autograd engine ])."""
+    if _forked.engine_rebuilt:
+        return
+    _forked.engine_rebuilt = True
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            leaf = torch.zeros((), device="cpu", requires_grad=True)
+            torch.autograd.grad(leaf.sum(), leaf)  # nothing saved: no saved-tensor hook runs
+    except RuntimeError:  # autograd refuses to run in this child: the models' calls will say so
+        pass
 
 
 _OMP_PAUSE_SOFT = 1

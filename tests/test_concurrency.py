@@ -666,8 +666,9 @@ def _in_forked_child(target, *args):
     if hung:
         child.kill()
         child.join(timeout=5)
-    # Which of the two, for the rare failure (about 1 run in 10 of this file under xdist,
-    # with this session's code and the code before it: a fork of a threaded process).
+    # Which of the two: a child's crash (exit code -11, about 1 run in 10 of this file under
+    # xdist) was PyTorch's engine rebuilt by two threads at once (NOTE [ A forked child's
+    # autograd engine ] in parsum's _pool).
     assert not hung, "the forked child hung"
     assert child.exitcode == 0, f"the forked child failed with exit code {child.exitcode}"
     got = results.get()
@@ -690,6 +691,32 @@ def test_forked_child_starts_its_own_helpers(cores):
     error, have_grads, names = _in_forked_child(_sum_in_child, clone_models(models), x, want, names)
     assert error < 1e-5 and have_grads
     assert any(name.startswith("parsum-worker") for name in names), names
+
+
+def test_a_forked_child_uses_autograd_in_the_caller_before_its_helpers_start(cores, monkeypatch):
+    # NOTE [ A forked child's autograd engine ]: PyTorch rebuilds its engine on its first use in a
+    # child, unguarded; a child whose caller and helper both made their first autograd use at
+    # once crashed in the engine's destructor. The child's caller uses it alone first: here as in
+    # a child that has not started a helper (one forked for real cannot be watched this closely).
+    cores(2)
+    _pool._pool.stop()  # no helper, as in a child
+    monkeypatch.setattr(_pool._forked, "child", True)
+    monkeypatch.setattr(_pool._forked, "engine_rebuilt", False)
+    calls = []
+    rebuild = _pool._rebuild_engine_here
+
+    def recording():
+        calls.append((_pool._forked.engine_rebuilt, _pool.pool_size(), threading.get_ident()))
+        rebuild()
+
+    monkeypatch.setattr(_pool, "_rebuild_engine_here", recording)
+    models = [mlp([16 + i, 16]) for i in range(4)]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert calls, "no helper was started"
+    assert calls[0] == (False, 0, threading.get_ident())  # in the caller, before any helper
+    assert _pool._forked.engine_rebuilt and _pool.pool_size() >= 1
+    assert all(rebuilt for rebuilt, _, _ in calls[1:])  # once
 
 
 def _teams_in_child(models, x, want, results):
