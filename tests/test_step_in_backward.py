@@ -120,33 +120,39 @@ def test_gradients_of_the_whole_set_are_never_stored_at_once():
     assert seen_live == [per_model] * len(models)
 
 
+def batched_calls(monkeypatch):
+    """The units offered to a shared engine call (``_pull_back_batched``), call by call."""
+    calls = []
+    batched = parsum._function._pull_back_batched
+
+    def spy(plan, units, *args, **kwargs):
+        calls.append(list(units))
+        return batched(plan, units, *args, **kwargs)
+
+    monkeypatch.setattr(parsum._function, "_pull_back_batched", spy)
+    return calls
+
+
 def test_one_thread_pulls_back_chunk_by_chunk(monkeypatch):
     # At one thread the pullbacks of every chunk run in one engine call, except where each
     # chunk's gradients go somewhere as it ends (optimizer steps, FlatGrad slots): that call
     # held every model's gradients at once (32 models with 128 MiB of gradients: a peak of 140
     # MiB with StepInBackward at n_jobs=1, 20 chunk by chunk; benchmarks/bench_memory.py).
-    calls = []
-    batched = parsum._function._pull_back_batched
-
-    def spy(plan, units, *args, **kwargs):
-        calls.append(len(units))  # units pulled back in one engine call
-        return batched(plan, units, *args, **kwargs)
-
-    monkeypatch.setattr(parsum._function, "_pull_back_batched", spy)
+    calls = batched_calls(monkeypatch)
     models = [mlp([8]), mlp([4]), mlp([6])]
     x = torch.randn(3, IN)
     shared = [*models, models[0]]  # a model twice: ParallelSum, as with step_in_backward
     parsum.sum_models(shared, x, n_jobs=1, engine="autograd").sum().backward()
-    assert calls == [4]
+    assert calls == [[0, 1, 2, 3]]
     calls.clear()
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     parsum.sum_models(models, x, step_in_backward=sib, n_jobs=1, chunk_size=1).sum().backward()
-    assert calls == [1, 1, 1]
+    assert calls == [[0], [1], [2]]
     calls.clear()  # the same for the slots of a compensated FlatGrad (405 -> 285 MiB there)
     others = [mlp([8]), mlp([4]), mlp([6])]
     parsum.FlatGrad(others, compensated=True)
     parsum.sum_models(others, x, n_jobs=1, chunk_size=1).sum().backward()
-    assert calls == [1, 1, 1]
+    assert calls == [[0], [1], [2]]
 
 
 def test_autograd_grad_does_not_step():
@@ -472,6 +478,24 @@ def test_models_too_large_to_wait_step_after_their_pullback(monkeypatch):
     y.sum().backward()
     # Each alone: only 43 fits, and nothing waits beside it.
     assert sorted(map(sib.optimizers.index, stepped)) == [0, 1, 2, 3]
+
+
+def test_models_too_large_to_wait_are_pulled_back_alone(monkeypatch):
+    # NOTE [ Large models pulled back alone ]: a chunk's engine call would hold every model's
+    # gradients at once; a model that steps right after its pullback gets a call of its own.
+    calls = batched_calls(monkeypatch)
+    monkeypatch.setattr(parsum._function, "MERGED_STEP_ELEMENTS", 60)
+    models = [mlp([w]) for w in (8, 4, 6, 3)]  # 83, 43, 63 and 33 elements
+    copies = clone_models(models)
+    x = torch.randn(3, IN)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, x, step_in_backward=sib, chunk_size=4, n_jobs=1)
+    y.sum().backward()
+    assert calls == [[1, 3]]  # the two that wait share a call; 0 and 2 alone
+    opt = torch.optim.SGD(trainable(copies), lr=0.1)
+    plain_sum(copies, x).sum().backward()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(trainable(models), trainable(copies)))
 
 
 # -- bad input -----------------------------------------------------------------------------
