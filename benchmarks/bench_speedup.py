@@ -27,7 +27,8 @@ Methods, all forward + backward of the loss of sum(m(x) for m in models):
                  127.0.0.1), each with budget / P threads and its share of the models, as
                  torchrun --nproc-per-node P would run them (only with --procs); timed after
                  the other methods, with only its own P processes alive, 10 steps a command
-                 of this process (a step: their time over 10)
+                 of this process, each rank timing its last 8 (a step: the slowest rank's
+                 time over 8; the median of the rounds)
 
 Every method takes its turn once per round, interleaved, after a warm-up, and in its turn
 makes --settle untimed calls (default 1), and more until --settle-ms (default 20) have passed,
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -154,8 +156,12 @@ def time_processes(
     for p in [p for p in procs if p <= len(models)]:
         split = ProcessSplit(name, batch, p, budget, PROCESS_STEPS)
         try:
-            seconds = interleaved({"procs": split}, rounds)["procs"]
-            medians[f"procs {p}"] = seconds / PROCESS_STEPS
+            steps = []
+            for k in range(3 + rounds):  # the first three: warm-up
+                split()
+                if k >= 3:
+                    steps.append(split.step_seconds)
+            medians[f"procs {p}"] = statistics.median(steps)
         finally:
             split.close()
     return medians

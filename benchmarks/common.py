@@ -430,18 +430,24 @@ def paired_ratio(
     )
 
 
+# The steps of a ProcessSplit command that each rank runs untimed before the ones it times.
+PROCESS_SETTLE = 2
+
+
 class ProcessSplit:
     """P processes on this host (gloo on 127.0.0.1), each with its share of the thread budget
     (``budget // P`` intra-op threads, torchrun's way), each summing its share of the models
     (``parsum.distributed.share``; identical ones in ``parsum.stack_`` storage) with
     ``parsum.distributed.sum_models``: forward, then backward of the loss.
 
-    The processes are started once (spawn, as torchrun does) and wait for a command on a pipe,
-    so that they can be timed in interleaved rounds like every other method: calling the object
-    runs ``steps`` steps on every rank, one after the other as a training loop runs them, and
-    returns when all have finished. Several steps a command, because waking the ranks through
-    the pipes costs what no torchrun job pays between its steps (2 cores, 64 identical tiny
-    MLPs: 2 processes 2.54 -> 2.17 ms a step with 10 steps a command, 1 process 1.67 -> 1.58).
+    The processes are started once (spawn, as torchrun does) and wait for a command on a pipe:
+    calling the object runs ``steps`` steps on every rank, one after the other as a training
+    loop runs them, and returns when all have finished; ``step_seconds`` is then a step's time,
+    timed in each rank over its steps after the first ``PROCESS_SETTLE`` (the slowest rank's).
+    Waking the ranks through the pipes, and the first steps of a process that slept in the
+    meantime, cost what no torchrun job pays between its steps: timed from the parent, 64
+    identical tiny MLPs in 1 process read 1.67 ms a step with one step a command and 1.58 with
+    10 (2 cores), and 1.08 against 0.77 in two runs of 10 (0.71x and 0.98x the threads' default).
     """
 
     def __init__(
@@ -464,14 +470,18 @@ class ProcessSplit:
         for pipe in self.pipes:
             if pipe.recv() != "ready":
                 raise RuntimeError("a rank failed to start")
+        self.step_seconds = float("nan")
 
     def __call__(self) -> None:
         for pipe in self.pipes:
             pipe.send("step")
+        timed = []
         for pipe in self.pipes:
             reply = pipe.recv()
-            if reply != "done":
+            if not isinstance(reply, float):
                 raise RuntimeError(f"a rank failed: {reply}")
+            timed.append(reply)
+        self.step_seconds = max(timed)
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -517,15 +527,19 @@ def _process_rank(
     if w.identical:  # as the threads' rows run them, and as the README tells users to
         parsum.stack_(mine)
     pipe.send("ready")
+    settle = min(PROCESS_SETTLE, steps - 1)
     try:
         while pipe.recv() == "step":
             try:
-                for _ in range(steps):
+                start = time.perf_counter()
+                for k in range(steps):
+                    if k == settle:
+                        start = time.perf_counter()
                     zero_grads(mine)
                     loss_of(parsum.distributed.sum_models(mine, w.x)).backward()
             except Exception as exc:  # reported to the parent, which stops the run
                 pipe.send(repr(exc))
                 raise
-            pipe.send("done")
+            pipe.send((time.perf_counter() - start) / (steps - settle))
     finally:
         dist.destroy_process_group()
