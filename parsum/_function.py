@@ -763,12 +763,16 @@ class WaitingSteps:
     def add(self, i: int, j: int, params: list[Tensor], grads: list[Tensor | None]) -> bool:
         """Wait with model ``i``'s step (``sib.optimizers[j]``); False for a model too large
         to wait, which steps now."""
-        elements = sum(map(Tensor.numel, params))
-        if elements > MERGED_STEP_ELEMENTS:
+        if self.too_large(params):
             return False
         self.entries.append((i, j, params, grads))
-        self.elements += elements
+        self.elements += sum(map(Tensor.numel, params))
         return True
+
+    @staticmethod
+    def too_large(params: Sequence[Tensor]) -> bool:
+        """Whether a model stepping ``params`` is too large to wait: it steps now."""
+        return sum(map(Tensor.numel, params)) > MERGED_STEP_ELEMENTS
 
     @property
     def full(self) -> bool:
@@ -914,15 +918,16 @@ class _Backward:
         wait for its chunk's others (``WaitingSteps``): pulled back each in an engine call of
         its own, so that a thread holds one such model's gradients at a time, not its chunk's
         (NOTE [ Large models pulled back alone ])."""
-        plan, step_index = self.plan, self.plan.step_index
+        plan, step_index, accumulates = self.plan, self.plan.step_index, self.accumulates
         assert step_index is not None
         alone = []
         for u in units:
             models = plan.units[u].models
             if len(models) != 1 or step_index[models[0]] is None:
                 continue
-            elements = sum(map(Tensor.numel, plan.model_params[models[0]].tensors))
-            if elements > MERGED_STEP_ELEMENTS:
+            tensors, slots = plan.model_params[models[0]].tensors, plan.param_slots[models[0]]
+            stepped = [p for p, s in zip(tensors, slots) if accumulates[s]]  # as route() steps
+            if WaitingSteps.too_large(stepped):
                 alone.append(u)
         return frozenset(alone)
 
