@@ -26,6 +26,7 @@ from ._grouping import (
     costliest_first,
     intra_op_only,
     plan_units,
+    small_last_chunk,
     storage_stack_limit,
     useful_workers,
 )
@@ -234,7 +235,8 @@ def _general_sum(
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch) if chosen else n_workers
-        derived = Derived(units, chunks, workers, claim_order)
+        last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
+        derived = Derived(units, chunks, workers, claim_order, last)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
@@ -254,6 +256,7 @@ def _general_sum(
         units=units,
         chunks=chunks,
         claim_order=derived.order,
+        callers_last=derived.callers_last,
         n_workers=n_workers,
         forward_workers=1 if walk.forward_in_order else n_workers,
         step_in_backward=step_in_backward,

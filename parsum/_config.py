@@ -38,6 +38,11 @@ def current_settings() -> _Settings:
     return _local.settings
 
 
+def set_settings(settings: _Settings) -> None:
+    """Make ``settings`` this thread's (a helper, for the caller's chunks it runs)."""
+    _local.settings = settings
+
+
 @contextlib.contextmanager
 def settings_entered(settings: _Settings) -> Iterator[None]:
     """Enter settings captured in another thread (a helper running the caller's chunks)."""

@@ -91,6 +91,8 @@ class SumPlan:
         chunks: the units of each task; never decided by ``n_workers`` (NOTE [ Chunks ]).
         claim_order: the order threads claim the chunks in (NOTE [ Costliest chunks first ] in
             _grouping); None: chunk order.
+        callers_last: whether the last chunk in ``claim_order`` is left to the calling thread
+            (NOTE [ The caller's last chunk ] in _pool).
         n_workers: threads for the call; ``forward_workers`` for forward (1 when models share
             buffers, which must then be updated in model order as in the plain loop).
         where: the public name to start error messages with.
@@ -114,6 +116,7 @@ class SumPlan:
     forward_workers: int
     walk: Walk
     claim_order: Sequence[int] | None = None
+    callers_last: bool = False
     where: str = "sum_models"
     out_spec: pytree.TreeSpec | None = None
     step_in_backward: StepInBackward | None = None
@@ -353,7 +356,12 @@ def run_forward(
     snapshot = _BufferSnapshot(plan.model_params)
     try:
         _pool.run_ordered(
-            forward_chunk, len(plan.chunks), plan.forward_workers, consume, plan.claim_order
+            forward_chunk,
+            len(plan.chunks),
+            plan.forward_workers,
+            consume,
+            plan.claim_order,
+            plan.callers_last,
         )
     except BaseException:
         snapshot.restore()
@@ -1021,7 +1029,8 @@ class _Backward:
                 # [ Argument gradients chunk by chunk ] in _inline).
                 ordered = plan.step_in_backward is None and not self.ctx.call.grad_positions
                 order = plan.claim_order if ordered else None
-                _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order)
+                last = ordered and plan.callers_last
+                _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order, last)
                 # NOTE [ Spinning intra-op threads ] in _pool
                 with _pool.as_one_task(len(plan.chunks)):
                     for slot, acc in self.shared_totals.items():

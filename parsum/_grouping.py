@@ -167,6 +167,9 @@ AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
 # Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
 MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
+# A chunk left to the caller at the end of a job (NOTE [ The caller's last chunk ] in _pool):
+# at most a model whose kernels weigh half its overhead, about 0.4 ms forward and backward.
+CALLERS_LAST_PARAM_ROWS = 6_000_000
 
 # NOTE [ Threads that pay ]: budgets up to this go to intra-op threads; below this share of
 # kernel work over Python overhead the models run in the calling thread.
@@ -468,6 +471,18 @@ def costliest_first(
     [ Costliest chunks first ])."""
     totals = _chunk_costs(units, chunks, model_params, batch)
     return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
+
+
+def small_last_chunk(
+    units: Sequence[Unit],
+    chunks: Sequence[range],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    order: Sequence[int],
+) -> bool:
+    """Whether the last chunk in ``order`` is small enough to leave to the calling thread
+    (NOTE [ The caller's last chunk ] in _pool)."""
+    return _chunk_costs(units, chunks, model_params, batch)[order[-1]] <= CALLERS_LAST_PARAM_ROWS
 
 
 def _chunk_costs(

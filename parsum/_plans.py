@@ -74,6 +74,7 @@ class Derived(NamedTuple):
     chunks: list[range]
     workers: int  # the workers that pay, where parsum chooses them
     order: tuple[int, ...] | None  # the order threads claim the chunks in (costliest_first)
+    callers_last: bool  # whether the last chunk claimed is the caller's (small_last_chunk)
 
 
 class _Watched(NamedTuple):

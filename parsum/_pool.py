@@ -14,6 +14,21 @@
 # threads calling at once, never wait on a helper that is waiting on them. Inside a parsum task
 # (flag ``_local.in_task``) nested calls run sequentially, so they add no threads.
 #
+# NOTE [ The caller's last chunk ]
+# At a job's end one thread runs the last chunk while the others have nothing left. Where that
+# is a helper, the caller, done with its own, waits for it and then for the GIL: a helper
+# releases it only once it blocks on the queue again, 50-60 us after it signals the job done
+# (2 cores, median). Where the chunks are claimed costliest first and the last of them is small
+# (``small_last_chunk`` in _grouping: at most CALLERS_LAST_PARAM_ROWS, a model whose kernels
+# weigh half its overhead) and each thread has more than two chunks, helpers leave the last
+# chunk to the caller: the wait at the end is a helper's, off the call's path, and costs at most
+# that small chunk. In one process against the code before this and NOTE [ A helper's state ]
+# (benchmarks/bench_against.py, 2 cores): 16 MLPs of widths 128-512 at batch 64 on 2 workers
+# 1.007-1.025x (three runs of 100 rounds), 64 tiny MLPs at n_jobs=2 1.011x; at batch 256 (its
+# last chunk too large to leave) 0.999x, 8 small CNNs at n_jobs=2 0.991x. Left to the caller
+# whatever its size, the last of those CNNs (the narrowest, milliseconds) left the helper idle:
+# 0.91-0.96x.
+#
 # NOTE [ Thread control ]
 # A job uses at most min(n_jobs, chunks, usable cores) threads, caller included. Every task runs
 # with budget // min(budget, chunks) intra-op threads, the budget being the threads the caller
@@ -27,6 +42,14 @@
 # autocast, the default device and CUDA's current device and stream are thread-local in PyTorch
 # and do not cross threads: they are captured in the caller and re-entered by every helper
 # (``ThreadState``).
+#
+# NOTE [ A helper's state ]
+# Where grad mode and parsum's settings are the whole of the caller's state (no inference mode,
+# autocast, default device or CUDA stream), a helper sets them and leaves them set: the next
+# job sets its own. Entered and left as a context each job, the state cost the helper's start
+# of the job and, at its end, the caller's wake-up, which waits for the GIL until the helper
+# blocks on the queue again. 16 MLPs of widths 128-512 at batch 64, 2 workers on 2 cores, in
+# one process against the code before (benchmarks/bench_against.py): 1.00-1.02x.
 #
 # NOTE [ Thread budget ]
 # The budget is ``torch.get_num_threads()`` in the calling thread when the call starts, capped
@@ -190,7 +213,9 @@ class ThreadState:
                     autocast.append((device, torch.get_autocast_dtype(device)))
             except RuntimeError:  # device type not built into this torch
                 continue
-        default_device = torch.get_default_device()
+        # A default device is a DeviceContext on the function-mode stack: with no mode there,
+        # none (``get_default_device`` imports and filters in Python on every call).
+        default_device = torch.get_default_device() if _function_modes() else None
         cuda_device: int | None = None
         cuda_stream = None
         if torch.cuda.is_initialized():
@@ -202,11 +227,24 @@ class ThreadState:
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
             tuple(autocast),
-            None if default_device.type == "cpu" else default_device,
+            None if default_device is None or default_device.type == "cpu" else default_device,
             cuda_device,
             cuda_stream,
             _config.current_settings(),
         )
+
+    def set_here(self) -> bool:
+        """Set grad mode and parsum's settings in this thread, and leave them set, where they
+        are the whole state; False (nothing set) otherwise, for ``entered``. A helper that
+        entered and left a context each job paid for it at the job's start and again at its
+        end, while the caller waited for the GIL (NOTE [ A helper's state ])."""
+        if self.inference or self.autocast or self.default_device is not None:
+            return False
+        if self.cuda_device is not None:
+            return False
+        torch._C._set_grad_enabled(self.grad_enabled)
+        _config.set_settings(self.settings)
+        return True
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
@@ -225,6 +263,12 @@ class ThreadState:
             yield
 
 
+def _function_modes() -> bool:
+    """Whether this thread has a torch function mode (a DeviceContext among them)."""
+    count = getattr(torch._C, "_len_torch_function_stack", None)
+    return count is None or count() > 0
+
+
 class _Job:
     """One call's chunks: claimed by any thread in ``order`` (default: chunk order), results
     consumed in chunk order."""
@@ -237,6 +281,7 @@ class _Job:
         state: ThreadState,
         intra_threads: int,
         order: Sequence[int] | None = None,
+        callers_last: bool = False,
     ) -> None:
         self.task: Callable[[int], Any] | None = task
         self.order = order
@@ -253,12 +298,15 @@ class _Job:
         self._next_consume = 0
         self._consuming = False
         self._cancelled = False
+        self.callers_last = callers_last
 
-    def _claim(self) -> int | None:
+    def _claim(self, caller: bool) -> int | None:
         with self._lock:
             if self.task is None or self._cancelled:
                 return None
-            while self._next_claim < self.n_tasks:
+            # NOTE [ The caller's last chunk ]
+            end = self.n_tasks - 1 if self.callers_last and not caller else self.n_tasks
+            while self._next_claim < end:
                 at = self._next_claim
                 self._next_claim += 1
                 k = at if self.order is None else self.order[at]
@@ -327,9 +375,9 @@ class _Job:
             self._pending.clear()
         return failures[min(failures)] if failures else None
 
-    def work(self) -> None:
+    def work(self, caller: bool = False) -> None:
         """Claim and run chunks until none is left (called by the caller and by helpers)."""
-        while (k := self._claim()) is not None:
+        while (k := self._claim(caller)) is not None:
             try:
                 assert self.task is not None
                 result = self.task(k)
@@ -400,8 +448,11 @@ class _Pool:
             if job.done.is_set():
                 continue
             _set_threads(job.intra_threads)
-            with job.state.entered():
+            if job.state.set_here():  # NOTE [ A helper's state ]
                 job.work()
+            else:
+                with job.state.entered():
+                    job.work()
             teamed = job.intra_threads > 1
             del job
             if teamed:  # NOTE [ Helpers' OpenMP teams ]
@@ -454,10 +505,12 @@ def run_ordered(
     n_workers: int,
     consume: Callable[[int, Any], None],
     order: Sequence[int] | None = None,
+    callers_last: bool = False,
 ) -> None:
     """Run ``task(k)`` for every chunk ``k`` on up to ``n_workers`` threads (caller included),
     the threads claiming the chunks in ``order`` (a permutation of them; default 0, 1, ...;
-    NOTE [ Costliest chunks first ]).
+    NOTE [ Costliest chunks first ]); with ``callers_last``, the last of them is left to the
+    caller where each thread has more than two chunks (NOTE [ The caller's last chunk ]).
 
     ``consume(k, result)`` is called once per chunk in the order k = 0, 1, ..., never two at
     once. If a task or a consume raises, only the chunks before it may still start, the chunks
@@ -472,7 +525,8 @@ def run_ordered(
             _run_here(task, n_tasks, consume)
             return
         state = ThreadState.capture()
-        _run_job(_Job(task, n_tasks, consume, state, intra_threads, order), threads)
+        last = callers_last and n_tasks > 2 * threads
+        _run_job(_Job(task, n_tasks, consume, state, intra_threads, order, last), threads)
 
 
 def release_callers_team() -> None:
@@ -607,7 +661,7 @@ def _run_job(job: _Job, threads: int) -> None:
     _pool.submit(job, threads - 1)
     try:
         try:
-            job.work()
+            job.work(caller=True)
             job.done.wait()
         except BaseException:
             # Interrupted in the caller (KeyboardInterrupt, an exception from a signal handler):

@@ -1,6 +1,8 @@
 """Default chunks: about equal estimated cost, from shapes alone, never from n_jobs."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -96,9 +98,9 @@ def jobs_run(monkeypatch):
     seen = []
     run_ordered = _pool.run_ordered
 
-    def spy(task, n_tasks, n_workers, consume, order=None):
+    def spy(task, n_tasks, n_workers, consume, *rest):
         seen.append((n_tasks, n_workers))
-        run_ordered(task, n_tasks, n_workers, consume, order)
+        run_ordered(task, n_tasks, n_workers, consume, *rest)
 
     monkeypatch.setattr(_pool, "run_ordered", spy)
     return seen
@@ -323,9 +325,9 @@ def test_threads_claim_the_costliest_chunks_first(monkeypatch):
     orders = []
     run_ordered = _pool.run_ordered
 
-    def spy(task, n_tasks, n_workers, consume, order=None):
+    def spy(task, n_tasks, n_workers, consume, order=None, *rest):
         orders.append(order)
-        run_ordered(task, n_tasks, n_workers, consume, order)
+        run_ordered(task, n_tasks, n_workers, consume, order, *rest)
 
     monkeypatch.setattr(_pool, "run_ordered", spy)
     widths = [8, 300, 64, 300, 16]  # one chunk each; the two widest tie
@@ -348,6 +350,68 @@ def test_chunks_are_claimed_costliest_first_at_any_batch(batch):
     units = units_of(4)
     chunks = [range(u, u + 1) for u in range(4)]
     assert _grouping.costliest_first(units, chunks, mps, b) == (1, 2, 0, 3)  # ties in order
+
+
+# NOTE [ The caller's last chunk ]
+
+
+def test_a_helper_leaves_the_last_chunk_claimed_to_the_caller():
+    ran, consumed = [], []
+    order = (5, 3, 1, 0, 2, 4)
+    job = _pool._Job(ran.append, 6, lambda k, r: consumed.append(k), None, 1, order, True)
+    job.work()  # as a helper
+    assert ran == [5, 3, 1, 0, 2] and not job.done.is_set()
+    job.work(caller=True)
+    assert ran == [5, 3, 1, 0, 2, 4] and job.done.is_set()
+    assert consumed == list(range(6)) and job.close() is None
+
+
+@pytest.mark.parametrize("n_tasks", [4, 5, 8])
+def test_only_threads_with_more_than_two_chunks_leave_the_last_to_the_caller(
+    cores, monkeypatch, n_tasks
+):
+    cores(2)
+    runs = {}
+    jobs = []
+    run_job_ = _pool._run_job
+    monkeypatch.setattr(
+        _pool, "_run_job", lambda job, threads: jobs.append(job) or run_job_(job, threads)
+    )
+
+    def task(k):
+        runs[k] = threading.current_thread()
+        time.sleep(0.002)  # the helper takes chunks too
+        return k
+
+    order = tuple(reversed(range(n_tasks)))
+    consumed: list[int] = []
+    helped = False
+    for _ in range(10):  # whatever the timing
+        runs.clear()
+        consumed.clear()
+        _pool.run_ordered(task, n_tasks, 2, lambda k, r: consumed.append(r), order, True)
+        assert consumed == list(range(n_tasks))
+        if jobs[-1].callers_last:
+            assert runs[0] is threading.current_thread()  # the last in the order
+        helped |= any(t is not threading.current_thread() for t in runs.values())
+    assert [job.callers_last for job in jobs] == [n_tasks > 4] * 10
+    assert helped
+
+
+def test_small_last_chunks_are_left_to_the_caller():
+    x = torch.randn(64, IN)
+    b = Batch.of([x])
+    models = [mlp([512, 512]), mlp([256]), mlp([16])]
+    mps = [ModelParams.of(m) for m in models]
+    chunks = [range(u, u + 1) for u in range(3)]
+    order = _grouping.costliest_first(units_of(3), chunks, mps, b)
+    assert order == (0, 1, 2)
+    assert _grouping.small_last_chunk(units_of(3), chunks, mps, b, order)
+    cnns = [ModelParams.of(small_cnn(c)) for c in (12, 16)]
+    big = Batch.of([torch.randn(64, 1, 16, 16)])
+    cnn_chunks = [range(0, 1), range(1, 2)]
+    cnn_order = _grouping.costliest_first(units_of(2), cnn_chunks, cnns, big)
+    assert not _grouping.small_last_chunk(units_of(2), cnn_chunks, cnns, big, cnn_order)
 
 
 def run_job(n_tasks, order, failing=()):

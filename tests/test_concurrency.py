@@ -306,15 +306,23 @@ def test_the_budget_follows_torch_threads(cores, n_cores):
     assert _config.thread_budget() == n_cores
 
 
-def test_grad_mode_crosses_into_workers():
+def test_grad_mode_crosses_into_workers(cores):
+    # Helpers keep the grad mode a job set (NOTE [ A helper's state ]): the next job's must
+    # replace it, either way.
+    cores(2)
     seen = []
-    models = [Probe(lambda: seen.append(torch.is_grad_enabled())) for _ in range(4)]
-    parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
-    assert seen == [True] * 4  # graphs are built in the workers
-    seen.clear()
-    with torch.no_grad():
-        parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
-    assert seen == [False] * 4
+
+    def record():
+        seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        time.sleep(0.02)  # long enough for the helper to take a chunk too
+
+    models = [Probe(record) for _ in range(4)]
+    for grad in (True, False, True):
+        seen.clear()
+        with torch.set_grad_enabled(grad):
+            parsum.sum_models(models, torch.randn(2, IN), n_jobs=2, chunk_size=1)
+        assert [enabled for _, enabled in seen] == [grad] * 4  # graphs are built in workers
+        assert any(name.startswith("parsum-worker") for name, _ in seen)
 
 
 @pytest.mark.parametrize("how", ["context", "set_default_device"])

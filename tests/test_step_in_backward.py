@@ -229,9 +229,9 @@ def test_steps_run_in_chunk_order_when_the_costliest_would_start_first(monkeypat
     orders = []
     run_ordered = parsum._pool.run_ordered
 
-    def spy(task, n_tasks, n_workers, consume, order=None):
+    def spy(task, n_tasks, n_workers, consume, order=None, *rest):
         orders.append(order)
-        run_ordered(task, n_tasks, n_workers, consume, order)
+        run_ordered(task, n_tasks, n_workers, consume, order, *rest)
 
     monkeypatch.setattr(parsum._pool, "run_ordered", spy)
     models = [mlp([4]), mlp([64]), mlp([16])]
