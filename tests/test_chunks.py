@@ -398,6 +398,36 @@ def test_only_threads_with_more_than_two_chunks_leave_the_last_to_the_caller(
     assert helped
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("failing", [0, 3, 7])
+def test_a_failure_with_the_last_chunk_left_to_the_caller_is_the_first_in_chunk_order(
+    cores, failing
+):
+    # The chunk left to the caller is chunk 0 here (claimed last). Chunk 7, claimed first,
+    # fails too: the chunks before the smallest failure still run, it is the one raised, and
+    # results are consumed in chunk order only up to the first failure.
+    cores(2)
+    ran: set[int] = set()
+    consumed: list[int] = []
+
+    def task(k):
+        ran.add(k)
+        time.sleep(0.001)
+        if k in (failing, 7):
+            raise RuntimeError(f"chunk {k}")
+        return k
+
+    for _ in range(5):
+        ran.clear()
+        consumed.clear()
+        with pytest.raises(RuntimeError, match=f"chunk {failing}"):
+            _pool.run_ordered(
+                task, 8, 2, lambda k, r: consumed.append(k), tuple(range(7, -1, -1)), True
+            )
+        assert set(range(failing + 1)) <= ran
+        assert consumed == list(range(len(consumed))) and len(consumed) <= failing
+
+
 def test_small_last_chunks_are_left_to_the_caller():
     x = torch.randn(64, IN)
     b = Batch.of([x])
