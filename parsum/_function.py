@@ -1029,8 +1029,9 @@ class _Backward:
                 # [ Argument gradients chunk by chunk ] in _inline).
                 ordered = plan.step_in_backward is None and not self.ctx.call.grad_positions
                 order = plan.claim_order if ordered else None
-                last = ordered and plan.callers_last
-                _pool.run_ordered(self.chunk, len(plan.chunks), workers, self.consume, order, last)
+                _pool.run_ordered(
+                    self.chunk, len(plan.chunks), workers, self.consume, order, plan.callers_last
+                )
                 # NOTE [ Spinning intra-op threads ] in _pool
                 with _pool.as_one_task(len(plan.chunks)):
                     for slot, acc in self.shared_totals.items():

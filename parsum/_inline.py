@@ -350,7 +350,7 @@ class CallerGraphSum(torch.autograd.Function):
                     workers,
                     add_in_order,
                     plan.claim_order if aliases is None else None,  # NOTE [ Argument
-                    plan.callers_last and aliases is None,  # gradients chunk by chunk ]
+                    plan.callers_last,  # gradients chunk by chunk ]
                 )
         except BaseException as exc:
             for alias in (a for mine in aliases or () for a in mine):

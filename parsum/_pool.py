@@ -510,8 +510,9 @@ def run_ordered(
 ) -> None:
     """Run ``task(k)`` for every chunk ``k`` on up to ``n_workers`` threads (caller included),
     the threads claiming the chunks in ``order`` (a permutation of them; default 0, 1, ...;
-    NOTE [ Costliest chunks first ]); with ``callers_last``, the last of them is left to the
-    caller where each thread has more than two chunks (NOTE [ The caller's last chunk ]).
+    NOTE [ Costliest chunks first ]); with ``callers_last`` and an ``order``, the last in it is
+    left to the caller where each thread has more than two chunks (NOTE [ The caller's last
+    chunk ]).
 
     ``consume(k, result)`` is called once per chunk in the order k = 0, 1, ..., never two at
     once. If a task or a consume raises, only the chunks before it may still start, the chunks
@@ -526,7 +527,7 @@ def run_ordered(
             _run_here(task, n_tasks, consume)
             return
         state = ThreadState.capture()
-        last = callers_last and n_tasks > 2 * threads
+        last = callers_last and order is not None and n_tasks > 2 * threads
         _run_job(_Job(task, n_tasks, consume, state, intra_threads, order, last), threads)
 
 

@@ -398,6 +398,20 @@ def test_only_threads_with_more_than_two_chunks_leave_the_last_to_the_caller(
     assert helped
 
 
+def test_chunks_claimed_in_chunk_order_leave_no_chunk_to_the_caller(cores, monkeypatch):
+    # Without an order (step_in_backward, argument gradients) the last chunk may be the largest.
+    cores(2)
+    jobs = []
+    run_job_ = _pool._run_job
+    monkeypatch.setattr(
+        _pool, "_run_job", lambda job, threads: jobs.append(job) or run_job_(job, threads)
+    )
+    consumed: list[int] = []
+    _pool.run_ordered(lambda k: k, 8, 2, lambda k, r: consumed.append(r), None, True)
+    assert consumed == list(range(8))
+    assert [job.callers_last for job in jobs] == [False]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("failing", [0, 3, 7])
 def test_a_failure_with_the_last_chunk_left_to_the_caller_is_the_first_in_chunk_order(
