@@ -32,6 +32,7 @@ from ._grouping import (
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
+from ._random import has_drawing_layers
 from ._sparse import has_user_hooks
 from ._stack import (
     TOO_LARGE,
@@ -208,7 +209,12 @@ def _general_sum(
         _check_initialized(models, found)
         params, slots, shared = _collect_params(found)
         walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
-        keep_walk(models, found, walk)
+        kept = keep_walk(models, found, walk)
+        if walk.draws_random is None:  # NOTE [ Random numbers in forwards ] in _random
+            if has_drawing_layers(m for mp in found for m in mp.modules):
+                walk.draws_random = True
+            elif not kept:
+                walk.draws_random = False
     model_params, params = walk.model_params, walk.params
     if engine == "vjp":
         _check_vjp_models(models, model_params)
@@ -258,7 +264,8 @@ def _general_sum(
         claim_order=derived.order,
         callers_last=derived.callers_last,
         n_workers=n_workers,
-        forward_workers=1 if walk.forward_in_order else n_workers,
+        # NOTE [ Random numbers in forwards ] in _random
+        forward_workers=1 if walk.forward_in_order or walk.draws_random is not False else n_workers,
         step_in_backward=step_in_backward,
         step_index=step_index,
         walk=walk,

@@ -56,6 +56,7 @@ from ._engines import (
 from ._errors import ParsumError
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
+from ._random import generator_states, may_recompute, warn_drawn_on_threads
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
 
@@ -99,6 +100,7 @@ class SumPlan:
         step_in_backward: the fused optimizer steps, or None; ``step_index`` gives each
             model's position in it.
         walk: the walk over the models the plan came from (NOTE [ Reused plans ] in _plans).
+        one_thread_backward: whether the pullbacks must run on one thread, set by forward.
     """
 
     models: list[Callable[..., Any]]
@@ -121,6 +123,9 @@ class SumPlan:
     out_spec: pytree.TreeSpec | None = None
     step_in_backward: StepInBackward | None = None
     step_index: list[int | None] | None = None
+    # Set by the forward: its models drew random numbers that a pullback may draw again
+    # (NOTE [ Random numbers replayed in backward ] in _random).
+    one_thread_backward: bool = False
 
     def model_error(
         self, i: int, phase: str, exc: BaseException, unit: Unit | None = None
@@ -257,6 +262,14 @@ def run_forward(
     programs = None  # NOTE [ Direct programs ] in _engines
     if plan.walk.programs and direct_calls_allowed(call):
         programs = plan.walk.programs
+    # NOTE [ Random numbers in forwards ] in _random
+    walk = plan.walk
+    parallel = _pool.threads_for(len(plan.chunks), plan.forward_workers) > 1
+    states = generator_states() if walk.draws_random is None or parallel else None
+    # The outputs' nodes, to look for recomputation where the models may draw random numbers.
+    nodes: list[Any] | None = None
+    if walk.draws_random is not False and walk.recomputes is None:
+        nodes = []
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
@@ -304,6 +317,9 @@ def run_forward(
             except Exception as exc:
                 raise plan.model_error(unit.models[0], "forward", exc, unit) from exc
             pullbacks[u] = run.pullback
+            if nodes is not None:  # one thread: no lock
+                produced = pytree.tree_leaves([run.outs, run.stacked])
+                nodes.extend(t.grad_fn for t in produced if isinstance(t, Tensor))
             # A stacked group's models share one output signature, and are added as one
             # (unless each model's output is kept for the weights' gradient).
             if run.stacked is not None and not keep_outputs:
@@ -355,14 +371,19 @@ def run_forward(
 
     snapshot = _BufferSnapshot(plan.model_params)
     try:
-        _pool.run_ordered(
-            forward_chunk,
-            len(plan.chunks),
-            plan.forward_workers,
-            consume,
-            plan.claim_order,
-            plan.callers_last,
-        )
+        if walk.draws_random:  # in model order, on the whole budget's intra-op threads
+            with _pool.as_one_task(1):
+                for k in range(len(plan.chunks)):
+                    consume(k, forward_chunk(k))
+        else:
+            _pool.run_ordered(
+                forward_chunk,
+                len(plan.chunks),
+                plan.forward_workers,
+                consume,
+                plan.claim_order,
+                plan.callers_last,
+            )
     except BaseException:
         snapshot.restore()
         # The chunks before the first failed one all ran; an output mismatch among them or in
@@ -372,12 +393,32 @@ def run_forward(
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
+    if states is not None or walk.draws_random:
+        _note_random_draws(plan, states, nodes)
     # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
     # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
     return _Forward(leaves, pullbacks, outputs)
+
+
+def _note_random_draws(plan: SumPlan, states: list[bytes] | None, nodes: list[Any] | None) -> None:
+    """Learn from a forward whether the models draw random numbers, and whether the call's
+    pullbacks must then run on one thread (NOTE [ Random numbers in forwards ] in _random)."""
+    walk = plan.walk
+    drew = bool(walk.draws_random) if states is None else generator_states() != states
+    if states is not None:
+        if walk.draws_random is False and drew:
+            warn_drawn_on_threads(plan.where, walk.kept)
+        if not walk.draws_random:
+            walk.draws_random = drew
+    if not drew:
+        return
+    if walk.recomputes is None and nodes is not None:
+        walk.recomputes = may_recompute(nodes)
+    # Unknown where the forwards ran on several threads: one thread, to be safe.
+    plan.one_thread_backward = walk.recomputes is not False
 
 
 def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> None:
@@ -1007,7 +1048,9 @@ class _Backward:
         try:
             with torch.no_grad():
                 # NOTE [ Device threads ]
-                workers = 1 if _on_device_thread(self.grad_outputs) else plan.n_workers
+                # NOTE [ Random numbers replayed in backward ] in _random
+                one_thread = plan.one_thread_backward or _on_device_thread(self.grad_outputs)
+                workers = 1 if one_thread else plan.n_workers
                 # One thread runs every chunk: one engine call for all of them, made by the
                 # first chunk (under the tasks' intra-op threads). Each call inside a backward
                 # measured about 80 us here: 16 medium MLPs at one thread took 11.4 ms a step

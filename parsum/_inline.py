@@ -335,7 +335,10 @@ class CallerGraphSum(torch.autograd.Function):
         try:
             # A model with CPU parameters may still return CUDA tensors: then this backward
             # runs on the device's thread, which helpers would wait on (NOTE [ Device threads ]).
-            workers = 1 if _on_device_thread(grad_outputs) else plan.n_workers
+            # And where the pullbacks may draw random numbers again (NOTE [ Random numbers
+            # replayed in backward ] in _random).
+            one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
+            workers = 1 if one_thread else plan.n_workers
             if _pool.threads_for(n_chunks, workers) <= 1:
                 with _pool.as_one_task(n_chunks):  # the chunks' threads
                     if state.in_order and aliases is None:

@@ -103,6 +103,12 @@ class Walk:
         self.slots = slots
         self.shared = shared
         self.forward_in_order = forward_in_order
+        # Whether the models' forwards draw random numbers (None: not known yet), and whether
+        # their graphs can recompute them in backward (NOTE [ Random numbers in forwards ] in
+        # _random).
+        self.draws_random: bool | None = None
+        self.recomputes: bool | None = None
+        self.kept = False  # by keep_walk, for the next calls
         # (engine, batch, chunk_size, max_chunks, workers chosen) -> what is derived for them
         self.derived: dict[Hashable, Derived] = {}
         self._module_refs: list[weakref.ref[nn.Module]] = []
@@ -295,12 +301,13 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
 
 def keep_walk(
     models: Sequence[Callable[..., Any]], model_params: list[ModelParams], walk: Walk
-) -> None:
-    """Keep ``walk`` (just made from ``model_params``, modules included) for the next call."""
+) -> bool:
+    """Keep ``walk`` (just made from ``model_params``, modules included) for the next call;
+    whether it was kept."""
     if any_sampled() or not all(isinstance(m, nn.Module) for m in models):
-        return
+        return False
     if any(mp.uninitialized is not None for mp in model_params):
-        return
+        return False
     seen: set[int] = set()
     modules = []
     for mp in model_params:
@@ -309,9 +316,20 @@ def keep_walk(
                 seen.add(id(module))
                 modules.append(module)
     if not walk._record(modules):
-        return
+        return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
     key = tuple(map(id, models))
+    last = _plans.get(key)
+    if (
+        last is not None
+        and all(map(_is, [ref() for ref in last._model_refs], models))
+        and last._training == walk._training
+    ):
+        # The same models in the same modes, changed otherwise (a module's own attribute, a
+        # parameter replaced): what their forwards were seen to draw still tells how to run
+        # them (NOTE [ Random numbers in forwards ] in _random). A forward on the threads that
+        # draws after all is still seen.
+        walk.draws_random, walk.recomputes = last.draws_random, last.recomputes
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
     walk._model_refs = [weakref.ref(m, forget) for m in models]
@@ -320,6 +338,8 @@ def keep_walk(
         _plans.move_to_end(key)
         while len(_plans) > MAX_PLANS:
             _plans.popitem(last=False)
+    walk.kept = True
+    return True
 
 
 def stripped(model_params: list[ModelParams]) -> list[ModelParams]:

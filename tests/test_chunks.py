@@ -11,7 +11,7 @@ import parsum
 from parsum import _grouping, _pool
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
-from tests.zoo import IN, OUT, mlp, param_grads
+from tests.zoo import IN, OUT, learned, mlp, param_grads
 
 
 def units_of(n):
@@ -111,8 +111,8 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
     # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
     cores(n_cores)
-    models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
     x = torch.randn(64, IN)
+    models = learned([mlp([256 + i, 256]) for i in range(8)], x)  # of their own: none stacked
     parsum.sum_models(models, x)
     chunks, workers = jobs_run[-1]
     if n_cores <= 2:
@@ -162,8 +162,8 @@ def test_a_budget_of_2_goes_to_workers_from_a_kernel_share(
     # (NOTE [ The caller's OpenMP team ]), or none made, the optimizer stepping in the backward.
     cores(2)
     monkeypatch.setattr(_pool, "releases_callers_team", lambda: releases)
-    models = [mlp([256 + i, 256]) for i in range(8)]  # of their own: none stacked
     x = torch.randn(batch, IN)
+    models = learned([mlp([256 + i, 256]) for i in range(8)], x)  # of their own: none stacked
     share = _grouping._kernel_share([ModelParams.of(m) for m in models], Batch.of([x]))
     assert (share >= _grouping.WORKERS_MIN_KERNEL_SHARE) == workers
     parsum.sum_models(models, x, step_in_backward=stepping(models))
@@ -181,8 +181,8 @@ def test_a_budget_of_2_goes_to_workers_only_where_the_chunks_split_evenly(
     # NOTE [ Threads that pay ]: two large models and a small one leave one worker idle for
     # half the step; four alike keep both busy.
     cores(2)
-    models = [mlp([w, w]) for w in widths]
     x = torch.randn(256, IN)
+    models = learned([mlp([w, w]) for w in widths], x)
     mps = [ModelParams.of(m) for m in models]
     assert _grouping._kernel_share(mps, Batch.of([x])) >= _grouping.WORKERS_MIN_KERNEL_SHARE
     parsum.sum_models(models, x, step_in_backward=stepping(models))
@@ -236,6 +236,7 @@ def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
     models = [small_cnn(c) for c in (12, 16, 16, 12)]  # split evenly in chunk order
     models += [wide_mlp() for _ in range(mlps)]
     x = torch.randn(2, 1, 16, 16)  # a kernel share below WORKERS_MIN_KERNEL_SHARE
+    learned(models, x)
     mps = [ModelParams.of(m) for m in models]
     assert _grouping._kernel_share(mps, Batch.of([x])) < _grouping.WORKERS_MIN_KERNEL_SHARE
     conv_work = sum(_grouping._param_rows(mp, Batch.of([x])) for mp in mps[:4])

@@ -25,6 +25,7 @@ from tests.zoo import (
     OUT,
     Probe,
     clone_models,
+    learned,
     mlp,
     param_grads,
     plain_sum,
@@ -316,7 +317,7 @@ def test_grad_mode_crosses_into_workers(cores):
         seen.append((threading.current_thread().name, torch.is_grad_enabled()))
         time.sleep(0.02)  # long enough for the helper to take a chunk too
 
-    models = [Probe(record) for _ in range(4)]
+    models = learned([Probe(record) for _ in range(4)], torch.randn(2, IN))
     for grad in (True, False, True):
         seen.clear()
         with torch.set_grad_enabled(grad):
@@ -336,8 +337,8 @@ def test_default_device_crosses_into_workers(cores, how):
         seen.append((threading.current_thread().name, torch.empty(0).device.type))
         time.sleep(0.02)  # long enough for the helper to take a chunk too
 
-    models = [Probe(record) for _ in range(4)]
     x = torch.randn(3, IN, requires_grad=True)
+    models = learned([Probe(record) for _ in range(4)], x)
     with torch.no_grad():
         want = plain_sum(models, x)
     seen.clear()
@@ -549,15 +550,16 @@ def test_helpers_on_several_intra_op_threads_end_after_their_job(cores, budget, 
     # after its job, a successor in its place. On one intra-op thread (a budget of 2 over 2
     # chunks) helpers stay.
     cores(budget)
-    _pool._pool.stop()  # no helper left by other tests: this one's count is 1
     ran: list[threading.Thread] = []
 
     def record() -> None:
         ran.append(threading.current_thread())
         time.sleep(0.05)  # the GIL released: the helper takes the other chunk
 
-    models = [Probe(record) for _ in range(4)]
     x = torch.randn(5, IN, requires_grad=True)
+    models = learned([Probe(record) for _ in range(4)], x)
+    _pool._pool.stop()  # no helper left by other tests: this one's count is 1
+    ran.clear()
     want = plain_sum(models, x)
     y = parsum.sum_models(models, x, n_jobs=2, chunk_size=2)  # 2 chunks: budget // 2 each
     helpers = [t for t in ran if t is not threading.current_thread()]
@@ -589,8 +591,8 @@ def test_a_job_on_workers_ends_the_callers_openmp_team_first(cores):
     # NOTE [ The caller's OpenMP team ]: the team of the caller's last parallel op would spin
     # on the core the helper takes; it ends, and the next parallel op makes a new one.
     cores(2)
-    models = [mlp([64 + i, 64]) for i in range(4)]  # of their own: none stacked
     x = torch.randn(8, IN)
+    models = learned([mlp([64 + i, 64]) for i in range(4)], x)  # of their own: none stacked
     want = plain_sum(models, x)
     parsum.sum_models(models, x, n_jobs=2)  # the helper started, this thread's team ended
     before = _os_threads()
@@ -643,6 +645,7 @@ def test_torchs_libgomp_is_the_one_in_torchs_folder():
 def _sum_in_child(models, x, want, names, results):
     # Plain values only go back: a tensor sent through the queue would need this process alive.
     try:
+        learned(models, x, n_jobs=2, chunk_size=1)  # a first call: forwards in model order
         names.clear()  # this process's copy: the threads the child's own call runs on
         y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
         y.sum().backward()
@@ -690,8 +693,9 @@ def test_forked_child_starts_its_own_helpers(cores):
     # own instead of running every chunk in the caller (or waiting on a lock held at the fork).
     cores(2)  # two threads, whatever the machine
     names = []
-    models = [Probe(thread_recorder(names, 0.1)) for _ in range(4)]
     x = torch.randn(5, IN)
+    models = learned([Probe(thread_recorder(names, 0.1)) for _ in range(4)], x)
+    names.clear()
     parsum.sum_models(models, x, n_jobs=2)  # the parent's helpers are running now
     assert _pool.pool_size() >= 1
     with torch.no_grad():

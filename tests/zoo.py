@@ -11,6 +11,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
+import parsum
+
 IN, OUT = 6, 3
 
 
@@ -158,3 +160,12 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         return y if y.sum() > 0 else -y
+
+
+def learned(models, *args, **kwargs):
+    """The models, after one call of ``sum_models`` without a graph: a walk's first call runs
+    its forwards in model order, to learn whether the models draw random numbers (NOTE [ Random
+    numbers in forwards ] in parsum._random); the calls after it run them on the threads."""
+    with torch.no_grad():
+        parsum.sum_models(models, *args, **kwargs)
+    return models

@@ -1,0 +1,233 @@
+"""Random numbers in the models: the plain loop's numbers for any n_jobs, and checkpointed
+models' recomputed masks equal to the forward's (NOTE [ Random numbers in forwards ] and
+NOTE [ Random numbers replayed in backward ] in parsum._random)."""
+
+import copy
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import parsum
+from parsum import _random
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def dropout_mlps(n=6, width=16):
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(nn.Linear(8, width + i), nn.ReLU(), nn.Dropout(0.5), nn.Linear(width + i, 4))
+        for i in range(n)
+    ]
+
+
+def grads(models):
+    return [p.grad.clone() for m in models for p in m.parameters()]
+
+
+def step(models, x, seed, calls=None, **kw):
+    """One seeded forward and backward (through ``calls``, the models' bound methods, if
+    given); the output and the gradients."""
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    y = parsum.sum_models(calls or models, x, **kw)
+    y.pow(2).sum().backward()
+    return y.detach(), grads(models)
+
+
+def plain_step(models, x, seed):
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    y = sum(m(x) for m in models)
+    y.pow(2).sum().backward()
+    return y.detach(), grads(models)
+
+
+def assert_close(a, b):
+    (ya, ga), (yb, gb) = a, b
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+
+
+def assert_equal(a, b):
+    (ya, ga), (yb, gb) = a, b
+    assert torch.equal(ya, yb)
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, 4, None])
+def test_dropout_draws_the_plain_loops_numbers_for_any_n_jobs(n_jobs):
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(3):  # the first call learns, the next ones reuse the plan
+        kw = {} if n_jobs is None else {"n_jobs": n_jobs, "chunk_size": 1}
+        assert_close(step(models, x, seed, **kw), plain_step(plain, x, seed))
+
+
+def test_dropout_bits_do_not_depend_on_n_jobs():
+    models = dropout_mlps()
+    x = torch.randn(32, 8)
+    runs = [step(models, x, seed, n_jobs=n, chunk_size=1) for seed in (0, 1) for n in (1, 2, 3)]
+    for seed in (0, 1):
+        first = runs[3 * seed]
+        for other in runs[3 * seed + 1 : 3 * seed + 3]:
+            assert_equal(first, other)
+
+
+def test_bound_methods_with_dropout_draw_in_model_order():
+    """Models that are not modules get no kept plan: their dropout layers are seen instead."""
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: they ran in model order
+            got = step(models, x, seed, [m.forward for m in models], n_jobs=2, chunk_size=1)
+        assert_close(got, plain_step(plain, x, seed))
+
+
+class FunctionalDropout(nn.Module):
+    """Draws through torch.nn.functional, not a dropout layer: found by the first call."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, width), nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.b(F.dropout(self.a(x).relu(), 0.5, self.training))
+
+
+def test_functional_dropout_is_found_by_the_first_call():
+    torch.manual_seed(0)
+    models = [FunctionalDropout(12 + i) for i in range(5)]
+    plain = copy.deepcopy(models)
+    x = torch.randn(16, 8)
+    for seed in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = step(models, x, seed, n_jobs=2, chunk_size=1)
+        assert_close(got, plain_step(plain, x, seed))
+
+
+class Slow(nn.Module):
+    """Sleeps (the GIL released) so that each of two threads takes chunks, and records which
+    threads ran it; draws random numbers from its ``draw_from``-th call on."""
+
+    def __init__(self, seen, draw_from=None):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.seen, self.draw_from, self.calls = seen, draw_from, 0
+
+    def forward(self, x):
+        self.seen.add(threading.get_ident())
+        self.calls += 1
+        time.sleep(0.005)
+        y = self.lin(x)
+        if self.draw_from is not None and self.calls >= self.draw_from:
+            y = y + torch.rand_like(y)
+        return y
+
+
+def test_models_that_draw_nothing_keep_their_forwards_on_the_threads():
+    seen: set[int] = set()
+    models = [Slow(seen) for _ in range(6)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # learns: in model order
+    assert seen == {threading.get_ident()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert len(seen) == 2
+
+
+def test_a_model_that_starts_drawing_on_the_threads_warns_then_runs_in_model_order():
+    seen: set[int] = set()
+    models = [Slow(seen, draw_from=3) for _ in range(6)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    with pytest.warns(RuntimeWarning, match="not reproducible"):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    outs = []
+    for n_jobs in (2, 1):
+        torch.manual_seed(7)
+        seen.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outs.append(parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1))
+        assert seen == {threading.get_ident()}
+    assert torch.equal(*outs)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, width, reentrant):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(16, width), nn.ReLU(), nn.Dropout(0.5), nn.Linear(width, 4)
+        )
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("route", ["callers graph", "ParallelSum"])
+def test_checkpointed_dropout_recomputes_the_forwards_masks(reentrant, route):
+    """Recomputations on two threads at once set the global generator under each other: the
+    masks drawn again were not the forward's, and the gradients wrong."""
+    torch.manual_seed(0)
+    models = [Checkpointed(128 + 16 * i, reentrant) for i in range(8)]
+    plain = copy.deepcopy(models)
+    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
+        for m in (models, plain):
+            m[0].body[0].bias.register_hook(lambda g: g * 1)
+    if reentrant and route == "ParallelSum":
+        pytest.skip("reentrant checkpointing refuses torch.autograd.grad, which ParallelSum uses")
+    x = torch.randn(256, 16, requires_grad=reentrant)  # reentrant: an input that needs a grad
+    for seed in range(3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+        x.grad = None
+
+
+def test_may_recompute_sees_checkpoints_only():
+    body = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    x = torch.randn(3, 4, requires_grad=True)
+    assert not _random.may_recompute([body(x).grad_fn])
+    assert _random.may_recompute([checkpoint(body, x, use_reentrant=False).grad_fn])
+    assert _random.may_recompute([checkpoint(body, x, use_reentrant=True).grad_fn])
+    assert not _random.may_recompute([None])
+
+
+def test_eval_mode_runs_the_forwards_on_the_threads_again():
+    """A walk holds for one set of training flags: in eval mode dropout draws nothing."""
+    seen: set[int] = set()
+
+    class SlowDropout(Slow):
+        def __init__(self):
+            super().__init__(seen)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(super().forward(x))
+
+    models = [SlowDropout() for _ in range(6)]
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert seen == {threading.get_ident()}
+    for m in models:
+        m.eval()
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert len(seen) == 2
