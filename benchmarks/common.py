@@ -21,11 +21,20 @@ import torch
 from torch import nn
 
 
-def mlp(n_in: int, width: int, depth: int, n_out: int, act: type[nn.Module] = nn.Tanh) -> nn.Module:
+def mlp(
+    n_in: int,
+    width: int,
+    depth: int,
+    n_out: int,
+    act: type[nn.Module] = nn.Tanh,
+    dropout: float | None = None,
+) -> nn.Module:
     dims = [n_in] + [width] * depth
     layers: list[nn.Module] = []
     for a, b in zip(dims[:-1], dims[1:]):
         layers += [nn.Linear(a, b), act()]
+        if dropout is not None:
+            layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers, nn.Linear(width, n_out))
 
 
@@ -64,6 +73,15 @@ def workload(name: str, batch: int | None = None) -> Workload:
         models = [mlp(64, (128, 256, 384, 512)[i % 4], 1 + i % 3, 10) for i in range(16)]
         b = batch or 256
         return Workload(name, f"16 MLPs, widths 128-512, batch {b}", models, torch.randn(b, 64))
+    if name == "dropout-medium":
+        # heterogeneous-medium with dropout after each hidden layer: forwards in model order
+        # (NOTE [ Random numbers in forwards ] in parsum._random).
+        models = [
+            mlp(64, (128, 256, 384, 512)[i % 4], 1 + i % 3, 10, dropout=0.1) for i in range(16)
+        ]
+        b = batch or 256
+        desc = f"16 MLPs with dropout, widths 128-512, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
     if name == "heterogeneous-tiny":
         models = [mlp(16, (16, 24, 32, 48)[i % 4], 1 + i % 3, 4) for i in range(64)]
         b = batch or 32
@@ -97,7 +115,8 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 128
         desc = f"24 MLPs of widths 32-64 then 8 of widths 512-768, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
-    raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, 'mixed-sizes')}")
+    extra = ("mixed-sizes", "dropout-medium")
+    raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
 
 WORKLOADS = (
