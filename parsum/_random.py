@@ -37,6 +37,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -53,7 +54,9 @@ def generator_states() -> list[bytes]:
     initialized."""
     states = [torch.default_generator.get_state().numpy().tobytes()]
     if torch.cuda.is_initialized():
-        states.extend(g.get_state().numpy().tobytes() for g in torch.cuda.default_generators)
+        # Not while a CUDA graph is being captured: its draws are the graph's.
+        with contextlib.suppress(RuntimeError):
+            states.extend(g.get_state().numpy().tobytes() for g in torch.cuda.default_generators)
     return states
 
 

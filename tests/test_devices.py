@@ -310,3 +310,27 @@ def test_stacked_storage_trains_like_the_loop(device, flat, n_jobs):
             torch.testing.assert_close(a, b, **TOL)
     if flat_grad is not None:
         assert flat_grad.flat.device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("engine", ["auto", "autograd", "vjp"])
+def test_dropout_draws_the_plain_loops_numbers(device, engine):
+    # NOTE [ Random numbers in forwards ]: on a GPU the threads would launch their dropout
+    # kernels, which take their offsets in the device's generator, in any order.
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Linear(IN, 16 + i), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16 + i, OUT))
+        for i in range(6)
+    ]
+    models = [m.to(device) for m in models]
+    ref = clone_models(models)
+    x = torch.randn(32, IN, device=device)
+    for seed in range(2):
+        outs = []
+        for n_jobs in (1, 2, 4):
+            torch.manual_seed(seed)
+            outs.append(parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs, chunk_size=1))
+        torch.manual_seed(seed)
+        want = plain_sum(ref, x)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        torch.testing.assert_close(outs[0], want, **TOL)
