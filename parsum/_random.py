@@ -21,8 +21,8 @@
 #   order. A walk made again for the same models in the same modes (a module's own attribute
 #   changed) keeps what the last one learned.
 # Measured (16 MLPs of widths 128-512 with dropout after each hidden layer, 2 threads, in one
-# process against the forwards on the threads): 0.85x and 0.86x at batch 64 and 256, 0.98x
-# and 1.00x the plain loop.
+# process against the forwards on the threads, two runs; benchmarks/results/dropout-2cores.txt):
+# 0.85-0.92x at batch 64 and 256, 0.95-0.98x and 0.99-1.00x the plain loop.
 #
 # NOTE [ Random numbers replayed in backward ]
 # Checkpointing (``torch.utils.checkpoint``, reentrant or not) keeps the generators' state in
