@@ -266,9 +266,11 @@ def run_forward(
     walk = plan.walk
     parallel = _pool.threads_for(len(plan.chunks), plan.forward_workers) > 1
     states = generator_states() if walk.draws_random is None or parallel else None
-    # The outputs' nodes, to look for recomputation where the models may draw random numbers.
+    # The outputs' nodes, to look for recomputation where the models may draw random numbers:
+    # once for a kept walk. A walk made for one call would look on every call (1.3 ms a step
+    # for 64 tiny MLPs), more than its pullbacks on one thread cost.
     nodes: list[Any] | None = None
-    if walk.draws_random is not False and walk.recomputes is None:
+    if walk.draws_random is not False and walk.recomputes is None and walk.kept:
         nodes = []
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
@@ -417,7 +419,7 @@ def _note_random_draws(plan: SumPlan, states: list[bytes] | None, nodes: list[An
         return
     if walk.recomputes is None and nodes is not None:
         walk.recomputes = may_recompute(nodes)
-    # Unknown where the forwards ran on several threads: one thread, to be safe.
+    # Not looked for (forwards on several threads, or a walk for one call): one thread.
     plan.one_thread_backward = walk.recomputes is not False
 
 

@@ -327,9 +327,10 @@ def keep_walk(
     ):
         # The same models in the same modes, changed otherwise (a module's own attribute, a
         # parameter replaced): what their forwards were seen to draw still tells how to run
-        # them (NOTE [ Random numbers in forwards ] in _random). A forward on the threads that
-        # draws after all is still seen.
-        walk.draws_random, walk.recomputes = last.draws_random, last.recomputes
+        # them (NOTE [ Random numbers in forwards ] in _random); a forward on the threads that
+        # draws after all is still seen. Whether they recompute is looked for again: an
+        # attribute may have turned checkpointing on.
+        walk.draws_random = last.draws_random
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
     walk._model_refs = [weakref.ref(m, forget) for m in models]

@@ -231,3 +231,25 @@ def test_eval_mode_runs_the_forwards_on_the_threads_again():
     parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     assert len(seen) == 2
+
+
+def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
+    """A plan made for one call does not look for checkpoints in the graph: where the forwards
+    drew, the pullbacks run on one thread, checkpointed or not."""
+    from parsum import _pool
+
+    workers = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume, *rest):
+        workers.append(n_workers)
+        return run_ordered(task, n_tasks, n_workers, consume, *rest)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    models = dropout_mlps()
+    x = torch.randn(32, 8)
+    step(models, x, 0, [m.forward for m in models], n_jobs=2, chunk_size=1)
+    assert workers == []  # forwards in order, pullbacks on one thread: no job
+    step(models, x, 0, n_jobs=2, chunk_size=1)  # modules: a kept plan, which looked: none
+    step(models, x, 0, n_jobs=2, chunk_size=1)
+    assert workers[-1] == 2
