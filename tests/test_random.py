@@ -253,3 +253,25 @@ def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
     step(models, x, 0, n_jobs=2, chunk_size=1)  # modules: a kept plan, which looked: none
     step(models, x, 0, n_jobs=2, chunk_size=1)
     assert workers[-1] == 2
+
+
+def test_checkpointing_turned_on_by_an_attribute_is_seen():
+    """A module's own attribute renews the plan, which looks for checkpoints again."""
+
+    class Switchable(Checkpointed):
+        def __init__(self, width):
+            super().__init__(width, reentrant=False)
+            self.use_checkpoint = False
+
+        def forward(self, x):
+            return super().forward(x) if self.use_checkpoint else self.body(x)
+
+    torch.manual_seed(0)
+    models = [Switchable(128 + 16 * i) for i in range(8)]
+    plain = copy.deepcopy(models)
+    x = torch.randn(256, 16)
+    assert_close(step(models, x, 0, n_jobs=2, chunk_size=1), plain_step(plain, x, 0))
+    for m in (*models, *plain):
+        m.use_checkpoint = True
+    for seed in (1, 2):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
