@@ -41,6 +41,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -120,5 +122,18 @@ def warn_drawn_on_threads(where: str, kept: bool) -> None:
         f"timing, so this call's random numbers are not reproducible; {then} (NOTE [ Random "
         "numbers in forwards ] in parsum._random)",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=_callers_level(),
     )
+
+
+# parsum's and torch's own frames, which a warning skips to name the user's line.
+_INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside parsum and torch, as seen from the
+    function that calls this one."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -156,8 +156,9 @@ def test_a_model_that_starts_drawing_on_the_threads_warns_then_runs_in_model_ord
     x = torch.randn(4, 8)
     parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
-    with pytest.warns(RuntimeWarning, match="not reproducible"):
+    with pytest.warns(RuntimeWarning, match="not reproducible") as warned:
         parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert warned[0].filename == __file__  # the caller's line, not parsum's
     outs = []
     for n_jobs in (2, 1):
         torch.manual_seed(7)
