@@ -14,7 +14,15 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from . import _config, _pool
-from ._engines import CallArgs, ModelParams, module_of, runs_as_program, vmap_failure_count
+from ._engines import (
+    CallArgs,
+    ModelParams,
+    Unit,
+    direct_calls_allowed,
+    module_of,
+    runs_as_program,
+    vmap_failure_count,
+)
 from ._errors import ParsumError
 from ._function import ParallelSum, SumPlan, direct_apply, reports_failures, run_forward
 from ._fused import StepInBackward
@@ -32,7 +40,7 @@ from ._grouping import (
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
-from ._random import has_drawing_layers
+from ._random import draws_only_dropout, has_drawing_layers, noise_key
 from ._sparse import has_user_hooks
 from ._stack import (
     TOO_LARGE,
@@ -210,11 +218,14 @@ def _general_sum(
         params, slots, shared = _collect_params(found)
         walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk)
+        modules = [m for mp in found for m in mp.modules]
         if walk.draws_random is None:  # NOTE [ Random numbers in forwards ] in _random
-            if has_drawing_layers(m for mp in found for m in mp.modules):
+            if has_drawing_layers(modules):
                 walk.draws_random = True
             elif not kept:
                 walk.draws_random = False
+        # NOTE [ Dropout drawn beforehand ] in _random
+        walk.predraws = kept and None not in walk.programs and draws_only_dropout(modules)
     model_params, params = walk.model_params, walk.params
     if engine == "vjp":
         _check_vjp_models(models, model_params)
@@ -226,7 +237,21 @@ def _general_sum(
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
     stepping = step_in_backward is not None
-    key = (engine, batch, chunk_size, chosen, budget, on_device, stepping, vmap_failure_count())
+    # Forwards that draw in model order, their draws not made beforehand: the default runs
+    # them as one chunk on the budget's intra-op threads (NOTE [ Random numbers in forwards ]
+    # in _random).
+    in_order = chosen and walk.draws_random is True and not walk.predraws
+    key = (
+        engine,
+        batch,
+        chunk_size,
+        chosen,
+        budget,
+        on_device,
+        stepping,
+        vmap_failure_count(),
+        in_order,
+    )
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
@@ -237,7 +262,11 @@ def _general_sum(
         if (
             chosen
             and chunk_size is None
-            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
+            and (
+                on_device
+                or in_order
+                or intra_op_only(found, batch, budget, units, chunks, order, stepping)
+            )
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch) if chosen else n_workers
@@ -249,6 +278,13 @@ def _general_sum(
         n_workers = 1 if on_device else min(n_workers, derived.workers)
     if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
         n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
+    # NOTE [ Dropout drawn beforehand ] in _random: the forwards on the threads once the
+    # noise's shapes are known at this input.
+    drawn_key = None
+    if walk.draws_random and walk.predraws and _draws_beforehand(walk, units, call, tensors):
+        drawn_key = noise_key(tensors[0])
+    predraw = drawn_key is not None and drawn_key in walk.noise_shapes
+    in_model_order = walk.forward_in_order or (walk.draws_random is not False and not predraw)
     plan = SumPlan(
         models=models,
         call=call,
@@ -265,7 +301,9 @@ def _general_sum(
         callers_last=derived.callers_last,
         n_workers=n_workers,
         # NOTE [ Random numbers in forwards ] in _random
-        forward_workers=1 if walk.forward_in_order or walk.draws_random is not False else n_workers,
+        forward_workers=1 if in_model_order else n_workers,
+        noise_key=drawn_key,
+        predraw=predraw,
         step_in_backward=step_in_backward,
         step_index=step_index,
         walk=walk,
@@ -295,6 +333,17 @@ def _general_sum(
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
     assert plan.out_spec is not None
     return pytree.tree_unflatten(leaves, plan.out_spec)
+
+
+def _draws_beforehand(walk: Walk, units: list[Unit], call: CallArgs, tensors: list[Tensor]) -> bool:
+    """Whether this call's models, whose draws can be made beforehand, run as direct programs
+    on the CPU here (NOTE [ Dropout drawn beforehand ] in _random)."""
+    return (
+        direct_calls_allowed(call)
+        and tensors[0].device.type == "cpu"
+        and all(unit.engine == "autograd" and len(unit.models) == 1 for unit in units)
+        and walk.hookless_params()
+    )
 
 
 def _one_stacked_group(plan: SumPlan) -> bool:

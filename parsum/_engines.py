@@ -849,9 +849,15 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
 
 class DirectProgram(NamedTuple):
     """A model's layers to call directly (NOTE [ Direct programs ]): a Linear's weight and
-    bias, or another layer (weakly)."""
+    bias, or another layer (weakly). For one call (NOTE [ Dropout drawn beforehand ] in
+    _random): ``noise``, each ``nn.Dropout`` step's noise drawn beforehand (None: the layer's
+    own call), with ``record`` the list to which a step whose input does not match its noise
+    appends the layer; or, without noise, ``record`` the list to which each ``nn.Dropout``
+    step appends its input's shape, dtype, device and contiguity."""
 
     steps: list[tuple[Tensor, Tensor | None] | weakref.ref[nn.Module]]
+    noise: list[Tensor | None] | None = None
+    record: list[Any] | None = None
 
 
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:
@@ -940,12 +946,24 @@ def direct_calls_allowed(call: CallArgs) -> bool:
 def run_direct(program: DirectProgram, x: Tensor) -> Tensor:
     """The model's output from its layers called directly."""
     h = x
+    noise = iter(program.noise) if program.noise is not None else None
+    record = program.record
     for step in program.steps:
         if isinstance(step, tuple):  # a Linear: nn.Linear.forward's own call
             h = torch._C._nn.linear(h, step[0], step[1])
             continue
         module = step()
         assert module is not None  # the walk that holds the program found it alive
+        if type(module) is nn.Dropout:  # NOTE [ Dropout drawn beforehand ] in _random
+            if noise is not None:
+                drawn = next(noise, None)
+                if drawn is not None and drawn.shape == h.shape and drawn.dtype == h.dtype:
+                    h = h * drawn  # F.dropout on the CPU: the input times its noise
+                    continue
+                if record is not None and module.training and 0 < module.p < 1:
+                    record.append(module)  # it draws now, out of turn
+            elif record is not None:
+                record.append((h.shape, h.dtype, h.device, h.is_contiguous()))
         h = module.forward(h)
     return h
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,13 @@ from ._engines import (
 from ._errors import ParsumError
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
-from ._random import generator_states, may_recompute, warn_drawn_on_threads
+from ._random import (
+    Turns,
+    draw_noise,
+    generator_states,
+    may_recompute,
+    warn_drawn_on_threads,
+)
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
 
@@ -126,6 +132,10 @@ class SumPlan:
     # Set by the forward: its models drew random numbers that a pullback may draw again
     # (NOTE [ Random numbers replayed in backward ] in _random).
     one_thread_backward: bool = False
+    # NOTE [ Dropout drawn beforehand ] in _random: the call's noise_key where its draws can
+    # be made beforehand, and whether they are (else the forward records their shapes).
+    noise_key: Hashable | None = None
+    predraw: bool = False
 
     def model_error(
         self, i: int, phase: str, exc: BaseException, unit: Unit | None = None
@@ -265,7 +275,19 @@ def run_forward(
     # NOTE [ Random numbers in forwards ] in _random
     walk = plan.walk
     parallel = _pool.threads_for(len(plan.chunks), plan.forward_workers) > 1
-    states = generator_states() if walk.draws_random is None or parallel else None
+    records: list[list[Any]] | None = None
+    turns: Turns | None = None  # NOTE [ Dropout drawn beforehand ] in _random
+    misses: list[Any] = []  # dropout layers whose input did not match the noise drawn
+    if plan.noise_key is not None and programs is not None:
+        if plan.predraw:  # each chunk draws its noise in its turn, in chunk order
+            shapes = walk.noise_shapes[plan.noise_key]
+            programs = list(programs)  # this call's, with noise: not the walk's
+            turns = Turns()
+        else:
+            records = [[] for _ in programs]
+            programs = [p if p is None else p._replace(record=r) for p, r in zip(programs, records)]
+    watch = walk.draws_random is None or (parallel and turns is None)
+    states = generator_states() if watch else None
     # The outputs' nodes, to look for recomputation where the models may draw random numbers:
     # once for a kept walk. A walk made for one call would look on every call (1.3 ms a step
     # for 64 tiny MLPs), more than its pullbacks on one thread cost.
@@ -275,10 +297,26 @@ def run_forward(
 
     def forward_chunk(k: int) -> list[CompensatedAccumulator]:
         try:
+            if turns is not None:
+                draw_chunk_noise(k)
             return sum_chunk(k)
         except BaseException:
             failed_chunks.append(k)
             raise
+
+    def draw_chunk_noise(k: int) -> None:
+        """The noise of chunk k's models, drawn once chunk k - 1 drew its own."""
+        assert turns is not None and programs is not None
+        turns.wait(k)
+        try:
+            for u in plan.chunks[k]:
+                for i in plan.units[u].models:
+                    program = programs[i]
+                    if program is not None:
+                        noise = draw_noise(program, shapes[i])
+                        programs[i] = program._replace(noise=noise, record=misses)
+        finally:
+            turns.done(k)
 
     def sum_chunk(k: int) -> list[CompensatedAccumulator]:
         accs: list[CompensatedAccumulator] = []
@@ -319,7 +357,7 @@ def run_forward(
             except Exception as exc:
                 raise plan.model_error(unit.models[0], "forward", exc, unit) from exc
             pullbacks[u] = run.pullback
-            if nodes is not None:  # one thread: no lock
+            if nodes is not None:  # extend holds the GIL
                 produced = pytree.tree_leaves([run.outs, run.stacked])
                 nodes.extend(t.grad_fn for t in produced if isinstance(t, Tensor))
             # A stacked group's models share one output signature, and are added as one
@@ -373,19 +411,14 @@ def run_forward(
 
     snapshot = _BufferSnapshot(plan.model_params)
     try:
-        if walk.draws_random:  # in model order, on the whole budget's intra-op threads
-            with _pool.as_one_task(1):
-                for k in range(len(plan.chunks)):
-                    consume(k, forward_chunk(k))
-        else:
-            _pool.run_ordered(
-                forward_chunk,
-                len(plan.chunks),
-                plan.forward_workers,
-                consume,
-                plan.claim_order,
-                plan.callers_last,
-            )
+        _pool.run_ordered(
+            forward_chunk,
+            len(plan.chunks),
+            plan.forward_workers,
+            consume,
+            plan.claim_order if turns is None else None,  # turns: in chunk order
+            plan.callers_last,
+        )
     except BaseException:
         snapshot.restore()
         # The chunks before the first failed one all ran; an output mismatch among them or in
@@ -395,8 +428,12 @@ def run_forward(
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
+    if records is not None:
+        if len(walk.noise_shapes) >= 8:  # input shapes seen lately
+            walk.noise_shapes.pop(next(iter(walk.noise_shapes)))
+        walk.noise_shapes[plan.noise_key] = records
     if states is not None or walk.draws_random:
-        _note_random_draws(plan, states, nodes)
+        _note_random_draws(plan, states, nodes, bool(misses))
     # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
     # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
@@ -405,12 +442,19 @@ def run_forward(
     return _Forward(leaves, pullbacks, outputs)
 
 
-def _note_random_draws(plan: SumPlan, states: list[bytes] | None, nodes: list[Any] | None) -> None:
+def _note_random_draws(
+    plan: SumPlan, states: list[bytes] | None, nodes: list[Any] | None, missed: bool
+) -> None:
     """Learn from a forward whether the models draw random numbers, and whether the call's
     pullbacks must then run on one thread (NOTE [ Random numbers in forwards ] in _random)."""
     walk = plan.walk
     drew = bool(walk.draws_random) if states is None else generator_states() != states
-    if states is not None:
+    if plan.predraw:  # NOTE [ Dropout drawn beforehand ]: a layer's noise missed, it drew
+        if missed:
+            warn_drawn_on_threads(plan.where, walk.kept)
+            walk.predraws = False
+        drew = True
+    elif states is not None:
         if walk.draws_random is False and drew:
             warn_drawn_on_threads(plan.where, walk.kept)
         if not walk.draws_random:

@@ -109,6 +109,10 @@ class Walk:
         self.draws_random: bool | None = None
         self.recomputes: bool | None = None
         self.kept = False  # by keep_walk, for the next calls
+        # Whether the models' draws can be made beforehand, and the shapes of what they draw
+        # by noise_key (NOTE [ Dropout drawn beforehand ] in _random).
+        self.predraws = False
+        self.noise_shapes: dict[Hashable, list[list[Any]]] = {}
         # (engine, batch, chunk_size, max_chunks, workers chosen) -> what is derived for them
         self.derived: dict[Hashable, Derived] = {}
         self._module_refs: list[weakref.ref[nn.Module]] = []

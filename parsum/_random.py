@@ -4,25 +4,47 @@
 # PyTorch has one global generator per device. Dropout in forwards running on several threads
 # drew from it in whatever order the threads reached it: 6 MLPs with dropout, seeded alike,
 # gave other outputs at n_jobs=2 than at n_jobs=1, and other ones from one run to the next.
-# Forwards that draw random numbers therefore run one after the other in model order, as the
-# plain loop runs them, in the calling thread on the whole budget's intra-op threads (one
-# forward at a time has them all; the same for any n_jobs, hence the same bits), and draw
-# exactly the plain loop's numbers. Their pullbacks stay on the threads: a mask is saved, not
-# drawn again. Which forwards draw is known per walk (NOTE [ Reused plans ] in _plans):
+# Forwards that draw random numbers therefore draw them in model order, as the plain loop does,
+# and draw exactly its numbers: where their draws can be made beforehand (NOTE [ Dropout drawn
+# beforehand ]) the forwards still run on the threads; otherwise they run one after the other
+# in the calling thread, each under its chunk's intra-op threads as on the threads (the same
+# bits for any n_jobs), and the default (n_jobs unset) makes them one chunk on the budget's
+# intra-op threads. Their pullbacks stay on the threads: a mask is saved, not drawn again.
+# Which forwards draw is known per walk (NOTE [ Reused plans ] in _plans):
 # - a torch.nn layer that draws in training mode (dropout, RReLU) among the models' modules
 #   says so from the first call;
-# - otherwise a walk kept for the next calls runs its first call's forwards in model order (on
-#   the chunks' intra-op threads) and compares the generators' states before and after (about
-#   2 us each); a walk made for one call (models that are not all modules) runs them on the
-#   threads;
+# - otherwise a walk kept for the next calls runs its first call's forwards in model order and
+#   compares the generators' states before and after (about 2 us each); a walk made for one
+#   call (models that are not all modules) runs them on the threads;
 # - forwards that ran on the threads are compared too: where they drew after all (a model that
 #   draws only sometimes, or another thread of the program drawing meanwhile), the call warns
 #   that its numbers depended on the threads' timing, and the walk's next calls run in model
 #   order. A walk made again for the same models in the same modes (a module's own attribute
 #   changed) keeps what the last one learned.
-# Measured (16 MLPs of widths 128-512 with dropout after each hidden layer, 2 threads, in one
-# process against the forwards on the threads, two runs; benchmarks/results/dropout-2cores.txt):
-# 0.85-0.92x at batch 64 and 256, 0.95-0.98x and 0.99-1.00x the plain loop.
+# Measured on 2 threads in one process against the forwards on the threads (which drew other
+# numbers at each n_jobs), 16 MLPs of widths 128-512 with dropout after each hidden layer:
+# as nn.Sequential (drawn beforehand) 0.96x and 0.98x at batch 64 and 256, 1.11x and 1.14x the
+# plain loop; each inside a module of the user's (one chunk in model order) 0.82x and 0.84x,
+# 0.92x and 0.97x the plain loop (benchmarks/results/dropout-2cores.txt).
+#
+# NOTE [ Dropout drawn beforehand ]
+# On the CPU, F.dropout(x, p) in training mode is ``x * noise``, ``noise`` being
+# ``torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)`` (torch's composite dropout; the fused
+# kernel is for GPUs), and bernoulli_'s draws take the same numbers from the generator whatever
+# the intra-op threads (checked bit for bit in the tests against F.dropout at 1 and 2 threads).
+# Where every model is a direct program (NOTE [ Direct programs ] in _engines) and every layer
+# of them that draws is an out-of-place ``nn.Dropout``, each chunk draws its models' noise, layer
+# by layer, in its turn (``Turns``: chunk k once chunks 0 to k - 1 drew theirs; the threads
+# claim chunks in chunk order), then runs its forwards, each layer multiplying by its noise:
+# the plain loop's draws in its order, and its bits, with the forwards' other work in parallel.
+# Drawing all of it in the calling thread before the job instead left the helper idle for the
+# draws (bernoulli_ does not split over intra-op threads: 2.9 ms for 16 medium MLPs at batch 64,
+# at 1 and 2 threads): 0.88x and 0.86x the forwards on the threads, against 0.96x and 0.98x.
+# The noise's shapes are those the layers' inputs had in the walk's last call at this input
+# shape, dtype and autocast state, which ran its forwards in model order and recorded them;
+# each layer's ``p`` and mode are read when its noise is drawn. A layer whose input does not
+# match its noise calls itself, out of turn: the call warns, and the walk's next calls run in
+# model order.
 #
 # NOTE [ Random numbers replayed in backward ]
 # Checkpointing (``torch.utils.checkpoint``, reentrant or not) keeps the generators' state in
@@ -43,12 +65,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ._engines import DirectProgram
 
 # torch.nn's layers that draw random numbers in training mode.
 _DRAWING_LAYERS = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -68,6 +94,61 @@ def generator_states() -> list[bytes]:
 def has_drawing_layers(modules: Iterable[nn.Module]) -> bool:
     """Whether any of ``modules`` is a torch.nn layer that draws random numbers now."""
     return any(isinstance(m, _DRAWING_LAYERS) and m.training for m in modules)
+
+
+def draws_only_dropout(modules: Iterable[nn.Module]) -> bool:
+    """Whether every layer of ``modules`` that draws now is an out-of-place ``nn.Dropout``
+    (NOTE [ Dropout drawn beforehand ]), and one does."""
+    drawing = [m for m in modules if isinstance(m, _DRAWING_LAYERS) and m.training]
+    return bool(drawing) and all(type(m) is nn.Dropout and not m.inplace for m in drawing)
+
+
+def noise_key(x: Tensor) -> Hashable:
+    """What the noise's shapes and dtypes depend on besides the models."""
+    return (
+        tuple(x.shape),
+        x.dtype,
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
+
+
+def draw_noise(
+    program: DirectProgram, shapes: Sequence[tuple[torch.Size, torch.dtype, torch.device, bool]]
+) -> list[Tensor | None]:
+    """Each ``nn.Dropout`` step's noise as F.dropout draws it on the CPU, where its call would
+    draw (NOTE [ Dropout drawn beforehand ]); None where it would not."""
+    layers = [step() for step in program.steps if not isinstance(step, tuple)]
+    noise: list[Tensor | None] = []
+    for layer, (shape, dtype, device, contiguous) in zip(
+        (m for m in layers if type(m) is nn.Dropout), shapes
+    ):
+        assert isinstance(layer, nn.Dropout)
+        keep = 1 - layer.p
+        if layer.training and 0 < layer.p < 1 and not layer.inplace and contiguous and all(shape):
+            drawn = torch.empty(shape, dtype=dtype, device=device).bernoulli_(keep).div_(keep)
+            noise.append(drawn)
+        else:
+            noise.append(None)
+    return noise
+
+
+class Turns:
+    """Chunk k's turn to draw comes once chunks 0 to k - 1 had theirs (NOTE [ Dropout drawn
+    beforehand ]); threads claim chunks in chunk order, so each waits on chunks running."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._changed = threading.Condition(threading.Lock())
+
+    def wait(self, k: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next >= k)
+
+    def done(self, k: int) -> None:
+        with self._changed:
+            self._next = k + 1
+            self._changed.notify_all()
 
 
 def may_recompute(nodes: Sequence[Any]) -> bool:

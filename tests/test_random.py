@@ -250,7 +250,7 @@ def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
     models = dropout_mlps()
     x = torch.randn(32, 8)
     step(models, x, 0, [m.forward for m in models], n_jobs=2, chunk_size=1)
-    assert workers == []  # forwards in order, pullbacks on one thread: no job
+    assert workers == [1]  # forwards in model order; pullbacks on one thread: no job
     step(models, x, 0, n_jobs=2, chunk_size=1)  # modules: a kept plan, which looked: none
     step(models, x, 0, n_jobs=2, chunk_size=1)
     assert workers[-1] == 2
@@ -276,3 +276,143 @@ def test_checkpointing_turned_on_by_an_attribute_is_seen():
         m.use_checkpoint = True
     for seed in (1, 2):
         assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+
+
+def forward_workers_of(monkeypatch):
+    """The n_workers of every forward job run_forward starts, in order."""
+    from parsum import _pool
+
+    seen = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume, *rest):
+        if task.__name__ == "forward_chunk":
+            seen.append(n_workers)
+        return run_ordered(task, n_tasks, n_workers, consume, *rest)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    return seen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_noise_drawn_beforehand_is_f_dropouts(threads):
+    """NOTE [ Dropout drawn beforehand ]: torch's CPU dropout is the input times noise that
+    bernoulli_ draws; the same draws at any intra-op thread count."""
+    from parsum._engines import DirectProgram
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = nn.Dropout(0.3)
+        x = torch.randn(64, 700)
+        program = DirectProgram([lambda: layer])
+        torch.manual_seed(5)
+        want = F.dropout(x, 0.3, True)
+        torch.manual_seed(5)
+        (noise,) = _random.draw_noise(program, [(x.shape, x.dtype, x.device, True)])
+        assert torch.equal(x * noise, want)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_dropout_forwards_run_on_the_threads_once_their_shapes_are_known(monkeypatch):
+    workers = forward_workers_of(monkeypatch)
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+    assert workers == [1, 2, 2]  # the first call records the noise's shapes, in model order
+    x16 = torch.randn(16, 8)  # another input shape: recorded first
+    for seed in range(2):
+        assert_close(step(models, x16, seed, n_jobs=2, chunk_size=1), plain_step(plain, x16, seed))
+    assert workers[3:] == [1, 2]
+    assert_close(step(models, x, 9, n_jobs=2, chunk_size=1), plain_step(plain, x, 9))
+    assert workers[5:] == [2]
+
+
+def test_dropout_whose_p_changes_draws_the_plain_loops_numbers():
+    """p is read when the noise is drawn; at 0 (or 1) F.dropout draws nothing."""
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed, p in enumerate([0.5, 0.2, 0.0, 1.0, 0.7]):
+        for m in (*models, *plain):
+            m[2].p = p if m is not models[1] and m is not plain[1] else 0.5
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+
+
+def test_in_place_dropout_runs_in_model_order(monkeypatch):
+    workers = forward_workers_of(monkeypatch)
+    torch.manual_seed(0)
+    models = [  # after a Linear, which does not save its output for backward
+        nn.Sequential(nn.Linear(8, 16 + i), nn.Dropout(0.5, inplace=True), nn.Linear(16 + i, 4))
+        for i in range(6)
+    ]
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+    assert workers == [1, 1, 1]  # every call in model order
+
+
+def test_noise_that_does_not_fit_warns_and_runs_in_model_order_after(monkeypatch):
+    from parsum import _plans
+
+    workers = forward_workers_of(monkeypatch)
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    step(models, x, 0, n_jobs=2, chunk_size=1)
+    walk = _plans.known_walk(models)
+    for shapes in walk.noise_shapes.values():  # as if the layers' inputs had changed dtype
+        shapes[3] = [(s, torch.float64, d, c) for s, _, d, c in shapes[3]]
+    with pytest.warns(RuntimeWarning, match="not reproducible"):
+        step(models, x, 1, n_jobs=2, chunk_size=1)
+    assert workers == [1, 2]
+    for seed in (2, 3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+    assert workers[2:] == [1, 1]  # in model order from then on
+
+
+class Wrapped(nn.Module):
+    """An MLP with dropout inside a module of the user's: no direct program."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.inner = nn.Sequential(
+            nn.Linear(8, width),
+            nn.Tanh(),
+            nn.Dropout(0.5),
+            nn.Linear(width, 256),
+            nn.Tanh(),
+            nn.Linear(256, 4),
+        )
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_other_models_that_draw_run_as_one_chunk_by_default(monkeypatch, cores):
+    from parsum import _pool
+
+    cores(2)
+    jobs = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, consume, *rest):
+        jobs.append((task.__name__, n_tasks))
+        return run_ordered(task, n_tasks, n_workers, consume, *rest)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    torch.manual_seed(0)
+    models = [Wrapped(256 + i) for i in range(8)]  # without dropout: on 2 workers
+    plain = copy.deepcopy(models)
+    x = torch.randn(128, 8)
+    for seed in range(2):
+        assert_close(step(models, x, seed), plain_step(plain, x, seed))
+    assert ("forward_chunk", 1) in jobs and all(n == 1 for _, n in jobs)
+    jobs.clear()
+    for seed in range(2):  # an explicit n_jobs keeps the chunks, in model order
+        assert_close(step(models, x, seed, n_jobs=2), plain_step(plain, x, seed))
+    assert [n for name, n in jobs if name == "forward_chunk"] == [8, 8]
