@@ -57,6 +57,17 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
+class Wrapped(nn.Module):
+    """A model inside a module with a forward of its own, as users write them."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 @dataclass
 class Workload:
     name: str
@@ -81,6 +92,12 @@ def workload(name: str, batch: int | None = None) -> Workload:
         ]
         b = batch or 256
         desc = f"16 MLPs with dropout, widths 128-512, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
+    if name == "dropout-wrapped":
+        # The same, each inside a module of the user's: no direct program, drawn in model order.
+        models = [Wrapped(m) for m in workload("dropout-medium").models]
+        b = batch or 256
+        desc = f"16 MLPs with dropout in modules of their own, widths 128-512, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
     if name == "heterogeneous-tiny":
         models = [mlp(16, (16, 24, 32, 48)[i % 4], 1 + i % 3, 4) for i in range(64)]
@@ -115,7 +132,7 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 128
         desc = f"24 MLPs of widths 32-64 then 8 of widths 512-768, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
-    extra = ("mixed-sizes", "dropout-medium")
+    extra = ("mixed-sizes", "dropout-medium", "dropout-wrapped")
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
 
