@@ -416,3 +416,45 @@ def test_other_models_that_draw_run_as_one_chunk_by_default(monkeypatch, cores):
     for seed in range(2):  # an explicit n_jobs keeps the chunks, in model order
         assert_close(step(models, x, seed, n_jobs=2), plain_step(plain, x, seed))
     assert [n for name, n in jobs if name == "forward_chunk"] == [8, 8]
+
+
+def test_turns_come_in_chunk_order_and_a_broken_wait_ends_the_later_ones():
+    turns = _random.Turns()
+    order = []
+
+    def chunk(k):
+        turns.wait(k)
+        order.append(k)
+        turns.done(k)
+
+    threads = [threading.Thread(target=chunk, args=(k,)) for k in (3, 1, 2, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 3]
+
+    broken = _random.Turns()
+    errors = []
+
+    def later():
+        try:
+            broken.wait(2)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=later)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not broken._changed._waiters and time.monotonic() < deadline:  # it waits for turn 2
+        time.sleep(0.001)
+
+    def interrupted():  # chunk 1 is interrupted while it waits for chunk 0
+        raise KeyboardInterrupt
+
+    with broken._changed:
+        broken._changed.wait_for = lambda predicate: interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        broken.wait(1)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and "never came" in str(errors[0])
