@@ -237,21 +237,7 @@ def _general_sum(
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
     stepping = step_in_backward is not None
-    # Forwards that draw in model order, their draws not made beforehand: the default runs
-    # them as one chunk on the budget's intra-op threads (NOTE [ Random numbers in forwards ]
-    # in _random).
-    in_order = chosen and walk.draws_random is True and not walk.predraws
-    key = (
-        engine,
-        batch,
-        chunk_size,
-        chosen,
-        budget,
-        on_device,
-        stepping,
-        vmap_failure_count(),
-        in_order,
-    )
+    key = (engine, batch, chunk_size, chosen, budget, on_device, stepping, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
         found = found or [ModelParams.of(m) for m in models]
@@ -262,11 +248,7 @@ def _general_sum(
         if (
             chosen
             and chunk_size is None
-            and (
-                on_device
-                or in_order
-                or intra_op_only(found, batch, budget, units, chunks, order, stepping)
-            )
+            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch) if chosen else n_workers

@@ -411,14 +411,19 @@ def run_forward(
 
     snapshot = _BufferSnapshot(plan.model_params)
     try:
-        _pool.run_ordered(
-            forward_chunk,
-            len(plan.chunks),
-            plan.forward_workers,
-            consume,
-            plan.claim_order if turns is None else None,  # turns: in chunk order
-            plan.callers_last,
-        )
+        if walk.draws_random and not walk.predraws:  # NOTE [ Random numbers in forwards ]
+            with _pool.as_one_task(1):  # one forward at a time: the budget's threads
+                for k in range(len(plan.chunks)):
+                    consume(k, forward_chunk(k))
+        else:
+            _pool.run_ordered(
+                forward_chunk,
+                len(plan.chunks),
+                plan.forward_workers,
+                consume,
+                plan.claim_order if turns is None else None,  # turns: in chunk order
+                plan.callers_last,
+            )
     except BaseException:
         snapshot.restore()
         # The chunks before the first failed one all ran; an output mismatch among them or in

@@ -5,11 +5,14 @@
 # drew from it in whatever order the threads reached it: 6 MLPs with dropout, seeded alike,
 # gave other outputs at n_jobs=2 than at n_jobs=1, and other ones from one run to the next.
 # Forwards that draw random numbers therefore draw them in model order, as the plain loop does,
-# and draw exactly its numbers: where their draws can be made beforehand (NOTE [ Dropout drawn
-# beforehand ]) the forwards still run on the threads; otherwise they run one after the other
-# in the calling thread, each under its chunk's intra-op threads as on the threads (the same
-# bits for any n_jobs), and the default (n_jobs unset) makes them one chunk on the budget's
-# intra-op threads. Their pullbacks stay on the threads: a mask is saved, not drawn again.
+# and draw exactly its numbers. Where their draws can be made beforehand (NOTE [ Dropout drawn
+# beforehand ]) the forwards still run on the threads, each under its chunk's intra-op threads
+# (also in the calls that run them in model order: the same bits on every path). Otherwise
+# they run one after the other in the calling thread on the whole budget's intra-op threads
+# (one forward at a time; the same for any n_jobs). The wrapped MLPs below, against the
+# forwards on the threads: 0.85x at batch 64 and 256 so, 0.73x and 0.70x each forward under its
+# chunk's threads, 0.82x and 0.84x as one chunk (1.085x and 1.055x between the last two in one
+# run). Their pullbacks stay on the threads: a mask is saved, not drawn again.
 # Which forwards draw is known per walk (NOTE [ Reused plans ] in _plans):
 # - a torch.nn layer that draws in training mode (dropout, RReLU) among the models' modules
 #   says so from the first call;
@@ -23,9 +26,9 @@
 #   changed) keeps what the last one learned.
 # Measured on 2 threads in one process against the forwards on the threads (which drew other
 # numbers at each n_jobs), 16 MLPs of widths 128-512 with dropout after each hidden layer:
-# as nn.Sequential (drawn beforehand) 0.96x and 0.98x at batch 64 and 256, 1.11x and 1.14x the
-# plain loop; each inside a module of the user's (one chunk in model order) 0.82x and 0.84x,
-# 0.92x and 0.97x the plain loop (benchmarks/results/dropout-2cores.txt).
+# as nn.Sequential (drawn beforehand) 0.97x and 0.98x at batch 64 and 256, 1.09x and 1.14x the
+# plain loop; each inside a module of the user's (in model order) 0.85x and 0.85x, 0.95x and
+# 0.98x the plain loop (benchmarks/results/dropout-2cores.txt).
 #
 # NOTE [ Dropout drawn beforehand ]
 # On the CPU, F.dropout(x, p) in training mode is ``x * noise``, ``noise`` being

@@ -250,7 +250,7 @@ def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
     models = dropout_mlps()
     x = torch.randn(32, 8)
     step(models, x, 0, [m.forward for m in models], n_jobs=2, chunk_size=1)
-    assert workers == [1]  # forwards in model order; pullbacks on one thread: no job
+    assert workers == []  # forwards in model order, pullbacks on one thread: no job
     step(models, x, 0, n_jobs=2, chunk_size=1)  # modules: a kept plan, which looked: none
     step(models, x, 0, n_jobs=2, chunk_size=1)
     assert workers[-1] == 2
@@ -353,7 +353,7 @@ def test_in_place_dropout_runs_in_model_order(monkeypatch):
     x = torch.randn(32, 8)
     for seed in range(3):
         assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
-    assert workers == [1, 1, 1]  # every call in model order
+    assert workers == []  # every call in model order, on the budget's threads: no job
 
 
 def test_noise_that_does_not_fit_warns_and_runs_in_model_order_after(monkeypatch):
@@ -372,13 +372,14 @@ def test_noise_that_does_not_fit_warns_and_runs_in_model_order_after(monkeypatch
     assert workers == [1, 2]
     for seed in (2, 3):
         assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
-    assert workers[2:] == [1, 1]  # in model order from then on
+    assert workers[2:] == []  # in model order from then on, on the budget's threads
 
 
 class Wrapped(nn.Module):
-    """An MLP with dropout inside a module of the user's: no direct program."""
+    """An MLP with dropout inside a module of the user's: no direct program. Records the
+    intra-op threads its forwards run on."""
 
-    def __init__(self, width):
+    def __init__(self, width, threads_seen):
         super().__init__()
         self.inner = nn.Sequential(
             nn.Linear(8, width),
@@ -388,12 +389,19 @@ class Wrapped(nn.Module):
             nn.Tanh(),
             nn.Linear(256, 4),
         )
+        self.threads_seen = threads_seen
 
     def forward(self, x):
+        self.threads_seen.append(torch.get_num_threads())
         return self.inner(x)
 
 
-def test_other_models_that_draw_run_as_one_chunk_by_default(monkeypatch, cores):
+@pytest.mark.parametrize("n_jobs", [None, 2])
+def test_other_models_that_draw_run_forwards_in_order_on_the_budget_and_pullbacks_on_workers(
+    monkeypatch, cores, n_jobs
+):
+    """Their forwards one at a time on the whole budget's intra-op threads (the same for any
+    n_jobs), their pullbacks on the workers."""
     from parsum import _pool
 
     cores(2)
@@ -401,21 +409,21 @@ def test_other_models_that_draw_run_as_one_chunk_by_default(monkeypatch, cores):
     run_ordered = _pool.run_ordered
 
     def spy(task, n_tasks, n_workers, consume, *rest):
-        jobs.append((task.__name__, n_tasks))
+        jobs.append((task.__name__, n_tasks, n_workers))
         return run_ordered(task, n_tasks, n_workers, consume, *rest)
 
     monkeypatch.setattr(_pool, "run_ordered", spy)
+    threads: list[int] = []
     torch.manual_seed(0)
-    models = [Wrapped(256 + i) for i in range(8)]  # without dropout: on 2 workers
+    models = [Wrapped(256 + i, threads) for i in range(8)]  # without dropout: on 2 workers
     plain = copy.deepcopy(models)
     x = torch.randn(128, 8)
     for seed in range(2):
-        assert_close(step(models, x, seed), plain_step(plain, x, seed))
-    assert ("forward_chunk", 1) in jobs and all(n == 1 for _, n in jobs)
-    jobs.clear()
-    for seed in range(2):  # an explicit n_jobs keeps the chunks, in model order
-        assert_close(step(models, x, seed, n_jobs=2), plain_step(plain, x, seed))
-    assert [n for name, n in jobs if name == "forward_chunk"] == [8, 8]
+        threads.clear()
+        assert_close(step(models, x, seed, n_jobs=n_jobs), plain_step(plain, x, seed))
+        assert threads == [2] * len(models)
+    assert not any(name == "forward_chunk" for name, _, _ in jobs)
+    assert [(n, w) for name, n, w in jobs if name != "forward_chunk"] == [(8, 2), (8, 2)]
 
 
 def test_turns_come_in_chunk_order_and_a_broken_wait_ends_the_later_ones():
