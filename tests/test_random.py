@@ -466,3 +466,25 @@ def test_turns_come_in_chunk_order_and_a_broken_wait_ends_the_later_ones():
         broken.wait(1)
     waiter.join(timeout=10)
     assert not waiter.is_alive() and "never came" in str(errors[0])
+
+
+def test_concurrent_callers_with_dropout_finish():
+    """Each call has its own turns: callers on the same models at once neither deadlock nor
+    fail (their draws interleave, as two threads' plain loops would)."""
+    models, others = dropout_mlps(), dropout_mlps()
+    x = torch.randn(32, 8)
+    errors = []
+
+    def caller(ms):
+        try:
+            for _ in range(10):
+                parsum.sum_models(ms, x, n_jobs=2, chunk_size=1).pow(2).sum().backward()
+        except Exception as exc:  # the test asserts on it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(m,)) for m in (models, models, others)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
