@@ -324,7 +324,12 @@ def _draws_beforehand(walk: Walk, units: list[Unit], call: CallArgs, tensors: li
         direct_calls_allowed(call)
         and tensors[0].device.type == "cpu"
         and all(unit.engine == "autograd" and len(unit.models) == 1 for unit in units)
-        and walk.hookless_params()
+        # A parameter with a hook of the user's runs its model through module calls (NOTE
+        # [ Hooks run once ] in _engines); parsum's own hooks (StepInBackward's) do not.
+        and (
+            walk.hookless_params()
+            or all(p._backward_hooks is None or not has_user_hooks(p) for p in walk.params)
+        )
     )
 
 

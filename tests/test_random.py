@@ -488,3 +488,27 @@ def test_concurrent_callers_with_dropout_finish():
     for t in threads:
         t.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_dropout_with_step_in_backward_draws_beforehand(monkeypatch):
+    """StepInBackward's own hooks leave the models direct programs: their noise is drawn
+    beforehand, and the steps equal the plain loop's."""
+    workers = forward_workers_of(monkeypatch)
+    models = dropout_mlps()
+    plain = copy.deepcopy(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.01)
+    opt = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.01)
+    x = torch.randn(32, 8)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1, step_in_backward=sib).pow(
+            2
+        ).mean().backward()
+        torch.manual_seed(seed)
+        sum(m(x) for m in plain).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b in zip(models, plain):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert workers == [1, 2, 2]
