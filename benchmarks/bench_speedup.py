@@ -76,6 +76,8 @@ import parsum
 
 # The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md).
 CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
+# Run only when named in --workloads: models with dropout (NOTE [ Random numbers in forwards ]).
+NAMED_ONLY = [("dropout-medium", 64), ("dropout-wrapped", 64)]
 # Steps the ranks run per command of the parent (ProcessSplit): as a torchrun job runs them.
 PROCESS_STEPS = 10
 
@@ -285,7 +287,9 @@ def main() -> None:
         return
     jobs = [int(j) for j in args.jobs.split(",")]
     all_cases = CASES + ([("heterogeneous-medium", 4096)] if args.device != "cpu" else [])
-    cases = [c for c in all_cases if args.workloads == "all" or c[0] in args.workloads.split(",")]
+    named = args.workloads.split(",")
+    cases = [c for c in all_cases if args.workloads == "all" or c[0] in named]
+    cases += [c for c in NAMED_ONLY if c[0] in named]
     cores = parsum._config.usable_cores()
     print(
         f"torch {torch.__version__}, {cores} usable cores ({os.cpu_count()} in the machine), "

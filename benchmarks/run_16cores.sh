@@ -9,6 +9,9 @@
 #                                           # main example
 #   bash benchmarks/run_16cores.sh alloc    # page faults from glibc's heap trimming, with and
 #                                           # without parsum imported (bench_allocator.py)
+#   bash benchmarks/run_16cores.sh random   # dropout ensembles over 1-16 workers: the noise
+#                                           # drawn chunk by chunk in turn (nn.Sequential), and
+#                                           # forwards in model order (models of their own)
 #   bash benchmarks/run_16cores.sh team     # ending the caller's OpenMP team before workers,
 #                                           # against keeping it, with an Adam step (bench_team.py)
 #   bash benchmarks/run_16cores.sh first    # for a session with 15 minutes of the machine: the
@@ -75,6 +78,10 @@ cpu)
     ;;
 team)
     team 150
+    ;;
+random)
+    speedup 300 dropout-16cores --workloads dropout-medium,dropout-wrapped --jobs 1,2,4,8,16 \
+        --rounds 10
     ;;
 first)
     cuda_checks
