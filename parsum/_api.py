@@ -40,7 +40,7 @@ from ._grouping import (
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
-from ._random import draws_only_dropout, has_drawing_layers, noise_key
+from ._random import draws_only_dropout, has_drawing_layers, idle_dropout, noise_key
 from ._sparse import has_user_hooks
 from ._stack import (
     TOO_LARGE,
@@ -219,13 +219,17 @@ def _general_sum(
         walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk)
         modules = [m for mp in found for m in mp.modules]
-        if walk.draws_random is None:  # NOTE [ Random numbers in forwards ] in _random
-            if has_drawing_layers(modules):
-                walk.draws_random = True
-            elif not kept:
-                walk.draws_random = False
+        # NOTE [ Random numbers in forwards ] in _random: layers that draw say so, whatever
+        # the last walk over these models learned (their p may have changed from 0).
+        if has_drawing_layers(modules):
+            walk.draws_random = True
+        elif walk.draws_random is None and not kept:
+            walk.draws_random = False
         # NOTE [ Dropout drawn beforehand ] in _random
         walk.predraws = kept and None not in walk.programs and draws_only_dropout(modules)
+        idle = idle_dropout(modules) if kept else []
+        if idle:
+            walk._watch_settings(idle)  # a p changed from 0: a new walk, which sees them draw
     model_params, params = walk.model_params, walk.params
     if engine == "vjp":
         _check_vjp_models(models, model_params)

@@ -15,7 +15,9 @@
 # run). Their pullbacks stay on the threads: a mask is saved, not drawn again.
 # Which forwards draw is known per walk (NOTE [ Reused plans ] in _plans):
 # - a torch.nn layer that draws in training mode (dropout, RReLU) among the models' modules
-#   says so from the first call;
+#   says so from the first call; dropout with p of 0 or 1 draws nothing (many models keep an
+#   nn.Dropout(0.0) as their default), and the walk watches its attributes, so that a p raised
+#   later makes a new walk, which sees it draw;
 # - otherwise a walk kept for the next calls runs its first call's forwards in model order and
 #   compares the generators' states before and after (about 2 us each); a walk made for one
 #   call (models that are not all modules) runs them on the threads;
@@ -95,15 +97,36 @@ def generator_states() -> list[bytes]:
     return states
 
 
+def _draws(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch.nn layer that draws random numbers now: dropout with p of
+    0 or 1 draws nothing (many models keep an ``nn.Dropout(0.0)`` as their default)."""
+    if isinstance(module, nn.RReLU):
+        return module.training
+    if not isinstance(module, nn.modules.dropout._DropoutNd) or not module.training:
+        return False
+    p: float = module.p
+    return 0 < p < 1
+
+
 def has_drawing_layers(modules: Iterable[nn.Module]) -> bool:
     """Whether any of ``modules`` is a torch.nn layer that draws random numbers now."""
-    return any(isinstance(m, _DRAWING_LAYERS) and m.training for m in modules)
+    return any(map(_draws, modules))
+
+
+def idle_dropout(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The dropout layers of ``modules`` that would draw if their p changed: a walk watches
+    their attributes, so that a p changed from 0 makes a new walk, which sees them draw."""
+    return [
+        m
+        for m in modules
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and not _draws(m)
+    ]
 
 
 def draws_only_dropout(modules: Iterable[nn.Module]) -> bool:
     """Whether every layer of ``modules`` that draws now is an out-of-place ``nn.Dropout``
     (NOTE [ Dropout drawn beforehand ]), and one does."""
-    drawing = [m for m in modules if isinstance(m, _DRAWING_LAYERS) and m.training]
+    drawing = [m for m in modules if _draws(m)]
     return bool(drawing) and all(type(m) is nn.Dropout and not m.inplace for m in drawing)
 
 

@@ -512,3 +512,28 @@ def test_dropout_with_step_in_backward_draws_beforehand(monkeypatch):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert workers == [1, 2, 2]
+
+
+def test_dropout_of_p_0_draws_nothing_until_its_p_changes(monkeypatch):
+    """An nn.Dropout(0.0) (many models' default) keeps the forwards on the threads; a p raised
+    later makes a new plan, which draws in model order, with no warning."""
+    workers = forward_workers_of(monkeypatch)
+    torch.manual_seed(0)
+    models = [
+        Wrapped(64 + i, [])
+        for i in range(6)  # modules of their own: no noise drawn beforehand
+    ]
+    for m in models:
+        m.inner[2].p = 0.0
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+    assert workers == [1, 2, 2]  # the first call learns that they draw nothing
+    for m in (*models, *plain):
+        m.inner[2].p = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(3, 5):
+            assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
+    assert workers[3:] == []  # in model order on the budget's threads: no forward job
