@@ -267,7 +267,7 @@ def _general_sum(
     # NOTE [ Dropout drawn beforehand ] in _random: the forwards on the threads once the
     # noise's shapes are known at this input.
     drawn_key = None
-    if walk.draws_random and walk.predraws and _draws_beforehand(walk, units, call, tensors):
+    if walk.predraws and _draws_beforehand(walk, units, call, tensors):
         drawn_key = noise_key(tensors[0])
     predraw = drawn_key is not None and drawn_key in walk.noise_shapes
     in_model_order = walk.forward_in_order or (walk.draws_random is not False and not predraw)
@@ -328,12 +328,7 @@ def _draws_beforehand(walk: Walk, units: list[Unit], call: CallArgs, tensors: li
         direct_calls_allowed(call)
         and tensors[0].device.type == "cpu"
         and all(unit.engine == "autograd" and len(unit.models) == 1 for unit in units)
-        # A parameter with a hook of the user's runs its model through module calls (NOTE
-        # [ Hooks run once ] in _engines); parsum's own hooks (StepInBackward's) do not.
-        and (
-            walk.hookless_params()
-            or all(p._backward_hooks is None or not has_user_hooks(p) for p in walk.params)
-        )
+        and walk.no_user_tensor_hooks()
     )
 
 

@@ -45,6 +45,7 @@ from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
 from ._errors import ParsumError
+from ._random import draws_now
 from ._sparse import GradSum, add_grad, has_user_hooks
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
@@ -851,13 +852,14 @@ class DirectProgram(NamedTuple):
     """A model's layers to call directly (NOTE [ Direct programs ]): a Linear's weight and
     bias, or another layer (weakly). For one call (NOTE [ Dropout drawn beforehand ] in
     _random): ``noise``, each ``nn.Dropout`` step's noise drawn beforehand (None: the layer's
-    own call), with ``record`` the list to which a step whose input does not match its noise
-    appends the layer; or, without noise, ``record`` the list to which each ``nn.Dropout``
-    step appends its input's shape, dtype, device and contiguity."""
+    own call), and ``misses``, the list to which a step that draws although its input does not
+    match its noise appends the layer; or ``record``, the list to which each ``nn.Dropout`` step
+    appends its input's shape, dtype, device and contiguity."""
 
     steps: list[tuple[Tensor, Tensor | None] | weakref.ref[nn.Module]]
     noise: list[Tensor | None] | None = None
-    record: list[Any] | None = None
+    misses: list[nn.Module] | None = None
+    record: list[tuple[torch.Size, torch.dtype, torch.device, bool]] | None = None
 
 
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:
@@ -947,7 +949,7 @@ def run_direct(program: DirectProgram, x: Tensor) -> Tensor:
     """The model's output from its layers called directly."""
     h = x
     noise = iter(program.noise) if program.noise is not None else None
-    record = program.record
+    misses, record = program.misses, program.record
     for step in program.steps:
         if isinstance(step, tuple):  # a Linear: nn.Linear.forward's own call
             h = torch._C._nn.linear(h, step[0], step[1])
@@ -960,8 +962,8 @@ def run_direct(program: DirectProgram, x: Tensor) -> Tensor:
                 if drawn is not None and drawn.shape == h.shape and drawn.dtype == h.dtype:
                     h = h * drawn  # F.dropout on the CPU: the input times its noise
                     continue
-                if record is not None and module.training and 0 < module.p < 1:
-                    record.append(module)  # it draws now, out of turn
+                if misses is not None and draws_now(module):
+                    misses.append(module)  # it draws now, out of turn
             elif record is not None:
                 record.append((h.shape, h.dtype, h.device, h.is_contiguous()))
         h = module.forward(h)

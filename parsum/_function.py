@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
@@ -277,7 +277,7 @@ def run_forward(
     parallel = _pool.threads_for(len(plan.chunks), plan.forward_workers) > 1
     records: list[list[Any]] | None = None
     turns: Turns | None = None  # NOTE [ Dropout drawn beforehand ] in _random
-    misses: list[Any] = []  # dropout layers whose input did not match the noise drawn
+    misses: list[nn.Module] = []  # dropout layers whose input did not match the noise drawn
     if plan.noise_key is not None and programs is not None:
         if plan.predraw:  # each chunk draws its noise in its turn, in chunk order
             shapes = walk.noise_shapes[plan.noise_key]
@@ -314,7 +314,7 @@ def run_forward(
                     program = programs[i]
                     if program is not None:
                         noise = draw_noise(program, shapes[i])
-                        programs[i] = program._replace(noise=noise, record=misses)
+                        programs[i] = program._replace(noise=noise, misses=misses)
         finally:
             turns.done(k)
 

@@ -117,7 +117,6 @@ from ._sparse import (
     GradSum,
     add_grad,
     any_sampled,
-    has_user_hooks,
     merge_grads,
     post_accumulate_hooks,
     sampled_elements,
@@ -139,10 +138,7 @@ def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
         and not reports_failures()
         and all(module_of(m) is not None for m in plan.models)
         and not has_compensated_flat_grads(plan.params)
-        and (
-            plan.walk.hookless_params()
-            or all(p._backward_hooks is None or not has_user_hooks(p) for p in plan.params)
-        )
+        and plan.walk.no_user_tensor_hooks()
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
     )
 

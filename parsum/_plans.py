@@ -55,7 +55,7 @@ from ._engines import (
     module_hooks,
     own_calls,
 )
-from ._sparse import any_sampled, post_accumulate_hooks
+from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks
 from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
 
 MAX_PLANS = 8
@@ -152,6 +152,18 @@ class Walk:
             return False
         self._hookless_at = handles
         return True
+
+    def over(self, models: Sequence[Callable[..., Any]]) -> bool:
+        """Whether this walk was made over these very models (their ids alone may be reused)."""
+        return all(map(_is, [ref() for ref in self._model_refs], models))
+
+    def no_user_tensor_hooks(self) -> bool:
+        """Whether no parameter has a tensor hook of the user's (parsum's own, a FlatGrad's or
+        a StepInBackward's, aside): its model then runs through module calls (NOTE [ Hooks
+        run once ] in _engines)."""
+        return self.hookless_params() or all(
+            p._backward_hooks is None or not has_user_hooks(p) for p in self.params
+        )
 
     def holds(self) -> bool:
         """Whether a walk now would find what this one found (NOTE [ Reused plans ])."""
@@ -298,7 +310,7 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     if not _plans or any_sampled():
         return None
     walk = _plans.get(tuple(map(id, models)))
-    if walk is None or not all(map(_is, [ref() for ref in walk._model_refs], models)):
+    if walk is None or not walk.over(models):
         return None
     return walk if walk.holds() else None
 
@@ -324,11 +336,7 @@ def keep_walk(
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
     key = tuple(map(id, models))
     last = _plans.get(key)
-    if (
-        last is not None
-        and all(map(_is, [ref() for ref in last._model_refs], models))
-        and last._training == walk._training
-    ):
+    if last is not None and last.over(models) and last._training == walk._training:
         # The same models in the same modes, changed otherwise (a module's own attribute, a
         # parameter replaced): what their forwards were seen to draw still tells how to run
         # them (NOTE [ Random numbers in forwards ] in _random); a forward on the threads that

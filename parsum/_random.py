@@ -97,7 +97,7 @@ def generator_states() -> list[bytes]:
     return states
 
 
-def _draws(module: nn.Module) -> bool:
+def draws_now(module: nn.Module) -> bool:
     """Whether ``module`` is a torch.nn layer that draws random numbers now: dropout with p of
     0 or 1 draws nothing (many models keep an ``nn.Dropout(0.0)`` as their default)."""
     if isinstance(module, nn.RReLU):
@@ -110,7 +110,7 @@ def _draws(module: nn.Module) -> bool:
 
 def has_drawing_layers(modules: Iterable[nn.Module]) -> bool:
     """Whether any of ``modules`` is a torch.nn layer that draws random numbers now."""
-    return any(map(_draws, modules))
+    return any(map(draws_now, modules))
 
 
 def idle_dropout(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -119,14 +119,14 @@ def idle_dropout(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return [
         m
         for m in modules
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and not _draws(m)
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and not draws_now(m)
     ]
 
 
 def draws_only_dropout(modules: Iterable[nn.Module]) -> bool:
     """Whether every layer of ``modules`` that draws now is an out-of-place ``nn.Dropout``
     (NOTE [ Dropout drawn beforehand ]), and one does."""
-    drawing = [m for m in modules if _draws(m)]
+    drawing = [m for m in modules if draws_now(m)]
     return bool(drawing) and all(type(m) is nn.Dropout and not m.inplace for m in drawing)
 
 
@@ -152,7 +152,7 @@ def draw_noise(
     ):
         assert isinstance(layer, nn.Dropout)
         keep = 1 - layer.p
-        if layer.training and 0 < layer.p < 1 and not layer.inplace and contiguous and all(shape):
+        if draws_now(layer) and not layer.inplace and contiguous and all(shape):
             drawn = torch.empty(shape, dtype=dtype, device=device).bernoulli_(keep).div_(keep)
             noise.append(drawn)
         else:
