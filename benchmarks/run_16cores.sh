@@ -14,6 +14,13 @@
 #                                           # forwards in model order (models of their own)
 #   bash benchmarks/run_16cores.sh team     # ending the caller's OpenMP team before workers,
 #                                           # against keeping it, with an Adam step (bench_team.py)
+#   bash benchmarks/run_16cores.sh gpu      # for a session with 15 minutes of the machine, its first
+#                                           # call: the CUDA smoke test and tests, the CUDA
+#                                           # benchmark, the whole suite on this torch and 16 cores
+#   bash benchmarks/run_16cores.sh cores    # and its second: medium and tiny MLPs over 1-16
+#                                           # workers and processes, the main example
+#   bash benchmarks/run_16cores.sh last     # and a third, after the fixes: where a CUDA step's
+#                                           # time goes (profile_step.py), the whole suite, lscpu
 #   bash benchmarks/run_16cores.sh first    # for a session with 15 minutes of the machine: the
 #                                           # CUDA smoke test and tests (the caller's-graph paths
 #                                           # never ran on a GPU), the team's end against keeping
@@ -28,15 +35,24 @@ out=${OUT:-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the benchmarks run from benchmarks/
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1  # unbuffered: a run cut by its timeout keeps its rows
+# That machine's Python is python3, maybe with no python beside it: a python that runs it (a
+# script, not a link, so that python3's virtual environment is still found).
+if ! command -v python > /dev/null; then
+    mkdir -p /tmp/pybin
+    printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/pybin/python
+    chmod +x /tmp/pybin/python
+    export PATH=/tmp/pybin:$PATH
+fi
 python -c "import torch; print(torch.__version__, torch.cuda.is_available())" > "$out/env.txt"
 nproc >> "$out/env.txt"
+nvidia-smi -L >> "$out/env.txt" 2>&1
 speedup() {  # speedup SECONDS NAME ARGS...: the table, its JSON and plot
     local seconds=$1 name=$2
     shift 2
     (cd benchmarks && timeout "$seconds" python bench_speedup.py "$@" --json "$out/$name.json" \
         --png "$out/$name.png") > "$out/$name.txt" 2>&1
 }
-cuda_checks() {  # the CUDA smoke test and the CUDA tests, each under a hard limit
+cuda_checks() {  # cuda_checks SECONDS: the CUDA smoke test, then the CUDA tests in SECONDS
     # The default used to hang in backward on CUDA: a hard limit, and every thread's stack if hit.
     timeout 90 python -X faulthandler -c "
 import faulthandler, torch, parsum
@@ -49,7 +65,7 @@ for n_jobs in (None, 1, 2, 4):
     print('backward returned, n_jobs', n_jobs)
 " > "$out/cuda-smoke.txt" 2>&1
     # Several workers: a test that hits its timeout ends its worker, not the run.
-    timeout 200 python -m pytest -n 4 -v -p no:cacheprovider tests/test_devices.py \
+    timeout "${1:-200}" python -m pytest -n 8 -v -p no:cacheprovider tests/test_devices.py \
         tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
 }
@@ -82,6 +98,25 @@ team)
 random)
     speedup 300 dropout-16cores --workloads dropout-medium,dropout-wrapped --jobs 1,2,4,8,16 \
         --rounds 10
+    ;;
+gpu)
+    cuda_checks 150
+    speedup 150 speedup-cuda --device cuda --jobs 1,4 --rounds 8
+    timeout 150 python -m pytest -n 12 -q -rf -p no:cacheprovider tests > "$out/tests.txt" 2>&1
+    ;;
+cores)
+    speedup 250 speedup-16cores --workloads heterogeneous-medium,heterogeneous-tiny \
+        --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 6
+    timeout 60 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
+    ;;
+last)
+    lscpu > "$out/lscpu.txt" 2>&1
+    for w in heterogeneous-medium cnn-ensemble; do
+        (cd benchmarks && timeout 30 python profile_step.py --device cuda --workload "$w" \
+            --steps 10) >> "$out/profile-cuda.txt" 2>&1
+    done
+    # -v: the name of a failure shows even where the limit cuts the run.
+    timeout 215 python -m pytest -n 12 -v -p no:cacheprovider tests > "$out/tests.txt" 2>&1
     ;;
 first)
     cuda_checks

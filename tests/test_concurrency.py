@@ -424,6 +424,9 @@ def test_cuda_stream_and_device_cross_into_workers(cores):
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
+            # A walk's first call runs its forwards in model order (zoo.learned).
+            learned(models, x, n_jobs=2, chunk_size=1)
+            seen.clear()
             y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
             y.square().sum().backward()
             with torch.no_grad():

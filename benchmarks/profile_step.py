@@ -1,0 +1,76 @@
+"""Where the time of one training step goes, parsum's against the plain loop's: for finding
+per-call costs on a machine with little time on it (a GPU machine is lent for minutes).
+
+1. Medians of interleaved steps: the plain loop, parsum with n_jobs=1, parsum's default.
+2. cProfile of parsum's steps (n_jobs=1): the functions with the most time of their own, so
+   that parsum's Python shows beside torch's.
+3. torch.profiler of each, on its host thread: the operators with the most host time, and how
+   many run a step (kernel launches, on a GPU).
+
+    python benchmarks/profile_step.py [--device cuda] [--workload heterogeneous-medium]
+        [--batch 64] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+from common import interleaved, parsum_step, plain_step, synchronized, workload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workload", default="heterogeneous-medium")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    w = workload(args.workload, args.batch)
+    models, x = [m.to(args.device) for m in w.models], w.x.to(args.device)
+    methods = {
+        "plain": lambda: plain_step(models, x),
+        "parsum 1": lambda: parsum_step(models, x, n_jobs=1),
+        "parsum default": lambda: parsum_step(models, x),
+    }
+    if args.device != "cpu":
+        methods = {k: synchronized(fn) for k, fn in methods.items()}
+    print(f"{w.description} on {args.device}, torch {torch.__version__}")
+    medians = interleaved(methods, args.steps, settle=1, settle_seconds=0.02)
+    for name, t in medians.items():
+        print(f"{name:>15} {t * 1e3:8.3f} ms   plain / this {medians['plain'] / t:5.2f}")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        methods["parsum 1"]()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"\ncProfile, parsum 1, {args.steps} steps, by own time:")
+    print("\n".join(text.getvalue().splitlines()[4:40]))
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":  # with the launches (cudaLaunchKernel) among the host's rows
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name in ("plain", "parsum 1"):
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                methods[name]()
+        events = prof.key_averages()
+        print(f"\ntorch.profiler, {name}, per step:")
+        rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
+        for e in rows:
+            print(
+                f"{e.key:>40} {e.count / args.steps:6.1f} calls "
+                f"{e.self_cpu_time_total / args.steps / 1e3:8.3f} ms own"
+            )
+        total = sum(e.self_cpu_time_total for e in events) / args.steps / 1e3
+        print(f"{'all operators':>40} {total:8.3f} ms own")
+
+
+if __name__ == "__main__":
+    main()
