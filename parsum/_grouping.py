@@ -77,13 +77,19 @@ whether threads pay.
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
-#   with O the models' GIL-held overhead and C their kernels, a step takes at least O and about
-#   (O + C) / workers, so more than 1 + C / O workers add nothing but contention. Costs are
-#   counted in parameter-rows (parameters times batch rows, NOTE [ Chunks ]), O as
-#   MODEL_OVERHEAD_PARAM_ROWS a model; below C / O = MIN_KERNEL_SHARE the models run in the
-#   calling thread. On 16 cores that gives 4 workers for 16 medium MLPs at batch 64 (the hand
-#   split peaked at 4-8), 10 at batch 256 (8-16), 1 for 64 tiny MLPs (the 1-thread plain loop
-#   beat every split). A table read through ``take_rows`` counts the elements its last call
+#   with G the models' GIL-held overhead and C their kernels, a step takes at least G and about
+#   (G + C) / workers, so more than 1 + C / G workers add nothing but contention. Costs are
+#   counted in parameter-rows (parameters times batch rows, NOTE [ Chunks ]); a model's whole
+#   overhead O is MODEL_OVERHEAD_PARAM_ROWS, of which G is GIL_SHARE_OF_OVERHEAD (the rest,
+#   dispatch and the autograd engine's C++, runs without the GIL); below C / O =
+#   MIN_KERNEL_SHARE the models run in the calling thread, and no more than
+#   MAX_USEFUL_WORKERS workers run. Measured on 16 cores (2026-11-27, torch 2.11, H200
+#   machine, 16 cores without SMT; benchmarks/results/speedup-16cores.txt), 16 MLPs of widths
+#   128-512 ran fastest on 8 workers at batch 64 (7.81 ms; 9.03 on 4, 9.54 on 16, the hand
+#   split 7.15 on 8) and at batch 256 (10.87 ms; 14.37 on 4, 13.08 on 16, the hand split 9.94
+#   on 8 and 13.39 on 16), where G = O (1 + C / O: 4 and 10 workers) chose 8.92 and 12.42 ms;
+#   64 tiny MLPs ran fastest on 1-2 (the 1-thread plain loop beat every split), where C / O
+#   is below MIN_KERNEL_SHARE. A table read through ``take_rows`` counts the elements its last call
 #   gathered, not its size: a model that samples 64 rows of a 65536-row table does the work of
 #   64 rows. A convolution's weights count once per position of the input they slide over (its
 #   positions over the stride): 8 small CNNs on 28x28 images at batch 8-16 ran 1.5x faster on
@@ -175,6 +181,8 @@ CALLERS_LAST_PARAM_ROWS = 6_000_000
 # kernel work over Python overhead the models run in the calling thread.
 INTRA_OP_ONLY_BUDGET = 2
 MIN_KERNEL_SHARE = 0.25
+GIL_SHARE_OF_OVERHEAD = 1 / 3
+MAX_USEFUL_WORKERS = 8
 # NOTE [ Threads that pay ]: from this kernel share a budget of 2 goes to workers (with the
 # caller's team ended, or step_in_backward), where the chunks split within MAX_IMBALANCE of
 # evenly.
@@ -303,9 +311,12 @@ class Batch(NamedTuple):
 
 
 def useful_workers(model_params: Sequence[ModelParams], batch: Batch) -> int:
-    """The most workers that pay for these models: 1 + C / O (NOTE [ Threads that pay ])."""
+    """The most workers that pay for these models: 1 + C / G, at most MAX_USEFUL_WORKERS (NOTE
+    [ Threads that pay ])."""
     share = _kernel_share(model_params, batch)
-    return 1 if share < MIN_KERNEL_SHARE else math.ceil(1 + share)
+    if share < MIN_KERNEL_SHARE:
+        return 1
+    return min(MAX_USEFUL_WORKERS, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
 
 
 def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:
