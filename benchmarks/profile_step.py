@@ -1,7 +1,13 @@
 """Where the time of one training step goes, parsum's against the plain loop's: for finding
 per-call costs on a machine with little time on it (a GPU machine is lent for minutes).
 
-1. Medians of interleaved steps: the plain loop, parsum with n_jobs=1, parsum's default.
+1. Medians of interleaved steps: the plain loop, parsum with n_jobs=1, parsum's default, and
+   parsum with n_jobs=1 whose backward captures the parameters' gradients and returns them to
+   autograd instead of accumulating them in its own engine call ("captured": the path taken
+   where ``.grad`` is set or under ``autograd.grad``). On a GPU the node's None for every
+   parameter sends each parameter's AccumulateGrad to the engine's CPU queue (an input buffer
+   with no defined tensor reports the CPU), a hand-over from the device's thread per parameter;
+   captured gradients are on the device and stay on its thread.
 2. cProfile of parsum's steps (n_jobs=1): the functions with the most time of their own, so
    that parsum's Python shows beside torch's.
 3. torch.profiler of each, on its host thread: the operators with the most host time, and how
@@ -21,6 +27,23 @@ import pstats
 import torch
 from common import interleaved, parsum_step, plain_step, synchronized, workload
 
+from parsum import _inline
+
+
+def captured(step):
+    """``step`` with the caller's-graph backward capturing gradients (NOTE [ Accumulating in
+    the pullback ] in parsum._function): as if the running backward did not accumulate."""
+
+    def run() -> None:
+        runs_all = _inline.engine_runs_all
+        _inline.engine_runs_all = lambda nodes: [False] * len(nodes)
+        try:
+            step()
+        finally:
+            _inline.engine_runs_all = runs_all
+
+    return run
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,13 +58,14 @@ def main() -> None:
         "plain": lambda: plain_step(models, x),
         "parsum 1": lambda: parsum_step(models, x, n_jobs=1),
         "parsum default": lambda: parsum_step(models, x),
+        "parsum 1 captured": captured(lambda: parsum_step(models, x, n_jobs=1)),
     }
     if args.device != "cpu":
         methods = {k: synchronized(fn) for k, fn in methods.items()}
     print(f"{w.description} on {args.device}, torch {torch.__version__}")
     medians = interleaved(methods, args.steps, settle=1, settle_seconds=0.02)
     for name, t in medians.items():
-        print(f"{name:>15} {t * 1e3:8.3f} ms   plain / this {medians['plain'] / t:5.2f}")
+        print(f"{name:>18} {t * 1e3:8.3f} ms   plain / this {medians['plain'] / t:5.2f}")
 
     profiler = cProfile.Profile()
     profiler.enable()
@@ -56,7 +80,7 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":  # with the launches (cudaLaunchKernel) among the host's rows
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    for name in ("plain", "parsum 1"):
+    for name in ("plain", "parsum 1", "parsum 1 captured"):
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(args.steps):
                 methods[name]()
