@@ -16,6 +16,23 @@ faulthandler.enable(file=sys.stderr, all_threads=True)
 _SIMULATED_CORES = int(os.environ.get("PARSUM_TEST_CORES", "0"))
 
 
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist, each worker (and every process it starts) takes its share of the
+    cores, at least 2 (the budget CI runs with): 12 workers on 16 cores, each with torch's
+    default of 16 intra-op threads, spun 192 OpenMP threads on 16 cores, and three tests that
+    run subprocesses failed there within their limits."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or _SIMULATED_CORES:
+        return
+    threads = max(2, _config.usable_cores() // workers)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_the_cores_among_workers()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed_and_threads(monkeypatch):
     if _SIMULATED_CORES:
