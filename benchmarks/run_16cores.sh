@@ -14,18 +14,20 @@
 #                                           # forwards in model order (models of their own)
 #   bash benchmarks/run_16cores.sh team     # ending the caller's OpenMP team before workers,
 #                                           # against keeping it, with an Adam step (bench_team.py)
-#   bash benchmarks/run_16cores.sh gpu      # for a session with 15 minutes of the machine, its first
-#                                           # call: the CUDA smoke test and tests, the CUDA
-#                                           # benchmark, the whole suite on this torch and 16 cores
-#   bash benchmarks/run_16cores.sh cores    # and its second: medium and tiny MLPs over 1-16
-#                                           # workers and processes, the main example
-#   bash benchmarks/run_16cores.sh last     # and a third, after the fixes: where a CUDA step's
-#                                           # time goes (profile_step.py), the whole suite, lscpu
-#   bash benchmarks/run_16cores.sh first    # for a session with 15 minutes of the machine: the
-#                                           # CUDA smoke test and tests (the caller's-graph paths
-#                                           # never ran on a GPU), the team's end against keeping
-#                                           # it, then the medium MLPs over 1-16 workers with the
-#                                           # Adam rows
+#   bash benchmarks/run_16cores.sh gpu      # for a session with 15 minutes of the machine,
+#                                           # about 4 minutes each, in turn (2026-11-27: the
+#                                           # three took 12.5 minutes with the starts): the CUDA
+#                                           # smoke test and tests, the CUDA benchmark, the
+#                                           # whole suite on this torch and 16 cores
+#   bash benchmarks/run_16cores.sh cores    # then medium and tiny MLPs over 1-16 workers and
+#                                           # processes (the default's worker count), the main
+#                                           # example
+#   bash benchmarks/run_16cores.sh last     # then where a CUDA step's host time goes
+#                                           # (profile_step.py, with the captured backward
+#                                           # beside the default), the whole suite, lscpu
+#   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
+#                                           # and tests, the team's end against keeping it, then
+#                                           # the medium MLPs over 1-16 workers with the Adam rows
 # Everything goes under $OUT (or ./out). That machine has torch but no package index: parsum
 # runs from this checkout through PYTHONPATH instead of being installed.
 set -uo pipefail
