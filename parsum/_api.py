@@ -270,7 +270,11 @@ def _general_sum(
     if walk.predraws and _draws_beforehand(walk, units, call, tensors):
         drawn_key = noise_key(tensors[0])
     predraw = drawn_key is not None and drawn_key in walk.noise_shapes
-    in_model_order = walk.forward_in_order or (walk.draws_random is not False and not predraw)
+    in_model_order = (
+        walk.forward_in_order
+        or walk.modifies_args  # NOTE [ Arguments modified in place ] in _function
+        or (walk.draws_random is not False and not predraw)
+    )
     plan = SumPlan(
         models=models,
         call=call,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._random import (
     Turns,
+    callers_level,
     draw_noise,
     generator_states,
     may_recompute,
@@ -409,9 +411,12 @@ def run_forward(
         for total, acc in zip(totals, accs):
             total.merge(acc)
 
+    in_order = bool(walk.draws_random and not walk.predraws)
+    # NOTE [ Arguments modified in place ]
+    versions = argument_versions(call) if parallel and not in_order else None
     snapshot = _BufferSnapshot(plan.model_params)
     try:
-        if walk.draws_random and not walk.predraws:  # NOTE [ Random numbers in forwards ]
+        if in_order:  # NOTE [ Random numbers in forwards ]
             with _pool.as_one_task(1):  # one forward at a time: the budget's threads
                 for k in range(len(plan.chunks)):
                     consume(k, forward_chunk(k))
@@ -433,6 +438,8 @@ def run_forward(
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
+    if versions is not None and argument_versions(call) != versions:
+        _note_modified_arguments(plan)
     if records is not None:
         if len(walk.noise_shapes) >= 8:  # input shapes seen lately
             walk.noise_shapes.pop(next(iter(walk.noise_shapes)))
@@ -445,6 +452,44 @@ def run_forward(
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
     return _Forward(leaves, pullbacks, outputs)
+
+
+# NOTE [ Arguments modified in place ]
+# A model that modifies its argument in place (``x.mul_(2)``, a first ``ReLU(inplace=True)``)
+# changes what the models after it read: in the plain loop each reads the changes of those
+# before it, and so do forwards in model order, but forwards on several threads read and write
+# it at once, so the outputs depend on the threads' timing (three models doubling ``x`` in
+# place gave x times 8 or 4). The arguments' version counters before and after such forwards
+# tell (about 0.1 us a tensor): where one changed, the call warns, naming the caller's line, and
+# the next calls with these models run their forwards in model order, as the plain loop does.
+# Arguments that need a gradient are read through aliases that autograd protects: modifying
+# one in place raises in the model, named.
+
+
+def argument_versions(call: CallArgs) -> list[int]:
+    """The version counters of the call's tensor arguments (inference tensors have none)."""
+    leaves = call.leaves
+    return [t._version for t in (leaves[j] for j in call.tensor_positions) if not t.is_inference()]
+
+
+def _note_modified_arguments(plan: SumPlan) -> None:
+    """An argument changed while forwards ran on several threads: warn, and run the next
+    forwards of a kept walk in model order (NOTE [ Arguments modified in place ])."""
+    walk = plan.walk
+    then = (
+        "the next calls with these models run their forwards in model order"
+        if walk.kept
+        else "pass the models as nn.Modules, whose calls are remembered, or use n_jobs=1"
+    )
+    warnings.warn(
+        f"{plan.where}: an argument was modified in place while the forwards ran on several "
+        "threads (by a model, or by another thread meanwhile); where a model reads what another "
+        f"writes, this call's outputs depend on the threads' timing; {then} (NOTE [ Arguments "
+        "modified in place ] in parsum._function)",
+        RuntimeWarning,
+        stacklevel=callers_level(),
+    )
+    walk.modifies_args = walk.kept
 
 
 def _note_random_draws(

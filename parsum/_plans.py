@@ -108,6 +108,9 @@ class Walk:
         # _random).
         self.draws_random: bool | None = None
         self.recomputes: bool | None = None
+        # Whether a call saw an argument modified in place while the forwards ran on several
+        # threads (NOTE [ Arguments modified in place ] in _function).
+        self.modifies_args = False
         self.kept = False  # by keep_walk, for the next calls
         # Whether the models' draws can be made beforehand, and the shapes of what they draw
         # by noise_key (NOTE [ Dropout drawn beforehand ] in _random).
@@ -343,6 +346,7 @@ def keep_walk(
         # draws after all is still seen. Whether they recompute is looked for again: an
         # attribute may have turned checkpointing on.
         walk.draws_random = last.draws_random
+        walk.modifies_args = last.modifies_args
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
     walk._model_refs = [weakref.ref(m, forget) for m in models]

@@ -240,7 +240,7 @@ def warn_drawn_on_threads(where: str, kept: bool) -> None:
         f"timing, so this call's random numbers are not reproducible; {then} (NOTE [ Random "
         "numbers in forwards ] in parsum._random)",
         RuntimeWarning,
-        stacklevel=_callers_level(),
+        stacklevel=callers_level(),
     )
 
 
@@ -248,7 +248,7 @@ def warn_drawn_on_threads(where: str, kept: bool) -> None:
 _INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
 
 
-def _callers_level() -> int:
+def callers_level() -> int:
     """The ``stacklevel`` of the first frame outside parsum and torch, as seen from the
     function that calls this one."""
     frame, level = sys._getframe(2), 2

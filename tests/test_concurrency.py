@@ -763,3 +763,52 @@ def test_a_forked_child_ends_no_team(cores):
     releases, paused, error = _in_forked_child(_teams_in_child, clone_models(models), x, want)
     assert not releases and paused == 0 and error < 1e-5
     assert _pool.releases_callers_team() == (_pool._omp_pause() is not None)  # not forked here
+
+
+class DoublesItsArgument(nn.Module):
+    """Doubles its argument in place, then runs an MLP on it (sleeping first, so that the
+    threads' forwards overlap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp([8])
+
+    def forward(self, x):
+        time.sleep(0.002)
+        x.mul_(2)
+        return self.body(x)
+
+
+def test_models_that_modify_their_argument_run_in_model_order_once_seen(cores):
+    # NOTE [ Arguments modified in place ] in parsum._function: on the threads each forward
+    # read the others' doublings at any time; seen once, the forwards run in model order.
+    cores(2)
+    models = [DoublesItsArgument() for _ in range(6)]
+    ref = clone_models(models)
+    caught = []
+    for call in range(4):
+        x, x_ref = torch.ones(5, IN), torch.ones(5, IN)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        caught += [w for w in seen if issubclass(w.category, RuntimeWarning)]
+        y_ref = plain_sum(ref, x_ref)
+        assert torch.equal(x, x_ref)  # doubled six times either way
+        if call != 1:  # the first call learns, in model order; the second ran on the threads
+            torch.testing.assert_close(y, y_ref)
+    assert len(caught) == 1 and "modified in place" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the caller's line
+
+
+def test_arguments_left_alone_keep_the_forwards_on_the_threads(cores):
+    cores(2)
+    seen: list[str] = []
+    models = [Probe(thread_recorder(seen, 0.01)) for _ in range(4)]
+    with torch.no_grad(), torch.inference_mode():
+        x = torch.randn(5, IN)  # an inference tensor: no version counter to read
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            with torch.no_grad():
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert any(name.startswith("parsum-worker") for name in seen[4:])
