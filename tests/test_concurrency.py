@@ -779,12 +779,15 @@ class DoublesItsArgument(nn.Module):
         return self.body(x)
 
 
-def test_models_that_modify_their_argument_run_in_model_order_once_seen(cores):
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+def test_models_that_modify_their_argument_run_in_model_order_once_seen(cores, route):
     # NOTE [ Arguments modified in place ] in parsum._function: on the threads each forward
     # read the others' doublings at any time; seen once, the forwards run in model order.
     cores(2)
     models = [DoublesItsArgument() for _ in range(6)]
     ref = clone_models(models)
+    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
+        models[0].body[0].bias.register_hook(lambda g: g * 1)
     caught = []
     for call in range(4):
         x, x_ref = torch.ones(5, IN), torch.ones(5, IN)
