@@ -255,7 +255,7 @@ def _general_sum(
             and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
-        workers = useful_workers(found, batch) if chosen else n_workers
+        workers = useful_workers(found, batch, budget) if chosen else n_workers
         last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
         derived = Derived(units, chunks, workers, claim_order, last)
         remember_derived(walk, key, derived, found)

@@ -83,13 +83,15 @@ whether threads pay.
 #   overhead O is MODEL_OVERHEAD_PARAM_ROWS, of which G is GIL_SHARE_OF_OVERHEAD (the rest,
 #   dispatch and the autograd engine's C++, runs without the GIL); below C / O =
 #   MIN_KERNEL_SHARE the models run in the calling thread, and no more than
-#   MAX_USEFUL_WORKERS workers run. Measured on 16 cores (2026-11-27, torch 2.11, H200
-#   machine, 16 cores without SMT; benchmarks/results/speedup-16cores.txt), 16 MLPs of widths
-#   128-512 ran fastest on 8 workers at batch 64 (7.81 ms; 9.03 on 4, 9.54 on 16, the hand
-#   split 7.15 on 8) and at batch 256 (10.87 ms; 14.37 on 4, 13.08 on 16, the hand split 9.94
-#   on 8 and 13.39 on 16), where G = O (1 + C / O: 4 and 10 workers) chose 8.92 and 12.42 ms;
-#   64 tiny MLPs ran fastest on 1-2 (the 1-thread plain loop beat every split), where C / O
-#   is below MIN_KERNEL_SHARE. A table read through ``take_rows`` counts the elements its last call
+#   MAX_USEFUL_WORKERS workers run, or half the budget where that is more (a guess for machines
+#   beyond 16 cores, where a fixed 8 would leave most of them idle; only 16 were measured).
+#   Measured on 16 cores (2026-11-27, torch 2.11, H200 machine, 16 cores without SMT;
+#   benchmarks/results/speedup-16cores.txt), 16 MLPs of widths 128-512 ran fastest on 8
+#   workers at batch 64 (7.81 ms; 9.03 on 4, 9.54 on 16, the hand split 7.15 on 8) and at
+#   batch 256 (10.87 ms; 14.37 on 4, 13.08 on 16, the hand split 9.94 on 8 and 13.39 on 16),
+#   where G = O (1 + C / O: 4 and 10 workers) chose 8.92 and 12.42 ms; 64 tiny MLPs ran
+#   fastest on 1-2 (the 1-thread plain loop beat every split), where C / O is below
+#   MIN_KERNEL_SHARE. A table read through ``take_rows`` counts the elements its last call
 #   gathered, not its size: a model that samples 64 rows of a 65536-row table does the work of
 #   64 rows. A convolution's weights count once per position of the input they slide over (its
 #   positions over the stride): 8 small CNNs on 28x28 images at batch 8-16 ran 1.5x faster on
@@ -310,13 +312,14 @@ class Batch(NamedTuple):
         return cls(first.shape[0], math.prod(first.shape[2:]))
 
 
-def useful_workers(model_params: Sequence[ModelParams], batch: Batch) -> int:
-    """The most workers that pay for these models: 1 + C / G, at most MAX_USEFUL_WORKERS (NOTE
-    [ Threads that pay ])."""
+def useful_workers(model_params: Sequence[ModelParams], batch: Batch, budget: int) -> int:
+    """The most workers that pay for these models on ``budget`` threads: 1 + C / G, at most
+    MAX_USEFUL_WORKERS or half the budget, whichever is more (NOTE [ Threads that pay ])."""
     share = _kernel_share(model_params, batch)
     if share < MIN_KERNEL_SHARE:
         return 1
-    return min(MAX_USEFUL_WORKERS, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
+    cap = max(MAX_USEFUL_WORKERS, budget // 2)
+    return min(cap, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
 
 
 def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:

@@ -255,7 +255,9 @@ def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
 def useful_workers_of(models, x):
     from parsum._engines import ModelParams
 
-    return _grouping.useful_workers([ModelParams.of(m) for m in models], Batch.of([x]))
+    return _grouping.useful_workers(
+        [ModelParams.of(m) for m in models], Batch.of([x]), torch.get_num_threads()
+    )
 
 
 @pytest.mark.parametrize("engine", ["autograd", "auto"])
@@ -302,8 +304,8 @@ def test_convolutions_count_once_per_position_of_their_input():
     )
     # 1.4K weights: counted once per row the models look tiny, counted per position they are
     # 7.9M parameter-rows each, and threads pay (8 such CNNs ran 1.5x faster on 2 threads).
-    assert useful_workers(params, Batch(8)) == 1
-    assert useful_workers(params, batch) > 1
+    assert useful_workers(params, Batch(8), 16) == 1
+    assert useful_workers(params, batch, 16) > 1
     strided = ModelParams.of(cnn(stride=2))
     assert estimated_cost(strided, batch) < estimated_cost(params[0], batch)
 
@@ -504,11 +506,13 @@ def test_useful_workers_grow_with_the_kernels_up_to_a_cap():
     from parsum._engines import ModelParams
     from parsum._grouping import MAX_USEFUL_WORKERS, useful_workers
 
-    def workers(widths, rows):
+    def workers(widths, rows, budget=16):
         models = [mlp([w, w]) for w in widths]
-        return useful_workers([ModelParams.of(m) for m in models], Batch(rows))
+        return useful_workers([ModelParams.of(m) for m in models], Batch(rows), budget)
 
+    medium = [128 + 32 * i for i in range(16)]
     assert workers([16] * 64, 32) == 1  # tiny models: the calling thread
-    counts = [workers([128 + 32 * i for i in range(16)], rows) for rows in (64, 256, 4096)]
+    counts = [workers(medium, rows) for rows in (64, 256, 4096)]
     assert counts == sorted(counts) and counts[0] > 1
     assert counts[-1] == MAX_USEFUL_WORKERS
+    assert workers(medium, 4096, budget=64) == 32  # half a larger budget

@@ -725,10 +725,10 @@ def test_a_sampled_table_counts_its_rows_touched_in_the_thread_decision():
     x = torch.randn(8, DIM)
     params = [ModelParams.of(m) for m in models]
     assert sampled_elements(big) is None
-    assert useful_workers(params, Batch.of([x])) > 1  # 800K elements a model, times the batch
+    assert useful_workers(params, Batch.of([x]), 16) > 1  # 800K elements a model, times the batch
     parsum.sum_models(models, x)
     assert sampled_elements(big) == 8 * K * DIM
-    assert useful_workers(params, Batch.of([x])) == 1
+    assert useful_workers(params, Batch.of([x]), 16) == 1
     seen = []
     for m in models:
         m.register_forward_hook(lambda *_: seen.append(threading.current_thread()))
