@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,11 +58,11 @@ from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._random import (
     Turns,
-    callers_level,
     draw_noise,
     generator_states,
     may_recompute,
     warn_drawn_on_threads,
+    warn_thread_timing,
 )
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
@@ -476,18 +475,14 @@ def _note_modified_arguments(plan: SumPlan) -> None:
     """An argument changed while forwards ran on several threads: warn, and run the next
     forwards of a kept walk in model order (NOTE [ Arguments modified in place ])."""
     walk = plan.walk
-    then = (
-        "the next calls with these models run their forwards in model order"
-        if walk.kept
-        else "pass the models as nn.Modules, whose calls are remembered, or use n_jobs=1"
-    )
-    warnings.warn(
-        f"{plan.where}: an argument was modified in place while the forwards ran on several "
-        "threads (by a model, or by another thread meanwhile); where a model reads what another "
-        f"writes, this call's outputs depend on the threads' timing; {then} (NOTE [ Arguments "
-        "modified in place ] in parsum._function)",
-        RuntimeWarning,
-        stacklevel=callers_level(),
+    warn_thread_timing(
+        plan.where,
+        "an argument was modified in place while the forwards ran on several threads (by a "
+        "model, or by another thread meanwhile); where a model reads what another writes, this "
+        "call's outputs depend on the threads' timing",
+        "Arguments modified in place",
+        "_function",
+        walk.kept,
     )
     walk.modifies_args = walk.kept
 

@@ -229,16 +229,28 @@ def _first_saved_hooked(node: Any) -> bool:
 
 
 def warn_drawn_on_threads(where: str, kept: bool) -> None:
+    warn_thread_timing(
+        where,
+        "random numbers were drawn during forwards running on several threads (by the models, "
+        "or by another thread meanwhile), in an order that depends on the threads' timing, so "
+        "this call's random numbers are not reproducible",
+        "Random numbers in forwards",
+        "_random",
+        kept,
+    )
+
+
+def warn_thread_timing(where: str, what: str, note: str, module: str, kept: bool) -> None:
+    """Warn, at the caller's line, that ``what`` happened while a call's forwards ran on
+    several threads, and what the next calls do about it (``kept``: the walk is remembered);
+    ``note`` names the NOTE in parsum's ``module`` that says more."""
     then = (
         "the next calls with these models run their forwards in model order"
         if kept
         else "pass the models as nn.Modules, whose calls are remembered, or use n_jobs=1"
     )
     warnings.warn(
-        f"{where}: random numbers were drawn during forwards running on several threads (by "
-        "the models, or by another thread meanwhile), in an order that depends on the threads' "
-        f"timing, so this call's random numbers are not reproducible; {then} (NOTE [ Random "
-        "numbers in forwards ] in parsum._random)",
+        f"{where}: {what}; {then} (NOTE [ {note} ] in parsum.{module})",
         RuntimeWarning,
         stacklevel=callers_level(),
     )
