@@ -25,6 +25,10 @@
 #   bash benchmarks/run_16cores.sh last     # then where a CUDA step's host time goes
 #                                           # (profile_step.py, with the captured backward
 #                                           # beside the default), the whole suite, lscpu
+#   bash benchmarks/run_16cores.sh exchange # what an exchange between 2-16 processes costs in
+#                                           # a loop, gloo against shared memory (~90 s), then
+#                                           # the three tests that failed there on 2026-11-27,
+#                                           # with their messages
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
 #                                           # and tests, the team's end against keeping it, then
 #                                           # the medium MLPs over 1-16 workers with the Adam rows
@@ -119,6 +123,13 @@ last)
     done
     # -v: the name of a failure shows even where the limit cuts the run.
     timeout 215 python -m pytest -n 12 -v -p no:cacheprovider tests > "$out/tests.txt" 2>&1
+    ;;
+exchange)
+    (cd benchmarks && timeout 150 python bench_exchange.py --procs 2,4,8,16 --compute-ms 1.5 \
+        --steps 200) > "$out/exchange-16cores.txt" 2>&1
+    timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_allocator.py \
+        tests/test_examples.py -k "thresholds or slide_like or with_processes" \
+        > "$out/failed-before.txt" 2>&1
     ;;
 first)
     cuda_checks

@@ -164,3 +164,15 @@ def test_bench_stacking():
     out = run("benchmarks/bench_stacking.py", "--quick", "--threads", "1", "--rounds", "1")
     assert "64x width 32 depth 2 batch 32 (0.06M param-rows), 1 threads: plain" in out
     assert "stack_ stacked" in out and "| fastest: " in out
+
+
+def test_bench_exchange():
+    out = run(
+        "benchmarks/bench_exchange.py", "--procs", "2", "--steps", "20", "--compute-ms", "0.5"
+    )
+    rows = [line.split() for line in out.splitlines()[2:]]
+    modes = [" ".join(row[1:-5]) for row in rows]
+    assert modes == ["compute only", "gloo", "gloo pinned", "shared memory"]
+    for row in rows:
+        step, *exchange = map(float, row[-5:-1])
+        assert step > 0 and all(t >= 0 for t in exchange) and row[-1].endswith("%")
