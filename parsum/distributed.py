@@ -86,6 +86,7 @@ from ._engines import ModelParams
 from ._errors import ParsumError
 from ._function import announcing_backward_failures
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
+from ._host_exchange import GroupSlots
 from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
@@ -179,8 +180,12 @@ def sum_models(
         if mine is None:
             mine = torch.zeros(agreed, dtype=torch.uint8, device=device)
         both = torch.cat([status.view(torch.uint8), mine])
-        gathered = [torch.empty_like(both) for _ in range(world)]
-        dist.all_gather(gathered, both, group=group)
+        slots = _slots.get(key, group)  # NOTE [ Exchanges on one host ] in _host_exchange
+        if slots is not None and both.numel() <= slots.capacity:
+            gathered = slots.all_gather(both)
+        else:
+            gathered = [torch.empty_like(both) for _ in range(world)]
+            dist.all_gather(gathered, both, group=group)
         at = status.numel() * status.element_size()
         statuses = [g[:at].view(torch.int64) for g in gathered]
         payloads = [g[at:] for g in gathered]
@@ -209,6 +214,8 @@ def sum_models(
     if len(_agreed_sizes) >= 64:  # groups made and dropped again and again: bounded
         _agreed_sizes.clear()
     _agreed_sizes[key] = size
+    if device.type == "cpu":  # gloo's: the next calls' exchange through shared memory
+        _slots.prepare(key, group, status.numel() * status.element_size() + size)
     totals = _sums_in_rank_order(payloads, local_leaves)
     total = _SumAcrossRanks.apply(totals, *local_leaves)
     return pytree.tree_unflatten(list(total), out_spec)
@@ -217,6 +224,7 @@ def sum_models(
 # Per process group (its name, the same on every rank, and size): the payload bytes every rank
 # agreed on in the last call that succeeded everywhere (NOTE [ One exchange a forward ]).
 _agreed_sizes: dict[tuple[str | None, int], int] = {}
+_slots = GroupSlots()
 _ALIGN = 16  # bytes: each leaf starts where any dtype may be viewed
 
 

@@ -2,9 +2,11 @@
 sum_models over all the models: outputs, input gradients, parameter gradients, and failures."""
 
 import datetime
+import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import parsum
+from parsum import _host_exchange
 from parsum.distributed import balanced_shares
 from tests.test_errors import Boom, BoomBackward
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
@@ -191,23 +194,31 @@ def _one_exchange(rank: int) -> None:
         calls.append(args[1].numel())
         return gather(*args, **kwargs)
 
+    shared = _host_exchange.supported()  # NOTE [ Exchanges on one host ]
     dist.all_gather = counted
     try:
         first = parsum.distributed.sum_models([good], x)
-        assert len(calls) == 2  # statuses, then sums: nothing agreed yet
+        # statuses, then sums: nothing agreed yet; then the shared slots made, or not
+        made = len(calls)
+        assert made == 2 + (3 if shared else 1)
         again = parsum.distributed.sum_models([good], x)
-        assert len(calls) == 3  # one exchange
+        assert len(calls) == made + (0 if shared else 1)  # one exchange, through the slots
     finally:
         dist.all_gather = gather
+    slots = parsum.distributed._slots.get((None, WORLD), None)
+    assert (slots is not None) == shared and (not shared or slots.step == 1)
     assert torch.equal(first, again)
     torch.testing.assert_close(again, WORLD * good(x).detach(), **F32)
     _same_on_every_rank(again)
     _raises_for_rank_1s_model(rank, [good] + ([Boom()] if rank == 1 else []), x)
     # A smaller batch on every rank (the sizes agreed before no longer hold), then the
     # agreed one again, and leaves of two dtypes whose bytes do not fill whole words.
-    for rows in (3, 4):
-        y = parsum.distributed.sum_models([good], x[:rows])
-        torch.testing.assert_close(y, WORLD * good(x[:rows]).detach(), **F32)
+    # A larger batch too, whose sums outgrow the slots: made anew, larger, and used.
+    torch.manual_seed(1)  # the same batch on every rank
+    wide = torch.randn(8, IN)
+    for batch in (x[:3], x, wide, wide, x):
+        y = parsum.distributed.sum_models([good], batch)
+        torch.testing.assert_close(y, WORLD * good(batch).detach(), **F32)
         _same_on_every_rank(y)
     with torch.no_grad():
         for _ in range(2):
@@ -230,6 +241,21 @@ def _one_exchange(rank: int) -> None:
         y = parsum.distributed.sum_models([good], x[:2], group=group)
         torch.testing.assert_close(y, WORLD * good(x[:2]).detach(), **F32)
     assert (group.group_name, WORLD) in parsum.distributed._agreed_sizes
+
+
+def _peer_ends(rank: int) -> None:
+    # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
+    # shared slots makes the other raise, naming it, instead of waiting forever.
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        parsum.distributed.sum_models([good], x)
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(parsum.ParsumError, match=r"rank 1 \(process \d+\) ended while rank 0"):
+        parsum.distributed.sum_models([good], x)
+    assert time.monotonic() - start < 10
 
 
 def _shares(rank: int) -> None:
@@ -268,6 +294,7 @@ SCENARIOS = {
     "stacked_storage": _stacked_storage,
     "one_exchange": _one_exchange,
     "shares": _shares,
+    "peer_ends": _peer_ends,
 }
 
 
@@ -278,6 +305,12 @@ SCENARIOS = {
 )
 def test_two_processes(scenario):
     launch(scenario)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _host_exchange.supported(), reason="the shared-memory exchange's hosts")
+def test_a_rank_that_ends_is_named_by_the_one_waiting_for_it():
+    launch("peer_ends")
 
 
 def test_balanced_shares():
