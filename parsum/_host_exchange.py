@@ -20,7 +20,9 @@
 # each); otherwise, and for NCCL, gloo as before. The file is unlinked once every rank mapped
 # it: nothing stays in /dev/shm, also when a rank is killed. A rank that ends while its peers
 # wait (its process gone) makes them raise within LIVENESS_SECONDS; a rank alive but stuck
-# makes them wait, as gloo's default timeout would, up to TIMEOUT_SECONDS.
+# makes them wait, as gloo's default timeout would, up to TIMEOUT_SECONDS, napping longer once
+# LONG_WAIT_SECONDS have passed. Ranks in PID namespaces of their own (containers sharing a
+# /dev/shm) cannot tell a peer's process from another: they exchange through gloo.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from ._errors import ParsumError
 
 SPIN_SECONDS = 0.002
 NAP_SECONDS = 50e-6
+LONG_WAIT_SECONDS = 0.1  # then naps of LONG_NAP_SECONDS: a peer that far behind is not close
+LONG_NAP_SECONDS = 0.001
 LIVENESS_SECONDS = 1.0
 TIMEOUT_SECONDS = 30 * 60.0  # torch.distributed's default for a process group
 _HEADER = 16  # bytes before each slot's data (its call's number), and before the slots (a token)
@@ -59,14 +63,17 @@ def supported() -> bool:
 
 
 def _host_id() -> int:
-    """A number that ranks of one host, seeing one /dev/shm, share."""
+    """A number that ranks of one host share where they see one /dev/shm and one another's
+    processes (a PID namespace of their own would make a live peer look ended)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         shm = os.stat("/dev/shm")
+        pids = os.readlink("/proc/self/ns/pid")  # a peer's process number means the same
     except OSError:
         return 0
-    return zlib.crc32(f"{socket.gethostname()}/{boot}/{shm.st_dev}/{shm.st_ino}".encode())
+    where = f"{socket.gethostname()}/{boot}/{shm.st_dev}/{shm.st_ino}/{pids}"
+    return zlib.crc32(where.encode())
 
 
 class HostSlots:
@@ -110,7 +117,7 @@ class HostSlots:
             now = time.perf_counter()
             if now - start < SPIN_SECONDS:
                 continue
-            time.sleep(NAP_SECONDS)
+            time.sleep(NAP_SECONDS if now - start < LONG_WAIT_SECONDS else LONG_NAP_SECONDS)
             if now - checked > LIVENESS_SECONDS:
                 checked = now
                 if not _alive(self.pids[r]):
@@ -148,10 +155,11 @@ def make_slots(group: Any, rank: int, world: int, capacity: int) -> HostSlots | 
     token = secrets.randbits(62) if rank == 0 else 0
     path = f"/dev/shm/parsum-exchange-{pids[0]}-{token}"
     mem: Tensor | None = None
-    made = 1
+    made, created = 1, 0
     if rank == 0:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = 1
             try:
                 os.ftruncate(fd, size)
             finally:
@@ -170,7 +178,7 @@ def make_slots(group: Any, rank: int, world: int, capacity: int) -> HostSlots | 
         except (OSError, RuntimeError):
             mapped = 0
     everyone = all(row[0] for row in _gathered(group, world, torch.tensor([mapped, 0])))
-    if rank == 0 and made:
+    if created:
         with contextlib.suppress(OSError):  # mapped by every rank, or given up: not kept
             os.unlink(path)
     if not everyone or mem is None:

@@ -2,6 +2,7 @@
 sum_models over all the models: outputs, input gradients, parameter gradients, and failures."""
 
 import datetime
+import glob
 import os
 import socket
 import subprocess
@@ -207,6 +208,8 @@ def _one_exchange(rank: int) -> None:
         dist.all_gather = gather
     slots = parsum.distributed._slots.get((None, WORLD), None)
     assert (slots is not None) == shared and (not shared or slots.step == 1)
+    if rank == 0:  # its file, unlinked once both ranks mapped it
+        assert not glob.glob(f"/dev/shm/parsum-exchange-{os.getpid()}-*")
     assert torch.equal(first, again)
     torch.testing.assert_close(again, WORLD * good(x).detach(), **F32)
     _same_on_every_rank(again)
@@ -241,6 +244,21 @@ def _one_exchange(rank: int) -> None:
         y = parsum.distributed.sum_models([good], x[:2], group=group)
         torch.testing.assert_close(y, WORLD * good(x[:2]).detach(), **F32)
     assert (group.group_name, WORLD) in parsum.distributed._agreed_sizes
+
+
+def _one_rank_cannot_map(rank: int) -> None:
+    # Slots on every rank or on none: rank 1 cannot take the shared-memory way, so neither
+    # takes it, and the sums go through gloo on both (NOTE [ Exchanges on one host ]).
+    if rank == 1:
+        _host_exchange.supported = lambda: False
+    torch.manual_seed(0)
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    for _ in range(3):
+        y = parsum.distributed.sum_models([good], x)
+        torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
+        _same_on_every_rank(y)
+    assert parsum.distributed._slots.get((None, WORLD), None) is None
 
 
 def _peer_ends(rank: int) -> None:
@@ -295,13 +313,22 @@ SCENARIOS = {
     "one_exchange": _one_exchange,
     "shares": _shares,
     "peer_ends": _peer_ends,
+    "one_rank_cannot_map": _one_rank_cannot_map,
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "scenario",
-    ["agree", "forward_failure", "mismatch", "stacked_storage", "one_exchange", "shares"],
+    [
+        "agree",
+        "forward_failure",
+        "mismatch",
+        "stacked_storage",
+        "one_exchange",
+        "shares",
+        "one_rank_cannot_map",
+    ],
 )
 def test_two_processes(scenario):
     launch(scenario)
