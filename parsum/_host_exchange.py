@@ -20,7 +20,7 @@
 # each); otherwise, and for NCCL, gloo as before. The file is unlinked once every rank mapped
 # it: nothing stays in /dev/shm, also when a rank is killed. A rank that ends while its peers
 # wait (its process gone) makes them raise within LIVENESS_SECONDS; a rank alive but stuck
-# makes them wait, as gloo's default timeout would, up to TIMEOUT_SECONDS, napping longer once
+# makes them wait up to the process group's timeout, as gloo would, napping longer once
 # LONG_WAIT_SECONDS have passed. Ranks in PID namespaces of their own (containers sharing a
 # /dev/shm) cannot tell a peer's process from another: they exchange through gloo.
 """
@@ -49,7 +49,7 @@ NAP_SECONDS = 50e-6
 LONG_WAIT_SECONDS = 0.1  # then naps of LONG_NAP_SECONDS: a peer that far behind is not close
 LONG_NAP_SECONDS = 0.001
 LIVENESS_SECONDS = 1.0
-TIMEOUT_SECONDS = 30 * 60.0  # torch.distributed's default for a process group
+TIMEOUT_SECONDS = 30 * 60.0  # torch.distributed's default, where a group's cannot be read
 _HEADER = 16  # bytes before each slot's data (its call's number), and before the slots (a token)
 
 
@@ -79,8 +79,11 @@ def _host_id() -> int:
 class HostSlots:
     """Every rank's slots in one shared file, mapped by every rank of a group on one host."""
 
-    def __init__(self, mem: Tensor, rank: int, world: int, capacity: int, pids: list[int]):
+    def __init__(
+        self, mem: Tensor, rank: int, world: int, capacity: int, pids: list[int], timeout: float
+    ):
         self.mem, self.rank, self.world, self.capacity, self.pids = mem, rank, world, capacity, pids
+        self.timeout = timeout
         self.step = 0
         stride = _HEADER + capacity + (-capacity % _HEADER)
         view = mem.numpy()
@@ -125,10 +128,10 @@ class HostSlots:
                         f"parsum.distributed.sum_models: rank {r} (process {self.pids[r]}) "
                         f"ended while rank {self.rank} waited for its sum"
                     )
-                if now - start > TIMEOUT_SECONDS:
+                if now - start > self.timeout:
                     raise ParsumError(
                         f"parsum.distributed.sum_models: rank {self.rank} waited "
-                        f"{TIMEOUT_SECONDS:.0f} s for rank {r}'s sum"
+                        f"{self.timeout:.0f} s, the process group's timeout, for rank {r}'s sum"
                     )
 
 
@@ -183,7 +186,17 @@ def make_slots(group: Any, rank: int, world: int, capacity: int) -> HostSlots | 
             os.unlink(path)
     if not everyone or mem is None:
         return None
-    return HostSlots(mem, rank, world, capacity, pids)
+    return HostSlots(mem, rank, world, capacity, pids, _timeout_of(group))
+
+
+def _timeout_of(group: Any) -> float:
+    """The group's timeout in seconds (given to ``init_process_group`` or ``new_group``), read
+    through a private attribute of gloo's backend: TIMEOUT_SECONDS where it cannot be read."""
+    try:
+        backend = _group_object(group)._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return TIMEOUT_SECONDS
 
 
 def _gathered(group: Any, world: int, row: Tensor) -> list[list[int]]:

@@ -276,6 +276,22 @@ def _peer_ends(rank: int) -> None:
     assert time.monotonic() - start < 10
 
 
+def _peer_stuck(rank: int) -> None:
+    # A rank alive but stuck keeps the one waiting in the shared slots until the process
+    # group's timeout (8 s, launch's), as gloo would, and no longer.
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        parsum.distributed.sum_models([good], x)
+    if rank == 1:
+        time.sleep(12)
+        return
+    start = time.monotonic()
+    with pytest.raises(parsum.ParsumError, match=r"waited 8 s, the process group's timeout"):
+        parsum.distributed.sum_models([good], x)
+    assert 8 <= time.monotonic() - start < 11
+
+
 def _shares(rank: int) -> None:
     # Every model on one rank, the same split on both, and the sum over the shares that of one
     # process over all the models.
@@ -314,6 +330,7 @@ SCENARIOS = {
     "shares": _shares,
     "peer_ends": _peer_ends,
     "one_rank_cannot_map": _one_rank_cannot_map,
+    "peer_stuck": _peer_stuck,
 }
 
 
@@ -338,6 +355,12 @@ def test_two_processes(scenario):
 @pytest.mark.skipif(not _host_exchange.supported(), reason="the shared-memory exchange's hosts")
 def test_a_rank_that_ends_is_named_by_the_one_waiting_for_it():
     launch("peer_ends")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _host_exchange.supported(), reason="the shared-memory exchange's hosts")
+def test_a_stuck_rank_is_waited_for_until_the_groups_timeout():
+    launch("peer_stuck", timeout_s=8)
 
 
 def test_balanced_shares():
