@@ -169,7 +169,7 @@ def sum_models(
     # NOTE [ One exchange a forward ]
     # By name, not by object: holding a process group keeps gloo's threads alive into the
     # interpreter's shutdown (NOTE [ Releasing the process group ]).
-    key = (None if group is None else group.group_name, world)
+    key = _group_key(group)
     agreed = _agreed_sizes.get(key)
     payloads: list[Tensor] | None = None
     if agreed is None:
@@ -327,16 +327,36 @@ def _status_device(group: Any) -> torch.device:
 def _exchange_backward_status(group: Any, device: torch.device, failed: int) -> list[int]:
     """Tell every rank whether this one's backward failed; the ranks that did."""
     status = torch.tensor([failed], device=device)
-    statuses = [torch.empty_like(status) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(statuses, status, group=group)
+    statuses = _all_gather(status, group)
     return [r for r, s in enumerate(statuses) if int(s[0])]
 
 
 def _sum_in_rank_order(tensor: Tensor, group: Any) -> Tensor:
     """Every rank's ``tensor`` added in rank order, compensated: the same bits on every rank."""
+    if _status_device(group).type == "cpu":  # gloo's: the slots may grow to hold it
+        _slots.prepare(_group_key(group), group, tensor.numel() * tensor.element_size())
+    return _added_in_rank_order(_all_gather(tensor.contiguous(), group))
+
+
+def _all_gather(tensor: Tensor, group: Any) -> list[Tensor]:
+    """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order: through
+    the group's shared slots where they hold it (NOTE [ Exchanges on one host ] in
+    _host_exchange), else through the group."""
+    slots = _slots.get(_group_key(group), group)
+    size = tensor.numel() * tensor.element_size()
+    if slots is not None and size <= slots.capacity:
+        raw = tensor.reshape(-1).view(torch.uint8).cpu()
+        shape, dtype, device = tensor.shape, tensor.dtype, tensor.device
+        return [b.view(dtype).view(shape).to(device) for b in slots.all_gather(raw)]
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, tensor.contiguous(), group=group)
-    return _added_in_rank_order(gathered)
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
+
+
+def _group_key(group: Any) -> tuple[str | None, int]:
+    """The group's key in _agreed_sizes and _slots: by name, not by object (NOTE [ One exchange
+    a forward ])."""
+    return (None if group is None else group.group_name, dist.get_world_size(group))
 
 
 def _added_in_rank_order(tensors: list[Tensor]) -> Tensor:

@@ -146,12 +146,17 @@ def _backward_failure(rank: int) -> None:
         with pytest.raises(parsum.ParsumError, match=r"rank\(s\) \[1\] failed in backward"):
             y.sum().backward()
     assert x.grad is None
-    for _ in range(3):  # training goes on with the models that work
+    shared = _host_exchange.supported()
+    for k in range(3):  # training goes on with the models that work
         x.grad = None
+        slots = parsum.distributed._slots.get((None, WORLD), None)
+        before = slots.step if slots is not None else 0
         y = parsum.distributed.sum_models(mine[:1], x)
         y.pow(2).sum().backward()
         _same_on_every_rank(y)
         _same_on_every_rank(x.grad)
+        if shared and k:  # the forward's sums, the backward's statuses and input gradients
+            assert parsum.distributed._slots.get((None, WORLD), None).step == before + 3
 
 
 def _stacked_storage(rank: int) -> None:
