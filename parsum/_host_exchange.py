@@ -27,7 +27,9 @@
 # succeeded, then the input gradients), go through the same slots, grown where a gradient does
 # not fit (collective too: every rank reaches them, or every rank raised before): 2 processes,
 # 16 MLPs of widths 128-512 at batch 64 with an input that needs a gradient, 10.7-10.9 -> 8.1-8.3
-# ms a step on average.
+# ms a step on average. A slot holds at most MAX_SLOT_BYTES; the file's pages are all taken
+# when it is made, so a /dev/shm too small for it makes the ranks keep gloo instead of
+# raising SIGBUS at a first write.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ NAP_SECONDS = 50e-6
 LONG_WAIT_SECONDS = 0.1  # then naps of LONG_NAP_SECONDS: a peer that far behind is not close
 LONG_NAP_SECONDS = 0.001
 LIVENESS_SECONDS = 1.0
+# The most bytes a rank's slot holds: 2 * world slots of them in /dev/shm, whose size a
+# container may keep small (Docker's default: 64 MB); larger exchanges go through gloo.
+MAX_SLOT_BYTES = 2**20
 TIMEOUT_SECONDS = 30 * 60.0  # torch.distributed's default, where a group's cannot be read
 _HEADER = 16  # bytes before each slot's data (its call's number), and before the slots (a token)
 
@@ -169,7 +174,9 @@ def make_slots(group: Any, rank: int, world: int, capacity: int) -> HostSlots | 
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             created = 1
             try:
-                os.ftruncate(fd, size)
+                # Every page taken now: a /dev/shm too small fails here (and the ranks take
+                # gloo), not with a SIGBUS when a rank first writes its slot.
+                os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
             mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -226,6 +233,8 @@ class GroupSlots:
     def prepare(self, key: tuple[str | None, int], group: Any, capacity: int) -> None:
         """Make slots for this group where it has none of ``capacity`` bytes yet (collective:
         every rank calls it at the same point, with the same held state)."""
+        if capacity > MAX_SLOT_BYTES:  # through gloo, whose latency such bytes outweigh
+            return
         owner = _group_object(group)
         found = self._held.get(key)
         if found is not None and found[0]() is owner:

@@ -266,6 +266,37 @@ def _one_rank_cannot_map(rank: int) -> None:
     assert parsum.distributed._slots.get((None, WORLD), None) is None
 
 
+def _no_room(rank: int) -> None:
+    # Sums larger than a slot may hold, and a /dev/shm with no room for the slots: gloo, on
+    # both ranks, with the same sums (NOTE [ Exchanges on one host ]).
+    torch.manual_seed(0)
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    limit = _host_exchange.MAX_SLOT_BYTES
+    _host_exchange.MAX_SLOT_BYTES = 4 * OUT * 4  # the sums fit, with the statuses they do not
+    try:
+        for _ in range(3):
+            y = parsum.distributed.sum_models([good], x)
+            torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
+            _same_on_every_rank(y)
+        assert parsum.distributed._slots.get((None, WORLD), None) is None
+    finally:
+        _host_exchange.MAX_SLOT_BYTES = limit
+    group = dist.new_group(list(range(WORLD)))
+    if rank == 0:
+
+        def full(*args):
+            raise OSError(28, "No space left on device")
+
+        os.posix_fallocate = full
+    for _ in range(3):
+        y = parsum.distributed.sum_models([good], x, group=group)
+        torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
+        _same_on_every_rank(y)
+    assert parsum.distributed._slots.get((group.group_name, WORLD), group) is None
+    assert not glob.glob(f"/dev/shm/parsum-exchange-{os.getpid()}-*")
+
+
 def _peer_ends(rank: int) -> None:
     # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
     # shared slots makes the other raise, naming it, instead of waiting forever.
@@ -336,6 +367,7 @@ SCENARIOS = {
     "peer_ends": _peer_ends,
     "one_rank_cannot_map": _one_rank_cannot_map,
     "peer_stuck": _peer_stuck,
+    "no_room": _no_room,
 }
 
 
@@ -350,6 +382,7 @@ SCENARIOS = {
         "one_exchange",
         "shares",
         "one_rank_cannot_map",
+        "no_room",
     ],
 )
 def test_two_processes(scenario):
