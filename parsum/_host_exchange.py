@@ -1,35 +1,34 @@
-"""The forward's exchange between ranks on one host, through shared memory instead of gloo.
+"""The exchanges between ranks on one host, through shared memory instead of gloo.
 
 # NOTE [ Exchanges on one host ]
 # A gloo all_gather passes through three threads on each rank (the caller, the process group's
-# worker, the transport's event loop), each woken by the one before. On a host whose cores are
-# all computing, a woken thread may wait for a core: on 2 cores, two ranks computing 3.5 ms a
-# step and exchanging 2.6 KB after it (benchmarks/bench_exchange.py), the exchange took 1.5-1.75
-# ms on average, 30-39% of them about 4 ms (a scheduler tick), where the whole step's compute
-# was 3.4 ms; so 2 processes ran slower than one (16 MLPs of widths 128-512 at batch 64: 8-9 ms
-# a step against 7.5). Through shared memory the same exchange took 0.03 ms: every rank maps
-# one file of /dev/shm, writes its bytes to its slot and then the call's number, and waits
-# until every rank's slot holds that number, spinning for SPIN_SECONDS and then napping (a rank
-# far behind, evaluating or saving, costs its peers no core). Two sets of slots, used in turn:
-# a rank writes a set again only two calls later, once every rank has read it (each writes
-# the next call's number only after reading this call's bytes). The bytes are written before
-# the number, and read after it, in program order, which x86's memory model keeps for other
-# processes (stores are not reordered with stores, loads with loads): only x86-64 takes this
-# way. Ranks take it once every rank finds the others on its host (hostname, boot id and the
-# /dev/shm it sees) and maps the file that rank 0 made (a token written there, read back by
-# each); otherwise, and for NCCL, gloo as before. The file is unlinked once every rank mapped
-# it: nothing stays in /dev/shm, also when a rank is killed. A rank that ends while its peers
-# wait (its process gone) makes them raise within LIVENESS_SECONDS; a rank alive but stuck
-# makes them wait up to the process group's timeout, as gloo would, napping longer once
-# LONG_WAIT_SECONDS have passed. Ranks in PID namespaces of their own (containers sharing a
-# /dev/shm) cannot tell a peer's process from another: they exchange through gloo.
-# Backward's exchanges, where an input needs a gradient (whether each rank's backward
-# succeeded, then the input gradients), go through the same slots, grown where a gradient does
-# not fit (collective too: every rank reaches them, or every rank raised before): 2 processes,
-# 16 MLPs of widths 128-512 at batch 64 with an input that needs a gradient, 10.7-10.9 -> 8.1-8.3
-# ms a step on average. A slot holds at most MAX_SLOT_BYTES; the file's pages are all taken
-# when it is made, so a /dev/shm too small for it makes the ranks keep gloo instead of
-# raising SIGBUS at a first write.
+# worker, the transport's event loop), each woken by the one before. On a host whose cores are all
+# computing, a woken thread may wait for a core: on 2 cores, two ranks computing 3.5 ms a step and
+# exchanging 2.6 KB after it (benchmarks/bench_exchange.py), the exchange took 1.5-1.75 ms on
+# average, 30-39% of them about 4 ms (a scheduler tick), where the whole step's compute was 3.4
+# ms; so 2 processes ran slower than one (16 MLPs of widths 128-512 at batch 64: 8-9 ms a step
+# against 7.5). Through shared memory the same exchange took 0.03 ms: every rank maps one file of
+# /dev/shm, writes its bytes to its slot and then the call's number, and waits until every rank's
+# slot holds that number, spinning for SPIN_SECONDS and then napping (a rank far behind,
+# evaluating or saving, costs its peers no core). Two sets of slots, used in turn: a rank writes a
+# set again only two calls later, once every rank has read it (each writes the next call's number
+# only after reading this call's bytes). The bytes are written before the number, and read after
+# it, in program order, which x86's memory model keeps for other processes (stores are not
+# reordered with stores, loads with loads): only x86-64 takes this way. Ranks take it once every
+# rank finds the others on its host (hostname, boot id, the /dev/shm and the PID namespace it
+# sees) and maps the file that rank 0 made (a token written there, read back by each); otherwise,
+# and for NCCL, gloo as before. The file is unlinked once every rank mapped it: nothing stays in
+# /dev/shm, also when a rank is killed. A rank that ends while its peers wait (its process gone)
+# makes them raise within LIVENESS_SECONDS; a rank alive but stuck makes them wait up to the
+# process group's timeout, as gloo would, napping longer once LONG_WAIT_SECONDS have passed.
+# (Ranks in PID namespaces of their own, containers sharing a /dev/shm, could not tell a peer's
+# process from another: hence the namespace in the check.) Backward's exchanges, where an input
+# needs a gradient (whether each rank's backward succeeded, then the input gradients), go through
+# the same slots, grown where a gradient does not fit (collective too: every rank reaches them, or
+# every rank raised before): 2 processes, 16 MLPs of widths 128-512 at batch 64 with an input that
+# needs a gradient, 10.7-10.9 -> 8.1-8.3 ms a step on average. A slot holds at most
+# MAX_SLOT_BYTES; the file's pages are all taken when it is made, so a /dev/shm too small for it
+# makes the ranks keep gloo instead of raising SIGBUS at a first write.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from ._errors import ParsumError
 
 SPIN_SECONDS = 0.002
 NAP_SECONDS = 50e-6
-LONG_WAIT_SECONDS = 0.1  # then naps of LONG_NAP_SECONDS: a peer that far behind is not close
+LONG_WAIT_SECONDS = 0.1  # then naps of LONG_NAP_SECONDS: a peer that late is not about to come
 LONG_NAP_SECONDS = 0.001
 LIVENESS_SECONDS = 1.0
 # The most bytes a rank's slot holds: 2 * world slots of them in /dev/shm, whose size a
