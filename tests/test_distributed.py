@@ -32,22 +32,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, timeout_s: float = 30, backend: str = "gloo") -> None:
-    """Run ``scenario`` on WORLD spawned ranks; a failed assertion in any rank fails here.
+def launch(scenario: str, timeout_s: float = 30, backend: str = "gloo", world: int = WORLD) -> None:
+    """Run ``scenario`` on ``world`` spawned ranks; a failed assertion in any rank fails here.
 
     A port found free may be taken before the ranks bind it (by another xdist worker's
     ranks): then the ranks run again on another port."""
     for attempt in range(3):
-        args = (scenario, free_port(), timeout_s, backend)
+        args = (scenario, free_port(), timeout_s, backend, world)
         try:
-            mp.spawn(_rank_main, args=args, nprocs=WORLD, join=True)
+            mp.spawn(_rank_main, args=args, nprocs=world, join=True)
             return
         except mp.ProcessRaisedException as exc:
             if attempt == 2 or "Address already in use" not in str(exc):
                 raise
 
 
-def _rank_main(rank: int, scenario: str, port: int, timeout_s: float, backend: str) -> None:
+def _rank_main(
+    rank: int, scenario: str, port: int, timeout_s: float, backend: str, world: int
+) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -55,7 +57,7 @@ def _rank_main(rank: int, scenario: str, port: int, timeout_s: float, backend: s
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
@@ -297,6 +299,37 @@ def _no_room(rank: int) -> None:
     assert not glob.glob(f"/dev/shm/parsum-exchange-{os.getpid()}-*")
 
 
+def _four_ranks(rank: int) -> None:
+    # Four ranks through the shared slots (two sets of four, in turn), batches that shrink and
+    # grow, an input that needs a gradient: the sums and input gradients of one process over
+    # every rank's models, the same bits on every rank.
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    models = [mlp([4 + 2 * i]) for i in range(2 * world)]
+    mine = models[rank::world]
+    ref = clone_models(models)
+    for k, rows in enumerate([4, 4, 2, 8, 4, 4]):
+        torch.manual_seed(100 + k)  # the same batch on every rank
+        x = torch.randn(rows, IN, dtype=torch.float64).float().requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        y = parsum.distributed.sum_models(mine, x)
+        y.pow(2).sum().backward()
+        y_ref = plain_sum(ref, x_ref)
+        y_ref.pow(2).sum().backward()
+        torch.testing.assert_close(y, y_ref.detach(), **F32)
+        torch.testing.assert_close(x.grad, x_ref.grad, **F32)
+        for t in (y.detach(), x.grad):
+            gathered = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(gathered, t)
+            assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks hold different bits"
+    slots = parsum.distributed._slots.get((None, world), None)
+    assert (slots is not None) == _host_exchange.supported()
+    # Made anew, larger, for the input gradient of the batch of 8 rows (after its backward's
+    # status went through the slots made for its sums); since: that gradient, then two calls
+    # of three exchanges (the first at another size: its sums through gloo after the slots).
+    assert slots is None or slots.step == 7, slots.step
+
+
 def _peer_ends(rank: int) -> None:
     # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
     # shared slots makes the other raise, naming it, instead of waiting forever.
@@ -368,6 +401,7 @@ SCENARIOS = {
     "one_rank_cannot_map": _one_rank_cannot_map,
     "peer_stuck": _peer_stuck,
     "no_room": _no_room,
+    "four_ranks": _four_ranks,
 }
 
 
@@ -399,6 +433,11 @@ def test_a_rank_that_ends_is_named_by_the_one_waiting_for_it():
 @pytest.mark.skipif(not _host_exchange.supported(), reason="the shared-memory exchange's hosts")
 def test_a_stuck_rank_is_waited_for_until_the_groups_timeout():
     launch("peer_stuck", timeout_s=8)
+
+
+@pytest.mark.timeout(120)
+def test_four_processes():
+    launch("four_ranks", world=4)
 
 
 def test_balanced_shares():
