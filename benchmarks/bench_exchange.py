@@ -1,5 +1,6 @@
 """What one exchange between processes on this host costs inside a training loop: torch and gloo
-alone, no parsum, so that the processes' rows of bench_speedup.py can be read against it.
+alone, and parsum.distributed's shared-memory exchange, so that the processes' rows of
+bench_speedup.py can be read against it.
 
 P processes (spawned, gloo on 127.0.0.1, budget / P intra-op threads each, as torchrun runs
 them) each loop: about --compute-ms of matmuls on their threads (the share of a step's work),
@@ -10,11 +11,10 @@ the rank's sum; 64 rows of 10 float32 outputs are 2.6 KB). Rows:
   gloo           with the exchange, each rank waiting in ``all_gather``
   gloo pinned    the same, each rank (and gloo's threads, which it starts) bound to cores of
                  its own, budget / P of them (``os.sched_setaffinity`` before the group exists)
-  shared memory  what an exchange without gloo's threads would cost: each rank writes its
-                 bytes and then its step's number into a slot of a file in /dev/shm that every
-                 rank maps, and spins until every slot holds this step's number (two sets of
-                 slots, alternating, so that a rank a step ahead never overwrites bytes being
-                 read; x86's ordered stores). Not what parsum does: an experiment
+  shared memory  parsum.distributed's exchange on one host (parsum._host_exchange): each rank
+                 writes its bytes and then the call's number into its slot of a file in
+                 /dev/shm that every rank maps, and waits until every slot holds that number
+                 (where this host can take that way: x86-64 Linux)
 
 For each, in ms: a step (compute and exchange, the slowest rank's mean over its loop), the
 exchange's mean, median and 90th percentile over every rank's, and the share of exchanges that
@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import _free_port
 
+from parsum import _host_exchange
+
 
 def _matmuls_for(ms: float) -> int:
     """How many 128 x 128 matmuls take about ``ms`` on this thread's intra-op threads."""
@@ -49,41 +51,6 @@ def _matmuls_for(ms: float) -> int:
         a @ a
     each = (time.perf_counter() - start) / n
     return max(1, round(ms / 1e3 / each))
-
-
-class _SharedSlots:
-    """Every rank's bytes through a file in /dev/shm that every rank maps (the shared memory
-    row; see the module's docstring)."""
-
-    def __init__(self, tag: int, rank: int, world: int, size: int) -> None:
-        self.rank, self.world, self.size, self.step = rank, world, size, 0
-        self.stride = 8 + size + (-size % 8)  # a slot: its step's number, then the bytes
-        path = f"/dev/shm/bench-exchange-{tag}"
-        total = 2 * world * self.stride
-        if rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(total)
-        dist.barrier()
-        self.mem = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        dist.barrier()
-        if rank == 0:
-            os.unlink(path)  # mapped by every rank: gone when the last one ends
-
-    def _slot(self, half: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        at = (half * self.world + r) * self.stride
-        return self.mem[at : at + 8].view(torch.int64), self.mem[at + 8 : at + 8 + self.size]
-
-    def all_gather(self, gathered: list[torch.Tensor], mine: torch.Tensor) -> None:
-        self.step += 1
-        half = self.step % 2
-        number, data = self._slot(half, self.rank)
-        data.copy_(mine)
-        number.fill_(self.step)  # after the bytes
-        for r in range(self.world):
-            number, data = self._slot(half, r)
-            while int(number) != self.step:
-                pass
-            gathered[r].copy_(data)
 
 
 def _rank(rank: int, args: argparse.Namespace, world: int, mode: str, port: int, out) -> None:
@@ -104,7 +71,10 @@ def _rank(rank: int, args: argparse.Namespace, world: int, mode: str, port: int,
         n = _matmuls_for(args.compute_ms)
         mine = torch.zeros(args.bytes, dtype=torch.uint8)
         gathered = [torch.empty_like(mine) for _ in range(world)]
-        shared = _SharedSlots(port, rank, world, args.bytes) if mode == "shared memory" else None
+        shared = None
+        if mode == "shared memory":  # parsum.distributed's slots (NOTE [ Exchanges on one host ])
+            shared = _host_exchange.make_slots(None, rank, world, args.bytes)
+            assert shared is not None, "this host cannot take the shared-memory way"
         dist.barrier()
         rows = []
         for _ in range(args.steps):
@@ -113,7 +83,7 @@ def _rank(rank: int, args: argparse.Namespace, world: int, mode: str, port: int,
                 a @ a
             computed = time.perf_counter()
             if shared is not None:
-                shared.all_gather(gathered, mine)
+                shared.all_gather(mine)
             elif mode != "compute only":
                 dist.all_gather(gathered, mine)
             rows.append((computed - start, time.perf_counter() - computed))
@@ -164,7 +134,10 @@ def main() -> None:
         f"{'stalled':>8}"
     )
     for world in (int(p) for p in args.procs.split(",")):
-        for mode in ("compute only", "gloo", "gloo pinned", "shared memory"):
+        modes = ["compute only", "gloo", "gloo pinned"]
+        if _host_exchange.supported():
+            modes.append("shared memory")
+        for mode in modes:
             r = run(args, world, mode)
             print(
                 f"{world:>5} {mode:>13} {r['step mean']:7.2f} {r['exchange mean']:9.2f} "

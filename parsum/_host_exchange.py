@@ -4,12 +4,12 @@
 # A gloo all_gather passes through three threads on each rank (the caller, the process group's
 # worker, the transport's event loop), each woken by the one before. On a host whose cores are all
 # computing, a woken thread may wait for a core: on 2 cores, two ranks computing 3.5 ms a step and
-# exchanging 2.6 KB after it (benchmarks/bench_exchange.py), the exchange took 1.5-1.75 ms on
-# average, 30-39% of them about 4 ms (a scheduler tick), where the whole step's compute was 3.4
+# exchanging 2.6 KB after it (benchmarks/bench_exchange.py), the exchange took 1.2-1.75 ms on
+# average, 22-39% of them about 4 ms (a scheduler tick), where the whole step's compute was 3.4
 # ms; so 2 processes ran slower than one (16 MLPs of widths 128-512 at batch 64: 8-9 ms a step
-# against 7.5). Through shared memory the same exchange took 0.03 ms: every rank maps one file of
-# /dev/shm, writes its bytes to its slot and then the call's number, and waits until every rank's
-# slot holds that number, spinning for SPIN_SECONDS and then napping (a rank far behind,
+# against 7.5). Through shared memory the same exchange took 0.03-0.06 ms: every rank maps one
+# file of /dev/shm, writes its bytes to its slot and then the call's number, and waits until every
+# rank's slot holds that number, spinning for SPIN_SECONDS and then napping (a rank far behind,
 # evaluating or saving, costs its peers no core). Two sets of slots, used in turn: a rank writes a
 # set again only two calls later, once every rank has read it (each writes the next call's number
 # only after reading this call's bytes). The bytes are written before the number, and read after
