@@ -102,7 +102,10 @@ def sum_models(
     same arguments; each computes its local sum with :func:`parsum.sum_models` on its own
     threads, and the ranks add their sums in rank order, compensated, so the result has the
     same bits on every rank. Launch with ``torchrun`` and call
-    ``torch.distributed.init_process_group`` first (gloo on CPU, NCCL for CUDA tensors).
+    ``torch.distributed.init_process_group`` first (gloo on CPU, NCCL for CUDA tensors). Ranks
+    that all run on one host (x86-64 Linux) exchange their sums through shared memory once a
+    call succeeded on every rank, instead of through gloo's threads; give each its share of the
+    cores (``OMP_NUM_THREADS``).
 
     Backward: when every rank computes the same loss from the result and calls backward,
     every rank's input gradient equals the single-process input gradient (the sum over all
