@@ -328,6 +328,18 @@ def _four_ranks(rank: int) -> None:
     # status went through the slots made for its sums); since: that gradient, then two calls
     # of three exchanges (the first at another size: its sums through gloo after the slots).
     assert slots is None or slots.step == 7, slots.step
+    # A group of two of the four ranks, its calls between the whole group's: slots of its own.
+    pair = dist.new_group([1, 2])
+    x = torch.ones(3, IN)
+    for _ in range(3):
+        if rank in (1, 2):
+            y = parsum.distributed.sum_models(mine, x, group=pair)
+            both = plain_sum(models[1::world] + models[2::world], x).detach()
+            torch.testing.assert_close(y, both, **F32)
+        y = parsum.distributed.sum_models(mine, x)
+        torch.testing.assert_close(y, plain_sum(models, x).detach(), **F32)
+    held = parsum.distributed._slots.get((pair.group_name, 2), pair) if rank in (1, 2) else None
+    assert (held is not None) == (rank in (1, 2) and _host_exchange.supported())
 
 
 def _peer_ends(rank: int) -> None:
