@@ -44,7 +44,8 @@ gets the sum over all ranks.
 # or whose sums have another size sending zeros of the agreed size in their place. The statuses
 # decide as before (every rank reads the same ones), and where the sizes changed on every rank
 # alike (a smaller last batch, an evaluation between training steps) the sums follow in a second
-# all_gather, as on a first call. Every rank therefore makes the same collectives, also where
+# exchange (through the shared slots where they hold them: NOTE [ Exchanges on one host ] in
+# _host_exchange), as on a first call. Every rank therefore makes the same collectives, also where
 # ranks pass arguments of different shapes by mistake (the statuses then name them). Not
 # covered: a process that destroys its process group and makes one of the same size with other
 # processes keeps its agreed size where the newcomers have none (their first all_gathers then
@@ -212,8 +213,7 @@ def sum_models(
         )
     assert out_spec is not None and payload is not None
     if payloads is None or size != agreed:  # the same on every rank: every size is this one
-        payloads = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(payloads, payload, group=group)
+        payloads = _all_gather(payload, group)  # through the slots where they hold it
     if len(_agreed_sizes) >= 64:  # groups made and dropped again and again: bounded
         _agreed_sizes.clear()
     _agreed_sizes[key] = size

@@ -325,9 +325,9 @@ def _four_ranks(rank: int) -> None:
     slots = parsum.distributed._slots.get((None, world), None)
     assert (slots is not None) == _host_exchange.supported()
     # Made anew, larger, for the input gradient of the batch of 8 rows (after its backward's
-    # status went through the slots made for its sums); since: that gradient, then two calls
-    # of three exchanges (the first at another size: its sums through gloo after the slots).
-    assert slots is None or slots.step == 7, slots.step
+    # status went through the slots made for its sums); since: that gradient, a call of four
+    # exchanges (at another size: its sums in a second one) and a call of three.
+    assert slots is None or slots.step == 8, slots.step
     # A group of two of the four ranks, its calls between the whole group's: slots of its own.
     pair = dist.new_group([1, 2])
     x = torch.ones(3, IN)
