@@ -204,7 +204,7 @@ def _timeout_of(group: Any) -> float:
     """The group's timeout in seconds (given to ``init_process_group`` or ``new_group``), read
     through a private attribute of gloo's backend: TIMEOUT_SECONDS where it cannot be read."""
     try:
-        backend = _group_object(group)._get_backend(torch.device("cpu"))
+        backend = group_object(group)._get_backend(torch.device("cpu"))
         return float(backend.options._timeout.total_seconds())
     except (AttributeError, RuntimeError, TypeError):
         return TIMEOUT_SECONDS
@@ -225,7 +225,7 @@ class GroupSlots:
 
     def get(self, key: tuple[str | None, int], group: Any) -> HostSlots | None:
         found = self._held.get(key)
-        if found is None or found[0]() is not _group_object(group):
+        if found is None or found[0]() is not group_object(group):
             return None
         return found[1]
 
@@ -234,7 +234,7 @@ class GroupSlots:
         every rank calls it at the same point, with the same held state)."""
         if capacity > MAX_SLOT_BYTES:  # through gloo, whose latency such bytes outweigh
             return
-        owner = _group_object(group)
+        owner = group_object(group)
         found = self._held.get(key)
         if found is not None and found[0]() is owner:
             slots = found[1]
@@ -246,5 +246,6 @@ class GroupSlots:
         self._held[key] = (weakref.ref(owner), make_slots(group, rank, world, capacity))
 
 
-def _group_object(group: Any) -> Any:
+def group_object(group: Any) -> Any:
+    """The process group object ``group`` names (None: the default group)."""
     return dist.group.WORLD if group is None else group

@@ -48,9 +48,10 @@ gets the sum over all ranks.
 # processes on 2 cores, 16 MLPs at batch 64 and 32 in turn, 7.0-7.3 -> 5.2-5.7 ms a step on
 # average, against gloo for that second exchange), as on a first call. Every rank therefore makes
 # the same collectives, also where ranks pass arguments of different shapes by mistake (the
-# statuses then name them). Not covered: a process that destroys its process group and makes one
-# of the same size with other processes keeps its agreed size where the newcomers have none (their
-# first all_gathers then differ in size).
+# statuses then name them). The agreed size is held per process-group object, weakly: a process
+# that destroys its group and makes one of the same name with other processes has nothing agreed
+# for it, as the newcomers have not (held by name, it had sent a first all_gather of another size
+# than theirs).
 #
 # NOTE [ One rank ]
 # A group of one rank sums its models with ``parsum.sum_models`` and exchanges nothing: the sum in
@@ -72,6 +73,7 @@ gets the sum over all ranks.
 from __future__ import annotations
 
 import functools
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,7 +90,7 @@ from ._engines import ModelParams
 from ._errors import ParsumError
 from ._function import announcing_backward_failures
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
-from ._host_exchange import GroupSlots
+from ._host_exchange import GroupSlots, group_object
 from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
@@ -175,7 +177,9 @@ def sum_models(
     # By name, not by object: holding a process group keeps gloo's threads alive into the
     # interpreter's shutdown (NOTE [ Releasing the process group ]).
     key = _group_key(group)
-    agreed = _agreed_sizes.get(key)
+    held = _agreed_sizes.get(key)
+    # A group destroyed and made again under its name is another object: nothing agreed yet.
+    agreed = held[1] if held is not None and held[0]() is group_object(group) else None
     payloads: list[Tensor] | None = None
     if agreed is None:
         statuses = [torch.empty_like(status) for _ in range(world)]
@@ -217,7 +221,7 @@ def sum_models(
         payloads = _all_gather(payload, group)  # through the slots where they hold it
     if len(_agreed_sizes) >= 64:  # groups made and dropped again and again: bounded
         _agreed_sizes.clear()
-    _agreed_sizes[key] = size
+    _agreed_sizes[key] = (weakref.ref(group_object(group)), size)
     if device.type == "cpu":  # gloo's: the next calls' exchange through shared memory
         _slots.prepare(key, group, status.numel() * status.element_size() + size)
     totals = _sums_in_rank_order(payloads, local_leaves)
@@ -227,7 +231,7 @@ def sum_models(
 
 # Per process group (its name, the same on every rank, and size): the payload bytes every rank
 # agreed on in the last call that succeeded everywhere (NOTE [ One exchange a forward ]).
-_agreed_sizes: dict[tuple[str | None, int], int] = {}
+_agreed_sizes: dict[tuple[str | None, int], tuple[weakref.ref, int]] = {}
 _slots = GroupSlots()
 _ALIGN = 16  # bytes: each leaf starts where any dtype may be viewed
 

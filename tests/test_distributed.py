@@ -1,6 +1,7 @@
 """parsum.distributed.sum_models with 2 gloo processes on 127.0.0.1, against a single-process
 sum_models over all the models: outputs, input gradients, parameter gradients, and failures."""
 
+import contextlib
 import datetime
 import glob
 import os
@@ -51,6 +52,8 @@ def _rank_main(
     rank: int, scenario: str, port: int, timeout_s: float, backend: str, world: int
 ) -> None:
     torch.set_num_threads(1)
+    global _PORT
+    _PORT = port
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -64,6 +67,9 @@ def _rank_main(
         SCENARIOS[scenario](rank)
     finally:
         dist.destroy_process_group()
+
+
+_PORT = 0  # the rank's group's port (_rank_main), for a scenario that makes a group anew
 
 
 def _same_on_every_rank(t: torch.Tensor) -> None:
@@ -250,7 +256,7 @@ def _one_exchange(rank: int) -> None:
     for _ in range(2):
         y = parsum.distributed.sum_models([good], x[:2], group=group)
         torch.testing.assert_close(y, WORLD * good(x[:2]).detach(), **F32)
-    assert (group.group_name, WORLD) in parsum.distributed._agreed_sizes
+    assert parsum.distributed._agreed_sizes[(group.group_name, WORLD)][0]() is group
 
 
 def _one_rank_cannot_map(rank: int) -> None:
@@ -342,6 +348,36 @@ def _four_ranks(rank: int) -> None:
     assert (held is not None) == (rank in (1, 2) and _host_exchange.supported())
 
 
+def _group_made_anew(rank: int) -> None:
+    # The default group destroyed and made again, under the same name, with rank 1 new to it (a
+    # process of its own would know nothing of the old group): what rank 0 agreed with the old
+    # group is not used with the new one, and both make their first exchange alike.
+    torch.manual_seed(0)
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        parsum.distributed.sum_models([good], x)
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file:///tmp/parsum-test-group-{_PORT}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    if rank == 1:
+        parsum.distributed._agreed_sizes.clear()
+        parsum.distributed._slots._held.clear()
+    for _ in range(3):
+        y = parsum.distributed.sum_models([good], x)
+        torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
+        _same_on_every_rank(y)
+    dist.barrier()
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            os.unlink(f"/tmp/parsum-test-group-{_PORT}")
+
+
 def _peer_ends(rank: int) -> None:
     # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
     # shared slots makes the other raise, naming it, instead of waiting forever.
@@ -414,6 +450,7 @@ SCENARIOS = {
     "peer_stuck": _peer_stuck,
     "no_room": _no_room,
     "four_ranks": _four_ranks,
+    "group_made_anew": _group_made_anew,
 }
 
 
@@ -429,6 +466,7 @@ SCENARIOS = {
         "shares",
         "one_rank_cannot_map",
         "no_room",
+        "group_made_anew",
     ],
 )
 def test_two_processes(scenario):
