@@ -358,24 +358,26 @@ def _group_made_anew(rank: int) -> None:
     for _ in range(2):
         parsum.distributed.sum_models([good], x)
     dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file:///tmp/parsum-test-group-{_PORT}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    if rank == 1:
-        parsum.distributed._agreed_sizes.clear()
-        parsum.distributed._slots._held.clear()
-    for _ in range(3):
-        y = parsum.distributed.sum_models([good], x)
-        torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
-        _same_on_every_rank(y)
-    dist.barrier()
-    if rank == 0:
+    path = f"/tmp/parsum-test-group-{_PORT}"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{path}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        if rank == 1:
+            parsum.distributed._agreed_sizes.clear()
+            parsum.distributed._slots._held.clear()
+        for _ in range(3):
+            y = parsum.distributed.sum_models([good], x)
+            torch.testing.assert_close(y, WORLD * good(x).detach(), **F32)
+            _same_on_every_rank(y)
+        dist.barrier()
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(f"/tmp/parsum-test-group-{_PORT}")
+            os.unlink(path)
 
 
 def _peer_ends(rank: int) -> None:
