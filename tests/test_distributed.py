@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -305,10 +306,11 @@ def _no_room(rank: int) -> None:
     assert not glob.glob(f"/dev/shm/parsum-exchange-{os.getpid()}-*")
 
 
-def _four_ranks(rank: int) -> None:
-    # Four ranks through the shared slots (two sets of four, in turn), batches that shrink and
-    # grow, an input that needs a gradient: the sums and input gradients of one process over
-    # every rank's models, the same bits on every rank.
+def _sums_agree(rank: int, pairs: tuple[tuple[int, int], ...]) -> list[Any]:
+    """Six calls of every rank with batches that shrink and grow and an input that needs a
+    gradient: one process's sums and input gradients over every rank's models, the same bits on
+    every rank. Then groups of two ranks (``pairs``), their calls between the whole group's.
+    The slots of the whole group and of each pair this rank is in."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     models = [mlp([4 + 2 * i]) for i in range(2 * world)]
@@ -329,23 +331,81 @@ def _four_ranks(rank: int) -> None:
             dist.all_gather(gathered, t)
             assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks hold different bits"
     slots = parsum.distributed._slots.get((None, world), None)
-    assert (slots is not None) == _host_exchange.supported()
     # Made anew, larger, for the input gradient of the batch of 8 rows (after its backward's
     # status went through the slots made for its sums); since: that gradient, a call of four
     # exchanges (at another size: its sums in a second one) and a call of three.
     assert slots is None or slots.step == 8, slots.step
-    # A group of two of the four ranks, its calls between the whole group's: slots of its own.
-    pair = dist.new_group([1, 2])
+    held = [slots]
+    groups = [dist.new_group(list(pair)) for pair in pairs]
     x = torch.ones(3, IN)
     for _ in range(3):
-        if rank in (1, 2):
-            y = parsum.distributed.sum_models(mine, x, group=pair)
-            both = plain_sum(models[1::world] + models[2::world], x).detach()
-            torch.testing.assert_close(y, both, **F32)
+        for pair, group in zip(pairs, groups):
+            if rank in pair:
+                y = parsum.distributed.sum_models(mine, x, group=group)
+                both = plain_sum(models[pair[0] :: world] + models[pair[1] :: world], x)
+                torch.testing.assert_close(y, both.detach(), **F32)
         y = parsum.distributed.sum_models(mine, x)
         torch.testing.assert_close(y, plain_sum(models, x).detach(), **F32)
-    held = parsum.distributed._slots.get((pair.group_name, 2), pair) if rank in (1, 2) else None
-    assert (held is not None) == (rank in (1, 2) and _host_exchange.supported())
+    for pair, group in zip(pairs, groups):
+        if rank in pair:
+            held.append(parsum.distributed._slots.get((group.group_name, 2), group))
+    return held
+
+
+def _four_ranks(rank: int) -> None:
+    # Four ranks through the shared slots (two sets of four, in turn); a group of two of them
+    # with slots of its own.
+    whole, *pair = _sums_agree(rank, ((1, 2),))
+    assert (whole is not None) == _host_exchange.supported()
+    assert isinstance(whole, _host_exchange.HostSlots) or whole is None
+    for held in pair:
+        assert (held is not None) == _host_exchange.supported()
+
+
+def _on_hosts(rank: int, hosts: tuple[int, ...]) -> None:
+    # NOTE [ Ranks on several hosts ], simulated: each rank reports the host ``hosts[rank]``.
+    # The whole group's exchange goes through each host's file and its leader; a pair on one
+    # host takes that host's slots, a pair across hosts gloo.
+    _host_exchange._host_id = lambda: 1000 + hosts[rank]
+    same = next((a, b) for a in range(4) for b in range(a + 1, 4) if hosts[a] == hosts[b])
+    across = next((a, b) for a in range(4) for b in range(a + 1, 4) if hosts[a] != hosts[b])
+    whole, *held = _sums_agree(rank, (same, across))
+    shared = _host_exchange.supported()
+    assert isinstance(whole, _host_exchange.HostLeaders) == shared
+    kinds = [pair for pair in (same, across) if rank in pair]
+    for pair, slots in zip(kinds, held):
+        assert (slots is not None) == (shared and pair == same)
+
+
+def _host_leader_ends(rank: int) -> None:
+    # Two simulated hosts of two ranks; the leader of the second ends: its host's other rank
+    # names it, the first host's leader fails in gloo, and its host's other rank raises with it.
+    _host_exchange._host_id = lambda: 1000 + rank // 2
+    good = nn.Linear(IN, OUT)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        parsum.distributed.sum_models([good], x)
+    assert isinstance(parsum.distributed._slots.get((None, 4), None), _host_exchange.HostLeaders)
+    if rank == 2:
+        os._exit(0)
+    expected = {
+        0: r"",  # gloo's own error
+        1: r"rank 0, which exchanges rank 1's host's sums with the other hosts, failed",
+        3: r"rank 2 \(process \d+\) ended while rank 3",
+    }[rank]
+    start = time.monotonic()
+    with pytest.raises(Exception, match=expected) as raised:
+        parsum.distributed.sum_models([good], x)
+    assert rank == 0 or raised.type is parsum.ParsumError
+    assert time.monotonic() - start < 15
+
+
+def _two_hosts(rank: int) -> None:
+    _on_hosts(rank, (0, 0, 1, 1))
+
+
+def _uneven_hosts(rank: int) -> None:
+    _on_hosts(rank, (0, 1, 0, 0))  # three ranks on host 0, its leader rank 0; rank 1 alone
 
 
 def _group_made_anew(rank: int) -> None:
@@ -453,6 +513,9 @@ SCENARIOS = {
     "no_room": _no_room,
     "four_ranks": _four_ranks,
     "group_made_anew": _group_made_anew,
+    "two_hosts": _two_hosts,
+    "uneven_hosts": _uneven_hosts,
+    "host_leader_ends": _host_leader_ends,
 }
 
 
@@ -490,6 +553,18 @@ def test_a_stuck_rank_is_waited_for_until_the_groups_timeout():
 @pytest.mark.timeout(120)
 def test_four_processes():
     launch("four_ranks", world=4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario", ["two_hosts", "uneven_hosts"])
+def test_four_processes_on_several_hosts(scenario):
+    launch(scenario, world=4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _host_exchange.supported(), reason="the shared-memory exchange's hosts")
+def test_a_host_leader_that_ends_makes_every_rank_raise():
+    launch("host_leader_ends", timeout_s=20, world=4)
 
 
 def test_balanced_shares():
