@@ -168,10 +168,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_slots(group: Any, rank: int, world: int, capacity: int) -> Slots | None:
+def make_slots(
+    group: Any, rank: int, world: int, capacity: int, leaders: Any = None
+) -> Slots | None:
     """The group's slots of ``capacity`` bytes, where every rank can map them; None where one
     cannot. Collective: every rank of ``group`` calls it at the same point, and gets slots on
-    every rank or on none."""
+    every rank or on none. ``leaders``: the group of the hosts' first ranks that earlier slots
+    of ``group`` made (NOTE [ Ranks on several hosts ]), used again."""
     info = torch.tensor([int(supported()), _host_id(), os.getpid()], dtype=torch.int64)
     table = _gathered(group, world, info)
     if not all(ok for ok, _, _ in table):
@@ -181,7 +184,8 @@ def make_slots(group: Any, rank: int, world: int, capacity: int) -> Slots | None
     for r, (_, host, _) in enumerate(table):
         hosts.setdefault(host, []).append(r)
     if len(hosts) > 1:  # NOTE [ Ranks on several hosts ]
-        return _make_host_leaders(group, rank, world, capacity, list(hosts.values()), pids)
+        layout = list(hosts.values())
+        return _make_host_leaders(group, rank, world, capacity, layout, pids, leaders)
     mem = _shared_file(group, world, rank, [list(range(world))], HostSlots.size(world, capacity))
     if mem is None:
         return None
@@ -336,14 +340,22 @@ class HostLeaders:
 
 
 def _make_host_leaders(
-    group: Any, rank: int, world: int, capacity: int, hosts: list[list[int]], pids: list[int]
+    group: Any,
+    rank: int,
+    world: int,
+    capacity: int,
+    hosts: list[list[int]],
+    pids: list[int],
+    leaders: Any = None,
 ) -> HostLeaders | None:
-    """The two-level exchange of NOTE [ Ranks on several hosts ], or None (collective)."""
+    """The two-level exchange of NOTE [ Ranks on several hosts ], or None (collective). Its
+    group of leaders is ``leaders`` where given (the same ranks: slots made again, larger)."""
     if group is not None and group is not dist.group.WORLD:
         return None  # new_group needs every rank of the default group
     if max(map(len, hosts)) < 2:  # a rank a host: nothing to share
         return None
-    leaders = dist.new_group([ranks[0] for ranks in hosts])
+    if leaders is None:
+        leaders = dist.new_group([ranks[0] for ranks in hosts])
     local = next(ranks for ranks in hosts if rank in ranks)
     mem = _shared_file(group, world, rank, hosts, HostLeaders.size(world, len(local), capacity))
     if mem is None:
@@ -394,10 +406,15 @@ class GroupSlots:
             slots = found[1]
             if slots is None or slots.capacity >= capacity:  # not on one host: never
                 return
+        old = found[1] if found is not None and found[0]() is owner else None
+        if old is not None:  # at least twice as large: sizes that grow make few files
+            capacity = min(max(capacity, 2 * old.capacity), MAX_SLOT_BYTES)
         if len(self._held) >= 64:  # groups made and dropped again and again: bounded
             self._held.clear()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        self._held[key] = (weakref.ref(owner), make_slots(group, rank, world, capacity))
+        leaders = old.leaders if isinstance(old, HostLeaders) else None  # one group of leaders
+        made = make_slots(group, rank, world, capacity, leaders)
+        self._held[key] = (weakref.ref(owner), made)
 
 
 def group_object(group: Any) -> Any:

@@ -372,6 +372,14 @@ def _on_hosts(rank: int, hosts: tuple[int, ...]) -> None:
     whole, *held = _sums_agree(rank, (same, across))
     shared = _host_exchange.supported()
     assert isinstance(whole, _host_exchange.HostLeaders) == shared
+    if shared:  # larger sums: slots made again, at least twice as large, with the same leaders
+        torch.manual_seed(0)
+        one = nn.Linear(IN, OUT)  # the same model on every rank
+        y = parsum.distributed.sum_models([one], torch.ones(64, IN))
+        torch.testing.assert_close(y, 4 * one(torch.ones(64, IN)).detach(), **F32)
+        grown = parsum.distributed._slots.get((None, 4), None)
+        assert grown is not whole and grown.capacity >= 2 * whole.capacity
+        assert grown.leaders is whole.leaders
     kinds = [pair for pair in (same, across) if rank in pair]
     for pair, slots in zip(kinds, held):
         assert (slots is not None) == (shared and pair == same)
