@@ -86,6 +86,11 @@ def _host_id() -> int:
     return zlib.crc32(where.encode())
 
 
+def _stride(size: int) -> int:
+    """Bytes from one slot (its number, then ``size`` bytes) to the next: _HEADER-aligned."""
+    return _HEADER + size + (-size % _HEADER)
+
+
 class HostSlots:
     """Every rank's slots in one shared file, mapped by every rank of a group on one host."""
 
@@ -95,7 +100,7 @@ class HostSlots:
         self.mem, self.rank, self.world, self.capacity, self.pids = mem, rank, world, capacity, pids
         self.timeout = timeout
         self.step = 0
-        stride = _HEADER + capacity + (-capacity % _HEADER)
+        stride = _stride(capacity)
         view = mem.numpy()
         self.numbers = []
         self.data = []
@@ -106,7 +111,7 @@ class HostSlots:
 
     @staticmethod
     def size(world: int, capacity: int) -> int:
-        return _HEADER + 2 * world * (_HEADER + capacity + (-capacity % _HEADER))
+        return _HEADER + 2 * world * _stride(capacity)
 
     def all_gather(self, mine: Tensor) -> list[Tensor]:
         """Every rank's ``mine`` (bytes, as many on every rank), in rank order."""
@@ -274,11 +279,11 @@ class HostLeaders:
         self.leaders, self.pids, self.timeout = leaders, pids, timeout
         self.mem = mem
         self.step = 0
-        stride = _HEADER + capacity + (-capacity % _HEADER)
+        stride = _stride(capacity)
         view = mem.numpy()
         local = len(self.local)
         results = _HEADER + 2 * local * stride  # then two results: a number, every rank's bytes
-        result_stride = _HEADER + world * capacity + (-(world * capacity) % _HEADER)
+        result_stride = _stride(world * capacity)
         self.numbers, self.data, self.result_numbers, self.results = [], [], [], []
         for half in range(2):
             at = [_HEADER + (half * local + i) * stride for i in range(local)]
@@ -290,9 +295,7 @@ class HostLeaders:
 
     @staticmethod
     def size(world: int, local: int, capacity: int) -> int:
-        stride = _HEADER + capacity + (-capacity % _HEADER)
-        result = _HEADER + world * capacity + (-(world * capacity) % _HEADER)
-        return _HEADER + 2 * local * stride + 2 * result
+        return _HEADER + 2 * local * _stride(capacity) + 2 * _stride(world * capacity)
 
     def all_gather(self, mine: Tensor) -> list[Tensor]:
         """Every rank's ``mine`` (bytes, as many on every rank), in rank order."""

@@ -189,12 +189,7 @@ def sum_models(
         if mine is None:
             mine = torch.zeros(agreed, dtype=torch.uint8, device=device)
         both = torch.cat([status.view(torch.uint8), mine])
-        slots = _slots.get(key, group)  # NOTE [ Exchanges on one host ] in _host_exchange
-        if slots is not None and both.numel() <= slots.capacity:
-            gathered = slots.all_gather(both)
-        else:
-            gathered = [torch.empty_like(both) for _ in range(world)]
-            dist.all_gather(gathered, both, group=group)
+        gathered = _all_gather(both, group)  # through the slots where they hold it
         at = status.numel() * status.element_size()
         statuses = [g[:at].view(torch.int64) for g in gathered]
         payloads = [g[at:] for g in gathered]
