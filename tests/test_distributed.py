@@ -389,10 +389,7 @@ def _host_leader_ends(rank: int) -> None:
     # Two simulated hosts of two ranks; the leader of the second ends: its host's other rank
     # names it, the first host's leader fails in gloo, and its host's other rank raises with it.
     _host_exchange._host_id = lambda: 1000 + rank // 2
-    good = nn.Linear(IN, OUT)
-    x = torch.randn(4, IN)
-    for _ in range(2):
-        parsum.distributed.sum_models([good], x)
+    good, x = _slots_made()
     assert isinstance(parsum.distributed._slots.get((None, 4), None), _host_exchange.HostLeaders)
     if rank == 2:
         os._exit(0)
@@ -448,13 +445,20 @@ def _group_made_anew(rank: int) -> None:
             os.unlink(path)
 
 
-def _peer_ends(rank: int) -> None:
-    # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
-    # shared slots makes the other raise, naming it, instead of waiting forever.
+def _slots_made() -> tuple[nn.Module, torch.Tensor]:
+    """A model and a batch, after two calls with them: the second through the shared slots
+    (NOTE [ Exchanges on one host ]), made at the end of the first."""
     good = nn.Linear(IN, OUT)
     x = torch.randn(4, IN)
     for _ in range(2):
         parsum.distributed.sum_models([good], x)
+    return good, x
+
+
+def _peer_ends(rank: int) -> None:
+    # NOTE [ Exchanges on one host ]: a rank whose process ends while the other waits in the
+    # shared slots makes the other raise, naming it, instead of waiting forever.
+    good, x = _slots_made()
     if rank == 1:
         os._exit(0)
     start = time.monotonic()
@@ -466,10 +470,7 @@ def _peer_ends(rank: int) -> None:
 def _peer_stuck(rank: int) -> None:
     # A rank alive but stuck keeps the one waiting in the shared slots until the process
     # group's timeout (8 s, launch's), as gloo would, and no longer.
-    good = nn.Linear(IN, OUT)
-    x = torch.randn(4, IN)
-    for _ in range(2):
-        parsum.distributed.sum_models([good], x)
+    good, x = _slots_made()
     if rank == 1:
         time.sleep(12)
         return
