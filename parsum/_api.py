@@ -24,7 +24,16 @@ from ._engines import (
     vmap_failure_count,
 )
 from ._errors import ParsumError
-from ._function import ParallelSum, SumPlan, direct_apply, reports_failures, run_forward
+from ._function import (
+    ParallelSum,
+    PendingJoin,
+    SumPlan,
+    direct_apply,
+    join_input,
+    may_join_later,
+    reports_failures,
+    run_forward,
+)
 from ._fused import StepInBackward
 from ._grads import has_compensated_flat_grads
 from ._grouping import (
@@ -317,8 +326,11 @@ def _general_sum(
         leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:
         inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
-        # NOTE [ Applying a Function with many inputs ] in _function
-        leaves = list(direct_apply(ParallelSum, 1 + len(inputs), plan, *inputs, *params))
+        n_unwrapped = 1 + len(inputs)  # NOTE [ Applying a Function with many inputs ] in _function
+        if _joins_later(plan, differentiable):  # NOTE [ Pullbacks joined later ] in _function
+            plan.join = PendingJoin()
+            inputs.append(join_input(plan.join))  # made last before the node
+        leaves = list(direct_apply(ParallelSum, n_unwrapped, plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
     assert plan.out_spec is not None
@@ -333,6 +345,20 @@ def _draws_beforehand(walk: Walk, units: list[Unit], call: CallArgs, tensors: li
         and tensors[0].device.type == "cpu"
         and all(unit.engine == "autograd" and len(unit.models) == 1 for unit in units)
         and walk.no_user_tensor_hooks()
+    )
+
+
+def _joins_later(plan: SumPlan, differentiable: list[Tensor]) -> bool:
+    """Whether a ParallelSum node may hand its pullbacks over and be joined later: no
+    gradient it returns could depend on them (NOTE [ Pullbacks joined later ] in _function;
+    the rest is known in backward)."""
+    return (
+        bool(plan.params)
+        and plan.step_in_backward is None
+        and not any(plan.shared)
+        and not any(t.requires_grad for t in differentiable)
+        and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
+        and may_join_later()
     )
 
 

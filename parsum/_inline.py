@@ -96,12 +96,15 @@ from . import _pool
 from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._function import (
     FreedGraphError,
+    PendingJoin,
     SumPlan,
     _engine_keeps_graph,
     _on_device_thread,
     _once_differentiable,
     direct_apply,
     freed_graph_error,
+    join_input,
+    may_join_later,
     model_weight_grad,
     reports_failures,
     run_forward,
@@ -165,6 +168,10 @@ class _State:
         self.in_order = in_order
         # Each model's aliases of the arguments that need a gradient (None: none does).
         self.aliases = aliases
+        # Whether the node has a join node among its inputs, and what that node runs: the
+        # caller's part of pullbacks handed to helpers (NOTE [ Pullbacks joined later ]).
+        self.joins = False
+        self.pending = PendingJoin()
 
 
 def sum_in_callers_graph(
@@ -194,8 +201,18 @@ def sum_in_callers_graph(
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
+    join: list[Tensor] = []
+    if (
+        aliases is None
+        and plan.params
+        and not plan.one_thread_backward
+        and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
+        and may_join_later()
+    ):  # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
+        state.joins = True
+        join.append(join_input(state.pending))
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
-    inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params)
+    inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params, *join)
     return list(direct_apply(CallerGraphSum, n_unwrapped, *inputs))
 
 
@@ -328,30 +345,16 @@ class CallerGraphSum(torch.autograd.Function):
                 merge_grads(totals, j, acc)
 
         n_chunks = len(plan.chunks)
-        try:
-            # A model with CPU parameters may still return CUDA tensors: then this backward
-            # runs on the device's thread, which helpers would wait on (NOTE [ Device threads ]).
-            # And where the pullbacks may draw random numbers again (NOTE [ Random numbers
-            # replayed in backward ] in _random).
-            one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
-            workers = 1 if one_thread else plan.n_workers
-            if _pool.threads_for(n_chunks, workers) <= 1:
-                with _pool.as_one_task(n_chunks):  # the chunks' threads
-                    if state.in_order and aliases is None:
-                        pull_back_chunks(0, range(n_chunks))
-                    else:  # forwards on several threads: each chunk's ran in order
-                        for k in range(n_chunks):
-                            add_in_order(k, pull_back_chunks(k, (k,)))
-            else:  # NOTE [ The caller's graph on several threads ]
-                _pool.run_ordered(
-                    lambda k: pull_back_chunks(k, (k,)),
-                    n_chunks,
-                    workers,
-                    add_in_order,
-                    plan.claim_order if aliases is None else None,  # NOTE [ Argument
-                    plan.callers_last,  # gradients chunk by chunk ]
-                )
-        except BaseException as exc:
+        # A model with CPU parameters may still return CUDA tensors: then this backward runs
+        # on the device's thread, which helpers would wait on (NOTE [ Device threads ]). And
+        # where the pullbacks may draw random numbers again (NOTE [ Random numbers replayed in
+        # backward ] in _random).
+        one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
+        workers = 1 if one_thread else plan.n_workers
+        joined = (None,) if state.joins else ()  # the join node's gradient
+
+        def undo() -> None:
+            """What the pullbacks accumulated, undone after a failure."""
             for alias in (a for mine in aliases or () for a in mine):
                 alias.grad = None  # what a model that ran accumulated
             if accumulate:  # what they were: none of it stays
@@ -362,19 +365,71 @@ class CallerGraphSum(torch.autograd.Function):
                 for p in params:
                     if id(p.grad) not in kept:
                         p.grad = None
-            error = exc
-        if error is not None:
+
+        def raise_failure(error: BaseException) -> None:
+            """Raise ``error``, or the error of the first model that fails, named."""
             running = failing[min(failing)] if failing else []
-            # Raised out here, and the frames' references dropped: an error whose traceback
-            # holds a frame that holds it is a cycle, which keeps the models' graphs alive
-            # until the garbage collector runs.
+            # The frames' references dropped: an error whose traceback holds a frame that
+            # holds it is a cycle, which keeps the models' graphs alive until the garbage
+            # collector runs.
             try:
                 if isinstance(error, Exception):
                     if len(running) == 1:
                         raise plan.model_error(running[0], "backward", error)
-                    mine = [e if i in running else [] for i, e in enumerate(edges)]
+                    mine = [e if i in running else [] for i, e in enumerate(graphs)]
                     _raise_first_failure(plan, mine, grad_outputs, weight_tensor, error, aliases)
                 raise error
+            finally:
+                error = None  # type: ignore[assignment]
+
+        def pull_back_one(k: int) -> dict[int, GradSum] | None:
+            return pull_back_chunks(k, (k,))
+
+        if state.joins and accumulate and aliases is None:
+            # NOTE [ Pullbacks joined later ]
+            job = _pool.start_ordered(
+                pull_back_one, n_chunks, workers, add_in_order, plan.claim_order, plan.callers_last
+            )
+            if job is not None:
+
+                def finish() -> None:
+                    failure: BaseException | None = None
+                    try:
+                        _pool.join(job)
+                    except BaseException as exc:
+                        undo()
+                        failure = exc
+                    if failure is not None:
+                        try:
+                            raise_failure(failure)
+                        finally:
+                            failure = None
+
+                state.pending.finish = finish
+                return (None, None, None, *weight_part, *param_grads, *joined)
+        try:
+            if _pool.threads_for(n_chunks, workers) <= 1:
+                with _pool.as_one_task(n_chunks):  # the chunks' threads
+                    if state.in_order and aliases is None:
+                        pull_back_chunks(0, range(n_chunks))
+                    else:  # forwards on several threads: each chunk's ran in order
+                        for k in range(n_chunks):
+                            add_in_order(k, pull_back_one(k))
+            else:  # NOTE [ The caller's graph on several threads ]
+                _pool.run_ordered(
+                    pull_back_one,
+                    n_chunks,
+                    workers,
+                    add_in_order,
+                    plan.claim_order if aliases is None else None,  # NOTE [ Argument
+                    plan.callers_last,  # gradients chunk by chunk ]
+                )
+        except BaseException as exc:
+            undo()
+            error = exc
+        if error is not None:
+            try:
+                raise_failure(error)
             finally:
                 error = edges = None
         arg_grads: list[Tensor | None] = [None] * n_args
@@ -383,7 +438,7 @@ class CallerGraphSum(torch.autograd.Function):
                 arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
             if not keep_graph:
                 state.aliases = None
-        return (None, None, None, *arg_grads, *weight_part, *param_grads)
+        return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 
 # NOTE [ Argument gradients chunk by chunk ]

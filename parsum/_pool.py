@@ -658,9 +658,45 @@ def _run_here(
         consume(k, task(k))
 
 
+def start_ordered(
+    task: Callable[[int], Any],
+    n_tasks: int,
+    n_workers: int,
+    consume: Callable[[int, Any], None],
+    order: Sequence[int] | None = None,
+    callers_last: bool = False,
+) -> _Job | None:
+    """``run_ordered``'s job handed to helpers, for the caller to join later with ``join``
+    (NOTE [ Pullbacks joined later ] in _function); None where it would run on one thread (or
+    nested): then ``run_ordered`` runs it here."""
+    threads = threads_for(n_tasks, n_workers)
+    if threads <= 1:
+        return None
+    intra_threads = intra_op_threads(n_tasks)
+    if torch.get_num_threads() > intra_threads:
+        release_callers_team()  # NOTE [ The caller's OpenMP team ]
+    last = callers_last and order is not None and n_tasks > 2 * threads
+    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
+    _pool.ensure_helpers(threads - 1)
+    _pool.submit(job, threads - 1)
+    return job
+
+
+def join(job: _Job) -> None:
+    """Work on ``job`` (from ``start_ordered``) in this thread, under its intra-op threads,
+    until none of its chunks is left, and wait for the others; as ``run_ordered`` ends."""
+    with as_one_task(job.n_tasks):
+        _work_and_wait(job)
+
+
 def _run_job(job: _Job, threads: int) -> None:
     _pool.ensure_helpers(threads - 1)
     _pool.submit(job, threads - 1)
+    _work_and_wait(job)
+
+
+def _work_and_wait(job: _Job) -> None:
+    """The caller's part of a job that helpers have: its chunks, then the wait."""
     try:
         try:
             job.work(caller=True)

@@ -88,7 +88,7 @@ from torch.utils import _pytree as pytree
 from ._api import sum_models as _local_sum
 from ._engines import ModelParams
 from ._errors import ParsumError
-from ._function import announcing_backward_failures
+from ._function import announcing_backward_failures, distributed_call
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
 from ._host_exchange import GroupSlots, group_object
 from ._summation import CompensatedAccumulator
@@ -142,7 +142,8 @@ def sum_models(
     _check_initialized(_WHERE)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:  # NOTE [ One rank ]: the rank's own sum is every rank's
-        return _local_sum(models, *args, **kwargs)
+        with distributed_call():  # NOTE [ Pullbacks joined later ] in _function
+            return _local_sum(models, *args, **kwargs)
     device = _status_device(group)
     # The models' arguments are the same on every rank; parsum's own keywords (weights for this
     # rank's models) are the rank's alone.
@@ -160,7 +161,7 @@ def sum_models(
     out_spec = None
     announce = functools.partial(_exchange_backward_status, group, device, 1)
     try:
-        with announcing_backward_failures(announce if wanted else None):
+        with announcing_backward_failures(announce if wanted else None), distributed_call():
             local = _local_sum(models, *args, **kwargs)
         local_leaves, out_spec = pytree.tree_flatten(local)
     except Exception as exc:  # announced to the other ranks before it is raised here

@@ -326,13 +326,18 @@ def test_the_default_runs_device_models_in_the_calling_thread(cores, jobs_run):
 
 def test_threads_claim_the_costliest_chunks_first(monkeypatch):
     orders = []
-    run_ordered = _pool.run_ordered
+    run_ordered, start_ordered = _pool.run_ordered, _pool.start_ordered
 
     def spy(task, n_tasks, n_workers, consume, order=None, *rest):
         orders.append(order)
         run_ordered(task, n_tasks, n_workers, consume, order, *rest)
 
+    def spy_start(task, n_tasks, n_workers, consume, order=None, *rest):
+        orders.append(order)  # NOTE [ Pullbacks joined later ]: the backward's
+        return start_ordered(task, n_tasks, n_workers, consume, order, *rest)
+
     monkeypatch.setattr(_pool, "run_ordered", spy)
+    monkeypatch.setattr(_pool, "start_ordered", spy_start)
     widths = [8, 300, 64, 300, 16]  # one chunk each; the two widest tie
     models = [mlp([w, w]) for w in widths]
     x = torch.randn(32, IN)

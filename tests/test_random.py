@@ -406,13 +406,18 @@ def test_other_models_that_draw_run_forwards_in_order_on_the_budget_and_pullback
 
     cores(2)
     jobs = []
-    run_ordered = _pool.run_ordered
+    run_ordered, start_ordered = _pool.run_ordered, _pool.start_ordered
 
     def spy(task, n_tasks, n_workers, consume, *rest):
         jobs.append((task.__name__, n_tasks, n_workers))
         return run_ordered(task, n_tasks, n_workers, consume, *rest)
 
+    def spy_start(task, n_tasks, n_workers, consume, *rest):  # joined later
+        jobs.append((task.__name__, n_tasks, n_workers))
+        return start_ordered(task, n_tasks, n_workers, consume, *rest)
+
     monkeypatch.setattr(_pool, "run_ordered", spy)
+    monkeypatch.setattr(_pool, "start_ordered", spy_start)
     threads: list[int] = []
     torch.manual_seed(0)
     models = [Wrapped(256 + i, threads) for i in range(8)]  # without dropout: on 2 workers

@@ -1,0 +1,239 @@
+"""NOTE [ Pullbacks joined later ] in parsum._function: a node whose gradients all go into
+``.grad`` hands its pullbacks to the helpers, and the caller joins them in the node right after
+the parameters' AccumulateGrads: the bits of one thread, failures undone and named."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum import _function, _pool
+from tests.test_errors import BoomBackward
+from tests.zoo import IN, mlp, param_grads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def handed_over(monkeypatch):
+    """The jobs started for the caller to join later, and how many were joined."""
+    seen = {"started": 0, "joined": 0}
+    start_ordered, join = _pool.start_ordered, _pool.join
+
+    def spy_start(*args):
+        job = start_ordered(*args)
+        seen["started"] += job is not None
+        return job
+
+    def spy_join(job):
+        seen["joined"] += 1
+        join(job)
+
+    monkeypatch.setattr(_pool, "start_ordered", spy_start)
+    monkeypatch.setattr(_pool, "join", spy_join)
+    return seen
+
+
+def heterogeneous():
+    return [mlp([4 + i, 3 + i]) for i in range(6)]  # different: none stacked
+
+
+def with_stacked():
+    # Four identical MLPs make a stacked group (ParallelSum's node), beside other models.
+    return [*(mlp([5]) for _ in range(4)), mlp([7, 3]), mlp([9])]
+
+
+PATHS = {
+    "caller's graph": (heterogeneous, {}, "CallerGraphSumBackward"),
+    "stacked": (with_stacked, {}, "ParallelSumBackward"),
+    "vjp": (heterogeneous, {"engine": "vjp"}, "ParallelSumBackward"),
+}
+
+
+def clear_grads(models):
+    for p in (p for m in models for p in m.parameters()):
+        p.grad = None
+
+
+def grads_after(models, x, n_jobs, loss_of, times=1, **kwargs):
+    clear_grads(models)
+    for _ in range(times):
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, **kwargs)
+        loss_of(y, models).backward()
+    return [g.clone() for g in param_grads(models)], y
+
+
+def squares(y, models):
+    return y.pow(2).mean()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_handed_over_and_joined_with_the_bits_of_one_thread(path, handed_over, cores):
+    cores(2)
+    make, kwargs, node = PATHS[path]
+    torch.manual_seed(0)
+    models = make()
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN)
+    # The second call adds to gradients already there: not handed over (captured).
+    got, y = grads_after(models, x, 2, squares, times=2, **kwargs)
+    assert type(y.grad_fn).__name__ == node
+    assert handed_over == {"started": 1, "joined": 1}
+    want, _ = grads_after(alone, x, 1, squares, times=2, **kwargs)
+    assert handed_over["started"] == 1  # one thread: nothing handed over
+    assert len(got) == len(want) == sum(1 for m in models for _ in m.parameters())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+    # And the plain loop's gradients, within rounding.
+    plain = copy.deepcopy(alone)
+    clear_grads(plain)
+    for _ in range(2):
+        sum(m(x) for m in plain).pow(2).mean().backward()
+    for g, w in zip(got, param_grads(plain)):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_from_outside_the_sum_come_after_it(path, handed_over, cores):
+    # Two more gradients for every parameter, from nodes made before the sum: added after the
+    # sum's in both runs, as on one thread (in another order the bits could differ).
+    cores(2)
+    make, kwargs, _ = PATHS[path]
+    torch.manual_seed(1)
+    models = make()
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN)
+
+    def step(models, n_jobs):
+        clear_grads(models)
+        params = [p for m in models for p in m.parameters()]
+        outside = 0.3 * sum(p.pow(2).sum() for p in params) + 0.7 * sum(
+            p.sin().sum() for p in params
+        )
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, **kwargs)
+        (y.pow(2).mean() + outside).backward()
+        return [p.grad for p in params]
+
+    for _ in range(3):
+        got, want = step(models, 2), step(alone, 1)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert handed_over["started"] == handed_over["joined"] == 3
+
+
+def test_two_sums_in_one_loss_and_a_retained_graph(handed_over, cores):
+    cores(2)
+    torch.manual_seed(2)
+    first, second = heterogeneous(), with_stacked()
+    alone = copy.deepcopy([first, second])
+    x = torch.randn(16, IN)
+
+    def step(first, second, n_jobs):
+        clear_grads([*first, *second])
+        y = parsum.sum_models(first, x, n_jobs=n_jobs) * parsum.sum_models(second, x, n_jobs=n_jobs)
+        loss = y.pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return param_grads([*first, *second])
+
+    got = step(first, second, 2)
+    assert handed_over == {"started": 2, "joined": 2}  # the second adds to them: captured
+    want = step(*alone, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("path", ["caller's graph", "stacked"])  # vjp: pure models only
+def test_a_failure_in_pullbacks_handed_over_changes_no_grad(path, handed_over, cores):
+    cores(2)
+    make, kwargs, _ = PATHS[path]
+    models = make()
+    models.insert(4, BoomBackward())
+    y = parsum.sum_models(models, torch.randn(16, IN), n_jobs=2, **kwargs)
+    with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\) raised ValueError"):
+        y.pow(2).mean().backward()
+    assert handed_over == {"started": 1, "joined": 1}
+    assert all(g is None for g in param_grads(models))
+    del models[4]
+    parsum.sum_models(models, torch.randn(16, IN), n_jobs=2).sum().backward()  # usable after
+    assert all(g is not None for g in param_grads(models))
+
+
+def test_not_where_the_engine_does_not_accumulate_or_arguments_need_gradients(handed_over, cores):
+    cores(2)
+    models = heterogeneous()
+    x = torch.randn(16, IN)
+    params = [p for m in models for p in m.parameters()]
+    y = parsum.sum_models(models, x, n_jobs=2)
+    grads = torch.autograd.grad(y.pow(2).mean(), params)  # captured, returned by the node
+    assert all(g is not None for g in grads) and all(p.grad is None for p in params)
+    x.requires_grad_()
+    parsum.sum_models(models, x, n_jobs=2).pow(2).mean().backward()
+    assert x.grad is not None and all(p.grad is not None for p in params)
+    assert handed_over["started"] == 0
+
+
+def test_under_a_process_group_only_parsum_distributed_hands_over(handed_over, cores, monkeypatch):
+    # DistributedDataParallel's hooks on the parameters' AccumulateGrads must see the
+    # pullbacks' gradients first (tests/test_module.py runs it).
+    cores(2)
+
+    class Initialized:
+        @staticmethod
+        def is_initialized():
+            return True
+
+    monkeypatch.setattr(_function, "_dist", Initialized)
+    models = heterogeneous()
+    x = torch.randn(16, IN)
+    parsum.sum_models(models, x, n_jobs=2).sum().backward()
+    assert handed_over["started"] == 0
+    clear_grads(models)
+    with _function.distributed_call():
+        y = parsum.sum_models(models, x, n_jobs=2)
+    y.sum().backward()
+    assert handed_over == {"started": 1, "joined": 1}
+
+
+def test_repeated_calls_leave_no_job_or_graph_behind(cores):
+    import gc
+    import weakref
+
+    cores(2)
+    models = heterogeneous()
+    x = torch.randn(16, IN)
+    y = parsum.sum_models(models, x, n_jobs=2)
+    node = weakref.ref(y.grad_fn)
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert node() is None
+    helpers = _pool.pool_size()
+    for _ in range(50):
+        parsum.sum_models(models, x, n_jobs=2).sum().backward()
+    assert _pool.pool_size() == helpers
+
+
+class _Linear(nn.Module):
+    """A layer of another class: its model is no direct program."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, IN).t().contiguous().t())  # column-major
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_a_gradient_stored_from_a_returned_one_keeps_the_parameters_strides(handed_over, cores):
+    # What the engine's AccumulateGrad would store: in the parameter's strides.
+    cores(2)
+    models = [_Linear() for _ in range(4)]
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN)
+    for ms, n_jobs in ((models, 2), (alone, 1)):
+        parsum.sum_models(ms, x, n_jobs=n_jobs, chunk_size=1, engine="vjp").sum().backward()
+    assert handed_over["started"] == 1
+    for m, a in zip(models, alone):
+        assert m.weight.grad.stride() == a.weight.grad.stride() == m.weight.stride()
+        assert torch.equal(m.weight.grad, a.weight.grad)
