@@ -29,6 +29,9 @@
 #                                           # a loop, gloo against shared memory (~90 s), then
 #                                           # the three tests that failed there on 2026-11-27,
 #                                           # with their messages
+#   bash benchmarks/run_16cores.sh join     # pullbacks joined later against joined in the
+#                                           # node, 2-16 workers, medium and tiny MLPs, below
+#                                           # JOIN_LATER_PARAMS too (bench_join.py, ~3 min)
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
 #                                           # and tests, the team's end against keeping it, then
 #                                           # the medium MLPs over 1-16 workers with the Adam rows
@@ -130,6 +133,10 @@ exchange)
     timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_allocator.py \
         tests/test_examples.py -k "thresholds or slide_like or with_processes" \
         > "$out/failed-before.txt" 2>&1
+    ;;
+join)
+    (cd benchmarks && timeout 200 python bench_join.py --any-size --jobs 2,4,8,16 --rounds 20) \
+        > "$out/join-16cores.txt" 2>&1
     ;;
 first)
     cuda_checks

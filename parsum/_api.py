@@ -358,7 +358,7 @@ def _joins_later(plan: SumPlan, differentiable: list[Tensor]) -> bool:
         and not any(plan.shared)
         and not any(t.requires_grad for t in differentiable)
         and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
-        and may_join_later()
+        and may_join_later(len(plan.params))
     )
 
 

@@ -673,7 +673,9 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # pullbacks to the helpers (``_pool.start_ordered``) and returns: the engine runs those
 # AccumulateGrads while the helpers pull back, and then the join node, where the caller works
 # on the chunks left and waits for the rest (``_pool.join``), undoing every ``.grad`` and
-# raising the first model's error on a failure, as before.
+# raising the first model's error on a failure, as before. Only for JOIN_LATER_PARAMS or more
+# parameters: with the 96 of the medium MLPs, steps at 2 threads took 1.02-1.05x as long (the
+# join node costs the forward about 0.05 ms in a step, and the visits slow the helper's chunks).
 # The join node is an input of the node, made right before it: the engine runs the ready node
 # of highest sequence number first, AccumulateGrads before any other, and sequence numbers
 # grow in creation order, so it runs right after the node's AccumulateGrads and before any
@@ -718,10 +720,18 @@ class JoinPullbacks(torch.autograd.Function):
         return None, None
 
 
-def may_join_later() -> bool:
-    """Whether this call's node may hand its pullbacks over (NOTE [ Pullbacks joined later ]):
-    not where a process group exists, unless the call is parsum.distributed's own."""
-    return _dist is None or not _dist.is_initialized() or getattr(_join_guard, "distributed", False)
+def may_join_later(n_params: int) -> bool:
+    """Whether a node with ``n_params`` parameter inputs may hand its pullbacks over (NOTE
+    [ Pullbacks joined later ]): enough of them, and no process group, unless the call is
+    parsum.distributed's own."""
+    return n_params >= JOIN_LATER_PARAMS and (
+        _dist is None or not _dist.is_initialized() or getattr(_join_guard, "distributed", False)
+    )
+
+
+# Parameters from which handing the pullbacks over paid on 2 cores at 2 threads (1.03x with 192,
+# 1.06-1.10x with 384; 0.95-0.98x with the 96 of 16 medium MLPs, benchmarks/bench_join.py).
+JOIN_LATER_PARAMS = 128
 
 
 _dist = torch.distributed if torch.distributed.is_available() else None

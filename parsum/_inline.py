@@ -207,7 +207,7 @@ def sum_in_callers_graph(
         and plan.params
         and not plan.one_thread_backward
         and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
-        and may_join_later()
+        and may_join_later(len(plan.params))
     ):  # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
         state.joins = True
         join.append(join_input(state.pending))

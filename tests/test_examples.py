@@ -178,3 +178,12 @@ def test_bench_exchange():
     for row in rows:
         step, *exchange = map(float, row[-5:-1])
         assert step > 0 and all(t >= 0 for t in exchange) and row[-1].endswith("%")
+
+
+def test_bench_join():
+    args = ["--rounds", "1", "--jobs", "2", "--any-size", "--workloads", "heterogeneous-tiny:8"]
+    out = run("benchmarks/bench_join.py", *args)
+    assert "64 MLPs, widths 16-48, batch 8" in out
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
+    later, node, ratio = float(row[1]), float(row[3]), float(row[5].rstrip("x"))
+    assert later > 0 and node > 0 and ratio == pytest.approx(node / later, abs=0.002)

@@ -16,6 +16,12 @@ from tests.zoo import IN, mlp, param_grads
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    """Small models hand their pullbacks over too (JOIN_LATER_PARAMS is 128 parameters)."""
+    monkeypatch.setattr(_function, "JOIN_LATER_PARAMS", 0)
+
+
 @pytest.fixture
 def handed_over(monkeypatch):
     """The jobs started for the caller to join later, and how many were joined."""
@@ -237,3 +243,14 @@ def test_a_gradient_stored_from_a_returned_one_keeps_the_parameters_strides(hand
     for m, a in zip(models, alone):
         assert m.weight.grad.stride() == a.weight.grad.stride() == m.weight.stride()
         assert torch.equal(m.weight.grad, a.weight.grad)
+
+
+def test_not_below_the_parameters_where_it_pays(handed_over, cores, monkeypatch):
+    cores(2)
+    monkeypatch.setattr(_function, "JOIN_LATER_PARAMS", 128)
+    small, large = heterogeneous(), [mlp([4 + i, 3]) for i in range(22)]  # 36 and 132
+    x = torch.randn(16, IN)
+    parsum.sum_models(small, x, n_jobs=2).sum().backward()
+    assert handed_over["started"] == 0
+    parsum.sum_models(large, x, n_jobs=2).sum().backward()
+    assert handed_over == {"started": 1, "joined": 1}
