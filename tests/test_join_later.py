@@ -254,3 +254,73 @@ def test_not_below_the_parameters_where_it_pays(handed_over, cores, monkeypatch)
     assert handed_over["started"] == 0
     parsum.sum_models(large, x, n_jobs=2).sum().backward()
     assert handed_over == {"started": 1, "joined": 1}
+
+
+def test_concurrent_callers_each_join_their_own(handed_over, cores):
+    from tests.test_concurrency import _together
+
+    cores(2)
+    n_threads, rounds = 3, 6
+    sets = []
+    for seed in range(n_threads):
+        torch.manual_seed(seed)
+        sets.append(PATHS["caller's graph"][0]() if seed % 2 else PATHS["stacked"][0]())
+    alone = copy.deepcopy(sets)
+    x = torch.randn(16, IN)
+    want = [grads_after(models, x, 1, squares)[0] for models in alone]
+
+    def caller(t):
+        return [grads_after(sets[t], x, 2, squares)[0] for _ in range(rounds)]
+
+    results = _together(caller, n_threads)
+    assert handed_over["started"] == handed_over["joined"] == n_threads * rounds
+    for t in range(n_threads):
+        for got in results[t]:
+            assert all(torch.equal(g, w) for g, w in zip(got, want[t]))
+
+
+class _Nested(nn.Module):
+    """A model that sums models of its own with parsum (run in its task, on one thread)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inner = nn.ModuleList(mlp([3 + k]) for k in range(3))
+
+    def forward(self, x):
+        return parsum.sum_models(list(self.inner), x)
+
+
+def test_nested_calls_inside_pullbacks_handed_over(handed_over, cores):
+    cores(2)
+    models = [_Nested(seed) for seed in range(4)]
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN)
+    got, _ = grads_after(models, x, 2, squares)
+    assert handed_over == {"started": 1, "joined": 1}  # the outer call's; the inner ones in tasks
+    want, _ = grads_after(alone, x, 1, squares)
+    assert len(got) == 48 and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_sum(handed_over, cores, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    cores(2)
+    models = heterogeneous()
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN, requires_grad=reentrant)  # reentrant: an input that needs a grad
+
+    def grads(models, n_jobs):
+        clear_grads(models)
+        y = checkpoint(
+            lambda t: parsum.sum_models(models, t, n_jobs=n_jobs), x, use_reentrant=reentrant
+        )
+        y.pow(2).mean().backward()
+        return param_grads(models)
+
+    got, want = grads(models, 2), grads(alone, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # Recomputed in backward under saved-tensor hooks (on one thread), or with the argument
+    # that needs a gradient: nothing handed over either way.
+    assert handed_over["started"] == 0
