@@ -187,3 +187,11 @@ def test_bench_join():
     (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
     later, node, ratio = float(row[1]), float(row[3]), float(row[5].rstrip("x"))
     assert later > 0 and node > 0 and ratio == pytest.approx(node / later, abs=0.002)
+
+
+def test_bench_cold():
+    out = run("benchmarks/bench_cold.py", "--repeats", "2", "--ms", "0.1")
+    rows = [line for line in out.splitlines() if "x back to back" in line]
+    assert len(rows) == 10 and all(line.startswith(("1 ", "2 ")) for line in rows)
+    assert "after 0.1 ms of sleep" in out and "after a 1024 x 1024 matmul" in out
+    assert all(float(line.split()[-6]) > 0 for line in rows)
