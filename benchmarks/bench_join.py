@@ -12,7 +12,7 @@ shuffled, round by round (``common.interleaved_rounds``); medians of the rounds.
         [--workloads heterogeneous-medium:64,heterogeneous-tiny:32]
 
 parsum joins later only from JOIN_LATER_PARAMS parameters (128); ``--any-size`` measures below
-it too (the medium MLPs' 96). On 2 cores, 64 tiny MLPs at n_jobs=2 (ParallelSum's node, 384
+it too (the medium MLPs' 94). On 2 cores, 64 tiny MLPs at n_jobs=2 (ParallelSum's node, 382
 parameters): steps 1.10x faster; 16 medium MLPs at batch 64: 0.95-0.98x (three runs). On many
 threads nearly all of the visits overlap the helpers' work, not half: what this measures there.
 """
@@ -66,7 +66,16 @@ def main() -> None:
     for spec in args.workloads.split(","):
         name, _, batch = spec.partition(":")
         w = workload(name, int(batch) if batch else None)
-        print(f"\n{w.description}")
+        n_params = sum(1 for m in w.models for _ in m.parameters())
+        below = n_params < _function.JOIN_LATER_PARAMS
+        print(
+            f"\n{w.description}, {n_params} parameters"
+            + (
+                " (below JOIN_LATER_PARAMS: never joined later; --any-size to measure it)"
+                if below
+                else ""
+            )
+        )
         print(f"{'n_jobs':>7} {'joined later':>13} {'in the node':>12} {'speedup':>8}")
         for n_jobs in (int(j) for j in args.jobs.split(",")):
             step = functools.partial(parsum_step, w.models, w.x, n_jobs=n_jobs)

@@ -666,15 +666,15 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # A node whose backward accumulates every gradient into ``.grad`` in its pullbacks (NOTE
 # [ Accumulating in the pullback ]) returns None for each of its parameters, and the engine
 # then runs each parameter's AccumulateGrad on that None, in the calling thread, after the
-# node: 1.5 us each warm, 2-3 us in a step (16 MLPs of widths 128-512: 96 parameters, 0.19-0.28
-# ms; 64 tiny MLPs: 384, 0.85 ms), while the helpers, their chunks done, wait for the next call.
+# node: 1.5 us each warm, 2-3 us in a step (16 MLPs of widths 128-512: 94 parameters, 0.19-0.28
+# ms; 64 tiny MLPs: 382, 0.85 ms), while the helpers, their chunks done, wait for the next call.
 # Where nothing the node returns depends on its pullbacks (no argument, weight or shared
 # parameter gradient, no FlatGrad slot, no optimizer step), its backward only hands the
 # pullbacks to the helpers (``_pool.start_ordered``) and returns: the engine runs those
 # AccumulateGrads while the helpers pull back, and then the join node, where the caller works
 # on the chunks left and waits for the rest (``_pool.join``), undoing every ``.grad`` and
 # raising the first model's error on a failure, as before. Only for JOIN_LATER_PARAMS or more
-# parameters: with the 96 of the medium MLPs, steps at 2 threads took 1.02-1.05x as long (the
+# parameters: with the 94 of the medium MLPs, steps at 2 threads took 1.02-1.05x as long (the
 # join node costs the forward about 0.05 ms in a step, and the visits slow the helper's chunks).
 # The join node is an input of the node, made right before it: the engine runs the ready node
 # of highest sequence number first, AccumulateGrads before any other, and sequence numbers
@@ -730,7 +730,7 @@ def may_join_later(n_params: int) -> bool:
 
 
 # Parameters from which handing the pullbacks over paid on 2 cores at 2 threads (1.03x with 192,
-# 1.06-1.10x with 384; 0.95-0.98x with the 96 of 16 medium MLPs, benchmarks/bench_join.py).
+# 1.06-1.10x with 382-384; 0.95-0.98x with the 94 of 16 medium MLPs, benchmarks/bench_join.py).
 JOIN_LATER_PARAMS = 128
 
 
