@@ -27,7 +27,6 @@ took over --stall-ms (on 2 cores, 2 processes: about 4 ms, a scheduler tick).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import time
@@ -35,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import _free_port
+from common import _free_port, join_local_gloo
 
 from parsum import _host_exchange
 
@@ -59,13 +58,7 @@ def _rank(rank: int, args: argparse.Namespace, world: int, mode: str, port: int,
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads] or cores[-1:])
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    join_local_gloo(rank, world, port, 120)
     try:
         a = torch.randn(128, 128)
         n = _matmuls_for(args.compute_ms)

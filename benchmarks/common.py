@@ -534,6 +534,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_local_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join this process to a gloo group of ``world`` ranks on 127.0.0.1:``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def _process_rank(
     rank: int,
     world: int,
@@ -544,20 +559,12 @@ def _process_rank(
     steps: int,
     pipe,
 ) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     import parsum
 
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    join_local_gloo(rank, world, port, 300)
     w = workload(name, batch)
     mine = [w.models[i] for i in parsum.distributed.share(w.models, w.x)]
     if w.identical:  # as the threads' rows run them, and as the README tells users to

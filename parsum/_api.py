@@ -353,12 +353,10 @@ def _joins_later(plan: SumPlan, differentiable: list[Tensor]) -> bool:
     gradient it returns could depend on them (NOTE [ Pullbacks joined later ] in _function;
     the rest is known in backward)."""
     return (
-        bool(plan.params)
-        and plan.step_in_backward is None
+        plan.step_in_backward is None
         and not any(plan.shared)
         and not any(t.requires_grad for t in differentiable)
-        and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
-        and may_join_later(len(plan.params))
+        and may_join_later(plan)
     )
 
 

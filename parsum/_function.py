@@ -720,12 +720,20 @@ class JoinPullbacks(torch.autograd.Function):
         return None, None
 
 
-def may_join_later(n_params: int) -> bool:
-    """Whether a node with ``n_params`` parameter inputs may hand its pullbacks over (NOTE
-    [ Pullbacks joined later ]): enough of them, and no process group, unless the call is
+def may_join_later(plan: SumPlan) -> bool:
+    """Whether the node of ``plan``'s call may hand its pullbacks over (NOTE [ Pullbacks
+    joined later ]), as far as both kinds of node tell alike: on several threads, with
+    JOIN_LATER_PARAMS parameters or more, and no process group, unless the call is
     parsum.distributed's own."""
-    return n_params >= JOIN_LATER_PARAMS and (
-        _dist is None or not _dist.is_initialized() or getattr(_join_guard, "distributed", False)
+    return (
+        bool(plan.params)
+        and len(plan.params) >= JOIN_LATER_PARAMS
+        and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
+        and (
+            _dist is None
+            or not _dist.is_initialized()
+            or getattr(_join_guard, "distributed", False)
+        )
     )
 
 

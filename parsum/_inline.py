@@ -168,10 +168,9 @@ class _State:
         self.in_order = in_order
         # Each model's aliases of the arguments that need a gradient (None: none does).
         self.aliases = aliases
-        # Whether the node has a join node among its inputs, and what that node runs: the
-        # caller's part of pullbacks handed to helpers (NOTE [ Pullbacks joined later ]).
-        self.joins = False
-        self.pending = PendingJoin()
+        # Where the node has a join node among its inputs, what that node runs: the caller's
+        # part of pullbacks handed to helpers (NOTE [ Pullbacks joined later ]).
+        self.pending: PendingJoin | None = None
 
 
 def sum_in_callers_graph(
@@ -202,14 +201,9 @@ def sum_in_callers_graph(
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
     join: list[Tensor] = []
-    if (
-        aliases is None
-        and plan.params
-        and not plan.one_thread_backward
-        and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
-        and may_join_later(len(plan.params))
-    ):  # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
-        state.joins = True
+    if aliases is None and not plan.one_thread_backward and may_join_later(plan):
+        # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
+        state.pending = PendingJoin()
         join.append(join_input(state.pending))
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
     inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params, *join)
@@ -351,7 +345,8 @@ class CallerGraphSum(torch.autograd.Function):
         # backward ] in _random).
         one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
         workers = 1 if one_thread else plan.n_workers
-        joined = (None,) if state.joins else ()  # the join node's gradient
+        pending = state.pending
+        joined = (None,) if pending is not None else ()  # the join node's gradient
 
         def undo() -> None:
             """What the pullbacks accumulated, undone after a failure."""
@@ -385,7 +380,7 @@ class CallerGraphSum(torch.autograd.Function):
         def pull_back_one(k: int) -> dict[int, GradSum] | None:
             return pull_back_chunks(k, (k,))
 
-        if state.joins and accumulate and aliases is None:
+        if pending is not None and accumulate and aliases is None:
             # NOTE [ Pullbacks joined later ]
             job = _pool.start_ordered(
                 pull_back_one, n_chunks, workers, add_in_order, plan.claim_order, plan.callers_last
@@ -405,7 +400,7 @@ class CallerGraphSum(torch.autograd.Function):
                         finally:
                             failure = None
 
-                state.pending.finish = finish
+                pending.finish = finish
                 return (None, None, None, *weight_part, *param_grads, *joined)
         try:
             if _pool.threads_for(n_chunks, workers) <= 1:

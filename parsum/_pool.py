@@ -526,9 +526,8 @@ def run_ordered(
         if threads <= 1:  # one thread (or nested): no job, no locks, no state to hand over
             _run_here(task, n_tasks, consume)
             return
-        state = ThreadState.capture()
-        last = callers_last and order is not None and n_tasks > 2 * threads
-        _run_job(_Job(task, n_tasks, consume, state, intra_threads, order, last), threads)
+        job = _new_job(task, n_tasks, consume, order, callers_last, threads, intra_threads)
+        _run_job(job, threads)
 
 
 def release_callers_team() -> None:
@@ -675,10 +674,8 @@ def start_ordered(
     intra_threads = intra_op_threads(n_tasks)
     if torch.get_num_threads() > intra_threads:
         release_callers_team()  # NOTE [ The caller's OpenMP team ]
-    last = callers_last and order is not None and n_tasks > 2 * threads
-    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
-    _pool.ensure_helpers(threads - 1)
-    _pool.submit(job, threads - 1)
+    job = _new_job(task, n_tasks, consume, order, callers_last, threads, intra_threads)
+    _submit(job, threads)
     return job
 
 
@@ -689,9 +686,30 @@ def join(job: _Job) -> None:
         _work_and_wait(job)
 
 
-def _run_job(job: _Job, threads: int) -> None:
+def _new_job(
+    task: Callable[[int], Any],
+    n_tasks: int,
+    consume: Callable[[int, Any], None],
+    order: Sequence[int] | None,
+    callers_last: bool,
+    threads: int,
+    intra_threads: int,
+) -> _Job:
+    """A job for ``threads`` threads, with the caller's state; its last chunk left to the
+    caller where ``callers_last`` and each thread has more than two (NOTE [ The caller's last
+    chunk ])."""
+    last = callers_last and order is not None and n_tasks > 2 * threads
+    return _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
+
+
+def _submit(job: _Job, threads: int) -> None:
+    """Hand ``job`` to ``threads - 1`` helpers, started where missing."""
     _pool.ensure_helpers(threads - 1)
     _pool.submit(job, threads - 1)
+
+
+def _run_job(job: _Job, threads: int) -> None:
+    _submit(job, threads)
     _work_and_wait(job)
 
 

@@ -63,16 +63,13 @@ def clear_grads(models):
         p.grad = None
 
 
-def grads_after(models, x, n_jobs, loss_of, times=1, **kwargs):
+def grads_after(models, x, n_jobs, times=1, **kwargs):
+    """The parameters' gradients after ``times`` backwards of the sum's mean square."""
     clear_grads(models)
     for _ in range(times):
         y = parsum.sum_models(models, x, n_jobs=n_jobs, **kwargs)
-        loss_of(y, models).backward()
+        y.pow(2).mean().backward()
     return [g.clone() for g in param_grads(models)], y
-
-
-def squares(y, models):
-    return y.pow(2).mean()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -84,10 +81,10 @@ def test_handed_over_and_joined_with_the_bits_of_one_thread(path, handed_over, c
     alone = copy.deepcopy(models)
     x = torch.randn(16, IN)
     # The second call adds to gradients already there: not handed over (captured).
-    got, y = grads_after(models, x, 2, squares, times=2, **kwargs)
+    got, y = grads_after(models, x, 2, times=2, **kwargs)
     assert type(y.grad_fn).__name__ == node
     assert handed_over == {"started": 1, "joined": 1}
-    want, _ = grads_after(alone, x, 1, squares, times=2, **kwargs)
+    want, _ = grads_after(alone, x, 1, times=2, **kwargs)
     assert handed_over["started"] == 1  # one thread: nothing handed over
     assert len(got) == len(want) == sum(1 for m in models for _ in m.parameters())
     for g, w in zip(got, want):
@@ -103,8 +100,9 @@ def test_handed_over_and_joined_with_the_bits_of_one_thread(path, handed_over, c
 
 @pytest.mark.parametrize("path", PATHS)
 def test_gradients_from_outside_the_sum_come_after_it(path, handed_over, cores):
-    # Two more gradients for every parameter, from nodes made before the sum: added after the
-    # sum's in both runs, as on one thread (in another order the bits could differ).
+    # Two more gradients for every parameter, from nodes made before the sum: the engine adds
+    # them together, then to the sum's in .grad, on several threads as on one (returned by the
+    # node, the sum's would have been added to them in the engine's buffer: other bits).
     cores(2)
     make, kwargs, _ = PATHS[path]
     torch.manual_seed(1)
@@ -267,10 +265,10 @@ def test_concurrent_callers_each_join_their_own(handed_over, cores):
         sets.append(PATHS["caller's graph"][0]() if seed % 2 else PATHS["stacked"][0]())
     alone = copy.deepcopy(sets)
     x = torch.randn(16, IN)
-    want = [grads_after(models, x, 1, squares)[0] for models in alone]
+    want = [grads_after(models, x, 1)[0] for models in alone]
 
     def caller(t):
-        return [grads_after(sets[t], x, 2, squares)[0] for _ in range(rounds)]
+        return [grads_after(sets[t], x, 2)[0] for _ in range(rounds)]
 
     results = _together(caller, n_threads)
     assert handed_over["started"] == handed_over["joined"] == n_threads * rounds
@@ -296,9 +294,9 @@ def test_nested_calls_inside_pullbacks_handed_over(handed_over, cores):
     models = [_Nested(seed) for seed in range(4)]
     alone = copy.deepcopy(models)
     x = torch.randn(16, IN)
-    got, _ = grads_after(models, x, 2, squares)
+    got, _ = grads_after(models, x, 2)
     assert handed_over == {"started": 1, "joined": 1}  # the outer call's; the inner ones in tasks
-    want, _ = grads_after(alone, x, 1, squares)
+    want, _ = grads_after(alone, x, 1)
     assert len(got) == 48 and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
