@@ -685,6 +685,17 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # parameter besides is added to its ``.grad`` in one addition, before or after the pullback's:
 # the same bits either way (a + b = b + a). Where the node does not hand over its
 # pullbacks (another thread, ``autograd.grad``, ...), the join node has nothing to do.
+# A term of the loss made after the sum (an L2 penalty on the parameters) sends its gradient to
+# a parameter's AccumulateGrad before the node runs, so the engine accumulates it right after
+# the node, while the helpers pull back: the helpers' engine calls accumulate theirs through the
+# same AccumulateGrad, one after the other, but a gradient that the node stores itself (NOTE
+# [ Gradients stored, not returned ]), written by a helper, had raced the engine's write (the
+# sum's or the term's gradient lost: found by tests/test_differential.py). The helpers hand those
+# to the join, where the caller's thread stores them, added to what the engine stored meanwhile
+# (a + b = b + a: the bits of one thread); 64 tiny MLPs at n_jobs=2, whose stacked groups' 382
+# gradients are stored so, took 0.97-0.98x a step against a helper's stores (still 1.10x the
+# pullbacks joined in the node). Nor does a node join later where it returns a gradient for
+# the weights or arguments: the engine would accumulate it before a failing pullback is joined.
 # Those AccumulateGrads also run the hooks on the nodes themselves, before the pullbacks' own:
 # DistributedDataParallel's, which count each parameter ready once per backward, saw the None
 # first and then raised on the pullback's gradient ("marked as ready twice"; after the
@@ -858,13 +869,17 @@ def _pull_back_batched(
     grad_outputs: Sequence[Tensor],
     weight_tensor: Tensor | None,
     direct: Sequence[bool],
+    failures: list[BaseException] | None = None,
 ) -> Batched:
     """(argument grads, parameter grads) of the ``units`` that can share an engine call, by
     unit (NOTE [ One engine call per chunk ] in ``_engines``): one call for the models whose
     parameters all go straight into ``.grad`` (``direct``, NOTE [ Accumulating in the
     pullback ]; their parameter grads come back as None), one for the others. The calls keep
     the graphs: a unit missing from the result (its call failed) is pulled back on its own,
-    which names the first model that fails."""
+    which names the first model that fails. What a failed call accumulated is set back to
+    None, or, with ``failures`` (pullbacks joined later, whose ``.grad`` only the caller's
+    thread may write: NOTE [ Pullbacks joined later ]), left for the caller to undo, and the
+    failure recorded there."""
     together: Batched = {}
     groups: dict[bool, list[tuple[int, GraphPullback, Sequence[Tensor]]]] = {True: [], False: []}
     for u in units:
@@ -883,7 +898,10 @@ def _pull_back_batched(
         try:
             results = pull_back_together(items, retain_graph=True, accumulate=accumulate)
             together.update(zip([u for u, _, _ in members], results))
-        except Exception:  # the failing model is found one at a time, by the caller
+        except Exception as exc:  # the failing model is found one at a time, by the caller
+            if failures is not None and accumulate:
+                failures.append(exc)
+                continue
             for u, _, _ in members if accumulate else ():
                 for s in plan.param_slots[plan.units[u].models[0]]:
                     plan.params[s].grad = None  # what it was: none of it stays
@@ -901,6 +919,7 @@ def _pull_back_chunk(
     direct: Sequence[bool],
     together: Batched | None = None,
     alone: frozenset[int] = frozenset(),
+    failures: list[BaseException] | None = None,
 ) -> Iterator[tuple[Unit, list[Tensor | None], list[list[Tensor | None]]]]:
     """(unit, argument grads, each model's parameter grads) of a chunk's units, in order.
 
@@ -911,7 +930,9 @@ def _pull_back_chunk(
     """
     if together is None:
         shared = [u for u in units if u not in alone]
-        together = _pull_back_batched(plan, shared, pullbacks, grad_outputs, weight_tensor, direct)
+        together = _pull_back_batched(
+            plan, shared, pullbacks, grad_outputs, weight_tensor, direct, failures
+        )
     for u in units:
         unit = plan.units[u]
         pullback = pullbacks[u]
@@ -1120,6 +1141,10 @@ class _Backward:
         self.shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
         self.one_call = False
         self.all_chunks: Batched | None = None
+        # Pullbacks joined later (NOTE [ Pullbacks joined later ]): the gradients to store,
+        # by slot, and what batched engine calls failed, both for the caller's thread.
+        self.to_store: list[tuple[int, Tensor]] | None = None
+        self.failures: list[BaseException] | None = None
 
     def route(
         self,
@@ -1155,7 +1180,10 @@ class _Backward:
             elif flat is not None and slot in flat:
                 to_flat.append((slot, g))
             elif self.direct[slot]:  # NOTE [ Gradients stored, not returned ]
-                plan.params[slot].grad = _stored_grad(plan.params[slot], g)
+                if self.to_store is not None:
+                    self.to_store.append((slot, g))
+                else:
+                    plan.params[slot].grad = _stored_grad(plan.params[slot], g)
             else:
                 self.param_grads[slot] = g
         if to_flat:
@@ -1241,6 +1269,7 @@ class _Backward:
                 self.direct,
                 self.all_chunks,
                 alone,
+                self.failures,
             ):
                 for j, g in enumerate(arg_grads):
                     if g is not None:
@@ -1303,6 +1332,7 @@ class _Backward:
                 order = plan.claim_order if ordered else None
                 if plan.join is not None and self.returns_none():
                     # NOTE [ Pullbacks joined later ]
+                    self.to_store, self.failures = [], []
                     job = _pool.start_ordered(
                         self.chunk,
                         len(plan.chunks),
@@ -1314,6 +1344,7 @@ class _Backward:
                     if job is not None:
                         plan.join.finish = functools.partial(self.join, job)
                         return
+                    self.to_store = self.failures = None
                 _pool.run_ordered(
                     self.chunk, len(plan.chunks), workers, self.consume, order, plan.callers_last
                 )
@@ -1358,13 +1389,26 @@ class _Backward:
         )
 
     def join(self, job: Any) -> None:
-        """The caller's part of the pullbacks handed to helpers, then the wait; on a failure,
-        undo and raise (NOTE [ Pullbacks joined later ])."""
+        """The caller's part of the pullbacks handed to helpers, then the wait, then the
+        gradients they gave to store; on a failure, undo and raise (NOTE [ Pullbacks joined
+        later ])."""
         try:
             _pool.join(job)
+            if self.failures:  # a batched call failed, its models alone did not: still failed
+                raise self.failures[0]
         except BaseException:
+            self.to_store = self.failures = None
             self.undo()
             raise
+        params, to_store = self.plan.params, self.to_store
+        self.to_store = self.failures = None
+        assert to_store is not None
+        for slot, g in to_store:
+            p = params[slot]
+            g = _stored_grad(p, g)
+            # Set already by the engine (a gradient from outside the sum, whose nodes ran
+            # before this one): added, as the engine would have added it to the stored one.
+            p.grad = g if p.grad is None else p.grad + g
 
     def gradients(self) -> tuple[Tensor | None, ...]:
         """One gradient per input of ``ParallelSum.forward``: None for the plan, the

@@ -98,11 +98,16 @@ def test_handed_over_and_joined_with_the_bits_of_one_thread(path, handed_over, c
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("made", ["before", "after"])
 @pytest.mark.parametrize("path", PATHS)
-def test_gradients_from_outside_the_sum_come_after_it(path, handed_over, cores):
-    # Two more gradients for every parameter, from nodes made before the sum: the engine adds
+def test_gradients_from_outside_the_sum_add_to_its_own(path, made, handed_over, cores):
+    # Two more gradients for every parameter. From nodes made before the sum, the engine adds
     # them together, then to the sum's in .grad, on several threads as on one (returned by the
-    # node, the sum's would have been added to them in the engine's buffer: other bits).
+    # node, the sum's would have been added to them in the engine's buffer: other bits). From
+    # nodes made after it, the engine accumulates them right after the node, while the helpers
+    # pull back: the gradients the node stores itself (stacked, vjp), written by a helper, had
+    # raced the engine's (found by tests/test_differential.py); the caller stores them, at the
+    # join.
     cores(2)
     make, kwargs, _ = PATHS[path]
     torch.manual_seed(1)
@@ -110,20 +115,37 @@ def test_gradients_from_outside_the_sum_come_after_it(path, handed_over, cores):
     alone = copy.deepcopy(models)
     x = torch.randn(16, IN)
 
+    def outside(params):
+        return 0.3 * sum(p.pow(2).sum() for p in params) + 0.7 * sum(p.sin().sum() for p in params)
+
     def step(models, n_jobs):
         clear_grads(models)
         params = [p for m in models for p in m.parameters()]
-        outside = 0.3 * sum(p.pow(2).sum() for p in params) + 0.7 * sum(
-            p.sin().sum() for p in params
-        )
+        before = outside(params) if made == "before" else 0
         y = parsum.sum_models(models, x, n_jobs=n_jobs, **kwargs)
-        (y.pow(2).mean() + outside).backward()
+        after = outside(params[::2]) if made == "after" else 0
+        (y.pow(2).mean() + before + after).backward()
         return [p.grad for p in params]
 
     for _ in range(3):
         got, want = step(models, 2), step(alone, 1)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert handed_over["started"] == handed_over["joined"] == 3
+
+
+def test_not_where_the_weights_need_a_gradient(handed_over, cores):
+    # The node returns the weights' gradient, which the engine would accumulate before a
+    # failing pullback is joined: a failed call changed weights.grad (found by
+    # tests/test_differential.py).
+    cores(2)
+    models = heterogeneous()
+    models.insert(2, BoomBackward())
+    weights = torch.rand(len(models), requires_grad=True)
+    y = parsum.sum_models(models, torch.randn(16, IN), weights=weights, n_jobs=2)
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(BoomBackward\)"):
+        y.pow(2).mean().backward()
+    assert weights.grad is None and all(g is None for g in param_grads(models))
+    assert handed_over["started"] == 0
 
 
 def test_two_sums_in_one_loss_and_a_retained_graph(handed_over, cores):

@@ -1,0 +1,416 @@
+"""Random calls of ``sum_models`` against the plain loop, across n_jobs: mixes of models (some
+identical, so that they stack; repeated; tied; with buffers, dropout, composite parameters),
+weights, argument gradients, gradients already there, FlatGrads, terms of the loss outside the
+sum, ``autograd.grad``, retained graphs, steps in the backward, models changed between calls,
+and models that fail in forward or backward. Every call's outputs and gradients must be the
+plain loop's (within rounding), the same bits for every n_jobs, and a failed call must change
+nothing. ``python tests/test_differential.py FIRST COUNT`` runs more cases than the suite."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import parsum
+from parsum import _config, _function
+from tests.zoo import IN, OUT, ConvNet, LowRankLinear, mlp, parametrized_model, plain_sum
+
+pytestmark = pytest.mark.timeout(300)
+
+N_JOBS = (1, 2, 3, None)
+
+
+class Tied(nn.Module):
+    """A head over a layer that other models may hold too."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared = shared
+        self.head = nn.Linear(shared.out_features, OUT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.shared(x)))
+
+
+class TreeOut(nn.Module):
+    """An output that is a pytree."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(IN, width), nn.Linear(width, OUT), nn.Linear(width, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"y": self.b(h), "z": (self.c(h),)}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a model's backward failed")
+
+
+class Failing(nn.Module):
+    """A model that fails in forward or in backward while ``armed``."""
+
+    def __init__(self, inner: nn.Module, where: str) -> None:
+        super().__init__()
+        self.inner, self.where, self.armed = inner, where, False
+
+    def forward(self, x):
+        if self.armed and self.where == "forward":
+            raise RuntimeError("a model's forward failed")
+        y = self.inner(x)
+        if self.armed and self.where == "backward":
+            return pytree.tree_map(_RaiseInBackward.apply, y)
+        return y
+
+
+@dataclass
+class Case:
+    """One random scenario; ``run(n_jobs)`` plays it with parsum, ``run(None, plain=True)``
+    with the plain loop."""
+
+    seed: int
+    rng: random.Random = field(repr=False)
+    dtype: torch.dtype = torch.float32
+    models: list[nn.Module] = field(default_factory=list, repr=False)
+    kinds: list[str] = field(default_factory=list)
+    weights: str = "none"
+    weight_values: list[float] = field(default_factory=list, repr=False)
+    x_needs_grad: bool = False
+    engine: str = "auto"
+    join_any_size: bool = False
+    grads_before: bool = False
+    flat: str = "none"
+    outside: bool = False
+    outside_params: list[int] = field(default_factory=list)
+    how: str = "backward"
+    steps: int = 1
+    change: str = "none"
+    step_in_backward: bool = False
+    failing_step: int | None = None
+    failing_model: int | None = None
+    failing_in: str = ""
+
+    @classmethod
+    def make(cls, seed: int) -> Case:
+        rng = random.Random(seed)
+        case = cls(seed, rng)
+        torch.manual_seed(seed)
+        case.dtype = rng.choice([torch.float32, torch.float64])
+        case.models = [m.to(case.dtype) for m in case._models()]
+        n = len(case.models)
+        case.weights = rng.choice(["none", "list", "tensor", "tensor with grad"])
+        case.weight_values = [rng.uniform(-1, 2) for _ in range(n)]
+        case.x_needs_grad = rng.random() < 0.4
+        case.engine = rng.choice(["auto", "auto", "auto", "autograd", "stacked", "vjp"])
+        if case.engine == "vjp" and "batchnorm" in case.kinds:  # vjp refuses buffer updates
+            case.engine = "autograd"
+        case.join_any_size = rng.random() < 0.5
+        case.grads_before = rng.random() < 0.25
+        case.flat = rng.choice(["none", "none", "FlatGrad", "compensated"])
+        case.outside = rng.random() < 0.3
+        case.outside_params = rng.sample(range(40), rng.randint(1, 4))
+        case.how = rng.choice(["backward", "backward", "autograd.grad", "retain_graph"])
+        case.steps = rng.randint(1, 3)
+        case.change = rng.choice(["none", "none", "eval", "freeze", "replace", "train"])
+        # StepInBackward takes each model once, and no parameter of two models.
+        once_each = len({id(m) for m in case.models}) == n and "tied" not in case.kinds
+        case.step_in_backward = (
+            "tree" not in case.kinds
+            and once_each
+            and not case.outside
+            and case.how == "backward"
+            and case.flat == "none"
+            and not case.grads_before
+            and case.change not in ("freeze", "replace")  # a parameter its optimizer lacks
+            and rng.random() < 0.15
+        )
+        if not case.step_in_backward and rng.random() < 0.25:  # steps already taken stay
+            where = rng.choice(["forward", "backward"])
+            k = rng.randrange(n)
+            case.models[k] = Failing(case.models[k], where)
+            case.kinds[k] += f" failing in {where}"
+            case.failing_step, case.failing_model = rng.randrange(case.steps), k
+            case.failing_in = where
+        return case
+
+    def _models(self) -> list[nn.Module]:
+        rng = self.rng
+        if rng.random() < 0.1:
+            self.kinds = ["tree"] * rng.randint(1, 5)
+            return [TreeOut(rng.choice([4, 8])) for _ in self.kinds]
+        models: list[nn.Module] = []
+        shared = None
+        for _ in range(rng.randint(1, 8)):
+            kind = rng.choice(
+                ["mlp"] * 3
+                + ["relu mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank"]
+                + ["batchnorm", "dropout", "repeated", "tied"]
+            )
+            if kind == "relu mlp":
+                m = mlp([16, 12], nn.ReLU)
+            elif kind == "random mlp":
+                widths = [rng.choice([3, 5, 9]) for _ in range(rng.randint(1, 3))]
+                m = mlp(widths, rng.choice([nn.Tanh, nn.ReLU, nn.GELU]))
+            elif kind == "layernorm":
+                m = nn.Sequential(
+                    nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, OUT)
+                )
+            elif kind == "conv":
+                m = ConvNet()
+            elif kind == "parametrized":
+                m = parametrized_model()
+            elif kind == "low rank":
+                m = nn.Sequential(LowRankLinear(IN, 9), nn.Tanh(), LowRankLinear(9, OUT, rank=3))
+            elif kind == "batchnorm":
+                m = nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, OUT))
+            elif kind == "dropout":
+                m = nn.Sequential(nn.Linear(IN, 12), nn.ReLU(), nn.Dropout(0.3), nn.Linear(12, OUT))
+            elif kind == "repeated" and models:
+                m = rng.choice(models)
+            elif kind == "tied":
+                shared = shared or nn.Linear(IN, 5)
+                m = Tied(shared)
+            else:
+                kind, m = "mlp", mlp([8])
+            models.append(m)
+            self.kinds.append(kind)
+        return models
+
+    @property
+    def plain_draws_differ(self) -> bool:
+        """Whether parsum may draw other random numbers than the plain loop: dropout in a
+        stacked group draws from vmap's stream (docs/limits.md)."""
+        return "dropout" in self.kinds and self.engine != "autograd"
+
+    def run(self, n_jobs: int | None, plain: bool = False) -> dict[str, Any]:
+        """Every step's outputs (and ``autograd.grad`` results), then the parameters, their
+        ``.grad``, the buffers and the argument's and weights' gradients at the end."""
+        models = copy.deepcopy(self.models)
+        params = _unique_params(models)
+        init = torch.Generator().manual_seed(self.seed + 1)
+        before = [torch.randn(p.shape, generator=init, dtype=p.dtype) for p in params]
+        if not plain and self.flat != "none":
+            parsum.FlatGrad(models, compensated=self.flat == "compensated")
+            for p, g in zip(params, before) if self.grads_before else ():
+                p.grad.copy_(g)
+        elif self.grads_before:
+            for p, g in zip(params, before):
+                p.grad = g.clone()
+        sib = None
+        optimizer = None
+        if self.step_in_backward:
+            if plain:
+                optimizer = torch.optim.SGD(params, lr=0.1)
+            else:
+                sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+        x = torch.randn(5, IN, dtype=self.dtype, generator=init).requires_grad_(self.x_needs_grad)
+        weights: Any = None
+        if self.weights == "list":
+            weights = list(self.weight_values)
+        elif self.weights != "none":
+            weights = torch.tensor(self.weight_values, dtype=self.dtype)
+            weights.requires_grad_(self.weights == "tensor with grad")
+        record: list[Any] = []
+        for step in range(self.steps):
+            if step == 1:
+                self._change(models)
+                params = _unique_params(models)
+            failing = step == self.failing_step
+            for m in models:
+                if isinstance(m, Failing):
+                    m.armed = failing
+            torch.manual_seed(self.seed + 100 + step)
+            if failing and not plain:
+                self._fail(models, x, weights, n_jobs, sib)
+                continue
+            if plain:
+                if failing:  # as if the step never ran, or its forward only
+                    if self.failing_in == "backward":
+                        plain_sum(models, x, weights=weights)
+                    continue
+                y = plain_sum(models, x, weights=weights)
+            else:
+                kwargs = {} if sib is None else {"step_in_backward": sib}
+                y = parsum.sum_models(
+                    models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **kwargs
+                )
+            record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
+            loss = self._loss(y, params)
+            if self.how == "autograd.grad":
+                wanted = self._wanted(params, x, weights)
+                found = torch.autograd.grad(loss, wanted, allow_unused=True)
+                record.extend(None if g is None else g.clone() for g in found)
+            elif self.how == "retain_graph":
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:
+                loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+        params = _unique_params(models)
+        return {
+            "record": record,
+            "grads": [None if p.grad is None else p.grad.clone() for p in params],
+            "params": [p.detach().clone() for p in params],
+            "buffers": [b.clone() for m in models for b in m.buffers()],
+            "x.grad": None if x.grad is None else x.grad.clone(),
+            "weights.grad": getattr(weights, "grad", None),
+        }
+
+    def _loss(self, y: Any, params: list[torch.Tensor]) -> torch.Tensor:
+        loss = sum((t.double() ** 2).mean() * (k + 1) for k, t in enumerate(pytree.tree_leaves(y)))
+        if self.outside:  # made after the sum: its gradients reach .grad before the sum's
+            chosen = {params[k % len(params)] for k in self.outside_params}
+            loss = loss + sum((p.double() ** 2).sum() for p in chosen if p.requires_grad)
+        return loss  # type: ignore[return-value]
+
+    def _wanted(self, params, x, weights) -> list[torch.Tensor]:
+        wanted = [p for p in params if p.requires_grad]
+        if self.x_needs_grad:
+            wanted.append(x)
+        if self.weights == "tensor with grad":
+            wanted.append(weights)
+        return wanted
+
+    def _change(self, models: list[nn.Module]) -> None:
+        """The change between the first and second calls, alike in every run."""
+        first = models[0]
+        if self.change == "eval":
+            first.eval()
+        elif self.change == "train":
+            for m in models:
+                m.train()
+        elif self.change == "freeze":
+            next(first.parameters()).requires_grad_(False)
+        elif self.change == "replace":
+            owner = next(m for m in first.modules() if list(m.parameters(recurse=False)))
+            name, p = next(iter(owner.named_parameters(recurse=False)))
+            if "." not in name:  # not a parametrization's original
+                setattr(owner, name, nn.Parameter(p.detach() * 1.5))
+
+    def _fail(self, models, x, weights, n_jobs, sib) -> None:
+        """A call with a failing model: ParsumError, and nothing changed."""
+        params = _unique_params(models)
+        state = _state(models)
+        kwargs = {} if sib is None else {"step_in_backward": sib}
+        named = rf"model {self.failing_model} \(Failing\) raised RuntimeError in {self.failing_in}"
+        with pytest.raises(parsum.ParsumError, match=named):
+            y = parsum.sum_models(
+                models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **kwargs
+            )
+            if self.failing_in == "backward":
+                state = _state(models)  # the forward's statistics stay, as in the plain loop
+            loss = self._loss(y, params)
+            if self.how == "autograd.grad":
+                torch.autograd.grad(loss, self._wanted(params, x, weights), allow_unused=True)
+            else:
+                loss.backward()
+        after = _state(models)
+        for what in state:
+            _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _unique_params(models: list[nn.Module]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    found = []
+    for m in models:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+    return found
+
+
+def _state(models: list[nn.Module]) -> dict[str, list[torch.Tensor | None]]:
+    params = _unique_params(models)
+    return {
+        ".grad": [None if p.grad is None else p.grad.clone() for p in params],
+        "parameters": [p.detach().clone() for p in params],
+        "buffers": [b.clone() for m in models for b in m.buffers()],
+    }
+
+
+def _compare(got: Any, want: Any, what: str, exact: bool, dtype=torch.float32) -> None:
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), what
+        for k, (g, w) in enumerate(zip(got, want)):
+            _compare(g, w, f"{what}[{k}]", exact, dtype)
+        return
+    assert (got is None) == (want is None), f"{what}: {got is None} against {want is None}"
+    if got is None:
+        return
+    assert got.shape == want.shape, what
+    if exact:
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), what
+    else:
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)
+        assert torch.allclose(got, want, **tol), what  # type: ignore[arg-type]
+
+
+def check(seed: int) -> None:
+    """Case ``seed`` with parsum at every n_jobs against the plain loop."""
+    case = Case.make(seed)
+    saved = _function.JOIN_LATER_PARAMS
+    _function.JOIN_LATER_PARAMS = 0 if case.join_any_size else saved
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # dropout's order warnings, lazy modules
+            runs = {n: case.run(n) for n in N_JOBS}
+            plain = case.run(None, plain=True)
+    finally:
+        _function.JOIN_LATER_PARAMS = saved
+    for what, want in plain.items():
+        if case.flat != "none" and what == "grads":  # a FlatGrad's .grad are views, never None
+            want = [w if w is not None or g is None else torch.zeros_like(g)
+                    for w, g in zip(want, runs[1][what])]  # fmt: skip
+        if not case.plain_draws_differ:
+            _compare(
+                runs[1][what], want, f"{case}: {what} against the plain loop", False, case.dtype
+            )
+        for n in N_JOBS[1:]:
+            _compare(runs[n][what], runs[1][what], f"{case}: {what} at n_jobs={n}", True)
+
+
+@pytest.fixture
+def three_cores(cores):
+    cores(3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_calls_match_the_plain_loop_with_the_same_bits_at_any_n_jobs(seed, three_cores):
+    check(seed)
+
+
+if __name__ == "__main__":
+    _config.usable_cores = lambda: 3  # type: ignore[assignment]
+    torch.set_num_threads(3)
+    first, count = int(sys.argv[1]), int(sys.argv[2])
+    failed = 0
+    for seed in range(first, first + count):
+        try:
+            check(seed)
+        except Exception as exc:  # every failing seed, then the count
+            failed += 1
+            print(f"seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
+    print(f"{count} cases, {failed} failed")
