@@ -1,16 +1,18 @@
 """Random calls of ``sum_models`` against the plain loop, across n_jobs: mixes of models (some
-identical, so that they stack; repeated; tied; with buffers, dropout, composite parameters),
-weights, argument gradients, gradients already there, FlatGrads, terms of the loss outside the
-sum, ``autograd.grad``, retained graphs, steps in the backward, models changed between calls,
-and models that fail in forward or backward. Every call's outputs and gradients must be the
-plain loop's (within rounding), the same bits for every n_jobs, and a failed call must change
-nothing. ``python tests/test_differential.py FIRST COUNT`` runs more cases than the suite."""
+identical, so that they stack, also in ``stack_`` storage; repeated; tied; with buffers,
+dropout, composite parameters), weights, argument gradients, gradients already there,
+FlatGrads, terms of the loss outside the sum, ``autograd.grad``, retained graphs, steps in the
+backward, models changed between calls, and models that fail in forward or backward. Every
+call's outputs and gradients must be the plain loop's (within rounding), the same bits for
+every n_jobs and beside calls in other threads, and a failed call must change nothing.
+``python -m tests.test_differential FIRST COUNT`` plays more cases than the suite."""
 
 from __future__ import annotations
 
 import copy
 import random
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +108,7 @@ class Case:
     steps: int = 1
     change: str = "none"
     step_in_backward: bool = False
+    stacked_storage: bool = False
     failing_step: int | None = None
     failing_model: int | None = None
     failing_in: str = ""
@@ -132,6 +135,8 @@ class Case:
         case.how = rng.choice(["backward", "backward", "autograd.grad", "retain_graph"])
         case.steps = rng.randint(1, 3)
         case.change = rng.choice(["none", "none", "eval", "freeze", "replace", "train"])
+        # autograd.grad does not reach the models of a stack (docs/identical-models.md)
+        case.stacked_storage = case.how != "autograd.grad" and rng.random() < 0.25
         # StepInBackward takes each model once, and no parameter of two models.
         once_each = len({id(m) for m in case.models}) == n and "tied" not in case.kinds
         case.step_in_backward = (
@@ -200,12 +205,21 @@ class Case:
     def plain_draws_differ(self) -> bool:
         """Whether parsum may draw other random numbers than the plain loop: dropout in a
         stacked group draws from vmap's stream (docs/limits.md)."""
-        return "dropout" in self.kinds and self.engine != "autograd"
+        return self.draws and self.engine != "autograd"
+
+    @property
+    def draws(self) -> bool:
+        """Whether a model draws random numbers."""
+        return any(kind.startswith("dropout") for kind in self.kinds)
 
     def run(self, n_jobs: int | None, plain: bool = False) -> dict[str, Any]:
         """Every step's outputs (and ``autograd.grad`` results), then the parameters, their
         ``.grad``, the buffers and the argument's and weights' gradients at the end."""
         models = copy.deepcopy(self.models)
+        if self.stacked_storage:  # the models of kind "mlp", in parsum.stack_ storage
+            group = [m for m, kind in zip(models, self.kinds) if kind == "mlp"]
+            if len(group) == len({id(m) for m in group}) >= 2:
+                parsum.stack_(group)
         params = _unique_params(models)
         init = torch.Generator().manual_seed(self.seed + 1)
         before = [torch.randn(p.shape, generator=init, dtype=p.dtype) for p in params]
@@ -239,7 +253,9 @@ class Case:
             for m in models:
                 if isinstance(m, Failing):
                     m.armed = failing
-            torch.manual_seed(self.seed + 100 + step)
+            if self.draws:  # only then: a thread seeding beside a call looks like its models
+                torch.manual_seed(self.seed + 100 + step)  # drawing (NOTE [ Random numbers
+                # in forwards ] in parsum._random), which then run in model order
             if failing and not plain:
                 self._fail(models, x, weights, n_jobs, sib)
                 continue
@@ -392,14 +408,59 @@ def check(seed: int) -> None:
             _compare(runs[n][what], runs[1][what], f"{case}: {what} at n_jobs={n}", True)
 
 
+def check_concurrently(seeds: range, n_jobs: int = 2) -> None:
+    """The cases of ``seeds`` (those without dropout, whose draws come from one generator)
+    run at once, one thread each, with the calling thread's budget (the bits depend on the
+    budget, which is each thread's intra-op count): every run gives the bits it gives alone."""
+    cases = [case for case in map(Case.make, seeds) if not case.draws]
+    saved = _function.JOIN_LATER_PARAMS
+    _function.JOIN_LATER_PARAMS = 0  # every case the same way: one module-wide setting
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            alone = [case.run(n_jobs) for case in cases]
+            together: list[Any] = [None] * len(cases)
+
+            budget = torch.get_num_threads()
+
+            def play(k: int) -> None:
+                # A new thread takes the count any thread set last at its first parallel op
+                # (get_num_threads counts as one): asked first, then set, it keeps the budget.
+                torch.get_num_threads()
+                torch.set_num_threads(budget)
+                try:
+                    together[k] = cases[k].run(n_jobs)
+                except BaseException as exc:  # raised in the test's thread below
+                    together[k] = exc
+
+            threads = [threading.Thread(target=play, args=(k,)) for k in range(len(cases))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+                assert not thread.is_alive(), "a concurrent call hangs"
+    finally:
+        _function.JOIN_LATER_PARAMS = saved
+    for case, got, want in zip(cases, together, alone):
+        if isinstance(got, BaseException):
+            raise got
+        for what in want:
+            _compare(got[what], want[what], f"{case}: {what} beside other calls", True)
+
+
 @pytest.fixture
 def three_cores(cores):
     cores(3)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(200))
 def test_random_calls_match_the_plain_loop_with_the_same_bits_at_any_n_jobs(seed, three_cores):
     check(seed)
+
+
+@pytest.mark.parametrize("first", range(1000, 1050, 10))
+def test_random_calls_at_once_in_several_threads_give_the_bits_of_each_alone(first, three_cores):
+    check_concurrently(range(first, first + 10))
 
 
 if __name__ == "__main__":
@@ -413,4 +474,10 @@ if __name__ == "__main__":
         except Exception as exc:  # every failing seed, then the count
             failed += 1
             print(f"seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
-    print(f"{count} cases, {failed} failed")
+    for group in range(first, first + count, 10):
+        try:
+            check_concurrently(range(group, min(group + 10, first + count)))
+        except Exception as exc:
+            failed += 1
+            print(f"seeds {group}-{group + 9} at once: {type(exc).__name__}: {exc}"[:600])
+    print(f"{count} cases alone and at once, {failed} failed")
