@@ -45,7 +45,7 @@ from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
 from ._errors import ParsumError
-from ._random import draws_now
+from ._random import draws_now, may_recompute
 from ._sparse import GradSum, add_grad, has_user_hooks
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
@@ -1047,7 +1047,29 @@ def batched_forward(
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
             raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
+    if torch.is_grad_enabled() and model not in _NO_RECOMPUTE:
+        # NOTE [ Checkpoints under vmap ]
+        nodes = [leaf.grad_fn for leaf in leaves]
+        if may_recompute(nodes):
+            raise RuntimeError(
+                "the models recompute their forward in backward (torch.utils.checkpoint or "
+                "other saved-tensor hooks), which vmap's batched graph cannot replay"
+            )
+        _NO_RECOMPUTE.add(model)
     return leaves, spec
+
+
+# NOTE [ Checkpoints under vmap ]
+# A model that checkpoints (torch.utils.checkpoint without reentrance: saved-tensor hooks) runs
+# under vmap, but its backward recomputes the forward outside vmap, and torch's check of the
+# recomputed tensors raised CheckpointError from the engine (10 identical checkpointed MLPs,
+# stacked by auto: every backward failed, found by tests/test_differential.py). The first
+# batched forward of a model looks for a graph that can recompute (``may_recompute``, the one
+# that NOTE [ Random numbers replayed in backward ] in _random uses): there the batched forward
+# fails, so that auto runs the models one by one from then on (VMAP_FAILED), stack_ storage gives
+# up, and engine="stacked" raises naming the model. Looked for once per model: a model that
+# starts checkpointing later (an attribute set) fails in backward as before.
+_NO_RECOMPUTE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _models_per_chunk(

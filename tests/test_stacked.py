@@ -183,6 +183,33 @@ def test_models_vmap_could_not_run_as_their_own_forward_are_not_grouped():
     assert groups([nn.Sequential(nn.Linear(IN, OUT), act) for _ in range(2)], "stacked") == [(0, 1)]
 
 
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = mlp([8], nn.GELU)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_checkpointed_models_run_one_by_one(n_jobs):
+    # NOTE [ Checkpoints under vmap ]: stacked by auto, every backward raised CheckpointError
+    # (found by tests/test_differential.py).
+    models = [Checkpointed() for _ in range(10)]
+    x = torch.randn(5, IN)
+    for _ in range(2):  # the first call falls back, the next runs them one by one
+        for m in models:
+            m.zero_grad()
+        assert_matches(*run_both(models, x, n_jobs=n_jobs))
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Checkpointed\).*recompute"):
+        parsum.sum_models([Checkpointed() for _ in range(3)], x, engine="stacked")
+    stacked = [Checkpointed() for _ in range(4)]
+    parsum.stack_(stacked)
+    parsum.sum_models(stacked, x).sum().backward()  # the stack gives up its batched forward
+    assert all(m.inner[0].weight.grad is not None for m in stacked)
+
+
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_weighted_group_under_another_default_device(n_jobs):
     # The group's weights are made on the outputs' device: not on the default device (with
