@@ -9,6 +9,7 @@ every n_jobs and beside calls in other threads, and a failed call must change no
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import sys
@@ -68,6 +69,17 @@ class Rows(nn.Module):
         return torch.tanh(x @ parsum.take_rows(self.table, self.rows).T)
 
 
+class Scaled(nn.Module):
+    """A model that takes a keyword argument."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, scale=1.0):
+        return pytree.tree_map(lambda t: t * scale, self.inner(x))
+
+
 class Checkpointed(nn.Module):
     """A model whose forward is recomputed in backward."""
 
@@ -100,10 +112,10 @@ class Failing(nn.Module):
         super().__init__()
         self.inner, self.where, self.armed = inner, where, False
 
-    def forward(self, x):
+    def forward(self, x, **kwargs):
         if self.armed and self.where == "forward":
             raise RuntimeError("a model's forward failed")
-        y = self.inner(x)
+        y = self.inner(x, **kwargs)
         if self.armed and self.where == "backward":
             return pytree.tree_map(_RaiseInBackward.apply, y)
         return y
@@ -133,6 +145,7 @@ class Case:
     change: str = "none"
     step_in_backward: bool = False
     stacked_storage: bool = False
+    scale: bool = False  # every model takes a keyword argument
     failing_step: int | None = None
     failing_model: int | None = None
     failing_in: str = ""
@@ -144,6 +157,9 @@ class Case:
         torch.manual_seed(seed)
         case.dtype = rng.choice([torch.float32, torch.float64])
         case.models = [m.to(case.dtype) for m in case._models()]
+        if rng.random() < 0.15:
+            case.scale = True
+            case._scaled()
         n = len(case.models)
         case.weights = rng.choice(["none", "list", "tensor", "tensor with grad"])
         case.weight_values = [rng.uniform(-1, 2) for _ in range(n)]
@@ -161,7 +177,9 @@ class Case:
         case.flat = rng.choice(["none", "none", "FlatGrad", "compensated"])
         case.outside = rng.random() < 0.3
         case.outside_params = rng.sample(range(40), rng.randint(1, 4))
-        case.how = rng.choice(["backward", "backward", "autograd.grad", "retain_graph"])
+        case.how = rng.choice(
+            ["backward", "backward", "autograd.grad", "retain_graph", "no_grad", "sgd"]
+        )
         case.steps = rng.randint(1, 3)
         case.change = rng.choice(["none", "none", "eval", "freeze", "replace", "train"])
         # autograd.grad does not reach the models of a stack (docs/identical-models.md)
@@ -238,6 +256,11 @@ class Case:
             self.kinds.append(kind)
         return models
 
+    def _scaled(self) -> None:
+        """Every model takes ``scale=``: wrapped once each (a repeated one stays repeated)."""
+        wrapped: dict[int, nn.Module] = {}
+        self.models = [wrapped.setdefault(id(m), Scaled(m)) for m in self.models]
+
     @property
     def plain_draws_differ(self) -> bool:
         """Whether parsum may draw other random numbers than the plain loop: dropout in a
@@ -274,6 +297,10 @@ class Case:
                 optimizer = torch.optim.SGD(params, lr=0.1)
             else:
                 sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+        elif self.how == "sgd":  # not Adam, which turns rounding on gradients near zero
+            # (a Linear's bias before a BatchNorm) into steps of the learning rate
+            optimizer = torch.optim.SGD(params, lr=0.01)
+        call = {"scale": torch.tensor(0.5, dtype=self.dtype)} if self.scale else {}
         x = torch.randn(5, IN, dtype=self.dtype, generator=init).requires_grad_(self.x_needs_grad)
         weights: Any = None
         if self.weights == "list":
@@ -299,15 +326,20 @@ class Case:
             if plain:
                 if failing:  # as if the step never ran, or its forward only
                     if self.failing_in == "backward":
-                        plain_sum(models, x, weights=weights)
+                        plain_sum(models, x, weights=weights, **call)
                     continue
-                y = plain_sum(models, x, weights=weights)
+                with _no_grad(self.how == "no_grad"):
+                    y = plain_sum(models, x, weights=weights, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
-                y = parsum.sum_models(
-                    models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **kwargs
-                )
+                with _no_grad(self.how == "no_grad"):
+                    y = parsum.sum_models(
+                        models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
+                        **kwargs,
+                    )  # fmt: skip
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
+            if self.how == "no_grad":
+                continue
             loss = self._loss(y, params)
             if not loss.requires_grad:  # every parameter frozen: nothing to differentiate
                 continue
@@ -322,7 +354,7 @@ class Case:
                 loss.backward()
             if optimizer is not None:
                 optimizer.step()
-                optimizer.zero_grad()
+                optimizer.zero_grad()  # .grad None: a FlatGrad's views are set again
         params = _unique_params(models)
         return {
             "record": record,
@@ -370,9 +402,10 @@ class Case:
         state = _state(models)
         kwargs = {} if sib is None else {"step_in_backward": sib}
         named = rf"model {self.failing_model} \(Failing\) raised RuntimeError in {self.failing_in}"
+        call = {"scale": torch.tensor(0.5, dtype=self.dtype)} if self.scale else {}
         with pytest.raises(parsum.ParsumError, match=named):
             y = parsum.sum_models(
-                models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **kwargs
+                models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call, **kwargs
             )
             if self.failing_in == "backward":
                 state = _state(models)  # the forward's statistics stay, as in the plain loop
@@ -384,6 +417,10 @@ class Case:
         after = _state(models)
         for what in state:
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _no_grad(on: bool):
+    return torch.no_grad() if on else contextlib.nullcontext()
 
 
 def _unique_params(models: list[nn.Module]) -> list[torch.Tensor]:
