@@ -30,6 +30,18 @@ from tests.zoo import IN, OUT, ConvNet, LowRankLinear, mlp, parametrized_model, 
 pytestmark = pytest.mark.timeout(300)
 
 N_JOBS = (1, 2, 3, None)
+# What changes between the first and second calls (Case._change).
+CHANGES = (
+    "none",
+    "none",
+    "eval",
+    "freeze",
+    "replace",
+    "train",
+    "load",
+    "forward hook",
+    "tensor hook",
+)
 
 
 class Tied(nn.Module):
@@ -181,7 +193,7 @@ class Case:
             ["backward", "backward", "autograd.grad", "retain_graph", "no_grad", "sgd"]
         )
         case.steps = rng.randint(1, 3)
-        case.change = rng.choice(["none", "none", "eval", "freeze", "replace", "train"])
+        case.change = rng.choice(CHANGES)
         # autograd.grad does not reach the models of a stack (docs/identical-models.md)
         case.stacked_storage = case.how != "autograd.grad" and rng.random() < 0.25
         # StepInBackward takes each model once, and no parameter of two models.
@@ -196,10 +208,13 @@ class Case:
             and case.how == "backward"
             and case.flat == "none"
             and not case.grads_before
-            and case.change not in ("freeze", "replace")  # a parameter its optimizer lacks
+            # a parameter its optimizer lacks, or a hook, which StepInBackward refuses
+            and case.change not in ("freeze", "replace", "tensor hook")
             and rng.random() < 0.15
         )
-        if not case.step_in_backward and rng.random() < 0.25:  # steps already taken stay
+        # A model that fails: not with steps in the backward (the steps taken stay), nor where a
+        # frozen parameter may leave no gradient to fail in.
+        if not case.step_in_backward and case.change != "freeze" and rng.random() < 0.25:
             where = rng.choice(["forward", "backward"])
             k = rng.randrange(n)
             case.models[k] = Failing(case.models[k], where)
@@ -395,6 +410,14 @@ class Case:
             name, p = next(iter(owner.named_parameters(recurse=False)))
             if "." not in name:  # not a parametrization's original
                 setattr(owner, name, nn.Parameter(p.detach() * 1.5))
+        elif self.change == "load":  # new values in the same tensors: a plan reused
+            first.load_state_dict({k: v * 0.5 for k, v in first.state_dict().items()})
+        elif self.change == "forward hook":
+            first.register_forward_hook(lambda module, args, out: pytree.tree_map(_double, out))
+        elif self.change == "tensor hook":
+            p = next(first.parameters())
+            if p.requires_grad:
+                p.register_hook(_double)
 
     def _fail(self, models, x, weights, n_jobs, sib) -> None:
         """A call with a failing model: ParsumError, and nothing changed."""
@@ -417,6 +440,10 @@ class Case:
         after = _state(models)
         for what in state:
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
 
 
 def _no_grad(on: bool):
