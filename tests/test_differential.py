@@ -283,21 +283,52 @@ class Case:
         return self.draws and self.engine != "autograd"
 
     @property
+    def fits_ranks(self) -> bool:
+        """Whether ``run(share=...)`` on every rank gives this rank's part of a plain run: no
+        parameter of two models (each rank holds its own), no failure or step in the
+        backward (tested apart), no drawing, and only what differentiates the loss of the
+        sum as a whole (a term on this rank's parameters, or autograd.grad with respect to
+        them, would differ from the plain loop's)."""
+        params = _unique_params(self.models)
+        return (
+            len({id(p) for p in params}) == sum(len(list(m.parameters())) for m in self.models)
+            and self.failing_step is None
+            and not self.step_in_backward
+            and not self.draws
+            and not self.outside
+            and self.how != "autograd.grad"
+        )
+
+    @property
     def draws(self) -> bool:
         """Whether a model draws random numbers."""
         return any(kind.startswith("dropout") for kind in self.kinds)
 
-    def run(self, n_jobs: int | None, plain: bool = False) -> dict[str, Any]:
+    def run(
+        self, n_jobs: int | None, plain: bool = False, share: list[int] | None = None
+    ) -> dict[str, Any]:
         """Every step's outputs (and ``autograd.grad`` results), then the parameters, their
-        ``.grad``, the buffers and the argument's and weights' gradients at the end."""
+        ``.grad``, the buffers and the argument's and weights' gradients at the end. With
+        ``share``, this rank's models of a ``parsum.distributed`` run: the parameters,
+        buffers and weights of those models."""
         models = copy.deepcopy(self.models)
+        first = models[0] if share is None or 0 in share else None  # what _change changes
+        init = torch.Generator().manual_seed(self.seed + 1)
+        before = [
+            torch.randn(p.shape, generator=init, dtype=p.dtype) for p in _unique_params(models)
+        ]
+        weight_values = self.weight_values
+        if share is not None:
+            mine = {id(p) for i in share for p in models[i].parameters()}
+            before = [g for p, g in zip(_unique_params(models), before) if id(p) in mine]
+            models = [models[i] for i in share]
+            weight_values = [weight_values[i] for i in share]
         if self.stacked_storage:  # the models of kind "mlp", in parsum.stack_ storage
-            group = [m for m, kind in zip(models, self.kinds) if kind == "mlp"]
+            kinds = self.kinds if share is None else [self.kinds[i] for i in share]
+            group = [m for m, kind in zip(models, kinds) if kind == "mlp"]
             if len(group) == len({id(m) for m in group}) >= 2:
                 parsum.stack_(group)
         params = _unique_params(models)
-        init = torch.Generator().manual_seed(self.seed + 1)
-        before = [torch.randn(p.shape, generator=init, dtype=p.dtype) for p in params]
         if not plain and self.flat != "none":
             parsum.FlatGrad(models, compensated=self.flat == "compensated")
             for p, g in zip(params, before) if self.grads_before else ():
@@ -319,14 +350,14 @@ class Case:
         x = torch.randn(5, IN, dtype=self.dtype, generator=init).requires_grad_(self.x_needs_grad)
         weights: Any = None
         if self.weights == "list":
-            weights = list(self.weight_values)
+            weights = list(weight_values)
         elif self.weights != "none":
-            weights = torch.tensor(self.weight_values, dtype=self.dtype)
+            weights = torch.tensor(weight_values, dtype=self.dtype)
             weights.requires_grad_(self.weights == "tensor with grad")
         record: list[Any] = []
         for step in range(self.steps):
             if step == 1:
-                self._change(models)
+                self._change(models, first)
                 params = _unique_params(models)
             failing = step == self.failing_step
             for m in models:
@@ -347,8 +378,9 @@ class Case:
                     y = plain_sum(models, x, weights=weights, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
+                summing = parsum.sum_models if share is None else parsum.distributed.sum_models
                 with _no_grad(self.how == "no_grad"):
-                    y = parsum.sum_models(
+                    y = summing(
                         models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
                         **kwargs,
                     )  # fmt: skip
@@ -395,14 +427,16 @@ class Case:
             wanted.append(weights)
         return wanted
 
-    def _change(self, models: list[nn.Module]) -> None:
-        """The change between the first and second calls, alike in every run."""
-        first = models[0]
-        if self.change == "eval":
-            first.eval()
-        elif self.change == "train":
+    def _change(self, models: list[nn.Module], first: nn.Module | None) -> None:
+        """The change between the first and second calls, alike in every run: to model 0
+        (``first``; None where this rank does not hold it), or to every model."""
+        if self.change == "train":
             for m in models:
                 m.train()
+        if first is None:
+            return
+        if self.change == "eval":
+            first.eval()
         elif self.change == "freeze":
             next(first.parameters()).requires_grad_(False)
         elif self.change == "replace":

@@ -507,7 +507,58 @@ def _nccl(rank: int) -> None:
     _same_on_every_rank(y)
 
 
+def _random_cases(rank: int) -> None:
+    """tests/test_differential.py's scenarios that fit ranks, each rank running its models of
+    each (round robin), against the plain loop over all of them: the sum, the argument's
+    gradient, and this rank's parameters, gradients, buffers and weights' gradients."""
+    from tests.test_differential import Case, _compare
+
+    played = 0
+    for seed in range(RANDOM_CASES):
+        case = Case.make(seed)
+        # (Every rank needs a model: the same decision on every rank.)
+        if not case.fits_ranks or len(case.models) < WORLD:
+            continue
+        share = list(range(rank, len(case.models), WORLD))
+        try:
+            got = case.run(2, share=share)
+        except parsum.ParsumError as exc:
+            raise AssertionError(f"{case} on rank {rank}") from exc
+        want = case.run(None, plain=True)
+        mine = _per_model_parts(case.models, share)
+        for what in ("record", "x.grad"):
+            _compare(got[what], want[what], f"{case}: {what}", False, case.dtype)
+        for what in ("grads", "params", "buffers"):
+            part = [want[what][k] for k in mine[what]]
+            if case.flat != "none" and what == "grads":  # a FlatGrad's .grad is never None
+                part = [w if w is not None or g is None else torch.zeros_like(g)
+                        for w, g in zip(part, got[what])]  # fmt: skip
+            _compare(got[what], part, f"{case}: {what}", False, case.dtype)
+        if want["weights.grad"] is not None:
+            torch.testing.assert_close(got["weights.grad"], want["weights.grad"][share])
+        played += 1
+    assert played >= 20, played
+
+
+RANDOM_CASES = 200
+
+
+def _per_model_parts(models: list[nn.Module], share: list[int]) -> dict[str, list[int]]:
+    """Where the parameters and buffers of the models of ``share`` are among all models'."""
+    parts: dict[str, list[int]] = {"grads": [], "buffers": []}
+    at = {"grads": 0, "buffers": 0}
+    for i, m in enumerate(models):
+        counts = {"grads": len(list(m.parameters())), "buffers": len(list(m.buffers()))}
+        for what, count in counts.items():
+            if i in share:
+                parts[what].extend(range(at[what], at[what] + count))
+            at[what] += count
+    parts["params"] = parts["grads"]
+    return parts
+
+
 SCENARIOS = {
+    "random_cases": _random_cases,
     "agree": _agrees_with_one_process,
     "forward_failure": _forward_failure,
     "mismatch": _mismatch,
@@ -532,6 +583,7 @@ SCENARIOS = {
 @pytest.mark.parametrize(
     "scenario",
     [
+        "random_cases",
         "agree",
         "forward_failure",
         "mismatch",
