@@ -286,16 +286,14 @@ class Case:
     def fits_ranks(self) -> bool:
         """Whether ``run(share=...)`` on every rank gives this rank's part of a plain run: no
         parameter of two models (each rank holds its own), no failure or step in the
-        backward (tested apart), no drawing, and only what differentiates the loss of the
-        sum as a whole (a term on this rank's parameters, or autograd.grad with respect to
-        them, would differ from the plain loop's)."""
+        backward (tested apart), no drawing, no autograd.grad (with respect to this rank's
+        parameters, it gives other results than the plain loop's)."""
         params = _unique_params(self.models)
         return (
             len({id(p) for p in params}) == sum(len(list(m.parameters())) for m in self.models)
             and self.failing_step is None
             and not self.step_in_backward
             and not self.draws
-            and not self.outside
             and self.how != "autograd.grad"
         )
 
@@ -318,6 +316,7 @@ class Case:
             torch.randn(p.shape, generator=init, dtype=p.dtype) for p in _unique_params(models)
         ]
         weight_values = self.weight_values
+        everyone = models  # every model's copy, this rank's or not
         if share is not None:
             mine = {id(p) for i in share for p in models[i].parameters()}
             before = [g for p, g in zip(_unique_params(models), before) if id(p) in mine]
@@ -387,7 +386,7 @@ class Case:
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
             if self.how == "no_grad":
                 continue
-            loss = self._loss(y, params)
+            loss = self._loss(y, params, _unique_params(everyone))
             if not loss.requires_grad:  # every parameter frozen: nothing to differentiate
                 continue
             if self.how == "autograd.grad":
@@ -412,11 +411,17 @@ class Case:
             "weights.grad": getattr(weights, "grad", None),
         }
 
-    def _loss(self, y: Any, params: list[torch.Tensor]) -> torch.Tensor:
+    def _loss(
+        self, y: Any, params: list[torch.Tensor], every: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The loss of the sum, and, with ``outside``, a term on some parameters, chosen among
+        ``every`` model's (default ``params``; a rank takes those of them it holds)."""
         loss = sum((t.double() ** 2).mean() * (k + 1) for k, t in enumerate(pytree.tree_leaves(y)))
         if self.outside:  # made after the sum: its gradients reach .grad before the sum's
-            chosen = {params[k % len(params)] for k in self.outside_params}
-            loss = loss + sum((p.double() ** 2).sum() for p in chosen if p.requires_grad)
+            every = params if every is None else every
+            chosen = {id(every[k % len(every)]) for k in self.outside_params}
+            terms = [p for p in params if id(p) in chosen and p.requires_grad]
+            loss = loss + sum((p.double() ** 2).sum() for p in terms)
         return loss  # type: ignore[return-value]
 
     def _wanted(self, params, x, weights) -> list[torch.Tensor]:

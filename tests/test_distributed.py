@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import parsum
-from parsum import _host_exchange
+from parsum import _function, _host_exchange
+from parsum._function import JOIN_LATER_PARAMS
 from parsum.distributed import balanced_shares
 from tests.test_errors import Boom, BoomBackward
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
@@ -520,10 +521,13 @@ def _random_cases(rank: int) -> None:
         if not case.fits_ranks or len(case.models) < WORLD:
             continue
         share = list(range(rank, len(case.models), WORLD))
+        _function.JOIN_LATER_PARAMS = 0 if case.join_any_size else JOIN_LATER_PARAMS
         try:
             got = case.run(2, share=share)
         except parsum.ParsumError as exc:
             raise AssertionError(f"{case} on rank {rank}") from exc
+        finally:
+            _function.JOIN_LATER_PARAMS = JOIN_LATER_PARAMS
         want = case.run(None, plain=True)
         mine = _per_model_parts(case.models, share)
         for what in ("record", "x.grad"):
