@@ -659,6 +659,8 @@ def unit_forward(
         group_params = [model_params[i] for i in unit.models]
         try:
             return stacked_forward(group, call, group_params, build_graph)
+        except AutocastUnderVmap:  # this call only, whatever the engine asked
+            return _one_by_one(unit, models, call, model_params, build_graph)
         except Exception:
             if not fall_back:
                 raise
@@ -1036,6 +1038,11 @@ def batched_forward(
         assert program is not None
         out = run_program(program, {**trainable, **state}, args[0])
     else:
+        if autocast_enabled():  # NOTE [ Autocast under vmap ]
+            raise AutocastUnderVmap(
+                "autocast does not reach every operation under vmap (a Linear with its bias "
+                "ran in float32): the models run one by one"
+            )
         base = shadow_module(model)
 
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
@@ -1058,6 +1065,32 @@ def batched_forward(
         _NO_RECOMPUTE.add(model)
     return leaves, spec
 
+
+class AutocastUnderVmap(RuntimeError):
+    """A batched forward that vmap would run under autocast (NOTE [ Autocast under vmap ])."""
+
+
+def autocast_enabled() -> bool:
+    """Whether autocast is on in this thread, for any device type."""
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except RuntimeError:  # a device type this torch lacks
+            continue
+    return False
+
+
+# NOTE [ Autocast under vmap ]
+# Under autocast, ``vmap`` over ``functional_call`` of a Linear gave float32 where the Linear
+# alone gives bfloat16 (CPU autocast, torch 2.13: the batched linear with a bias is not cast),
+# and a convolution too: a stacked group of such models returned float32 beside bfloat16 from the
+# models run one by one, and sum_models raised for the mismatch, or, where the group held every
+# model, returned float32 where the plain loop gives bfloat16 (found by tests/test_differential.py).
+# The batched layers (NOTE [ Batched layers ]) are cast as the layers alone are. So under
+# autocast a group that vmap would run runs its models one by one, for this call only
+# (``unit_forward``; ``stacked_sum`` leaves stack_ storage to the general path): neither marked
+# as one vmap cannot run nor given up.
 
 # NOTE [ Checkpoints under vmap ]
 # A model that checkpoints (torch.utils.checkpoint without reentrance: saved-tensor hooks) runs

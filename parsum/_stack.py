@@ -94,8 +94,10 @@ from ._engines import (
     CallArgs,
     ModelParams,
     Step,
+    autocast_enabled,
     batched_forward,
     program_of,
+    runs_as_program,
     stacked_tensors,
 )
 from ._errors import ParsumError
@@ -719,6 +721,8 @@ def stacked_sum(
     Raises:
         StackedForwardFailed: the batched forward raised (chained).
     """
+    if autocast_enabled() and not runs_as_program(stack._program, *call.build()):
+        return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
     handles = _handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:
         reason = stack._check()

@@ -158,6 +158,8 @@ class Case:
     step_in_backward: bool = False
     stacked_storage: bool = False
     scale: bool = False  # every model takes a keyword argument
+    chunk_size: int | None = None
+    autocast: bool = False  # the forwards under CPU autocast to bfloat16
     failing_step: int | None = None
     failing_model: int | None = None
     failing_in: str = ""
@@ -194,6 +196,12 @@ class Case:
         )
         case.steps = rng.randint(1, 3)
         case.change = rng.choice(CHANGES)
+        case.chunk_size = rng.choice([None, None, 1, 2, 3])
+        # (Not with a model whose output autocast leaves in float32, which sum_models refuses
+        # beside others' bfloat16: LowRankLinear adds its bias after a bfloat16 matmul.)
+        case.autocast = (
+            case.dtype == torch.float32 and "low rank" not in case.kinds and rng.random() < 0.1
+        )
         # autograd.grad does not reach the models of a stack (docs/identical-models.md)
         case.stacked_storage = case.how != "autograd.grad" and rng.random() < 0.25
         # StepInBackward takes each model once, and no parameter of two models.
@@ -277,22 +285,27 @@ class Case:
         self.models = [wrapped.setdefault(id(m), Scaled(m)) for m in self.models]
 
     @property
-    def plain_draws_differ(self) -> bool:
-        """Whether parsum may draw other random numbers than the plain loop: dropout in a
-        stacked group draws from vmap's stream (docs/limits.md)."""
-        return self.draws and self.engine != "autograd"
+    def plain_differs(self) -> bool:
+        """Whether parsum may give other results than the plain loop beyond rounding: dropout
+        in a stacked group draws from vmap's stream, and under autocast the plain loop sums
+        in bfloat16 (docs/limits.md)."""
+        return (self.draws and self.engine != "autograd") or self.autocast
+
+    def _autocast(self) -> Any:
+        return torch.autocast("cpu", torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
     @property
     def fits_ranks(self) -> bool:
         """Whether ``run(share=...)`` on every rank gives this rank's part of a plain run: no
         parameter of two models (each rank holds its own), no failure or step in the
-        backward (tested apart), no drawing, no autograd.grad (with respect to this rank's
-        parameters, it gives other results than the plain loop's)."""
+        backward (tested apart), no drawing or autocast, no autograd.grad (with respect to
+        this rank's parameters, it gives other results than the plain loop's)."""
         params = _unique_params(self.models)
         return (
             len({id(p) for p in params}) == sum(len(list(m.parameters())) for m in self.models)
             and self.failing_step is None
             and not self.step_in_backward
+            and not self.plain_differs
             and not self.draws
             and self.how != "autograd.grad"
         )
@@ -373,12 +386,14 @@ class Case:
                     if self.failing_in == "backward":
                         plain_sum(models, x, weights=weights, **call)
                     continue
-                with _no_grad(self.how == "no_grad"):
+                with _no_grad(self.how == "no_grad"), self._autocast():
                     y = plain_sum(models, x, weights=weights, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
+                if self.chunk_size is not None:
+                    kwargs["chunk_size"] = self.chunk_size
                 summing = parsum.sum_models if share is None else parsum.distributed.sum_models
-                with _no_grad(self.how == "no_grad"):
+                with _no_grad(self.how == "no_grad"), self._autocast():
                     y = summing(
                         models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
                         **kwargs,
@@ -543,7 +558,7 @@ def check(seed: int) -> None:
         if case.flat != "none" and what == "grads":  # a FlatGrad's .grad are views, never None
             want = [w if w is not None or g is None else torch.zeros_like(g)
                     for w, g in zip(want, runs[1][what])]  # fmt: skip
-        if not case.plain_draws_differ:
+        if not case.plain_differs:
             _compare(
                 runs[1][what], want, f"{case}: {what} against the plain loop", False, case.dtype
             )

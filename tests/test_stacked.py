@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import parsum
 from parsum import _engines
@@ -208,6 +209,44 @@ def test_checkpointed_models_run_one_by_one(n_jobs):
     parsum.stack_(stacked)
     parsum.sum_models(stacked, x).sum().backward()  # the stack gives up its batched forward
     assert all(m.inner[0].weight.grad is not None for m in stacked)
+
+
+class TwoLeaves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, 8), nn.Linear(8, OUT)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"y": self.b(h), "h": h}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mlp([8]),  # batched layers
+        TwoLeaves,  # vmap
+        lambda: nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.Linear(10, OUT)),
+    ],
+)
+@pytest.mark.parametrize("how", ["stacked", "auto", "stack_"])
+def test_groups_under_autocast_give_the_plain_loops_dtypes(make, how):
+    # NOTE [ Autocast under vmap ]: vmap's Linear ran in float32 under autocast, so a group
+    # returned float32 beside bfloat16 (found by tests/test_differential.py).
+    torch.manual_seed(0)
+    models = [make() for _ in range(10)]
+    if how == "stack_":
+        parsum.stack_(models)
+    x = torch.randn(6, IN)
+    for _ in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = parsum.sum_models(models, x, engine="auto" if how == "stack_" else how)
+            want = plain_sum(models, x)
+        for got, ref in zip(pytree.tree_leaves(y), pytree.tree_leaves(want)):
+            assert got.dtype == ref.dtype
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0.05, atol=0.1)
+        sum(t.float().sum() for t in pytree.tree_leaves(y)).backward()
+    assert all(p.grad is not None for m in models for p in m.parameters())
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2])
