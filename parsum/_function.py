@@ -1126,7 +1126,7 @@ class _Backward:
         )
         self.stepped: list[int] = []
         # NOTE [ Accumulating in the pullback ] (per parameter on every call: plain reads)
-        plainly = not ctx.create_graph
+        plainly = not ctx.create_graph and plan.walk.params_are_leaves
         self.direct = [
             acc
             and plainly

@@ -20,8 +20,8 @@
 # was found unable to run makes the units anew (64 identical tiny MLPs that auto stacks,
 # planned on every call before: forward 3.3 -> 1.8 ms, plain loop 2.1).
 # Not reused: calls where a model is not a module (a bound method is a new object every call),
-# a lazy module is not initialized, a tensor is a subclass, or a ``take_rows`` table is alive
-# (the chunks count the rows it last gathered).
+# a lazy module is not initialized, a tensor is a subclass, or ``take_rows`` has read one of the
+# models' tensors (the chunks count the rows such a table gathers).
 # Not seen (the walk would have seen them): a tensor's shape changed in place without a new
 # storage (``p.data = p.data.view(...)``), and a torch.nn layer's settings changed (a
 # convolution's stride, which the cost estimate reads).
@@ -55,7 +55,7 @@ from ._engines import (
     module_hooks,
     own_calls,
 )
-from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks
+from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
 
 MAX_PLANS = 8
@@ -138,6 +138,10 @@ class Walk:
         self._model_refs: list[weakref.ref[Any]] = []
         # Where every parameter is (a move gives it a new storage: the walk no longer holds).
         self.params_on_cpu = all(p.device.type == "cpu" for p in params)
+        # Whether every parameter is a leaf: a model run inside another sum's pullback with
+        # hooked parameters reads aliases of them (NOTE [ Hooks run once ] in _engines), whose
+        # gradients must be returned, never accumulated (NOTE [ Accumulating in the pullback ]).
+        self.params_are_leaves = all(p.is_leaf for p in params)
         # Each model's direct program (NOTE [ Direct programs ] in _engines), made when the
         # walk is kept: [] for a walk made for one call.
         self.programs: list[DirectProgram | None] = []
@@ -310,12 +314,20 @@ _lock = threading.RLock()
 
 def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     """The last walk over these very models, if it still holds (NOTE [ Reused plans ])."""
-    if not _plans or any_sampled():
+    if not _plans:
         return None
     walk = _plans.get(tuple(map(id, models)))
-    if walk is None or not walk.over(models):
+    if walk is None or not walk.over(models) or _reads_tables(walk.params):
         return None
     return walk if walk.holds() else None
+
+
+def _reads_tables(params: Sequence[Tensor]) -> bool:
+    """Whether ``take_rows`` has read one of ``params`` (NOTE [ Reused plans ]): a table of
+    these models' own; one of other models' alive beside them changes nothing here (it had
+    made every call plan anew, and a call's path, and bits, depended on whether the garbage
+    collector had taken some other models' table yet: found by tests/test_differential.py)."""
+    return any_sampled() and any(sampled_elements(p) is not None for p in params)
 
 
 def keep_walk(
@@ -323,7 +335,7 @@ def keep_walk(
 ) -> bool:
     """Keep ``walk`` (just made from ``model_params``, modules included) for the next call;
     whether it was kept."""
-    if any_sampled() or not all(isinstance(m, nn.Module) for m in models):
+    if not all(isinstance(m, nn.Module) for m in models) or _reads_tables(walk.params):
         return False
     if any(mp.uninitialized is not None for mp in model_params):
         return False

@@ -87,6 +87,33 @@ def test_nested_calls_in_models_that_auto_would_stack():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_nested_calls_in_a_model_with_hooked_parameters(n_jobs):
+    # A model whose parameter has a tensor hook runs with aliases of its parameters (NOTE
+    # [ Hooks run once ] in parsum._engines): its inner call's "parameters" are those aliases,
+    # whose gradients the inner node had accumulated into their .grad, which no one reads: the
+    # hook got None and the parameter no gradient (found by tests/test_differential.py).
+    torch.manual_seed(0)
+    models = [Nested(3, n_jobs=n_jobs) for _ in range(2)]
+    ref = [PlainNested(m) for m in clone_models(models)]
+    seen = []
+
+    def double(g):
+        seen.append(g is not None)
+        return g * 2
+
+    for group in (models, ref):
+        group[0].inner[1][0].weight.register_hook(double)
+    x = torch.randn(4, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a non-leaf's .grad warns
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert seen == [True, True]
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("teams", [False, True])
 def test_concurrent_callers(teams):
     # With teams: each caller runs a parallel op of its own before each call, whose OpenMP

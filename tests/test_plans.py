@@ -164,6 +164,37 @@ def test_a_kept_plan_keeps_no_model_alive(kind):
     assert key not in _plans._plans
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_table_of_other_models_changes_neither_the_plan_nor_the_bits(n_jobs, cores):
+    # A take_rows table alive anywhere had made every call plan anew, and a walk made for one
+    # call runs forwards with dropout in model order on the whole budget's threads, where
+    # BatchNorm's statistics take other bits: a call's bits depended on whether the garbage
+    # collector had taken some other models' table yet (found by tests/test_differential.py).
+    cores(2)
+    torch.manual_seed(0)
+    make = [
+        nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), nn.Linear(7, OUT)),
+        nn.Sequential(nn.Linear(IN, 9), nn.ReLU(), nn.Dropout(0.3), nn.Linear(9, OUT)),
+    ]
+    x = torch.randn(16, IN)
+
+    def outputs(models):
+        found = []
+        for step in range(3):
+            torch.manual_seed(step)
+            found.append(parsum.sum_models(models, x, n_jobs=n_jobs).detach())
+        return found
+
+    alone = outputs(clone_models(make))
+    table = nn.Parameter(torch.randn(10, 4))
+    parsum.take_rows(table, torch.tensor([1, 3]))
+    models = clone_models(make)
+    beside = outputs(models)
+    assert known_walk(models) is not None
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside))
+    del table
+
+
 def test_at_most_max_plans_are_kept():
     ensembles = [[mlp([4]) for _ in range(2)] for _ in range(_plans.MAX_PLANS + 3)]
     for models in ensembles:
