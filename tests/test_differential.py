@@ -251,7 +251,7 @@ class Case:
             k = rng.randrange(n)
             # (A model whose output needs no gradient has no backward to fail in.)
             where = rng.choice(
-                ["forward", "forward" if case.kinds[k] == "constant" else "backward"]
+                ["forward", "forward" if isinstance(case.models[k], Constant) else "backward"]
             )
             case.models[k] = Failing(case.models[k], where)
             case.kinds[k] += f" failing in {where}"
