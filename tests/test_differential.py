@@ -250,9 +250,7 @@ class Case:
         if not case.step_in_backward and case.change != "freeze" and rng.random() < 0.25:
             k = rng.randrange(n)
             # (A model whose output needs no gradient has no backward to fail in.)
-            where = rng.choice(
-                ["forward", "forward" if isinstance(case.models[k], Constant) else "backward"]
-            )
+            where = rng.choice(["forward", "forward" if _constant(case.models[k]) else "backward"])
             case.models[k] = Failing(case.models[k], where)
             case.kinds[k] += f" failing in {where}"
             case.failing_step, case.failing_model = rng.randrange(case.steps), k
@@ -532,6 +530,11 @@ class Case:
         after = _state(models)
         for what in state:
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _constant(model: nn.Module) -> bool:
+    """Whether the model's output needs no gradient (a Constant, maybe Scaled)."""
+    return isinstance(model.inner if isinstance(model, Scaled) else model, Constant)
 
 
 def _double(t: torch.Tensor) -> torch.Tensor:
