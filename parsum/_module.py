@@ -43,9 +43,10 @@ class SumOfModels(nn.Module):
 
     Args:
         models: the members, ``nn.Module``s (architectures may differ).
-        weights: None, or one weight per member: floats (kept as a buffer, saved and moved
-            with the module, not trained), or a tensor; an ``nn.Parameter`` or a tensor that
-            requires grad is registered as a parameter and trained with the members.
+        weights: None, or one weight per member: floats (kept as a float64 buffer, saved and
+            moved with the module, not trained), or a tensor (a buffer as it is; an
+            ``nn.Parameter`` or a tensor that requires grad is registered as a parameter and
+            trained with the members).
         n_jobs: as in :func:`parsum.sum_models`.
         engine: as in :func:`parsum.sum_models`.
         chunk_size: as in :func:`parsum.sum_models`.
@@ -86,9 +87,14 @@ class SumOfModels(nn.Module):
         elif isinstance(weights, Tensor) and weights.requires_grad:
             self.weights = weights if isinstance(weights, nn.Parameter) else nn.Parameter(weights)
         else:
-            self.register_buffer(
-                "weights", torch.as_tensor(weights, dtype=torch.get_default_dtype())
-            )
+            # Floats kept in float64, as given: a float32 buffer had rounded them, and sums of
+            # float64 models took the rounded weights (found by tests/test_differential.py);
+            # a float32 model's output times a 0-dim float64 weight stays float32, as before.
+            if not isinstance(weights, Tensor):
+                weights = torch.as_tensor(weights, dtype=torch.float64)
+            elif not weights.is_floating_point():
+                weights = weights.to(torch.get_default_dtype())
+            self.register_buffer("weights", weights)
         w = self.weights
         if w is not None and (w.dim() != 1 or w.shape[0] != len(found)):
             raise ParsumError(

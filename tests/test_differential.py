@@ -181,6 +181,7 @@ class Case:
     stacked_storage: bool = False
     scale: bool = False  # every model takes a keyword argument
     chunk_size: int | None = None
+    module: bool = False  # parsum.SumOfModels rather than sum_models
     autocast: bool = False  # the forwards under CPU autocast to bfloat16
     failing_step: int | None = None
     failing_model: int | None = None
@@ -219,6 +220,7 @@ class Case:
         case.steps = rng.randint(1, 3)
         case.change = rng.choice(CHANGES)
         case.chunk_size = rng.choice([None, None, 1, 2, 3])
+        case.module = case.weights in ("none", "list") and rng.random() < 0.15
         # (Not with a model whose output autocast leaves in float32, which sum_models refuses
         # beside others' bfloat16: LowRankLinear adds its bias after a bfloat16 matmul, and a
         # constant is not cast.)
@@ -429,6 +431,8 @@ class Case:
                 if self.chunk_size is not None:
                     kwargs["chunk_size"] = self.chunk_size
                 summing = parsum.sum_models if share is None else parsum.distributed.sum_models
+                if self.module and share is None:
+                    summing = _as_module(models, weights, kwargs)
                 with _no_grad(self.how == "no_grad"), self._autocast():
                     y = summing(
                         models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
@@ -530,6 +534,19 @@ class Case:
         after = _state(models)
         for what in state:
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _as_module(models: list[nn.Module], weights: Any, kwargs: dict[str, Any]) -> Any:
+    """``sum_models`` through a ``parsum.SumOfModels`` of the models, made on each call."""
+
+    def call(models, x, weights, n_jobs, engine, **rest):
+        module = parsum.SumOfModels(
+            models, weights=weights, n_jobs=n_jobs, engine=engine, **kwargs
+        )  # fmt: skip
+        rest = {k: v for k, v in rest.items() if k not in kwargs}
+        return module(x, **rest)
+
+    return call
 
 
 def _constant(model: nn.Module) -> bool:

@@ -87,6 +87,21 @@ def test_to_dtype_train_eval_and_repr():
     assert text.startswith("SumOfModels(\n  3 members, weights buffer, engine='auto', chunk_size=1")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float_weights_keep_their_precision(dtype):
+    # Kept as a float32 buffer, the weights were rounded, and float64 members summed with the
+    # rounded ones (found by tests/test_differential.py): now float64, and float32 members give
+    # the bits of sum_models with the floats themselves.
+    torch.manual_seed(0)
+    members = [m.to(dtype) for m in zoo()[:3]]
+    weights = [0.1, 0.7123456789, -1.3]
+    x = torch.randn(6, IN, dtype=dtype)
+    got = parsum.SumOfModels(members, weights=weights)(x)
+    assert torch.equal(got, parsum.sum_models(members, x, weights=weights))
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, plain_sum(members, x, weights=weights), rtol=1e-13, atol=0)
+
+
 def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(parsum.ParsumError, match=r"SumOfModels: models\[1\] is a function"):
         parsum.SumOfModels([nn.Linear(IN, OUT), lambda x: x])
