@@ -153,6 +153,18 @@ from . import _config
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+def autocast_states() -> list[tuple[str, torch.dtype]]:
+    """(device type, dtype) of each autocast on in this thread."""
+    autocast = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                autocast.append((device, torch.get_autocast_dtype(device)))
+        except RuntimeError:  # device type not built into this torch
+            continue
+    return autocast
+
+
 class _Local(threading.local):
     in_task = False
 
@@ -207,13 +219,7 @@ class ThreadState:
 
     @classmethod
     def capture(cls) -> ThreadState:
-        autocast = []
-        for device in _AUTOCAST_DEVICES:
-            try:
-                if torch.is_autocast_enabled(device):
-                    autocast.append((device, torch.get_autocast_dtype(device)))
-            except RuntimeError:  # device type not built into this torch
-                continue
+        autocast = autocast_states()
         # A default device is a DeviceContext on the function-mode stack: with no mode there,
         # none (``get_default_device`` imports and filters in Python on every call).
         default_device = torch.get_default_device() if _function_modes() else None
@@ -519,15 +525,12 @@ def run_ordered(
     already running finish, and the exception of the smallest failing chunk is raised in the
     caller. See NOTE [ Caller runs, no deadlock ] and NOTE [ Thread control ].
     """
-    threads = threads_for(n_tasks, n_workers)
-    if threads > 1 and torch.get_num_threads() > intra_op_threads(n_tasks):
-        release_callers_team()  # NOTE [ The caller's OpenMP team ]
-    with as_one_task(n_tasks) as intra_threads:
-        if threads <= 1:  # one thread (or nested): no job, no locks, no state to hand over
+    job = _start_job(task, n_tasks, n_workers, consume, order, callers_last)
+    with as_one_task(n_tasks):
+        if job is None:  # one thread (or nested): no job, no locks, no state to hand over
             _run_here(task, n_tasks, consume)
-            return
-        job = _new_job(task, n_tasks, consume, order, callers_last, threads, intra_threads)
-        _run_job(job, threads)
+        else:
+            _work_and_wait(job)
 
 
 def release_callers_team() -> None:
@@ -668,15 +671,7 @@ def start_ordered(
     """``run_ordered``'s job handed to helpers, for the caller to join later with ``join``
     (NOTE [ Pullbacks joined later ] in _function); None where it would run on one thread (or
     nested): then ``run_ordered`` runs it here."""
-    threads = threads_for(n_tasks, n_workers)
-    if threads <= 1:
-        return None
-    intra_threads = intra_op_threads(n_tasks)
-    if torch.get_num_threads() > intra_threads:
-        release_callers_team()  # NOTE [ The caller's OpenMP team ]
-    job = _new_job(task, n_tasks, consume, order, callers_last, threads, intra_threads)
-    _submit(job, threads)
-    return job
+    return _start_job(task, n_tasks, n_workers, consume, order, callers_last)
 
 
 def join(job: _Job) -> None:
@@ -686,31 +681,28 @@ def join(job: _Job) -> None:
         _work_and_wait(job)
 
 
-def _new_job(
+def _start_job(
     task: Callable[[int], Any],
     n_tasks: int,
+    n_workers: int,
     consume: Callable[[int, Any], None],
     order: Sequence[int] | None,
     callers_last: bool,
-    threads: int,
-    intra_threads: int,
-) -> _Job:
-    """A job for ``threads`` threads, with the caller's state; its last chunk left to the
-    caller where ``callers_last`` and each thread has more than two (NOTE [ The caller's last
-    chunk ])."""
+) -> _Job | None:
+    """A job with the caller's state, handed to its helpers (started where missing); None
+    where it would run on one thread. Its last chunk is left to the caller where
+    ``callers_last`` and each thread has more than two (NOTE [ The caller's last chunk ])."""
+    threads = threads_for(n_tasks, n_workers)
+    if threads <= 1:
+        return None
+    intra_threads = intra_op_threads(n_tasks)
+    if torch.get_num_threads() > intra_threads:
+        release_callers_team()  # NOTE [ The caller's OpenMP team ]
     last = callers_last and order is not None and n_tasks > 2 * threads
-    return _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
-
-
-def _submit(job: _Job, threads: int) -> None:
-    """Hand ``job`` to ``threads - 1`` helpers, started where missing."""
+    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
     _pool.ensure_helpers(threads - 1)
     _pool.submit(job, threads - 1)
-
-
-def _run_job(job: _Job, threads: int) -> None:
-    _submit(job, threads)
-    _work_and_wait(job)
+    return job
 
 
 def _work_and_wait(job: _Job) -> None:

@@ -381,10 +381,8 @@ def test_only_threads_with_more_than_two_chunks_leave_the_last_to_the_caller(
     cores(2)
     runs = {}
     jobs = []
-    run_job_ = _pool._run_job
-    monkeypatch.setattr(
-        _pool, "_run_job", lambda job, threads: jobs.append(job) or run_job_(job, threads)
-    )
+    work_and_wait = _pool._work_and_wait
+    monkeypatch.setattr(_pool, "_work_and_wait", lambda job: jobs.append(job) or work_and_wait(job))
 
     def task(k):
         runs[k] = threading.current_thread()
@@ -410,10 +408,8 @@ def test_chunks_claimed_in_chunk_order_leave_no_chunk_to_the_caller(cores, monke
     # Without an order (step_in_backward, argument gradients) the last chunk may be the largest.
     cores(2)
     jobs = []
-    run_job_ = _pool._run_job
-    monkeypatch.setattr(
-        _pool, "_run_job", lambda job, threads: jobs.append(job) or run_job_(job, threads)
-    )
+    work_and_wait = _pool._work_and_wait
+    monkeypatch.setattr(_pool, "_work_and_wait", lambda job: jobs.append(job) or work_and_wait(job))
     consumed: list[int] = []
     _pool.run_ordered(lambda k: k, 8, 2, lambda k, r: consumed.append(r), None, True)
     assert consumed == list(range(8))
