@@ -37,7 +37,7 @@ def joining(on: bool, step: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         saved = _api.may_join_later, _inline.may_join_later
         if not on:
-            _api.may_join_later = _inline.may_join_later = lambda plan: False
+            _api.may_join_later = _inline.may_join_later = lambda plan, differentiable: False
         try:
             step()
         finally:

@@ -355,8 +355,7 @@ def _joins_later(plan: SumPlan, differentiable: list[Tensor]) -> bool:
     return (
         plan.step_in_backward is None
         and not any(plan.shared)
-        and not any(t.requires_grad for t in differentiable)
-        and may_join_later(plan)
+        and may_join_later(plan, differentiable)
     )
 
 

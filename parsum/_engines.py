@@ -45,6 +45,7 @@ from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
 from ._errors import ParsumError
+from ._pool import autocast_states
 from ._random import draws_now, may_recompute
 from ._sparse import GradSum, add_grad, has_user_hooks
 
@@ -1038,7 +1039,7 @@ def batched_forward(
         assert program is not None
         out = run_program(program, {**trainable, **state}, args[0])
     else:
-        if autocast_enabled():  # NOTE [ Autocast under vmap ]
+        if autocast_states():  # NOTE [ Autocast under vmap ]
             raise AutocastUnderVmap(
                 "autocast does not reach every operation under vmap (a Linear with its bias "
                 "ran in float32): the models run one by one"
@@ -1068,17 +1069,6 @@ def batched_forward(
 
 class AutocastUnderVmap(RuntimeError):
     """A batched forward that vmap would run under autocast (NOTE [ Autocast under vmap ])."""
-
-
-def autocast_enabled() -> bool:
-    """Whether autocast is on in this thread, for any device type."""
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return True
-        except RuntimeError:  # a device type this torch lacks
-            continue
-    return False
 
 
 # NOTE [ Autocast under vmap ]

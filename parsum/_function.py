@@ -695,8 +695,8 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # (a + b = b + a: the bits of one thread); 64 tiny MLPs at n_jobs=2, whose stacked groups' 382
 # gradients are stored so, took 0.97-1.00x a step against a helper's stores (three runs in one
 # process; still 1.10x the pullbacks joined in the node). Nor does a node join later where it
-# returns a gradient for the weights or arguments: the engine would accumulate it before a
-# failing pullback is joined.
+# returns a gradient for the weights or arguments (``may_join_later``): the engine would
+# accumulate it before a failing pullback is joined.
 # Those AccumulateGrads also run the hooks on the nodes themselves, before the pullbacks' own:
 # DistributedDataParallel's, which count each parameter ready once per backward, saw the None
 # first and then raised on the pullback's gradient ("marked as ready twice"; after the
@@ -732,13 +732,15 @@ class JoinPullbacks(torch.autograd.Function):
         return None, None
 
 
-def may_join_later(plan: SumPlan) -> bool:
+def may_join_later(plan: SumPlan, differentiable: Sequence[Tensor]) -> bool:
     """Whether the node of ``plan``'s call may hand its pullbacks over (NOTE [ Pullbacks
-    joined later ]), as far as both kinds of node tell alike: on several threads, with
-    JOIN_LATER_PARAMS parameters or more, and no process group, unless the call is
-    parsum.distributed's own."""
+    joined later ]), as far as both kinds of node tell alike: no argument or weight tensor
+    (``differentiable``) that needs a gradient, which the node would return for the engine to
+    accumulate before a failing pullback is joined; on several threads, with JOIN_LATER_PARAMS
+    parameters or more; and no process group, unless the call is parsum.distributed's own."""
     return (
         bool(plan.params)
+        and not any(t.requires_grad for t in differentiable)
         and len(plan.params) >= JOIN_LATER_PARAMS
         and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
         and (
@@ -1393,17 +1395,18 @@ class _Backward:
         """The caller's part of the pullbacks handed to helpers, then the wait, then the
         gradients they gave to store; on a failure, undo and raise (NOTE [ Pullbacks joined
         later ])."""
+        to_store = self.to_store
+        assert to_store is not None
         try:
             _pool.join(job)
             if self.failures:  # a batched call failed, its models alone did not: still failed
                 raise self.failures[0]
         except BaseException:
-            self.to_store = self.failures = None
             self.undo()
             raise
-        params, to_store = self.plan.params, self.to_store
-        self.to_store = self.failures = None
-        assert to_store is not None
+        finally:
+            self.to_store = self.failures = None
+        params = self.plan.params
         for slot, g in to_store:
             p = params[slot]
             g = _stored_grad(p, g)

@@ -201,14 +201,8 @@ def sum_in_callers_graph(
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
     join: list[Tensor] = []
-    # NOTE [ Pullbacks joined later ]: not where the node returns a gradient for arguments
-    # or weights, which the engine would accumulate before a failing pullback is joined.
-    if (
-        aliases is None
-        and not weight_needs_grad
-        and not plan.one_thread_backward
-        and may_join_later(plan)
-    ):  # made last before the node, whose input it is
+    if not plan.one_thread_backward and may_join_later(plan, [*arguments, *weights]):
+        # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
         state.pending = PendingJoin()
         join.append(join_input(state.pending))
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function

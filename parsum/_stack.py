@@ -94,7 +94,6 @@ from ._engines import (
     CallArgs,
     ModelParams,
     Step,
-    autocast_enabled,
     batched_forward,
     program_of,
     runs_as_program,
@@ -105,6 +104,7 @@ from ._function import _engine_keeps_graph
 from ._fused import StepInBackward, step_stacked
 from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
 from ._grouping import Batch, structure_key
+from ._pool import autocast_states
 from ._sparse import has_user_post_hooks, post_accumulate_hooks
 from ._summation import WIDE
 
@@ -721,7 +721,7 @@ def stacked_sum(
     Raises:
         StackedForwardFailed: the batched forward raised (chained).
     """
-    if autocast_enabled() and not runs_as_program(stack._program, *call.build()):
+    if autocast_states() and not runs_as_program(stack._program, *call.build()):
         return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
     handles = _handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:
