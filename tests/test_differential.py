@@ -25,7 +25,16 @@ from torch.utils import _pytree as pytree
 
 import parsum
 from parsum import _config, _function
-from tests.zoo import IN, OUT, ConvNet, LowRankLinear, mlp, parametrized_model, plain_sum
+from tests.zoo import (
+    IN,
+    OUT,
+    ConvNet,
+    LowRankLinear,
+    mlp,
+    parametrized_model,
+    plain_sum,
+    unique_params,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -233,7 +242,7 @@ class Case:
         case.stacked_storage = case.how != "autograd.grad" and rng.random() < 0.25
         # StepInBackward takes each model once, and no parameter of two models.
         once_each = len({id(m) for m in case.models}) == n and "tied" not in case.kinds
-        once_each = once_each and len({id(p) for p in _unique_params(case.models)}) == sum(
+        once_each = once_each and len({id(p) for p in unique_params(case.models)}) == sum(
             len(list(m.parameters())) for m in case.models
         )
         case.step_in_backward = (
@@ -336,7 +345,7 @@ class Case:
         parameter of two models (each rank holds its own), no failure or step in the
         backward (tested apart), no drawing or autocast, no autograd.grad (with respect to
         this rank's parameters, it gives other results than the plain loop's)."""
-        params = _unique_params(self.models)
+        params = unique_params(self.models)
         return (
             len({id(p) for p in params}) == sum(len(list(m.parameters())) for m in self.models)
             and self.failing_step is None
@@ -362,13 +371,13 @@ class Case:
         first = models[0] if share is None or 0 in share else None  # what _change changes
         init = torch.Generator().manual_seed(self.seed + 1)
         before = [
-            torch.randn(p.shape, generator=init, dtype=p.dtype) for p in _unique_params(models)
+            torch.randn(p.shape, generator=init, dtype=p.dtype) for p in unique_params(models)
         ]
         weight_values = self.weight_values
         everyone = models  # every model's copy, this rank's or not
         if share is not None:
             mine = {id(p) for i in share for p in models[i].parameters()}
-            before = [g for p, g in zip(_unique_params(models), before) if id(p) in mine]
+            before = [g for p, g in zip(unique_params(models), before) if id(p) in mine]
             models = [models[i] for i in share]
             weight_values = [weight_values[i] for i in share]
         if self.stacked_storage:  # the models of kind "mlp", in parsum.stack_ storage
@@ -376,7 +385,7 @@ class Case:
             group = [m for m, kind in zip(models, kinds) if kind == "mlp"]
             if len(group) == len({id(m) for m in group}) >= 2:
                 parsum.stack_(group)
-        params = _unique_params(models)
+        params = unique_params(models)
         if not plain and self.flat != "none" and any(p.requires_grad for p in params):
             parsum.FlatGrad(models, compensated=self.flat == "compensated")
             for p, g in zip(params, before) if self.grads_before else ():
@@ -408,7 +417,7 @@ class Case:
         for step in range(self.steps):
             if step == 1:
                 self._change(models, first)
-                params = _unique_params(models)
+                params = unique_params(models)
             failing = step == self.failing_step
             for m in models:
                 if isinstance(m, Failing):
@@ -441,7 +450,7 @@ class Case:
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
             if self.how == "no_grad":
                 continue
-            loss = self._loss(y, params, _unique_params(everyone))
+            loss = self._loss(y, params, unique_params(everyone))
             if not loss.requires_grad:  # every parameter frozen: nothing to differentiate
                 continue
             if self.how == "autograd.grad":
@@ -456,7 +465,7 @@ class Case:
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad()  # .grad None: a FlatGrad's views are set again
-        params = _unique_params(models)
+        params = unique_params(models)
         return {
             "record": record,
             "grads": [None if p.grad is None else p.grad.clone() for p in params],
@@ -515,7 +524,7 @@ class Case:
 
     def _fail(self, models, x, weights, n_jobs, sib) -> None:
         """A call with a failing model: ParsumError, and nothing changed."""
-        params = _unique_params(models)
+        params = unique_params(models)
         state = _state(models)
         kwargs = {} if sib is None else {"step_in_backward": sib}
         named = rf"model {self.failing_model} \(Failing\) raised RuntimeError in {self.failing_in}"
@@ -562,19 +571,8 @@ def _no_grad(on: bool):
     return torch.no_grad() if on else contextlib.nullcontext()
 
 
-def _unique_params(models: list[nn.Module]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    found = []
-    for m in models:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                found.append(p)
-    return found
-
-
 def _state(models: list[nn.Module]) -> dict[str, list[torch.Tensor | None]]:
-    params = _unique_params(models)
+    params = unique_params(models)
     return {
         ".grad": [None if p.grad is None else p.grad.clone() for p in params],
         "parameters": [p.detach().clone() for p in params],

@@ -139,15 +139,20 @@ def plain_sum(models, *args, weights=None, **kwargs):
     return total
 
 
-def param_grads(models: list[nn.Module]) -> list[torch.Tensor | None]:
+def unique_params(models: list[nn.Module]) -> list[torch.Tensor]:
+    """Every parameter of the models once, in order of first appearance."""
     seen: set[int] = set()
-    grads = []
+    found = []
     for m in models:
         for p in m.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                grads.append(None if p.grad is None else p.grad.clone())
-    return grads
+                found.append(p)
+    return found
+
+
+def param_grads(models: list[nn.Module]) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in unique_params(models)]
 
 
 class Branchy(nn.Module):
