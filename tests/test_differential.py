@@ -50,6 +50,7 @@ CHANGES = (
     "load",
     "forward hook",
     "tensor hook",
+    "batch",  # fewer rows: the plan's derivation for another batch shape
 )
 
 
@@ -195,6 +196,12 @@ class Case:
     failing_step: int | None = None
     failing_model: int | None = None
     failing_in: str = ""
+    # How the argument is made: a leaf, a view of a larger leaf, a transposed leaf or computed
+    # from a leaf (its gradient is the leaf's); whether the loss reads it beside the sum.
+    x_form: str = "leaf"
+    x_in_loss: bool = False
+    scale_needs_grad: bool = False  # the keyword argument's tensor, where models take one
+    inference: bool = False  # torch.inference_mode instead of torch.no_grad
 
     @classmethod
     def make(cls, seed: int) -> Case:
@@ -266,6 +273,11 @@ class Case:
             case.kinds[k] += f" failing in {where}"
             case.failing_step, case.failing_model = rng.randrange(case.steps), k
             case.failing_in = where
+        # (Drawn last: the draws above make the same cases as before these were added.)
+        case.x_form = rng.choice(["leaf", "leaf", "leaf", "view", "transposed", "computed"])
+        case.x_in_loss = case.x_needs_grad and rng.random() < 0.3
+        case.scale_needs_grad = case.scale and rng.random() < 0.5
+        case.inference = case.how == "no_grad" and rng.random() < 0.5
         return case
 
     def _models(self) -> list[nn.Module]:
@@ -405,8 +417,9 @@ class Case:
         elif self.how == "sgd":  # not Adam, which turns rounding on gradients near zero
             # (a Linear's bias before a BatchNorm) into steps of the learning rate
             optimizer = torch.optim.SGD(params, lr=0.01)
-        call = {"scale": torch.tensor(0.5, dtype=self.dtype)} if self.scale else {}
-        x = torch.randn(5, IN, dtype=self.dtype, generator=init).requires_grad_(self.x_needs_grad)
+        scale = torch.tensor(0.5, dtype=self.dtype).requires_grad_(self.scale_needs_grad)
+        call = {"scale": scale} if self.scale else {}
+        leaf = self._leaf(init)
         weights: Any = None
         if self.weights == "list":
             weights = list(weight_values)
@@ -415,6 +428,9 @@ class Case:
             weights.requires_grad_(self.weights == "tensor with grad")
         record: list[Any] = []
         for step in range(self.steps):
+            x = self._argument(leaf)  # made in each step, as a batch is
+            if step >= 1 and self.change == "batch":
+                x = x[:3]
             if step == 1:
                 self._change(models, first)
                 params = unique_params(models)
@@ -433,7 +449,7 @@ class Case:
                     if self.failing_in == "backward":
                         plain_sum(models, x, weights=weights, **call)
                     continue
-                with _no_grad(self.how == "no_grad"), self._autocast():
+                with self._no_grad(), self._autocast():
                     y = plain_sum(models, x, weights=weights, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
@@ -442,7 +458,7 @@ class Case:
                 summing = parsum.sum_models if share is None else parsum.distributed.sum_models
                 if self.module and share is None:
                     summing = _as_module(models, weights, kwargs)
-                with _no_grad(self.how == "no_grad"), self._autocast():
+                with self._no_grad(), self._autocast():
                     y = summing(
                         models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
                         **kwargs,
@@ -450,7 +466,7 @@ class Case:
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
             if self.how == "no_grad":
                 continue
-            loss = self._loss(y, params, unique_params(everyone))
+            loss = self._loss(y, params, unique_params(everyone), x)
             if not loss.requires_grad:  # every parameter frozen: nothing to differentiate
                 continue
             if self.how == "autograd.grad":
@@ -471,16 +487,44 @@ class Case:
             "grads": [None if p.grad is None else p.grad.clone() for p in params],
             "params": [p.detach().clone() for p in params],
             "buffers": [b.clone() for m in models for b in m.buffers()],
-            "x.grad": None if x.grad is None else x.grad.clone(),
+            "x.grad": None if leaf.grad is None else leaf.grad.clone(),
             "weights.grad": getattr(weights, "grad", None),
+            "scale.grad": None if scale.grad is None else scale.grad.clone(),
         }
 
+    def _leaf(self, init: torch.Generator) -> torch.Tensor:
+        """The leaf whose gradient is recorded as the argument's (``x_form``)."""
+        shape = {"view": (8, IN), "transposed": (IN, 5)}.get(self.x_form, (5, IN))
+        return torch.randn(shape, dtype=self.dtype, generator=init).requires_grad_(
+            self.x_needs_grad
+        )
+
+    def _argument(self, leaf: torch.Tensor) -> torch.Tensor:
+        """The argument, made from ``leaf`` as ``x_form`` says."""
+        if self.x_form == "view":
+            return leaf[1:6]
+        if self.x_form == "transposed":
+            return leaf.t()
+        return leaf * 1.5 if self.x_form == "computed" else leaf
+
+    def _no_grad(self) -> Any:
+        if self.how != "no_grad":
+            return contextlib.nullcontext()
+        return torch.inference_mode() if self.inference else torch.no_grad()
+
     def _loss(
-        self, y: Any, params: list[torch.Tensor], every: list[torch.Tensor] | None = None
+        self,
+        y: Any,
+        params: list[torch.Tensor],
+        every: list[torch.Tensor] | None = None,
+        x: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of the sum, and, with ``outside``, a term on some parameters, chosen among
-        ``every`` model's (default ``params``; a rank takes those of them it holds)."""
+        ``every`` model's (default ``params``; a rank takes those of them it holds); with
+        ``x_in_loss``, a term on the argument ``x``. Both made after the sum."""
         loss = sum((t.double() ** 2).mean() * (k + 1) for k, t in enumerate(pytree.tree_leaves(y)))
+        if self.x_in_loss and x is not None:
+            loss = loss + (x.double() ** 3).sum() * 0.1
         if self.outside:  # made after the sum: its gradients reach .grad before the sum's
             every = params if every is None else every
             chosen = {id(every[k % len(every)]) for k in self.outside_params}
@@ -528,14 +572,15 @@ class Case:
         state = _state(models)
         kwargs = {} if sib is None else {"step_in_backward": sib}
         named = rf"model {self.failing_model} \(Failing\) raised RuntimeError in {self.failing_in}"
-        call = {"scale": torch.tensor(0.5, dtype=self.dtype)} if self.scale else {}
+        scale = torch.tensor(0.5, dtype=self.dtype).requires_grad_(self.scale_needs_grad)
+        call = {"scale": scale} if self.scale else {}
         with pytest.raises(parsum.ParsumError, match=named):
             y = parsum.sum_models(
                 models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call, **kwargs
             )
             if self.failing_in == "backward":
                 state = _state(models)  # the forward's statistics stay, as in the plain loop
-            loss = self._loss(y, params)
+            loss = self._loss(y, params, x=x)
             if self.how == "autograd.grad":
                 torch.autograd.grad(loss, self._wanted(params, x, weights), allow_unused=True)
             else:
@@ -565,10 +610,6 @@ def _constant(model: nn.Module) -> bool:
 
 def _double(t: torch.Tensor) -> torch.Tensor:
     return t * 2
-
-
-def _no_grad(on: bool):
-    return torch.no_grad() if on else contextlib.nullcontext()
 
 
 def _state(models: list[nn.Module]) -> dict[str, list[torch.Tensor | None]]:
@@ -611,7 +652,11 @@ def check(seed: int) -> None:
     finally:
         _function.JOIN_LATER_PARAMS = saved
     for what, want in plain.items():
-        if want is None and what in ("x.grad", "weights.grad"):  # an argument no model reads:
+        if want is None and what in (
+            "x.grad",
+            "weights.grad",
+            "scale.grad",
+        ):  # an argument no model reads:
             want = runs[1][what]  # the plain loop cannot differentiate, parsum gives zeros
             assert want is None or not want.any()
         if case.flat != "none" and what == "grads":  # a FlatGrad's .grad are views, never None

@@ -530,7 +530,7 @@ def _random_cases(rank: int) -> None:
             _function.JOIN_LATER_PARAMS = JOIN_LATER_PARAMS
         want = case.run(None, plain=True)
         mine = _per_model_parts(case.models, share)
-        for what in ("record", "x.grad"):
+        for what in ("record", "x.grad", "scale.grad"):
             _compare(got[what], want[what], f"{case}: {what}", False, case.dtype)
         for what in ("grads", "params", "buffers"):
             part = [want[what][k] for k in mine[what]]
