@@ -32,8 +32,10 @@
 #   bash benchmarks/run_16cores.sh join     # pullbacks joined later against joined in the
 #                                           # node, 2-16 workers, medium and tiny MLPs, below
 #                                           # JOIN_LATER_PARAMS too (bench_join.py, ~3 min),
-#                                           # and how cold the caller's Python runs after a
-#                                           # sleep or a matmul there (bench_cold.py, ~20 s)
+#                                           # how cold the caller's Python runs after a sleep
+#                                           # or a matmul there (bench_cold.py, ~20 s), and
+#                                           # where a step on 2-16 workers goes: serial, chunks
+#                                           # slowed by each other, idle (bench_places.py)
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
 #                                           # and tests, the team's end against keeping it, then
 #                                           # the medium MLPs over 1-16 workers with the Adam rows
@@ -138,6 +140,9 @@ exchange)
     ;;
 join)
     (cd benchmarks && timeout 40 python bench_cold.py) > "$out/cold-16cores.txt" 2>&1
+    # Where the steps on 2-16 workers go: serial work, chunks slowed by each other, idle (~60 s)
+    (cd benchmarks && timeout 120 python bench_places.py --jobs 2,4,8,16 --steps 40) \
+        > "$out/places-16cores.txt" 2>&1
     (cd benchmarks && timeout 200 python bench_join.py --any-size --jobs 2,4,8,16 --rounds 20) \
         > "$out/join-16cores.txt" 2>&1
     ;;

@@ -195,3 +195,15 @@ def test_bench_cold():
     assert len(rows) == 10 and all(line.startswith(("1 ", "2 ")) for line in rows)
     assert "after 0.1 ms of sleep" in out and "after a 1024 x 1024 matmul" in out
     assert all(float(line.split()[-6]) > 0 for line in rows)
+
+
+def test_bench_places():
+    args = ["--steps", "2", "--jobs", "2", "--workloads", "heterogeneous-tiny:8"]
+    out = run("benchmarks/bench_places.py", *args)
+    assert "64 MLPs, widths 16-48, batch 8" in out
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
+    step, serial, before, between, after = map(float, row[1:6])
+    assert 0 < serial < step and serial == pytest.approx(before + between + after, abs=0.02)
+    for job in (row[7:11], row[12:16]):
+        wall, ideal, slowdown, _idle = map(float, job)
+        assert wall > 0 and ideal > 0 and slowdown > 0
