@@ -172,6 +172,18 @@ AUTO_STACK_STORAGE_MAX_PARAM_ROWS = 40_000_000
 AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
 
 
+# NOTE [ Layers vmap loops over ]
+# vmap has no batching rule for the operation that does most of an EmbeddingBag's work
+# (``aten::_embedding_bag``, torch 2.11-2.15): it runs that operation once per model and stacks
+# the results, and warns on every call ("There is a performance drop because we have not yet
+# implemented the batching rule ..."). A stacked group of models built on it is one by one
+# with extra copies, so "auto" leaves them unstacked: 8 identical models of an EmbeddingBag of
+# 1000 x 32 and a Linear head, batch 64 x 8, 2 cores, 1.51 ms a step stacked, 1.08 one by one.
+# Models with another operation vmap loops over stay stacked where the rest pays: 8
+# TransformerEncoderLayers of width 16 (``scaled_dot_product_attention`` loops) 2.82 ms
+# stacked, 4.09 one by one (torch's warning then shows; engine="autograd" avoids it).
+LOOPED_UNDER_VMAP: tuple[type[nn.Module], ...] = (nn.EmbeddingBag,)
+
 # Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
 MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
@@ -281,7 +293,9 @@ def _group_param_rows(budget: int) -> int:
 
 def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None) -> bool:
     """Whether engine="auto" stacks this model (NOTE [ Stacked groups ], NOTE [ Batched groups
-    once features first ])."""
+    once features first ], NOTE [ Layers vmap loops over ])."""
+    if any(isinstance(m, LOOPED_UNDER_VMAP) for m in mp.modules):
+        return False
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
     if budget is None:
@@ -298,17 +312,23 @@ def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None)
 
 class Batch(NamedTuple):
     """What the cost estimates know of a call's input: its rows (the first dim of the first
-    tensor argument) and the positions a convolution slides over (the product of that tensor's
-    dims after the second; 1 for a matrix)."""
+    tensor argument), the positions a convolution slides over (the product of that tensor's
+    dims after the second; 1 for a matrix) and, for a sequence of three dims, its tokens a row
+    (the middle dim) and their width (the last; NOTE [ Tokens ])."""
 
     rows: int
     positions: int = 1
+    tokens: int = 1
+    width: int = 0
 
     @classmethod
     def of(cls, tensors: Sequence[Tensor]) -> Batch:
         first = next((t for t in tensors if t.dim() > 0), None)
         if first is None:
             return cls(1)
+        if first.dim() == 3:
+            rows, tokens, width = first.shape
+            return cls(rows, width, tokens, width)
         return cls(first.shape[0], math.prod(first.shape[2:]))
 
 
@@ -519,18 +539,47 @@ def _param_rows(
     that must not depend on the data)."""
     tensors = mp.tensors if tensors is None else tensors
     positions = _conv_positions(mp, batch)
+    rows = batch.rows * _tokens(mp, batch) if not positions else batch.rows
     if not positions and not any_sampled():  # the common case, on every call
-        return sum([t.numel() for t in tensors]) * batch.rows
+        return sum([t.numel() for t in tensors]) * rows
     total = 0
     for t in tensors:
         gathered = sampled_elements(t)
         if gathered is None:
-            total += t.numel() * batch.rows * positions.get(id(t), 1)
+            total += t.numel() * rows * positions.get(id(t), 1)
         elif last_call:
             total += gathered
         else:
             total += t.numel() // max(t.shape[0], 1) * batch.rows
     return total
+
+
+# NOTE [ Tokens ]
+# A Linear, a recurrent layer or an attention applied to a sequence of shape (rows, tokens,
+# width) does its work once per token: 8 TransformerEncoderLayers of widths 64-92 on 64 x 16
+# tokens counted as 64 rows looked like models whose Python outweighs their kernels, and the
+# default kept them on one chunk (31.6 ms a step on 2 cores; 23.8 on 2 workers). Where the first
+# such layer of a model reads the input's width (a model that flattens the sequence first does
+# not), its parameters count once per token. Convolutions keep their positions (a Conv1d reads
+# (rows, channels, length)).
+_PER_TOKEN_LAYERS = (nn.Linear, nn.RNNBase, nn.MultiheadAttention)
+
+
+def _tokens(mp: ModelParams, batch: Batch) -> int:
+    """The tokens each parameter of the model works on a row (NOTE [ Tokens ])."""
+    if batch.tokens == 1:
+        return 1
+    for module in mp.modules:
+        if isinstance(module, _PER_TOKEN_LAYERS):
+            width = (
+                module.in_features
+                if isinstance(module, nn.Linear)
+                else module.input_size
+                if isinstance(module, nn.RNNBase)
+                else module.embed_dim
+            )
+            return batch.tokens if width == batch.width else 1
+    return 1
 
 
 def _conv_positions(mp: ModelParams, batch: Batch) -> dict[int, int]:

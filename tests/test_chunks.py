@@ -310,6 +310,35 @@ def test_convolutions_count_once_per_position_of_their_input():
     assert estimated_cost(strided, batch) < estimated_cost(params[0], batch)
 
 
+def test_layers_over_a_sequence_count_once_per_token():
+    # NOTE [ Tokens ]: (rows, tokens, width) read by a Linear, an attention or a recurrent
+    # layer of that width: its parameters work once per token; a model that flattens the
+    # sequence first, or a Conv1d over (rows, channels, length), counts as before.
+    from torch import nn
+
+    x = torch.randn(8, 12, 16)
+    batch = Batch.of([x])
+    assert (batch.rows, batch.tokens, batch.width) == (8, 12, 16)
+    per_token = [
+        nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)),
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+        nn.GRU(16, 8, batch_first=True),
+    ]
+    for model in per_token:
+        mp = ModelParams.of(model)
+        elements = sum(p.numel() for p in model.parameters())
+        assert _grouping._param_rows(mp, batch) == elements * 8 * 12, type(model).__name__
+    flattening = nn.Sequential(nn.Flatten(), nn.Linear(12 * 16, 2))
+    assert _grouping._param_rows(ModelParams.of(flattening), batch) == (12 * 16 * 2 + 2) * 8
+    conv = nn.Sequential(nn.Conv1d(12, 4, 3), nn.Flatten(), nn.Linear(4 * 14, 2))
+    conv_batch = Batch.of([x])  # read as (rows, channels, length) by the convolution
+    conv_elements = 12 * 4 * 3 + 4
+    assert _grouping._param_rows(ModelParams.of(conv), conv_batch) == 8 * (
+        conv_elements * 16 + 4 * 14 * 2 + 2
+    )
+    assert Batch.of([torch.randn(8, 5)]) == Batch(8)
+
+
 def test_the_default_runs_device_models_in_the_calling_thread(cores, jobs_run):
     # On a GPU a model's CPU time is kernel launches: auto with n_jobs unset keeps one chunk in
     # the calling thread, whatever the budget. The meta device stands in for one here.

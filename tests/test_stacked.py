@@ -1,7 +1,9 @@
 """engine="stacked" and the stacked groups of engine="auto": which models are grouped, and
 that a grouped call gives what the plain PyTorch expression gives."""
 
+import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -71,6 +73,34 @@ def test_auto_groups_only_many_small_models():
     big = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M parameters x 4 rows
     assert groups(big, "auto") == []
     assert groups(big, "stacked") == [tuple(range(8))]
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, 6)
+        self.head = nn.Linear(6, OUT)
+
+    def forward(self, x):
+        return self.head(self.bag(x))
+
+
+def test_auto_leaves_embedding_bags_unstacked():
+    # NOTE [ Layers vmap loops over ]: no group, no vmap warning; engine="stacked" still stacks.
+    torch.manual_seed(0)
+    models, x = [_Bag() for _ in range(8)], torch.randint(0, 50, (4, 3))
+    assert groups(models, "auto", x) == []
+    assert groups(models, "stacked", x) == [tuple(range(8))]
+    ref = copy.deepcopy(models)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # vmap's "performance drop" warning among them
+        y = parsum.sum_models(models, x)
+    y.pow(2).sum().backward()
+    y_ref = sum(m(x) for m in ref)
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    for p, q in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(p, q)
 
 
 def test_auto_groups_by_parameters_rows_and_budget():
