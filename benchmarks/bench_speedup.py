@@ -76,8 +76,16 @@ import parsum
 
 # The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md).
 CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
-# Run only when named in --workloads: models with dropout (NOTE [ Random numbers in forwards ]).
-NAMED_ONLY = [("dropout-medium", 64), ("dropout-wrapped", 64)]
+# Run only when named in --workloads: models with dropout (NOTE [ Random numbers in forwards ]),
+# and models of other layers than MLPs and CNNs: sequences (NOTE [ Tokens ] in parsum._grouping),
+# embeddings and recurrent layers, beyond direct programs (NOTE [ Direct programs ]).
+NAMED_ONLY = [
+    ("dropout-medium", 64),
+    ("dropout-wrapped", 64),
+    ("transformers", None),
+    ("embedding-bags", None),
+    ("lstms", None),
+]
 # Steps the ranks run per command of the parent (ProcessSplit): as a torchrun job runs them.
 PROCESS_STEPS = 10
 

@@ -68,6 +68,44 @@ class Wrapped(nn.Module):
         return self.inner(x)
 
 
+class Encoder(nn.Module):
+    """A transformer encoder layer with a head on its tokens' mean."""
+
+    def __init__(self, width: int, feed_forward: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            width, 4, feed_forward, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+class Bag(nn.Module):
+    """An EmbeddingBag of 1000 rows with a Linear head."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(1000, width, mode="mean")
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(x))
+
+
+class Recurrent(nn.Module):
+    """An LSTM over 8 features a step with a Linear head on its last step."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, width, batch_first=True)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
 @dataclass
 class Workload:
     name: str
@@ -132,7 +170,26 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 128
         desc = f"24 MLPs of widths 32-64 then 8 of widths 512-768, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
-    extra = ("mixed-sizes", "dropout-medium", "dropout-wrapped")
+    if name == "transformers":
+        # Sequences: every Linear works once per token (NOTE [ Tokens ] in parsum._grouping).
+        models = [Encoder(64, 64 + 16 * i) for i in range(8)]
+        b = batch or 16
+        desc = f"8 transformer layers, width 64, feed-forward 64-176, batch {b} x 16 tokens"
+        return Workload(name, desc, models, torch.randn(b, 16, 64))
+    if name == "embedding-bags":
+        models = [Bag(24 + 2 * i) for i in range(8)]
+        b = batch or 64
+        desc = f"8 EmbeddingBags of 1000 rows, widths 24-38, with a head, batch {b} x 8 ids"
+        return Workload(name, desc, models, torch.randint(0, 1000, (b, 8)))
+    if name == "lstms":
+        models = [Recurrent(16 + 2 * i) for i in range(8)]
+        b = batch or 32
+        desc = f"8 LSTMs, widths 16-30, with a head, batch {b} x 10 steps"
+        return Workload(name, desc, models, torch.randn(b, 10, 8))
+    extra = (
+        "mixed-sizes", "dropout-medium", "dropout-wrapped", "transformers", "embedding-bags",
+        "lstms",
+    )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
 
