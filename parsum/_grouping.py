@@ -107,7 +107,8 @@ whether threads pay.
 # call's time. The estimate is computed from shapes only, never from timings, which differ
 # between calls and would change the bits with them: a model costs its parameters' and frozen
 # tensors' elements times the batch rows (a convolution's times the positions it slides over,
-# NOTE [ Threads that pay ]), plus MODEL_OVERHEAD_PARAM_ROWS for its Python and autograd work.
+# NOTE [ Threads that pay ]; a sequence's layers' times its tokens, NOTE [ Tokens ]), plus
+# MODEL_OVERHEAD_PARAM_ROWS for its Python and autograd work.
 # Fitted here (1 thread, forward + backward of MLPs of 0.1M to 580M parameter-rows, 2 vCPUs):
 # about 250 us a model plus 65 us per million parameter-rows, so the overhead weighs as about
 # 4M parameter-rows. A table read through ``take_rows`` counts one row per batch row (its last
