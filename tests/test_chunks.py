@@ -1,5 +1,6 @@
 """Default chunks: about equal estimated cost, from shapes alone, never from n_jobs."""
 
+import copy
 import random
 import threading
 import time
@@ -270,6 +271,36 @@ def test_uneven_chunks_are_bitwise_identical_for_any_n_jobs(monkeypatch, engine)
         x = torch.randn(6, IN, requires_grad=True)
         y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
         (y.sin() * 1e3).sum().backward()
+        results.append([y, x.grad, *param_grads(models)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_sequence_models_give_the_plain_sum_with_the_same_bits_at_any_n_jobs(cores):
+    # Chunks by per-token costs (NOTE [ Tokens ]), on workers where the default puts them.
+    from torch import nn
+
+    cores(3)
+    results = []
+    for n_jobs in (1, 2, 3, None):
+        torch.manual_seed(2)
+        models = [
+            nn.TransformerEncoderLayer(8, 2, 8 + 4 * i, dropout=0.0, batch_first=True)
+            for i in range(5)
+        ] + [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(3)]
+        models = [m.double() for m in models]
+        ref = copy.deepcopy(models)
+        x = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+        y.pow(2).sum().backward()
+        y_ref = sum(m(x_ref) for m in ref)
+        y_ref.pow(2).sum().backward()
+        torch.testing.assert_close(y, y_ref)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b)
         results.append([y, x.grad, *param_grads(models)])
     for other in results[1:]:
         for a, b in zip(results[0], other):
