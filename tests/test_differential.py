@@ -1,10 +1,11 @@
 """Random calls of ``sum_models`` against the plain loop, across n_jobs: mixes of models (some
 identical, so that they stack, also in ``stack_`` storage; repeated; tied; with buffers,
-dropout, composite parameters), weights, argument gradients, gradients already there,
-FlatGrads, terms of the loss outside the sum, ``autograd.grad``, retained graphs, steps in the
-backward, models changed between calls, and models that fail in forward or backward. Every
-call's outputs and gradients must be the plain loop's (within rounding), the same bits for
-every n_jobs and beside calls in other threads, and a failed call must change nothing.
+dropout, composite parameters, an EmbeddingBag), weights, argument gradients, gradients
+already there, FlatGrads, terms of the loss outside the sum, ``autograd.grad``, retained
+graphs, steps in the backward, models changed between calls, and models that fail in forward
+or backward. Every call's outputs and gradients must be the plain loop's (within rounding),
+the same bits for every n_jobs and beside calls in other threads, and a failed call must
+change nothing.
 ``python -m tests.test_differential FIRST COUNT`` plays more cases than the suite."""
 
 from __future__ import annotations
@@ -124,6 +125,21 @@ class Constant(nn.Module):
         return self.value.expand(x.shape[0], OUT)
 
 
+class Bag(nn.Module):
+    """An EmbeddingBag over ids drawn from the input (no gradient reaches the input through
+    them), beside a Linear that reads the input: a layer vmap loops over (NOTE [ Layers vmap
+    loops over ] in parsum._grouping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, OUT, mode="mean")
+        self.linear = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        ids = (x.detach().abs() * 7).long() % 20
+        return self.bag(ids) + self.linear(x)
+
+
 class Checkpointed(nn.Module):
     """A model whose forward is recomputed in backward."""
 
@@ -238,11 +254,11 @@ class Case:
         case.chunk_size = rng.choice([None, None, 1, 2, 3])
         case.module = case.weights in ("none", "list") and rng.random() < 0.15
         # (Not with a model whose output autocast leaves in float32, which sum_models refuses
-        # beside others' bfloat16: LowRankLinear adds its bias after a bfloat16 matmul, and a
-        # constant is not cast.)
+        # beside others' bfloat16: LowRankLinear adds its bias after a bfloat16 matmul, a
+        # constant is not cast, and an EmbeddingBag's float32 output promotes its sum.)
         case.autocast = (
             case.dtype == torch.float32
-            and not {"low rank", "constant"} & set(case.kinds)
+            and not {"low rank", "constant", "bag"} & set(case.kinds)
             and rng.random() < 0.1
         )
         # autograd.grad does not reach the models of a stack (docs/identical-models.md)
@@ -292,7 +308,7 @@ class Case:
                 ["mlp"] * 3
                 + ["relu mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank"]
                 + ["batchnorm", "dropout", "repeated", "tied", "rows", "checkpointed"]
-                + ["nested", "constant"]
+                + ["nested", "constant", "bag"]
             )
             if kind == "relu mlp":
                 m = mlp([16, 12], nn.ReLU)
@@ -327,6 +343,8 @@ class Case:
                 m = Nested()
             elif kind == "constant":
                 m = Constant()
+            elif kind == "bag":
+                m = Bag()
             else:
                 kind, m = "mlp", mlp([8])
             models.append(m)
