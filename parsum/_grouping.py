@@ -64,8 +64,9 @@ whether threads pay.
 #   team ] in _pool) gives them the core back: with Adam, the MLPs on 2 workers 0.94-0.97x
 #   (batch 64) and 0.98-1.04x (256) the plain loop with Adam, one chunk 0.91x; without an
 #   optimizer 0.97x against one chunk's 0.89x (batch 64; alternating processes).
-#   So 2 workers take models where those with convolutions do most of the work (by the
-#   estimate below: their kernels split worse over intra-op threads), and models whose kernel
+#   So 2 workers take models where those with convolutions or recurrent layers do most of the
+#   work (by the estimate below: their kernels split worse over intra-op threads, and an LSTM
+#   runs all its steps in one operation without the GIL), and models whose kernel
 #   share C / O (below) is at least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too
 #   much: 5.15 against 4.80 ms a step for the medium MLPs at batch 32, share 1.1), the latter
 #   only where the caller's team can be ended or with step_in_backward. Either only where the
@@ -73,7 +74,12 @@ whether threads pay.
 #   MAX_IMBALANCE of an even split by estimated cost: two large models and a small one left a
 #   worker idle (3 MLPs of widths 512, 512 and 512 with one layer fewer, batch 256: 2 workers
 #   0.94x one chunk, estimated 1.08 of even; 24 MLPs of widths 32-64 and 8 of 512-768 at batch
-#   128, 1.12 of even: 0.94x; 3 of widths 256-2048: 0.58-0.64x).
+#   128, 1.12 of even: 0.94x; 3 of widths 256-2048: 0.58-0.64x). Recurrent models on 2
+#   workers against one chunk (2026-11-27, LSTMs or GRUs with a Linear head, batches of 4x5 to
+#   64x20 steps, kernel shares 0.25 and below): 8 LSTMs of widths 4-18 1.11x, 16-30 1.26x,
+#   16 GRUs of widths 16-46 1.71x (the plain loop on 2 intra-op threads 1.31x slower than on 1
+#   there), where the estimate had kept one chunk; 8 LSTMs of widths 64-120 and 4 of 128-224,
+#   on workers already, 1.02x and 0.98x.
 # - A larger budget goes to workers, each with budget // chunks intra-op threads (1 with 16
 #   chunks, 4 for 4 wide models on 16 cores, the fastest measured there). A model's Python work
 #   (module calls, autograd bookkeeping) holds the GIL, so workers overlap only its kernels:
@@ -372,15 +378,21 @@ def intra_op_only(
         return False
     if not _split_evenly(units, chunks, order, model_params, batch, budget):
         return True
-    convolutional = [bool(_conv_positions(mp, batch)) for mp in model_params]
-    if any(convolutional):
+    long_kernels = [_runs_long_kernels(mp, batch) for mp in model_params]
+    if any(long_kernels):
         costs = [_param_rows(mp, batch) for mp in model_params]
-        if 2 * sum(c for c, conv in zip(costs, convolutional) if conv) >= sum(costs):
+        if 2 * sum(c for c, long in zip(costs, long_kernels) if long) >= sum(costs):
             return False
     # Without the caller's team released, its spinning threads take the helper's core after
     # an optimizer step (NOTE [ The caller's OpenMP team ] in _pool).
     paid = stepping or _pool.releases_callers_team()
     return not (paid and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
+
+
+def _runs_long_kernels(mp: ModelParams, batch: Batch) -> bool:
+    """Whether the model has convolutions or recurrent layers, whose kernels run long without
+    the GIL and split worse over intra-op threads (NOTE [ Threads that pay ])."""
+    return bool(_conv_positions(mp, batch)) or any(isinstance(m, nn.RNNBase) for m in mp.modules)
 
 
 def _split_evenly(

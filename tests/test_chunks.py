@@ -253,6 +253,35 @@ def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+class _Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(16, 48, batch_first=True)
+        self.head = torch.nn.Linear(48, OUT)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("n_cores", [1, 2])
+def test_a_budget_of_2_goes_to_workers_where_recurrent_layers_do_most_of_the_work(
+    cores, n_cores, jobs_run
+):
+    # NOTE [ Threads that pay ]: an LSTM runs all its steps in one operation, without the GIL.
+    cores(n_cores)
+    torch.manual_seed(0)
+    x = torch.randn(32, 10, 16)
+    models = learned([_Recurrent() for _ in range(4)], x)
+    mps = [ModelParams.of(m) for m in models]
+    share = _grouping._kernel_share(mps, Batch.of([x]))
+    assert _grouping.MIN_KERNEL_SHARE <= share < _grouping.WORKERS_MIN_KERNEL_SHARE
+    y = parsum.sum_models(models, x)
+    assert jobs_run[-1] == ((len(models), 2) if n_cores == 2 else (1, 1))
+    y.sum().backward()
+    expected = torch.stack([m(x) for m in models]).double().sum(0)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def useful_workers_of(models, x):
     from parsum._engines import ModelParams
 
