@@ -751,6 +751,68 @@ def test_random_calls_at_once_in_several_threads_give_the_bits_of_each_alone(fir
     check_concurrently(range(first, first + 10))
 
 
+class SequenceModel(nn.Module):
+    """A layer over a (rows, tokens, width) sequence with a head: what NOTE [ Tokens ] and the
+    recurrent layers' rule in parsum._grouping plan (per-token costs, workers)."""
+
+    def __init__(self, kind: str, size: int) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "transformer":
+            self.layer: nn.Module = nn.TransformerEncoderLayer(
+                SEQ_WIDTH, 2, size, dropout=0.0, batch_first=True
+            )
+        elif kind in ("lstm", "gru"):
+            cell = nn.LSTM if kind == "lstm" else nn.GRU
+            self.layer = cell(SEQ_WIDTH, size, batch_first=True)
+        else:  # an MLP on every token
+            self.layer = nn.Sequential(nn.Linear(SEQ_WIDTH, size), nn.Tanh())
+        width = SEQ_WIDTH if kind == "transformer" else size
+        self.head = nn.Linear(width, OUT)
+
+    def forward(self, x):
+        y = self.layer(x)
+        y = y[0][:, -1] if self.kind in ("lstm", "gru") else y.mean(1)
+        return self.head(y)
+
+
+SEQ_WIDTH = 8
+
+
+def check_sequences(seed: int) -> None:
+    """Random sequence models (transformer layers, LSTMs, GRUs, per-token MLPs) on a random
+    (rows, tokens, width) batch in float64: the plain loop's sum and gradients, and the same
+    bits at every n_jobs, with weights and the argument's gradient at random."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kinds = [rng.choice(["transformer", "lstm", "gru", "mlp"]) for _ in range(rng.randint(1, 7))]
+    models = [SequenceModel(k, rng.choice([4, 8, 12, 16])).double() for k in kinds]
+    shape = (rng.randint(1, 6), rng.randint(1, 9), SEQ_WIDTH)
+    x = torch.randn(shape, dtype=torch.float64)
+    weights = [rng.uniform(-1, 2) for _ in models] if rng.random() < 0.5 else None
+    x_grad = rng.random() < 0.5
+    runs = []
+    for n_jobs in (*N_JOBS, "plain"):
+        copies = copy.deepcopy(models)
+        xi = x.clone().requires_grad_(x_grad)
+        if n_jobs == "plain":
+            y = plain_sum(copies, xi, weights=weights)
+        else:
+            y = parsum.sum_models(copies, xi, n_jobs=n_jobs, weights=weights)
+        (y.sin() * 3).sum().backward()
+        runs.append([y.detach(), xi.grad, *(p.grad for p in unique_params(copies))])
+    what = f"sequence case {seed} ({kinds}, {shape}, weights {weights is not None}, x {x_grad})"
+    *parsum_runs, plain = runs
+    _compare(parsum_runs[0], plain, f"{what} against the plain loop", False, torch.float64)
+    for n_jobs, got in zip(N_JOBS[1:], parsum_runs[1:]):
+        _compare(got, parsum_runs[0], f"{what} at n_jobs={n_jobs}", True)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_sequence_models_match_the_plain_loop_with_the_same_bits(seed, three_cores):
+    check_sequences(seed)
+
+
 if __name__ == "__main__":
     _config.usable_cores = lambda: 3  # type: ignore[assignment]
     torch.set_num_threads(3)
@@ -768,4 +830,10 @@ if __name__ == "__main__":
         except (Exception, pytest.fail.Exception) as exc:
             failed += 1
             print(f"seeds {group}-{group + 9} at once: {type(exc).__name__}: {exc}"[:600])
-    print(f"{count} cases alone and at once, {failed} failed")
+    for seed in range(first, first + count // 10):
+        try:
+            check_sequences(seed)
+        except (Exception, pytest.fail.Exception) as exc:
+            failed += 1
+            print(f"sequence seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
+    print(f"{count} cases alone and at once, {count // 10} of sequences, {failed} failed")
