@@ -36,7 +36,7 @@ from common import (
     parsum_step,
     plain_adam_step,
     plain_step,
-    workload,
+    workloads_of,
 )
 
 import parsum
@@ -94,9 +94,7 @@ def main() -> None:
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
             f"checkout against {args.rev}; medians of {args.rounds} interleaved rounds"
         )
-        for spec in args.workloads.split(","):
-            name, _, batch = spec.partition(":")
-            w = workload(name, int(batch) if batch else None)
+        for w in workloads_of(args.workloads):
             methods = {
                 label: step_of(pkg, copy.deepcopy(w.models), w.x, args)
                 for label, pkg in ((plain, None), ("this", parsum), (args.rev, base))

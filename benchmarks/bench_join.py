@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from common import interleaved_rounds, parsum_step, workload
+from common import interleaved_rounds, parsum_step, workloads_of
 
 import parsum
 from parsum import _api, _function, _inline
@@ -63,9 +63,7 @@ def main() -> None:
         f"torch {torch.__version__}, {parsum._config.usable_cores()} usable cores, "
         f"{torch.get_num_threads()} intra-op threads; medians of {args.rounds} rounds"
     )
-    for spec in args.workloads.split(","):
-        name, _, batch = spec.partition(":")
-        w = workload(name, int(batch) if batch else None)
+    for w in workloads_of(args.workloads):
         n_params = sum(1 for m in w.models for _ in m.parameters())
         below = n_params < _function.JOIN_LATER_PARAMS
         print(

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common import parsum_step, workload
+from common import parsum_step, workloads_of
 
 from parsum import _pool
 
@@ -136,9 +136,7 @@ def main() -> None:
         help="name:batch,...",
     )
     args = parser.parse_args()
-    for item in args.workloads.split(","):
-        name, _, batch = item.partition(":")
-        w = workload(name, int(batch) if batch else None)
+    for w in workloads_of(args.workloads):
         print(f"\n{w.description}; medians of {args.steps} steps, ms")
         print(
             f"{'P':>3} {'step':>6} {'serial':>6} {'before':>6} {'between':>7} {'after':>6}"

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from common import interleaved, parsum_adam_step, plain_adam_step, workload
+from common import interleaved, parsum_adam_step, plain_adam_step, workloads_of
 
 import parsum
 from parsum import _pool
@@ -65,9 +65,7 @@ def main() -> None:
         f"after {args.settle_ms:g} ms of untimed steps"
     )
     jobs = [None if j == "default" else int(j) for j in args.jobs.split(",")]
-    for spec in args.workloads.split(","):
-        name, _, batch = spec.partition(":")
-        w = workload(name, int(batch) if batch else None)
+    for w in workloads_of(args.workloads):
         plain = plain_adam_step(copy.deepcopy(w.models))
         methods: dict[str, Callable[[], None]] = {"plain+adam": functools.partial(plain, w.x)}
         for n in jobs:

@@ -13,7 +13,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -191,6 +191,14 @@ def workload(name: str, batch: int | None = None) -> Workload:
         "lstms",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
+
+
+def workloads_of(spec: str) -> Iterator[Workload]:
+    """The workloads of a comma-separated ``name[:batch]`` list (``--workloads``), each built
+    when its turn comes."""
+    for item in spec.split(","):
+        name, _, batch = item.partition(":")
+        yield workload(name, int(batch) if batch else None)
 
 
 WORKLOADS = (
