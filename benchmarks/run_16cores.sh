@@ -36,6 +36,13 @@
 #                                           # or a matmul there (bench_cold.py, ~20 s), and
 #                                           # where a step on 2-16 workers goes: serial, chunks
 #                                           # slowed by each other, idle (bench_places.py)
+#   bash benchmarks/run_16cores.sh next     # one call for a session with 15 minutes of the
+#                                           # machine (about 8.5 minutes): the CUDA smoke test
+#                                           # and tests, medium and tiny MLPs over 1-16 workers
+#                                           # and processes (the default's worker count), the
+#                                           # exchange between 2-16 processes, where a CUDA
+#                                           # step's host time goes (captured beside the
+#                                           # default), the main example
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
 #                                           # and tests, the team's end against keeping it, then
 #                                           # the medium MLPs over 1-16 workers with the Adam rows
@@ -145,6 +152,17 @@ join)
         > "$out/places-16cores.txt" 2>&1
     (cd benchmarks && timeout 200 python bench_join.py --any-size --jobs 2,4,8,16 --rounds 20) \
         > "$out/join-16cores.txt" 2>&1
+    ;;
+next)
+    cuda_checks 110
+    speedup 230 speedup-16cores --workloads heterogeneous-medium,heterogeneous-tiny \
+        --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 5
+    (cd benchmarks && timeout 70 python bench_exchange.py --procs 2,4,8,16 --compute-ms 1.5 \
+        --steps 100) > "$out/exchange-16cores.txt" 2>&1
+    (cd benchmarks && timeout 30 python profile_step.py --device cuda \
+        --workload heterogeneous-medium --steps 10) > "$out/profile-cuda.txt" 2>&1
+    timeout 40 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
+    lscpu > "$out/lscpu.txt" 2>&1
     ;;
 first)
     cuda_checks
