@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import random
 import sys
 import threading
@@ -814,6 +815,9 @@ def test_random_sequence_models_match_the_plain_loop_with_the_same_bits(seed, th
 
 
 if __name__ == "__main__":
+    # A crash prints every thread's Python stack (one run of 2026-11-29 ended in a general
+    # protection fault inside glibc's malloc, in the calling thread, with nothing else to go on).
+    faulthandler.enable(all_threads=True)
     _config.usable_cores = lambda: 3  # type: ignore[assignment]
     torch.set_num_threads(3)
     first, count = int(sys.argv[1]), int(sys.argv[2])
