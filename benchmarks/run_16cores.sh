@@ -89,6 +89,13 @@ for n_jobs in (None, 1, 2, 4):
         tests/test_concurrency.py tests/test_sum_models.py tests/test_distributed.py tests/test_stacked.py \
         -k "cuda or devices" > "$out/cuda-tests.txt" 2>&1
 }
+exchange() {  # exchange SECONDS STEPS: an exchange between 2-16 processes, gloo and shared memory
+    (cd benchmarks && timeout "$1" python bench_exchange.py --procs 2,4,8,16 --compute-ms 1.5 \
+        --steps "$2") > "$out/exchange-16cores.txt" 2>&1
+}
+example() {  # example SECONDS: the main example (~20 s)
+    timeout "$1" python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
+}
 team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers, or kept
     (cd benchmarks && timeout "$1" python bench_team.py --jobs default,4,16 --rounds 10 \
         --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
@@ -110,7 +117,7 @@ threads)
 cpu)
     # With 12 rounds this ran out of its 460 s before the last workload on the lent machine.
     speedup 470 speedup-16cores --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 8
-    timeout 100 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
+    example 100
     ;;
 team)
     team 150
@@ -127,7 +134,7 @@ gpu)
 cores)
     speedup 250 speedup-16cores --workloads heterogeneous-medium,heterogeneous-tiny \
         --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 6
-    timeout 60 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1  # ~20 s
+    example 60
     ;;
 last)
     lscpu > "$out/lscpu.txt" 2>&1
@@ -139,8 +146,7 @@ last)
     timeout 215 python -m pytest -n 12 -v -p no:cacheprovider tests > "$out/tests.txt" 2>&1
     ;;
 exchange)
-    (cd benchmarks && timeout 150 python bench_exchange.py --procs 2,4,8,16 --compute-ms 1.5 \
-        --steps 200) > "$out/exchange-16cores.txt" 2>&1
+    exchange 150 200
     timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/test_allocator.py \
         tests/test_examples.py -k "thresholds or slide_like or with_processes" \
         > "$out/failed-before.txt" 2>&1
@@ -157,11 +163,10 @@ next)
     cuda_checks 110
     speedup 230 speedup-16cores --workloads heterogeneous-medium,heterogeneous-tiny \
         --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 5
-    (cd benchmarks && timeout 70 python bench_exchange.py --procs 2,4,8,16 --compute-ms 1.5 \
-        --steps 100) > "$out/exchange-16cores.txt" 2>&1
+    exchange 70 100
     (cd benchmarks && timeout 30 python profile_step.py --device cuda \
         --workload heterogeneous-medium --steps 10) > "$out/profile-cuda.txt" 2>&1
-    timeout 40 python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
+    example 40
     lscpu > "$out/lscpu.txt" 2>&1
     ;;
 first)
