@@ -107,7 +107,8 @@ def sum_models(
             dicts, get gradients.
         weights: optional sequence of floats (a 1-D numpy array too), or a 1-D tensor, of
             length ``len(models)``; a tensor that requires grad gets
-            ``dL/dw_i = <dL/dy, models[i](x)>``.
+            ``dL/dw_i = <dL/dy, models[i](x)>`` (for complex outputs, PyTorch's convention
+            for ``w_i * models[i](x)``; a complex tensor needs complex outputs).
         n_jobs: threads, joblib's convention: ``None`` takes ``parsum.config``, then
             ``joblib.parallel_config``, else the thread budget (``torch.get_num_threads()``
             capped by the usable cores: under torchrun, each process's share); -1 the whole
@@ -184,6 +185,8 @@ def sum_models(
                 limit = 0 if few else storage_stack_limit(device, budget, batched)
             elif engine != "stacked":
                 limit = 0
+            if weight_tensor is not None and weight_tensor.is_complex():
+                limit = 0  # the general way, which checks the outputs' dtypes first
             try:
                 out = stacked_sum(stack, call, weight_list, weight_tensor, limit, step_in_backward)
             except StackedForwardFailed as failed:
@@ -311,7 +314,7 @@ def _general_sum(
     build_graph = torch.is_grad_enabled() and (
         bool(params) or any(t.requires_grad for t in differentiable)
     )
-    if _one_stacked_group(plan):
+    if _one_stacked_group(plan) and not (weight_tensor is not None and weight_tensor.is_complex()):
         try:
             stacked = cast(list[nn.Module], models)  # a stacked group holds modules
             out = group_in_callers_graph(

@@ -683,6 +683,39 @@ def unit_forward(
     return UnitRun([out], SinglePullback(pullback))
 
 
+# NOTE [ Complex weights ]
+# For complex outputs, the plain sum's gradients follow PyTorch's convention for a product
+# ``w * o``: the cotangent of ``o`` is ``g * conj(w)`` and ``w``'s gradient ``sum(g * conj(o))``,
+# its real part where ``w`` is real. Without the conjugates a complex weight tensor gave wrong
+# gradients to the arguments and the parameters, and a real one a wrong gradient of its own
+# (both silently). A complex weight on real outputs makes the plain sum complex, and each
+# model's cotangent would be the real part of ``g * conj(w)``: refused instead, with a
+# ParsumError, on every path (``check_weight_dtype``).
+
+
+def weighted_cotangent(g: Tensor, w: float | Tensor) -> Tensor:
+    """A model's cotangent from the sum's gradient and the model's weight (NOTE [ Complex
+    weights ])."""
+    if isinstance(w, Tensor) and w.is_complex():
+        return g * w.conj()
+    return g * w
+
+
+def check_weight_dtype(where: str, weight_tensor: Tensor | None, leaves: Sequence[Any]) -> None:
+    """Refuse a complex weight tensor where the models' output ``leaves`` (tensors or their
+    dtypes) are real (NOTE [ Complex weights ])."""
+    if weight_tensor is None or not weight_tensor.is_complex():
+        return
+    for leaf in leaves:
+        dtype = leaf.dtype if isinstance(leaf, Tensor) else leaf
+        if not dtype.is_complex:
+            raise ParsumError(
+                f"{where}: weights is a complex tensor ({weight_tensor.dtype}) and the models "
+                f"return real outputs ({dtype}); a complex weight is summed with complex "
+                "outputs only: pass weights.real, or make the models' outputs complex"
+            )
+
+
 class SinglePullback:
     """A one-model unit's pullback (a ``UnitPullback``); ``inner`` is the model's own."""
 
@@ -693,7 +726,7 @@ class SinglePullback:
 
     @staticmethod
     def cotangents(grad_outputs: Sequence[Tensor], w: Weight) -> Sequence[Tensor]:
-        return grad_outputs if w is None else [g * w for g in grad_outputs]
+        return grad_outputs if w is None else [weighted_cotangent(g, w) for g in grad_outputs]
 
     def __call__(
         self, grad_outputs: Sequence[Tensor], weights: Sequence[Weight], retain_graph: bool
@@ -1150,7 +1183,8 @@ def stacked_forward(
             cotangents = [g.expand(n, *g.shape) for g in grad_outputs]
         else:
             cotangents = [
-                torch.stack([g if w is None else g * w for w in weights]) for g in grad_outputs
+                torch.stack([g if w is None else weighted_cotangent(g, w) for w in weights])
+                for g in grad_outputs
             ]
         pairs = [(o, c) for o, c in zip(roots, cotangents) if o is not None]
         if not pairs or not wrt:

@@ -48,6 +48,7 @@ from ._engines import (
     UnitPullback,
     UnitRun,
     _edge,
+    check_weight_dtype,
     direct_calls_allowed,
     pull_back_together,
     run_direct,
@@ -371,6 +372,7 @@ def run_forward(
                 for i in unit.models:
                     signatures[i] = sig
                 if first is None:
+                    check_weight_dtype(plan.where, weight_tensor, leaves)
                     first = unit.models[0]
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
@@ -383,6 +385,7 @@ def run_forward(
                 leaves, sig = _signature(plan, i, out)
                 signatures[i] = sig
                 if first is None:
+                    check_weight_dtype(plan.where, weight_tensor, leaves)
                     first = i
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
@@ -956,8 +959,10 @@ def _pull_back_chunk(
 
 
 def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> Tensor:
-    """d loss / d w_i = <grad of the sum, model i's output>, over the output's leaves."""
-    return sum((g * o).sum() for g, o in zip(grad_outputs, out))  # type: ignore[return-value]
+    """d loss / d w_i = <grad of the sum, model i's output>, over the output's leaves: for
+    complex outputs ``sum(g * conj(o))``, PyTorch's convention for the product ``w_i * o``
+    (NOTE [ Complex weights ] in _engines)."""
+    return sum((g * o.conj()).sum() for g, o in zip(grad_outputs, out))  # type: ignore[return-value]
 
 
 def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) -> Tensor:
@@ -967,7 +972,10 @@ def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) ->
     dtype, device = weight_tensor.dtype, weight_tensor.device
     return torch.stack(
         [
-            torch.zeros((), dtype=dtype, device=device) if g is None else g.to(device, dtype)
+            torch.zeros((), dtype=dtype, device=device)
+            if g is None
+            # Complex outputs, a real weight: the real part (NOTE [ Complex weights ] in _engines).
+            else (g.real if g.is_complex() and not dtype.is_complex else g).to(device, dtype)
             for g in grads
         ]
     )

@@ -115,6 +115,34 @@ def _agrees_with_one_process(rank: int) -> None:
     torch.testing.assert_close(pair["a"], 3 * x.detach())
 
 
+def _complex_outputs(rank: int) -> None:
+    """Complex models and a complex weight tensor: each rank's share against one process, its
+    conjugates included (NOTE [ Complex weights ] in parsum._engines)."""
+    torch.manual_seed(3)
+    models = [
+        nn.Sequential(
+            nn.Linear(IN, 2 + i, dtype=torch.complex128),
+            nn.Linear(2 + i, OUT, dtype=torch.complex128),
+        )
+        for i in range(4)
+    ]
+    ref = clone_models(models)
+    x = torch.randn(3, IN, dtype=torch.complex128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w_all = torch.randn(4, dtype=torch.complex128, requires_grad=True)
+    w_mine = w_all.detach()[rank::WORLD].clone().requires_grad_()
+    mine = models[rank::WORLD]
+    y = parsum.distributed.sum_models(mine, x, weights=w_mine)
+    (y.abs() ** 2).sum().backward()
+    plain = sum(w * m(x_ref) for w, m in zip(w_all, ref))
+    (plain.abs() ** 2).sum().backward()
+    torch.testing.assert_close(y, plain.detach(), **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    torch.testing.assert_close(w_mine.grad, w_all.grad[rank::WORLD], **TOL)
+    for got, want in zip(param_grads(mine), param_grads(ref[rank::WORLD])):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def _raises_for_rank_1s_model(rank: int, mine: list[nn.Module], x: torch.Tensor) -> None:
     """Rank 1's model 1 raises in forward: rank 1's error names it, the others' name rank 1."""
     if rank == 1:
@@ -564,6 +592,7 @@ def _per_model_parts(models: list[nn.Module], share: list[int]) -> dict[str, lis
 SCENARIOS = {
     "random_cases": _random_cases,
     "agree": _agrees_with_one_process,
+    "complex": _complex_outputs,
     "forward_failure": _forward_failure,
     "mismatch": _mismatch,
     "backward_failure": _backward_failure,
@@ -589,6 +618,7 @@ SCENARIOS = {
     [
         "random_cases",
         "agree",
+        "complex",
         "forward_failure",
         "mismatch",
         "stacked_storage",
