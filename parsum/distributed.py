@@ -29,7 +29,9 @@ gets the sum over all ranks.
 # cost a model: NOTE [ Chunks ] in _grouping), the costliest first, each to the rank with the
 # least so far. Identical models that run stacked when there are AUTO_STACK_MIN_BATCHED or more
 # of them (NOTE [ Stacked groups ]) stay together on one rank where their cost allows it, and
-# are otherwise dealt round robin, a part to every rank. 2 processes on 2 cores: 8 CNNs of
+# are otherwise dealt round robin, a part to every rank; where fewer items than ranks remain
+# (a group kept whole beside one costly model, on 3 ranks), the largest groups are halved
+# until every rank gets one. 2 processes on 2 cores: 8 CNNs of
 # widths 8-24 took 59.3 ms a step dealt round robin (the widest models on one rank) and 47.8
 # balanced, 16 MLPs of widths 128-512 at batch 64 5.52 and 5.28 ms.
 #
@@ -304,6 +306,12 @@ def balanced_shares(
             items.extend(members[r::world] for r in range(world) if members[r::world])
         else:
             items.append(members)
+    # Every rank needs a model: groups split, the largest first, until each rank can have an
+    # item (a group kept whole on a rank had left another rank with nothing to run).
+    while len(items) < world:
+        largest = max(range(len(items)), key=lambda k: (len(items[k]), -k))
+        members = items.pop(largest)
+        items[largest:largest] = [members[0::2], members[1::2]]
     weight = [sum(costs[i] for i in item) for item in items]
     loads = [0] * world
     parts: list[list[int]] = [[] for _ in range(world)]

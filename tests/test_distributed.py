@@ -681,6 +681,12 @@ def test_balanced_shares():
     big = [mlp([512]) for _ in range(8)]
     parts = balanced_shares(big + few, (x,), {}, 2)
     assert all(len(set(part) & set(range(8))) == 4 for part in parts)
+    # Every rank gets a model where there are as many models as ranks: a group kept whole
+    # beside one costly model had left the third rank with none (its sum_models then raised).
+    costly = mlp([2048, 2048])
+    for world in (2, 3, 5, 9):
+        parts = balanced_shares([*(mlp([16]) for _ in range(8)), costly], (x,), {}, world)
+        assert all(parts) and sorted(i for part in parts for i in part) == list(range(9))
     with pytest.raises(parsum.ParsumError, match="not initialized"):
         parsum.distributed.share(models, x)
 
