@@ -35,7 +35,7 @@ from ._function import (
     run_forward,
 )
 from ._fused import StepInBackward
-from ._grads import has_compensated_flat_grads
+from ._grads import check_slots, has_compensated_flat_grads
 from ._grouping import (
     Batch,
     auto_min_group,
@@ -228,6 +228,8 @@ def _general_sum(
         found = [ModelParams.of(m) for m in models]
         _check_initialized(models, found)
         params, slots, shared = _collect_params(found)
+        # NOTE [ Stale slots ] in _grads
+        check_slots(models, [mp.names for mp in found], [mp.tensors for mp in found])
         walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk)
         modules = [m for mp in found for m in mp.modules]

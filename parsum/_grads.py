@@ -222,6 +222,10 @@ class FlatGrad:
 
     def zero_(self) -> FlatGrad:
         """Zero every buffer and point every ``.grad`` at its view again."""
+        for index, slot in enumerate(self._slots):
+            p = slot.param
+            if p is not None:
+                self._check_slot(index, p, f"{_WHERE}.zero_")
         with torch.no_grad():
             for buffer in (*self._buffers.values(), *self._comps.values()):
                 buffer.zero_()
@@ -254,12 +258,31 @@ class FlatGrad:
         if handle is not None:
             handle.remove()
 
+    def _check_slot(self, index: int, p: Tensor, where: str, who: str = "a parameter") -> None:
+        """Refuse a parameter cast, moved or resized since its slot was made (NOTE [ Stale
+        slots ])."""
+        slot = self._slots[index]
+        view = slot.view  # a cast with .grad set replaces the view's own data
+        if (
+            slot.key != (p.dtype, p.device)
+            or slot.key != (view.dtype, view.device)
+            or view.shape != p.shape
+        ):
+            raise ParsumError(
+                f"{where}: {who} of shape {tuple(p.shape)} is now {p.dtype} on {p.device}, "
+                f"and its FlatGrad slot {slot.key[0]} on {slot.key[1]} of shape "
+                f"{tuple(slot.view.shape)}: its module was cast, moved or resized after the "
+                "FlatGrad was made; make a new FlatGrad over it (it takes the parameters "
+                "over), and make FlatGrads after .to(), .double() or .half()"
+            )
+
     def _reattach(self, index: int, param: Tensor) -> None:
         """After autograd accumulated into a fresh tensor, move it into the slot."""
         slot = self._slots[index]
         grad = param.grad
         if grad is None or grad is slot.view or _is_view_of(grad, slot.view):
             return
+        self._check_slot(index, param, _WHERE)
         with torch.no_grad():
             slot.view.copy_(_dense(grad))
         param.grad = slot.view
@@ -442,6 +465,34 @@ def engine_runs_all(nodes: Sequence[Any]) -> list[bool]:
         except RuntimeError:  # some node is captured, not run: ask node by node
             pass
     return [engine_runs(node) for node in nodes]
+
+
+# NOTE [ Stale slots ]
+# A slot is a view of one dtype, device and shape. A module cast or moved after its FlatGrad was
+# made (``.double()``, ``.to("cuda")``) casts a ``.grad`` that is set into a tensor of its own,
+# which the FlatGrad then silently no longer held (``flat.flat`` stayed zero while the
+# optimizer stepped); where ``.grad`` was None, the next backward failed in the FlatGrad's hook
+# with autograd's dtype error, blamed on a model. Such a parameter is refused, naming the
+# change, by ``sum_models`` before anything runs (looked for when it plans anew: a cast or move
+# gives the parameter a new storage), by the hook where it would copy a gradient into the slot,
+# and by ``zero_()``. A cast with ``.grad`` set keeps the view object but swaps its data (the
+# view's own dtype and device tell): a plain backward then adds into it until the gradients are
+# zeroed, when ``zero_()`` or the next backward's hook names the parameter.
+
+
+def check_slots(
+    models: Sequence[Any], names: Sequence[Sequence[str]], tensors: Sequence[Sequence[Tensor]]
+) -> None:
+    """Refuse the models' parameters (``names`` and ``tensors``, model by model) whose FlatGrad
+    slot no longer fits them (NOTE [ Stale slots ])."""
+    if not _owners:
+        return
+    for i, (model, model_names, model_tensors) in enumerate(zip(models, names, tensors)):
+        for name, p in zip(model_names, model_tensors):
+            found = owner_of(p)
+            if found is not None:
+                who = f"parameter {name!r} of models[{i}] ({type(model).__name__})"
+                found[0]._check_slot(found[1], p, "sum_models", who)
 
 
 def has_flat_grads(params: Sequence[Tensor]) -> bool:

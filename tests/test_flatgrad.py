@@ -7,6 +7,7 @@ from torch import nn
 import parsum
 from tests.zoo import (
     IN,
+    OUT,
     LowRankLinear,
     clone_models,
     mlp,
@@ -482,6 +483,57 @@ def test_bad_compensated_and_nothing_changed():
     with pytest.raises(parsum.ParsumError, match="compensated is 'yes'"):
         parsum.FlatGrad(lin, compensated="yes")
     assert lin.weight.grad is None
+
+
+@pytest.mark.parametrize("change", ["double", "half", "resize"])
+@pytest.mark.parametrize("grads_set", [True, False])
+def test_a_module_cast_after_its_flatgrad_is_named_and_a_new_flatgrad_fixes_it(change, grads_set):
+    # NOTE [ Stale slots ]: a cast with .grad set had made the buffer silently stop holding
+    # the gradients; with .grad None the backward failed in the FlatGrad's hook, blamed on a
+    # model.
+    torch.manual_seed(0)
+    models = [mlp([8]), mlp([6])]
+    flat = parsum.FlatGrad(models)
+    if not grads_set:
+        for m in models:
+            m.zero_grad()
+    if change == "resize":
+        with torch.no_grad():
+            models[1][-1].bias.data = torch.zeros(OUT + 1)
+        match = rf"'2.bias' of models\[1\] \(Sequential\) of shape \({OUT + 1},\)"
+    else:
+        for m in models:
+            getattr(m, change)()
+        match = rf"'0.weight' of models\[0\] \(Sequential\) .* is now torch.{dtype_name(change)}"
+    x = torch.randn(5, IN, dtype=next(models[0].parameters()).dtype)
+    before = [p.grad for p in trainable(models)]
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, x)
+    assert all(p.grad is g for p, g in zip(trainable(models), before))  # nothing changed
+    with pytest.raises(parsum.ParsumError, match="make a new FlatGrad"):
+        flat.zero_()
+    if change == "resize":
+        return
+    new = parsum.FlatGrad(models).zero_()
+    ref = clone_models(models)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
+
+
+def test_a_plain_backward_after_a_move_is_named_by_the_hook():
+    model = nn.Linear(3, 2)
+    parsum.FlatGrad(model)
+    model.zero_grad()
+    model.double()
+    with pytest.raises(parsum.ParsumError, match="cast, moved or resized after the FlatGrad"):
+        model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+
+
+def dtype_name(change):
+    return {"double": "float64", "half": "float16"}[change]
 
 
 def test_repr():
