@@ -42,6 +42,18 @@
 # views, the gradient is added to the buffer in place, as autograd accumulates; any other
 # state (a ``.grad`` assigned by hand) is accumulated model by model.
 #
+# NOTE [ Gradients across a restack ]
+# Casting or moving the models (``m.double()``, ``m.to(device)``) gives each parameter a tensor
+# of its own, and the next call stacks them again, into the same stacked objects (an optimizer
+# over ``stack.parameters()`` keeps stepping them). A cast keeps each ``.grad`` object but
+# replaces its data, so the models' gradients are no longer the buffer's views in memory,
+# though they are in identity: taken for gradients set by hand, they had been added to model by
+# model, the stale values of a step that an optimizer over the stack had zeroed included, and
+# the stacked tensors got no gradient (the optimizer then stepped nothing, silently). Before the
+# models are stacked again, their gradients that are the buffer's views are stacked into a new
+# buffer (their views again, and the stacked tensor's ``.grad``), or set to None where the
+# stacked ``.grad`` is None (zeroed by that optimizer).
+#
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
 # stacked storage, in the caller's own graph: ``torch.stack`` of each parameter name
@@ -239,6 +251,7 @@ class Stack(Sequence[nn.Module]):
         """Copy the models' tensors (``infos``, one per model) into fresh stacked storage and
         make them its slices."""
         first = infos[0]
+        held = self._held_gradients(infos)
         values: dict[str, Tensor] = {}
         with torch.no_grad():
             for t, name in enumerate(first.names):
@@ -265,7 +278,33 @@ class Stack(Sequence[nn.Module]):
         self._aliases.clear()
         self._flat_blocks.clear()
         self._given.clear()
+        for name, buffer in held.items():
+            views = buffer.unbind(0)
+            for p, v in zip(self._params[name], views):
+                p.grad = v
+            self._grad_buffers[name], self._grad_views[name] = buffer, views
+            self.values[name].grad = buffer.view_as(buffer)
         self._record(infos)
+
+    def _held_gradients(self, infos: list[ModelParams]) -> dict[str, Tensor]:
+        """Before the models are stacked again (NOTE [ Gradients across a restack ]): each
+        name's gradients that the models hold as this stack's views, stacked anew, and those
+        an optimizer over ``stack.parameters()`` zeroed set to None."""
+        held: dict[str, Tensor] = {}
+        for t, name in enumerate(infos[0].names):
+            views, stacked = self._grad_views.get(name), self.values.get(name)
+            grads = [info.tensors[t].grad for info in infos]
+            if views is None or stacked is None or len(views) != len(grads):
+                continue
+            if not all(map(operator.is_, grads, views)):
+                continue  # set by hand, or None: the models' own
+            if stacked.grad is None:  # zeroed by an optimizer over stack.parameters()
+                for info in infos:
+                    info.tensors[t].grad = None
+            else:
+                with torch.no_grad():
+                    held[name] = torch.stack([g.detach() for g in views])  # the grads
+        return held
 
     def _record(self, infos: list[ModelParams]) -> None:
         """What ``_check`` compares on every call (NOTE [ Stacked storage ])."""

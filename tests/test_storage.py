@@ -530,6 +530,37 @@ def test_a_change_made_to_every_model_restacks_silently():
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
 
 
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(zeroed):
+    # NOTE [ Gradients across a restack ]: after a step, a cast (which keeps each .grad
+    # object but replaces its data) had the stacked tensors get no gradient, so the optimizer
+    # over the stack stepped nothing, and the models' gradients added the zeroed step's.
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.SGD(stack.parameters(), lr=0.01, momentum=0.9)
+    plain_opt = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.01, momentum=0.9)
+    for step in range(4):
+        x = torch.randn(8, IN, dtype=torch.float64 if step >= 2 else torch.float32)
+        if step == 2:  # mid-training, the gradients zeroed or still there
+            for ms, o in ((models, opt), (plain, plain_opt)):
+                if zeroed:
+                    o.zero_grad()
+                for m in ms:
+                    m.double()
+        elif step != 3 or zeroed:
+            opt.zero_grad()
+            plain_opt.zero_grad()
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        for got, want in zip(param_grads(models), param_grads(plain)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        opt.step()
+        plain_opt.step()
+        for m, p in zip(models, plain):
+            for a, b in zip(m.parameters(), p.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert stack.values["0.weight"].dtype == torch.float64
+
+
 def test_unstack_gives_each_model_its_storage_back():
     models, plain, stack = stacked_and_plain()
     stack.unstack_()
