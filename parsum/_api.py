@@ -105,8 +105,8 @@ def sum_models(
             arguments only, and raises if it reaches a tensor that needs a gradient otherwise.
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
-        weights: optional sequence of floats (a 1-D numpy array too), or a 1-D tensor, of
-            length ``len(models)``; a tensor that requires grad gets
+        weights: optional sequence of floats (a 1-D numpy array too) or of 0-dim tensors, or
+            a 1-D tensor, of length ``len(models)``; a tensor that requires grad gets
             ``dL/dw_i = <dL/dy, models[i](x)>`` (for complex outputs, PyTorch's convention
             for ``w_i * models[i](x)``; a complex tensor needs complex outputs).
         n_jobs: threads, joblib's convention: ``None`` takes ``parsum.config``, then
@@ -481,12 +481,33 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
         )
     if all(type(w) is float for w in weights):  # the usual case: no ABC check a weight
         return list(weights), None
+    if any(isinstance(w, Tensor) for w in weights):
+        return None, _stacked_weights(weights)
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
             raise ParsumError(
                 f"{_WHERE}: weights[{i}] is {w!r} ({type(w).__name__}); expected a real number"
             )
     return [float(w) for w in weights], None
+
+
+def _stacked_weights(weights: Sequence[Any]) -> Tensor:
+    """A list of 0-dim tensors (learned weights, each its own parameter) as one weight tensor,
+    stacked so that each gets its gradient, as in the plain loop's ``w[i] * m_i(x)``."""
+    for i, w in enumerate(weights):
+        if not isinstance(w, Tensor) or w.dim() != 0:
+            raise ParsumError(
+                f"{_WHERE}: weights[{i}] is {w!r:.60} ({type(w).__name__}) among weights that "
+                "are tensors; a list of weights holds floats, or 0-dim tensors only (stacked "
+                "into one weight tensor)"
+            )
+    try:
+        return torch.stack(list(weights))
+    except RuntimeError as exc:
+        raise ParsumError(
+            f"{_WHERE}: weights are 0-dim tensors that cannot be stacked into one weight "
+            f"tensor ({exc}); pass them on one device, or torch.stack them yourself"
+        ) from exc
 
 
 def _check_step_in_backward(

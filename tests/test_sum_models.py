@@ -35,6 +35,8 @@ def run_both(models, x, weights=None, loss=lambda y: (y**2).sum(), **kw):
     w_ref = weights
     if isinstance(weights, torch.Tensor):
         w_ref = weights.detach().clone().requires_grad_(weights.requires_grad)
+    elif isinstance(weights, list) and any(isinstance(w, torch.Tensor) for w in weights):
+        w_ref = [w.detach().clone().requires_grad_(w.requires_grad) for w in weights]
     y = parsum.sum_models(models, x, weights=weights, **kw)
     loss(y).backward()
     y_ref = plain_sum(ref_models, x_ref, weights=w_ref)
@@ -85,6 +87,38 @@ def test_weights(engine, weights_kind):
     assert_matches(
         *run_both(models, x, weights=weights, engine=engine, n_jobs=2), **TOL[torch.float64]
     )
+
+
+@pytest.mark.parametrize("n_jobs", N_JOBS)
+def test_weights_as_a_list_of_scalar_tensors_each_get_their_gradient(n_jobs):
+    # As in the plain loop's w[i] * m_i(x): learned weights that are parameters of their own.
+    torch.manual_seed(0)
+    models = zoo(torch.float64)
+    weights = [
+        nn.Parameter(torch.tensor(0.25 * (i + 1), dtype=torch.float64)) if i % 3 else
+        torch.tensor(-0.5, dtype=torch.float64)
+        for i in range(len(models))
+    ]  # fmt: skip
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    got, want = run_both(models, x, weights=weights, n_jobs=n_jobs)
+    assert_matches(got, want, **TOL[torch.float64])
+    ref_weights = want[3]
+    for w, r in zip(weights, ref_weights):
+        assert (w.grad is None) == (r.grad is None) == (not w.requires_grad)
+        if w.grad is not None:
+            torch.testing.assert_close(w.grad, r.grad, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [([torch.tensor(0.5), 1.0], r"weights\[1\] is 1.0 \(float\) among weights that are tensors"),
+     ([torch.ones(1), torch.ones(1)], r"weights\[0\] is tensor\(\[1.\]\) \(Tensor\)")],
+)  # fmt: skip
+def test_a_list_of_weights_mixing_tensors_is_refused(bad, match):
+    models = zoo()[:2]
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, torch.randn(2, IN), weights=bad)
+    assert all(p.grad is None for m in models for p in m.parameters())
 
 
 def test_numpy_weights_are_its_floats():
