@@ -297,8 +297,8 @@ def compensated_sum(
         A new tensor holding the sum. inf and nan propagate exactly as in a plain sum.
 
     Raises:
-        ParsumError: if ``tensors`` is empty or holds a non-tensor or a tensor of another
-            shape, dtype or device, or ``chunk_size`` / ``n_jobs`` is invalid.
+        ParsumError: if ``tensors`` is empty or holds a non-tensor, a sparse tensor or a tensor
+            of another shape, dtype or device, or ``chunk_size`` / ``n_jobs`` is invalid.
     """
     where = "compensated_sum"
     if isinstance(tensors, Tensor) and tensors.dim() == 0:
@@ -318,6 +318,11 @@ def compensated_sum(
                 f"{where}: tensors[{i}] has shape {tuple(t.shape)}, dtype {t.dtype}, device "
                 f"{t.device}; tensors[0] has shape {tuple(first.shape)}, dtype {first.dtype}, "
                 f"device {first.device}"
+            )
+        if t.layout != torch.strided:
+            raise ParsumError(
+                f"{where}: tensors[{i}] has layout {t.layout}; compensated_sum adds dense "
+                "(strided) tensors: pass t.to_dense()"
             )
     chunk_size = _config.check_chunk_size(chunk_size, where)
     workers = _config.resolve_n_jobs(n_jobs, where)

@@ -175,6 +175,7 @@ def test_stacked_tensor_is_summed_over_first_dim():
         (dict(tensors=[torch.ones(2), 3.0]), r"tensors\[1\] is a float"),
         (dict(tensors=[torch.ones(2), torch.ones(3)]), r"tensors\[1\] has shape \(3,\)"),
         (dict(tensors=[torch.ones(2), torch.ones(2, dtype=torch.float64)]), "dtype"),
+        (dict(tensors=[torch.eye(2).to_sparse()] * 2), r"tensors\[0\] has layout torch.sparse_coo"),
         (dict(tensors=[torch.ones(2)], chunk_size=0), "invalid chunk_size=0"),
         (dict(tensors=[torch.ones(2)], n_jobs=0), "invalid n_jobs=0"),
     ],
