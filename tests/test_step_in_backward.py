@@ -580,3 +580,34 @@ def test_bound_methods_step_their_module(n_jobs):
         opt.zero_grad()
     for p, q in zip(trainable(owners), trainable(ref)):
         torch.testing.assert_close(p, q)
+
+
+def test_each_models_gradients_clipped_in_a_step_pre_hook_as_in_plain_training():
+    # What docs/gradients.md offers for clipping: a pre-hook of each model's optimizer runs in
+    # the worker right before the step, with that model's gradients.
+    torch.manual_seed(0)
+    models = [mlp([16]) for _ in range(6)]
+    ref = clone_models(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+
+    def clip(model):
+        def hook(optimizer, args, kwargs):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+        return hook
+
+    for model, optimizer in zip(models, sib.optimizers):
+        optimizer.register_step_pre_hook(clip(model))
+    plain = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ref]
+    for _ in range(3):
+        x = torch.randn(8, IN) * 10  # norms well above the limit
+        parsum.sum_models(models, x, step_in_backward=sib, n_jobs=2).pow(2).sum().backward()
+        for o in plain:
+            o.zero_grad()
+        plain_sum(ref, x).pow(2).sum().backward()
+        for m, o in zip(ref, plain):
+            assert torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) > 0.5
+            o.step()
+        for m, r in zip(models, ref):
+            for a, b in zip(m.parameters(), r.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
