@@ -186,7 +186,10 @@ def test_bench_join():
     assert "64 MLPs, widths 16-48, batch 8" in out
     (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
     later, node, ratio = float(row[1]), float(row[3]), float(row[5].rstrip("x"))
-    assert later > 0 and node > 0 and ratio == pytest.approx(node / later, abs=0.002)
+    # The times are printed to 0.01 ms and the ratio to 0.001: the ratio of the printed times
+    # may differ by their rounding (3.089 against 3.087 from 21.62 / 7.00 under load).
+    rounding = ratio * (0.005 / later + 0.005 / node) + 0.0005
+    assert later > 0 and node > 0 and ratio == pytest.approx(node / later, abs=rounding)
 
 
 def test_bench_cold():
