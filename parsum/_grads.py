@@ -474,7 +474,8 @@ def engine_runs_all(nodes: Sequence[Any]) -> list[bool]:
 # optimizer stepped); where ``.grad`` was None, the next backward failed in the FlatGrad's hook
 # with autograd's dtype error, blamed on a model. Such a parameter is refused, naming the
 # change, by ``sum_models`` before anything runs (looked for when it plans anew: a cast or move
-# gives the parameter a new storage), by the hook where it would copy a gradient into the slot,
+# gives the parameter a new storage; stacked storage, after restacking the models, on every call
+# until the slots fit), by the hook where it would copy a gradient into the slot,
 # and by ``zero_()``. A cast with ``.grad`` set keeps the view object but swaps its data (the
 # view's own dtype and device tell): a plain backward then adds into it until the gradients are
 # zeroed, when ``zero_()`` or the next backward's hook names the parameter.

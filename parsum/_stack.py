@@ -114,7 +114,14 @@ from ._engines import (
 from ._errors import ParsumError
 from ._function import _engine_keeps_graph
 from ._fused import StepInBackward, step_stacked
-from ._grads import FlatWrites, SlotBlock, has_flat_grads, owners_generation, slot_block
+from ._grads import (
+    FlatWrites,
+    SlotBlock,
+    check_slots,
+    has_flat_grads,
+    owners_generation,
+    slot_block,
+)
 from ._grouping import Batch, structure_key
 from ._pool import autocast_states
 from ._sparse import has_user_post_hooks, post_accumulate_hooks
@@ -214,6 +221,7 @@ class Stack(Sequence[nn.Module]):
         # set to their block.
         self._flat_blocks: dict[str, tuple[int, SlotBlock | None]] = {}
         self._given: set[str] = set()
+        self._slots_checked = True  # whether FlatGrad slots fit the models (_check_slots)
         self._place(infos)
         for model in models:
             _stack_of[model] = self
@@ -402,7 +410,11 @@ class Stack(Sequence[nn.Module]):
             or list(map(_requires_grad, self._tensors)) != self._requires
             or list(map(len, self._sized)) != self._sizes
         ):
-            return self._restack()
+            reason = self._restack()
+            if reason is not None:
+                return reason
+        if not self._slots_checked:
+            self._check_slots()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)) or any(map(len, GLOBAL_HOOKS)):
@@ -435,7 +447,15 @@ class Stack(Sequence[nn.Module]):
             self._record(infos)  # the storage holds: a flag or a setting changed on every model
         else:
             self._place(infos)
+            self._slots_checked = False  # looked at by _check, until they fit
         return None
+
+    def _check_slots(self) -> None:
+        """Refuse a FlatGrad made before the models were cast or moved, whose slots no longer
+        fit them (NOTE [ Stale slots ] in _grads): after every restack, until they fit."""
+        for name, params in self._params.items():
+            check_slots(self.models, [[name]] * len(params), [[p] for p in params])
+        self._slots_checked = True
 
     def give_up(self, reason: str) -> None:
         """Run these models one by one from now on, saying why once."""

@@ -561,6 +561,34 @@ def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(ze
     assert stack.values["0.weight"].dtype == torch.float64
 
 
+@pytest.mark.parametrize("over", ["stack", "models"])
+def test_a_flatgrad_made_before_the_stacked_models_are_cast_is_named_until_replaced(over):
+    # NOTE [ Stale slots ] in parsum._grads: the restacked models' float64 gradients had gone
+    # around the float32 FlatGrad, silently.
+    models, plain, stack = stacked_and_plain()
+    parsum.FlatGrad(stack if over == "stack" else models)
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).sum().backward()
+    for m in (*models, *plain):
+        m.double()
+    for _ in range(2):  # named again on the next call, until a new FlatGrad
+        with pytest.raises(
+            parsum.ParsumError, match=r"'0.weight' of models\[0\] .* now torch.float64"
+        ):
+            parsum.sum_models(models, x.double())
+    flat = parsum.FlatGrad(stack if over == "stack" else models).zero_()
+    for m in plain:
+        m.zero_grad()
+    parsum.sum_models(models, x.double()).pow(2).sum().backward()
+    plain_sum(plain, x.double()).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(got, want)
+    buffer = flat.flat.untyped_storage().data_ptr()
+    assert all(
+        p.grad.untyped_storage().data_ptr() == buffer for m in models for p in m.parameters()
+    )
+
+
 def test_unstack_gives_each_model_its_storage_back():
     models, plain, stack = stacked_and_plain()
     stack.unstack_()
