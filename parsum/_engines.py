@@ -1006,6 +1006,17 @@ def run_direct(program: DirectProgram, x: Tensor) -> Tensor:
     return h
 
 
+def _own_rows(grad: Tensor) -> Tensor:
+    """A stacked gradient whose models' rows are memory of their own. Without weights the
+    cotangent is the sum's gradient expanded over the models (stride 0), and where a
+    parameter's gradient is a view of it (a bias at one batch row: ``sum_to_size`` gives a
+    view), every model's ``.grad`` was the same memory: a second backward's in-place
+    accumulation, or an in-place clip or weight decay, then counted once per model."""
+    if grad.dim() > 0 and grad.shape[0] > 1 and grad.stride(0) == 0:
+        return grad.contiguous()
+    return grad
+
+
 def _first_weight(program: list[Step]) -> str:
     return next(step[0] for step in program if isinstance(step, tuple))
 
@@ -1192,7 +1203,7 @@ def stacked_forward(
         outs, cots = zip(*pairs)
         grads = pull_back(outs, wrt, cots, retain_graph)
         by_name: list[Sequence[Tensor | None]] = [
-            [None] * n if g is None else g.unbind(0) for g in grads[n_args:]
+            [None] * n if g is None else _own_rows(g).unbind(0) for g in grads[n_args:]
         ]
         per_model = [[grads_k[k] for grads_k in by_name] for k in range(n)]
         return list(grads[:n_args]), per_model

@@ -330,6 +330,37 @@ def test_vjp_engine_names_torchscript():
         parsum.sum_models(models, torch.randn(3, IN), engine="vjp")
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", ["stacked", "auto"])
+@pytest.mark.parametrize("how", ["two calls", "retained graph", "clipped"])
+def test_a_group_at_one_batch_row_gives_each_model_gradients_of_its_own(how, engine, n_jobs):
+    # Without weights a group's cotangent is the sum's gradient expanded over its models, and
+    # at one batch row a bias's gradient is a view of it: every model's .grad was the same
+    # memory, so a second backward's accumulation, or an in-place clip, counted once per model
+    # (a default call: 6 identical MLPs beside another model, batch 1).
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(IN, 5), nn.Tanh(), nn.Linear(5, OUT)) for _ in range(6)]
+    models.append(nn.Linear(IN, OUT))
+    plain = copy.deepcopy(models)
+    xs = [torch.randn(1, IN) for _ in range(2)]
+    for ms, run in ((models, lambda x: parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)),
+                    (plain, lambda x: sum(m(x) for m in plain))):  # fmt: skip
+        if how == "two calls":
+            for x in xs:
+                run(x).pow(2).sum().backward()
+        else:
+            y = run(xs[0])
+            for _ in range(2 if how == "retained graph" else 1):
+                y.pow(2).sum().backward(retain_graph=True)
+            if how == "clipped":
+                for m in ms:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+    grads = [p.grad for m in models for p in m.parameters()]
+    assert len({g.untyped_storage().data_ptr() + g.storage_offset() for g in grads}) == len(grads)
+    for got, want in zip(grads, [p.grad for m in plain for p in m.parameters()]):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("engine", ["stacked", "auto"])
