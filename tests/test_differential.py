@@ -787,6 +787,15 @@ class SequenceModel(nn.Module):
 SEQ_WIDTH = 8
 
 
+def _compare_float64_runs(runs: list[list[Any]], what: str) -> None:
+    """Runs at each of N_JOBS, then the plain loop's, in float64: the first against the plain
+    loop, the others bit for bit against the first."""
+    *parsum_runs, plain = runs
+    _compare(parsum_runs[0], plain, f"{what} against the plain loop", False, torch.float64)
+    for n_jobs, got in zip(N_JOBS[1:], parsum_runs[1:]):
+        _compare(got, parsum_runs[0], f"{what} at n_jobs={n_jobs}", True)
+
+
 def check_sequences(seed: int) -> None:
     """Random sequence models (transformer layers, LSTMs, GRUs, per-token MLPs) on a random
     (rows, tokens, width) batch in float64: the plain loop's sum and gradients, and the same
@@ -810,10 +819,7 @@ def check_sequences(seed: int) -> None:
         (y.sin() * 3).sum().backward()
         runs.append([y.detach(), xi.grad, *(p.grad for p in unique_params(copies))])
     what = f"sequence case {seed} ({kinds}, {shape}, weights {weights is not None}, x {x_grad})"
-    *parsum_runs, plain = runs
-    _compare(parsum_runs[0], plain, f"{what} against the plain loop", False, torch.float64)
-    for n_jobs, got in zip(N_JOBS[1:], parsum_runs[1:]):
-        _compare(got, parsum_runs[0], f"{what} at n_jobs={n_jobs}", True)
+    _compare_float64_runs(runs, what)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -891,10 +897,7 @@ def check_complex(seed: int) -> None:
         f"complex case {seed} ({len(models)} models, weights {weights_kind}, x {x_grad}, "
         f"{engine}, {flat}, {how}, stacked {stacked})"
     )
-    *parsum_runs, plain = runs
-    _compare(parsum_runs[0], plain, f"{what} against the plain loop", False, torch.float64)
-    for n_jobs, got in zip(N_JOBS[1:], parsum_runs[1:]):
-        _compare(got, parsum_runs[0], f"{what} at n_jobs={n_jobs}", True)
+    _compare_float64_runs(runs, what)
 
 
 @pytest.mark.parametrize("seed", range(40))
