@@ -596,9 +596,23 @@ def vjp_forward(
     ) -> tuple[list[Tensor | None], list[Tensor | None]]:
         # functorch keeps the graph for as long as vjp_fn lives; the caller drops it.
         arg_grads, param_grads = vjp_fn(pytree.tree_unflatten(list(cotangents), out_spec))
-        return list(arg_grads), [param_grads[n] for n in params.names]
+        return list(arg_grads), _apart_from(cotangents, [param_grads[n] for n in params.names])
 
     return out, pullback
+
+
+def _apart_from(cotangents: Sequence[Tensor], grads: list[Tensor | None]) -> list[Tensor | None]:
+    """``grads``, each copied where it is memory of a cotangent: functorch hands a cotangent
+    back as the gradient of a parameter that a model returns as it is, and without weights
+    every model's cotangent is the sum's one gradient, so their parameters' ``.grad`` had
+    been one memory, which a second backward's accumulation added to once per model."""
+    held = {c.untyped_storage().data_ptr() for c in cotangents if c.layout == torch.strided}
+    return [
+        g.clone()
+        if g is not None and g.layout == torch.strided and g.untyped_storage().data_ptr() in held
+        else g
+        for g in grads
+    ]
 
 
 ENGINE_FORWARDS: dict[str, Callable[..., tuple[Any, Pullback]]] = {

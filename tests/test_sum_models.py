@@ -232,6 +232,35 @@ def test_complex_weights_on_real_outputs_in_stacked_storage_are_refused():
     assert all(m.weight.grad is not None for m in models)
 
 
+class ReturnsItsParameter(nn.Module):
+    """An output that is the parameter itself: its gradient is the cotangent as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(1, OUT))
+
+    def forward(self, x):
+        return self.b
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", [*ENGINES, "stacked"])
+def test_parameters_returned_as_outputs_get_gradients_of_their_own(engine, n_jobs):
+    # functorch hands the cotangent back as such a parameter's gradient, and without weights
+    # every model's cotangent is one tensor: the models' .grad had been one memory, which the
+    # second call's accumulation added to once per model (vjp's engine).
+    torch.manual_seed(0)
+    models = [ReturnsItsParameter() for _ in range(3)] + [nn.Linear(IN, OUT)]
+    plain = clone_models(models)
+    xs = [torch.randn(1, IN) for _ in range(2)]
+    for x in xs:
+        parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs).pow(2).sum().backward()
+        plain_sum(plain, x).pow(2).sum().backward()
+    grads = [p.grad for m in models for p in m.parameters()]
+    assert len({g.data_ptr() for g in grads}) == len(grads)
+    assert_same_grads(models, plain)
+
+
 class TwoInputs(nn.Module):
     """Several positional, nested and keyword tensor arguments; a pytree output."""
 
