@@ -507,6 +507,7 @@ class Case:
                 optimizer.step()
                 optimizer.zero_grad()  # .grad None: a FlatGrad's views are set again
         params = unique_params(models)
+        _assert_apart([p.grad for p in params if p.grad is not None and not p.grad.is_sparse])
         return {
             "record": record,
             "grads": [None if p.grad is None else p.grad.clone() for p in params],
@@ -645,6 +646,19 @@ def _state(models: list[nn.Module]) -> dict[str, list[torch.Tensor | None]]:
         "parameters": [p.detach().clone() for p in params],
         "buffers": [b.clone() for m in models for b in m.buffers()],
     }
+
+
+def _assert_apart(grads: list[torch.Tensor]) -> None:
+    """No two parameters' ``.grad`` share memory (views of one FlatGrad buffer or one stacked
+    gradient are fine where they do not overlap): an in-place accumulation or clip into one
+    would change the other."""
+    spans = sorted(
+        (g.data_ptr(), g.data_ptr() + g.numel() * g.element_size(), k)
+        for k, g in enumerate(grads)
+        if g.numel() and g.is_contiguous()
+    )
+    for (_, end, k), (start, _, j) in zip(spans, spans[1:]):
+        assert start >= end, f"the .grad of parameters {k} and {j} share memory"
 
 
 def _compare(got: Any, want: Any, what: str, exact: bool, dtype=torch.float32) -> None:
