@@ -715,17 +715,16 @@ def weighted_cotangent(g: Tensor, w: float | Tensor) -> Tensor:
     return g * w
 
 
-def check_weight_dtype(where: str, weight_tensor: Tensor | None, leaves: Sequence[Any]) -> None:
-    """Refuse a complex weight tensor where the models' output ``leaves`` (tensors or their
-    dtypes) are real (NOTE [ Complex weights ])."""
+def check_weight_dtype(where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor]) -> None:
+    """Refuse a complex weight tensor where the models' output ``leaves`` are real (NOTE
+    [ Complex weights ])."""
     if weight_tensor is None or not weight_tensor.is_complex():
         return
     for leaf in leaves:
-        dtype = leaf.dtype if isinstance(leaf, Tensor) else leaf
-        if not dtype.is_complex:
+        if not leaf.is_complex():
             raise ParsumError(
                 f"{where}: weights is a complex tensor ({weight_tensor.dtype}) and the models "
-                f"return real outputs ({dtype}); a complex weight is summed with complex "
+                f"return real outputs ({leaf.dtype}); a complex weight is summed with complex "
                 "outputs only: pass weights.real, or make the models' outputs complex"
             )
 

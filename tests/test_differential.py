@@ -919,6 +919,19 @@ def test_random_complex_models_match_the_plain_loop_with_the_same_bits(seed, thr
     check_complex(seed)
 
 
+def _failures(label: str, check: Any, items: Any) -> int:
+    """Play ``check`` on each item, printing each failure under ``label.format(item)``; how
+    many failed."""
+    failed = 0
+    for item in items:
+        try:
+            check(item)
+        except (Exception, pytest.fail.Exception) as exc:  # every failure, then the count
+            failed += 1
+            print(f"{label.format(item)}: {type(exc).__name__}: {exc}"[:600], flush=True)
+    return failed
+
+
 if __name__ == "__main__":
     # A crash prints every thread's Python stack (one run of 2026-11-29 ended in a general
     # protection fault inside glibc's malloc, in the calling thread, with nothing else to go on).
@@ -926,31 +939,11 @@ if __name__ == "__main__":
     _config.usable_cores = lambda: 3  # type: ignore[assignment]
     torch.set_num_threads(3)
     first, count = int(sys.argv[1]), int(sys.argv[2])
-    failed = 0
-    for seed in range(first, first + count):
-        try:
-            check(seed)
-        except (Exception, pytest.fail.Exception) as exc:  # every failing seed, then the count
-            failed += 1
-            print(f"seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
-    for group in range(first, first + count, 10):
-        try:
-            check_concurrently(range(group, min(group + 10, first + count)))
-        except (Exception, pytest.fail.Exception) as exc:
-            failed += 1
-            print(f"seeds {group}-{group + 9} at once: {type(exc).__name__}: {exc}"[:600])
-    for seed in range(first, first + count // 10):
-        try:
-            check_sequences(seed)
-        except (Exception, pytest.fail.Exception) as exc:
-            failed += 1
-            print(f"sequence seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
-    for seed in range(first, first + count // 10):
-        try:
-            check_complex(seed)
-        except (Exception, pytest.fail.Exception) as exc:
-            failed += 1
-            print(f"complex seed {seed}: {type(exc).__name__}: {exc}"[:600], flush=True)
+    failed = _failures("seed {}", check, range(first, first + count))
+    groups = [range(g, min(g + 10, first + count)) for g in range(first, first + count, 10)]
+    failed += _failures("seeds {} at once", check_concurrently, groups)
+    failed += _failures("sequence seed {}", check_sequences, range(first, first + count // 10))
+    failed += _failures("complex seed {}", check_complex, range(first, first + count // 10))
     print(
         f"{count} cases alone and at once, {count // 10} of sequences and {count // 10} of "
         f"complex models, {failed} failed"
