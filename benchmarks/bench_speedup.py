@@ -260,11 +260,31 @@ def plot(results: list[dict], jobs: list[int], path: str, cores: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def named_cases(spec: str, all_cases: list[tuple[str, int | None]]) -> list:
+    """The cases of ``--workloads``: a name alone runs its batches in ``all_cases`` (or its
+    default batch), ``name:batch`` that batch only."""
+    known = {name for name, _ in all_cases + NAMED_ONLY}
+    cases: list[tuple[str, int | None]] = []
+    for item in spec.split(","):
+        name, _, batch = item.partition(":")
+        if name not in known:
+            raise SystemExit(f"unknown workload {name!r}; expected one of {sorted(known)}")
+        if batch:
+            cases.append((name, int(batch)))
+        else:
+            cases += [c for c in all_cases + NAMED_ONLY if c[0] == name]
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="1,2", help="worker counts, e.g. 1,2,4,8,16")
     parser.add_argument("--procs", default="", help="process counts, e.g. 1,2,4,8,16")
-    parser.add_argument("--workloads", default="all", help="comma-separated names, or all")
+    parser.add_argument(
+        "--workloads",
+        default="all",
+        help="all, or comma-separated names, each with :BATCH for that batch only",
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument(
         "--settle",
@@ -295,9 +315,7 @@ def main() -> None:
         return
     jobs = [int(j) for j in args.jobs.split(",")]
     all_cases = CASES + ([("heterogeneous-medium", 4096)] if args.device != "cpu" else [])
-    named = args.workloads.split(",")
-    cases = [c for c in all_cases if args.workloads == "all" or c[0] in named]
-    cases += [c for c in NAMED_ONLY if c[0] in named]
+    cases = all_cases if args.workloads == "all" else named_cases(args.workloads, all_cases)
     cores = parsum._config.usable_cores()
     print(
         f"torch {torch.__version__}, {cores} usable cores ({os.cpu_count()} in the machine), "
