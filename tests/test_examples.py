@@ -99,7 +99,8 @@ def test_distributed_ensemble_under_torchrun():
 
 def test_bench_speedup_with_processes(tmp_path):
     pytest.importorskip("matplotlib")
-    args = ["--rounds", "2", "--jobs", "1,2", "--procs", "1,2", "--workloads", "large"]
+    # A batch of its own (name:batch), as the README's runs name the medium workload's.
+    args = ["--rounds", "2", "--jobs", "1,2", "--procs", "1,2", "--workloads", "large:64"]
     out = run(
         "benchmarks/bench_speedup.py",
         *args,
@@ -109,6 +110,7 @@ def test_bench_speedup_with_processes(tmp_path):
         str(tmp_path / "s.png"),
     )
     assert "procs 2" in out and "best processes" in out
+    assert "4 MLPs, width 1024, 2 hidden layers, batch 64" in out
     assert "with an Adam step, against plain+adam: parsum+adam" in out
     assert (tmp_path / "s.png").stat().st_size > 0
 
