@@ -227,6 +227,42 @@ class _Forward:
     leaves: list[Tensor]
     pullbacks: list[UnitPullback | None]
     outputs: list[list[Tensor] | None]
+    # Parameters a model made in its forward (NOTE [ Parameters made in forward ]): what a
+    # backward that cannot reach them raises (a message: an error held would hold its frames).
+    made_in_forward: str | None = None
+
+
+# NOTE [ Parameters made in forward ]
+# A model may make parameters in its forward (``if not hasattr(self, "head"): self.head =
+# nn.Linear(...)``, a lazy layer of its own). The call planned before the forwards ran, so its
+# pullbacks differentiate the parameters found then: where a backward captures gradients
+# (ParallelSum's, and the caller's graph's where it does not accumulate into every leaf:
+# NOTE [ Accumulating in the pullback ]), the new parameters got none, silently, where the
+# plain loop's backward gives them theirs. After the forwards, the sizes of the modules'
+# parameter, buffer and submodule dicts (recorded by a kept walk; a read of each) tell whether
+# any changed; where one did and a model holds a trainable tensor the plan did not know,
+# ParallelSum's forward raises (restoring buffers, as any failed call does), and the caller's
+# graph raises in a backward that would capture, before any gradient is written. The
+# parameters exist from then on: the next call plans with them. torch.nn's lazy modules are
+# refused before the forwards run (``_check_initialized`` in _api), for the same reason.
+
+
+def params_made_in_forward(plan: SumPlan) -> str | None:
+    """The error message naming the first model that holds trainable tensors the plan did not
+    know, once its forward ran; None if none does (NOTE [ Parameters made in forward ])."""
+    for i, model in enumerate(plan.models):
+        found = ModelParams.of(model)
+        known = set(map(id, plan.model_params[i].tensors))
+        new = [name for name, t in zip(found.names, found.tensors) if id(t) not in known]
+        if new:
+            return (
+                f"{plan.where}: model {i} ({type(model).__name__}) made parameters in its "
+                f"forward ({', '.join(new)}), which this call's backward cannot reach: it "
+                "differentiates the parameters found before the forwards ran. They exist now, "
+                "and the next call trains them; call each model once first (for example on "
+                "one batch under torch.no_grad()), as lazy modules need"
+            )
+    return None
 
 
 def run_forward(
@@ -434,6 +470,11 @@ def run_forward(
                 plan.claim_order if turns is None else None,  # turns: in chunk order
                 plan.callers_last,
             )
+        # Where a backward will run (the caller's graph runs only with grad enabled).
+        differentiated = build_graph or roots is not None
+        made = params_made_in_forward(plan) if differentiated and walk.grew() else None
+        if made is not None and roots is None:  # ParallelSum: its backward cannot reach them
+            raise ParsumError(made)
     except BaseException:
         snapshot.restore()
         # The chunks before the first failed one all ran; an output mismatch among them or in
@@ -456,7 +497,7 @@ def run_forward(
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
-    return _Forward(leaves, pullbacks, outputs)
+    return _Forward(leaves, pullbacks, outputs, made)
 
 
 # NOTE [ Arguments modified in place ]

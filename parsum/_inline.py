@@ -94,6 +94,7 @@ from torch.autograd.graph import GradientEdge
 
 from . import _pool
 from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
+from ._errors import ParsumError
 from ._function import (
     FreedGraphError,
     PendingJoin,
@@ -171,6 +172,9 @@ class _State:
         # Where the node has a join node among its inputs, what that node runs: the caller's
         # part of pullbacks handed to helpers (NOTE [ Pullbacks joined later ]).
         self.pending: PendingJoin | None = None
+        # What a backward that captures gradients raises: parameters made in a forward
+        # (NOTE [ Parameters made in forward ] in _function).
+        self.made_in_forward: str | None = None
 
 
 def sum_in_callers_graph(
@@ -197,6 +201,7 @@ def sum_in_callers_graph(
     edges = [model_edges or [] for model_edges in roots]
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
+    state.made_in_forward = result.made_in_forward
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     weights = [weight_tensor] if weight_tensor is not None else []
@@ -283,6 +288,9 @@ class CallerGraphSum(torch.autograd.Function):
         accumulate = (
             zeroed is not None and not ctx.create_graph and engine_runs_all([_ANCHOR_NODE])[0]
         )
+        if state.made_in_forward is not None and not accumulate:
+            # Captured, their gradients would be lost (NOTE [ Parameters made in forward ]).
+            raise ParsumError(state.made_in_forward)
         weighted = weight_tensor is not None or plan.weights is not None
         param_grads: list[Tensor | None] = [None] * len(params)
         # The arguments' gradients, each chunk's summed as soon as its models are pulled back

@@ -172,6 +172,12 @@ class Walk:
             p._backward_hooks is None or not has_user_hooks(p) for p in self.params
         )
 
+    def grew(self) -> bool:
+        """Whether a module's parameter, buffer or submodule dict changed in size since the
+        walk: a forward that made parameters (NOTE [ Parameters made in forward ] in
+        _function). False for a walk made for one call, which recorded none."""
+        return list(map(len, self._sized)) != self._sizes
+
     def holds(self) -> bool:
         """Whether a walk now would find what this one found (NOTE [ Reused plans ])."""
         if self._handles is None:

@@ -242,6 +242,69 @@ def test_lazy_model_not_yet_initialized_is_named(engine):
         torch.testing.assert_close(got, want)
 
 
+class MakesItsHead(nn.Module):
+    """Makes a layer in its first forward, as a lazy layer of the user's would."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(IN, 5)
+
+    def forward(self, x):
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(5, OUT)
+            with torch.no_grad():  # the same values in every copy, made whenever it runs
+                self.head.weight.copy_(torch.linspace(-1, 1, 5 * OUT).view(OUT, 5))
+                self.head.bias.fill_(0.1)
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _makes_heads():
+    torch.manual_seed(0)
+    return [MakesItsHead(), mlp([6]), MakesItsHead()]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs):
+    # NOTE [ Parameters made in forward ]: where the backward captures gradients for the
+    # parameters planned before the forwards, the new ones got none, silently.
+    x = torch.randn(8, IN)
+    # Accumulating into every leaf (every .grad None, no hooks): as the plain loop.
+    models, plain = _makes_heads(), _makes_heads()
+    parsum.sum_models(models, x, n_jobs=n_jobs).square().sum().backward()
+    sum(m(x) for m in plain).square().sum().backward()
+    assert len(param_grads(models)) == len(param_grads(plain)) == 12  # the heads included
+    for got, want in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(got, want)
+
+    # Capturing, in the caller's graph (a .grad is set): raises in backward, writing nothing.
+    models = _makes_heads()
+    models[1][0].weight.grad = torch.ones_like(models[1][0].weight)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(MakesItsHead\) made parameters in "
+                       r"its forward \(head.weight, head.bias\)"):  # fmt: skip
+        y.square().sum().backward()
+    assert torch.equal(models[1][0].weight.grad, torch.ones_like(models[1][0].weight))
+    assert all(p.grad is None for m in (models[0], models[2]) for p in m.parameters())
+
+    # Through ParallelSum (a parameter with a hook): raises in forward.
+    models = _makes_heads()
+    models[1][0].weight.register_hook(lambda g: g * 2)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(MakesItsHead\) made parameters"):
+        parsum.sum_models(models, x, n_jobs=n_jobs)
+    # The heads exist now; the next call trains them, as the message says.
+    plain = _makes_heads()
+    plain[1][0].weight.register_hook(lambda g: g * 2)
+    for m in plain:
+        m(x)
+    parsum.sum_models(models, x, n_jobs=n_jobs).square().sum().backward()
+    sum(m(x) for m in plain).square().sum().backward()
+    for got, want in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(got, want)
+    # Without grad nothing is differentiated: no error.
+    with torch.no_grad():
+        parsum.sum_models(_makes_heads(), x, n_jobs=n_jobs)
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_torch_func_transforms_are_refused_with_what_to_use(transform):
     models = [mlp([4]) for _ in range(2)]
