@@ -74,6 +74,8 @@ class StepInBackward:
     models step after their chunk's last pullback, as one where their optimizers agree. The result
     equals plain training (``backward()``, ``step()``, ``zero_grad()``) with one optimizer of
     ``optimizer_cls`` over all the parameters, for optimizers whose update is per parameter.
+    Copied together with its models (``copy.deepcopy((models, sib))``, ``torch.save`` of a
+    ``SumOfModels`` that holds it), it steps the copies.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Linear(3, 1) for _ in range(4)]
@@ -151,12 +153,7 @@ class StepInBackward:
         # NOTE [ One step over a chunk's small models ]: per tuple of models, the optimizer
         # that steps them as one.
         self._merged: dict[tuple[int, ...], torch.optim.Optimizer] = {}
-        me = weakref.ref(self)
-        for i, model in enumerate(models):
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    check = OwnPostHook(_no_gradient_after_step, me, i, name)
-                    p.register_post_accumulate_grad_hook(check)
+        self._watch_gradients()
         self.optimizers: list[torch.optim.Optimizer | None] = []
         for i, model in enumerate(models):
             params = [p for p in model.parameters() if p.requires_grad]
@@ -178,6 +175,41 @@ class StepInBackward:
                     "a torch.optim.Optimizer"
                 )
             self.optimizers.append(optimizer)
+
+    def _watch_gradients(self) -> None:
+        """Hook every trainable parameter: a gradient after its step raises (NOTE
+        [ Gradients from outside the sum ])."""
+        me = weakref.ref(self)
+        for i, model in enumerate(self.models):
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    check = OwnPostHook(_no_gradient_after_step, me, i, name)
+                    p.register_post_accumulate_grad_hook(check)
+
+    # NOTE [ A copied StepInBackward ]
+    # ``copy.deepcopy`` and pickling (``torch.save`` of a SumOfModels that holds one) copy the
+    # models and the optimizers with their states, but what is keyed by identity names the
+    # originals: the copy refused its own models ("not one of step_in_backward's models"). A
+    # copy finds its models again by theirs, forgets the caches of stacked and merged steps
+    # (made again at the next step from the models' states), takes as shared the step counts
+    # that several of its states hold (NOTE [ One step over stacked models ]: copied once, they
+    # stay shared in the copy), and hooks its parameters, whose copies have no hooks.
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index = {id(model): i for i, model in enumerate(self.models)}
+        self._stepped = set()
+        self._stacked = {}
+        self._merged = {}
+        seen: set[int] = set()
+        self._shared_counts = set()
+        for optimizer in self.optimizers:
+            for entry in optimizer.state.values() if optimizer is not None else ():
+                for value in entry.values():
+                    if isinstance(value, Tensor):
+                        if id(value) in seen:
+                            self._shared_counts.add(id(value))
+                        seen.add(id(value))
+        self._watch_gradients()
 
     def index(self, model: Any) -> int | None:
         """The position of ``model`` in ``models`` (by identity), or None."""

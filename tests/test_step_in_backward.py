@@ -424,6 +424,49 @@ def test_a_step_in_backward_that_stepped_models_as_one_copies_and_pickles():
     assert sib.optimizers[1].state_dict()["state"][0]["step"] == 3
 
 
+def _copies(models, sib):
+    """(models, sib) deep-copied, and saved and loaded with torch.save."""
+    buffer = io.BytesIO()
+    torch.save((models, sib), buffer)
+    buffer.seek(0)
+    return [copy.deepcopy((models, sib)), torch.load(buffer, weights_only=False)]
+
+
+def _params(models):
+    return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_copied_or_loaded_step_in_backward_trains_its_own_models(stacked):
+    # NOTE [ A copied StepInBackward ]: a copy refused its own models, keyed by identity.
+    torch.manual_seed(0)
+    models = [mlp([6]) for _ in range(4)] if stacked else [mlp([w]) for w in (8, 4, 6)]
+    if stacked:
+        parsum.stack_(models)  # stepped as one over the stack: a step count shared
+    batches = [torch.randn(5, IN) for _ in range(4)]
+    sib = train_fused(models, batches[:2], torch.optim.Adam, dict(lr=1e-2))
+    copies = _copies(models, sib)
+    before = _params(models)
+    for twin_models, twin_sib in copies:
+        assert twin_sib.models[0] is twin_models[0] and twin_sib.index(twin_models[2]) == 2
+        for x in batches[2:]:
+            y = parsum.sum_models(twin_models, x, step_in_backward=twin_sib)
+            y.pow(2).mean().backward()
+        assert all(torch.equal(p, q) for p, q in zip(_params(models), before))  # untouched
+    for x in batches[2:]:
+        parsum.sum_models(models, x, step_in_backward=sib).pow(2).mean().backward()
+    for twin_models, twin_sib in copies:
+        for p, q in zip(_params(twin_models), _params(models)):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # stacked: other kernels
+        for o, t in zip(sib.optimizers, twin_sib.optimizers):
+            assert t.state_dict()["state"][0]["step"] == o.state_dict()["state"][0]["step"] == 4
+        # Its parameters are watched as the original's: a gradient after the step raises.
+        y = parsum.sum_models(twin_models, batches[0], step_in_backward=twin_sib)
+        loss = y.pow(2).mean() + twin_models[1][0].weight.pow(2).sum()
+        with pytest.raises(parsum.ParsumError, match="got a gradient from outside sum_models"):
+            loss.backward()
+
+
 def test_a_failing_step_as_one_names_its_models(monkeypatch):
     models = [mlp([w]) for w in (8, 4, 6, 5)]
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
