@@ -241,6 +241,33 @@ class FlatGrad:
         parts = ", ".join(f"{d}/{v}: {b.numel()}" for (d, v), b in self._buffers.items())
         return f"FlatGrad({len(self._slots)} parameters; {parts}; compensated={self.compensated})"
 
+    # NOTE [ A copied FlatGrad ]
+    # A slot holds its parameter weakly, and ``copy.deepcopy`` hands a weak reference over as
+    # it is: a deep copy of ``(models, flat)`` pointed at the original parameters, so the copy's
+    # ``zero_()`` made the originals' ``.grad`` views of the copy's buffer, while the copies'
+    # gradients never reached it (its ``flat`` stayed zero: a clip by its norm clipped
+    # nothing). A copy, or an unpickled FlatGrad, is one over the copies of the parameters
+    # (the ones copied with it, where the models are: copy and pickle keep identities within
+    # one call), holding the values of the original's slots and compensations.
+    def __getstate__(self) -> dict[str, Any]:
+        live = [slot for slot in self._slots if slot.param is not None]
+        return {
+            "params": [slot.param for slot in live],
+            "compensated": self.compensated,
+            "values": [slot.view.detach().clone() for slot in live],
+            "comps": [None if slot.comp is None else slot.comp.clone() for slot in live],
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["params"], compensated=state["compensated"])  # type: ignore[misc]
+        with torch.no_grad():
+            for slot, value, comp in zip(self._slots, state["values"], state["comps"]):
+                slot.view.copy_(value)
+                if slot.comp is not None and comp is not None:
+                    slot.comp.copy_(comp)
+        self._zero_versions = {}
+        self._note_written()
+
     # -- internal -----------------------------------------------------------------------------
 
     def _take_over(self, index: int, p: Tensor) -> None:

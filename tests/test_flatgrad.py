@@ -1,5 +1,8 @@
 """FlatGrad: views into one buffer, sum_models' backward writing into them, compensation."""
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -142,6 +145,45 @@ def test_a_second_flatgrad_takes_the_parameters_over():
     parsum.sum_models([lin], torch.ones(2, 3)).sum().backward()
     assert is_view_into(lin.weight.grad, second.flat)
     assert first.flat.abs().sum() == 0
+
+
+def _copied_and_loaded(*objects):
+    """``objects`` deep-copied together, and saved and loaded together with torch.save."""
+    buffer = io.BytesIO()
+    torch.save(objects, buffer)
+    buffer.seek(0)
+    return [copy.deepcopy(objects), torch.load(buffer, weights_only=False)]
+
+
+@pytest.mark.parametrize("compensated", [False, True])
+def test_a_copied_or_loaded_flatgrad_holds_the_copied_models_gradients(compensated):
+    # NOTE [ A copied FlatGrad ]: a deep copy's slots pointed at the original parameters.
+    torch.manual_seed(0)
+    models = [mlp([5]), mlp([3]), nn.Linear(IN, OUT)]
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    x = torch.randn(6, IN)
+    parsum.sum_models(models, x).square().sum().backward()
+    held = flat.flat.clone()
+    for twin_models, twin_flat in _copied_and_loaded(models, flat):
+        params = trainable(twin_models)
+        assert twin_flat.params == params and twin_flat.compensated == compensated
+        assert all(is_view_into(p.grad, twin_flat.flat) for p in params)
+        assert torch.equal(twin_flat.flat, held)  # the gradients copied with it
+        if compensated:
+            assert all(torch.equal(a, b) for a, b in zip(twin_flat._comps.values(),
+                                                         flat._comps.values()))  # fmt: skip
+        # Training the copy writes into its buffer and leaves the original's alone.
+        twin_flat.zero_()
+        parsum.sum_models(twin_models, 2 * x).square().sum().backward()
+        ref = clone_models(twin_models)
+        for m in ref:
+            m.zero_grad(set_to_none=True)
+        plain_sum(ref, 2 * x).square().sum().backward()
+        assert torch.equal(twin_flat.flat, torch.cat([p.grad.reshape(-1) for p in params]))
+        for got, want in zip(params, trainable(ref)):
+            torch.testing.assert_close(got.grad, want.grad)
+        assert torch.equal(flat.flat, held)
+        assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
 
 
 # -- sum_models' backward ------------------------------------------------------------------
