@@ -195,16 +195,26 @@ class Stack(Sequence[nn.Module]):
             ``models[k]``'s tensor of that name.
     """
 
-    def __init__(self, models: list[nn.Module]) -> None:
+    def __init__(self, models: list[nn.Module], values: dict[str, Tensor] | None = None) -> None:
         if len(models) < 2:
             raise ParsumError(
                 f"{_WHERE}: models has {len(models)} model; stacking needs at least two"
             )
         infos = _check_identical(models)
+        self._start(models, values)
+        self._place(infos)
+        for model in models:
+            _stack_of[model] = self
+            if not any(h is _own_storage for h in model._state_dict_hooks.values()):
+                model.register_state_dict_post_hook(_own_storage)
+
+    def _start(self, models: Sequence[nn.Module], values: dict[str, Tensor] | None) -> None:
+        """The state of a stack over ``models`` that holds nothing yet: ``values``, stacked
+        tensor objects to stack into (a copy's: NOTE [ A copied stack ])."""
         # Held weakly: the models keep their stack alive (``_stack_of``), not the other way
         # round, so that models the user drops are freed with their stack.
         self._refs = tuple(weakref.ref(m) for m in models)
-        self.values: dict[str, Tensor] = {}
+        self.values: dict[str, Tensor] = dict(values or {})
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._broken: str | None = None
@@ -222,11 +232,43 @@ class Stack(Sequence[nn.Module]):
         self._flat_blocks: dict[str, tuple[int, SlotBlock | None]] = {}
         self._given: set[str] = set()
         self._slots_checked = True  # whether FlatGrad slots fit the models (_check_slots)
-        self._place(infos)
-        for model in models:
-            _stack_of[model] = self
-            if not any(h is _own_storage for h in model._state_dict_hooks.values()):
-                model.register_state_dict_post_hook(_own_storage)
+        self._trainable: list[str] = []
+        self._state: list[str] = []
+        self._params: dict[str, list[Tensor]] = {}
+        self._tensors: list[Tensor] = []
+
+    # NOTE [ A copied stack ]
+    # ``copy.deepcopy`` of a stack with its models (and an optimizer over its parameters: a
+    # trainer's state) raised on the stack's lock, and the copies' parameters, which copying
+    # gives storage of their own, would no longer be slices of anything. A copy, or an
+    # unpickled stack, stacks the copied models again, into the copied stacked tensors, so
+    # that a copied optimizer over ``parameters()`` steps the copied models. Gradients are
+    # not copied, as a copied parameter's are not. A stack that no longer runs as one
+    # (``unstack_``, models no longer identical) copies as one that gave up, with its reason:
+    # its copied models run one by one in their own storage.
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "models": list(self.models),
+            "values": self.values,
+            "wanted": self._stacked_grads_wanted,
+            "broken": self._broken,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        models, values = state["models"], state["values"]
+        for t in values.values():
+            t.grad = None
+        reason = state["broken"]
+        if reason is None:
+            try:
+                self.__init__(models, values)  # type: ignore[misc]
+            except ParsumError as exc:
+                reason = str(exc).removeprefix(f"{_WHERE}: ")
+        if reason is not None:
+            self._start(models, None)
+            self._broken = reason
+        if state["wanted"]:
+            self.parameters()
 
     # -- a sequence of models ------------------------------------------------------------
     @property

@@ -2,6 +2,7 @@
 that a grouped call gives what the plain PyTorch expression gives."""
 
 import copy
+import io
 import threading
 import warnings
 
@@ -716,3 +717,55 @@ def test_auto_keeps_small_models_in_the_calling_thread_unless_told(cores, n_core
     parsum.sum_models(models, x, chunk_size=1, engine="autograd")  # threads up to the budget
     assert (len(set(seen)) > 1) == (n_cores > 1)
     assert len(set(seen)) <= min(6, n_cores)
+
+
+def _storage_of(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_copied_or_loaded_stack_trains_its_copied_models():
+    # NOTE [ A copied stack ]: copying a trainer's state (models, stack, optimizer) raised on
+    # the stack's lock.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(5)]
+    stack = parsum.stack_(models)
+    opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
+    batches = [torch.randn(5, IN) for _ in range(4)]
+
+    def train(models, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            parsum.sum_models(models, x).pow(2).mean().backward()
+            opt.step()
+
+    train(models, opt, batches[:2])
+    buffer = io.BytesIO()
+    torch.save((models, stack, opt), buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy((models, stack, opt)), torch.load(buffer, weights_only=False)]
+    before = [p.detach().clone() for m in models for p in m.parameters()]
+    for twin_models, twin_stack, twin_opt in copies:
+        assert list(twin_stack) == list(twin_models)
+        stacked = dict(zip(twin_stack._trainable, twin_stack.parameters()))
+        assert all(_storage_of(m[0].weight) == _storage_of(stacked["0.weight"])
+                   for m in twin_models)  # fmt: skip
+        assert twin_opt.param_groups[0]["params"][0] is stacked["0.weight"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # run as one: no warning of running one by one
+            train(twin_models, twin_opt, batches[2:])
+    after = [p.detach() for m in models for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the copies' steps alone
+    train(models, opt, batches[2:])
+    for twin_models, _, _ in copies:
+        for p, q in zip((p for m in twin_models for p in m.parameters()),
+                        (p for m in models for p in m.parameters())):  # fmt: skip
+            assert torch.equal(p, q)
+
+    # A stack that gave up copies as such: its copied models run one by one.
+    stack.unstack_()
+    twin_models, twin_stack = copy.deepcopy((models, stack))
+    assert twin_stack._broken == "they were unstacked" and not list(twin_stack.parameters())
+    ref = clone_models(twin_models)
+    parsum.sum_models(twin_models, batches[0]).pow(2).sum().backward()
+    sum(m(batches[0]) for m in ref).pow(2).sum().backward()
+    assert_same_grads(twin_models, ref)
