@@ -3,6 +3,7 @@
 Every test here runs under a short timeout: a deadlock fails fast instead of hanging CI.
 """
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -842,3 +843,48 @@ def test_arguments_left_alone_keep_the_forwards_on_the_threads(cores):
             with torch.no_grad():
                 parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     assert any(name.startswith("parsum-worker") for name in seen[4:])
+
+
+def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
+    # Ctrl-C in a notebook: a KeyboardInterrupt raised in the calling thread at any point of a
+    # call (checks, forwards on the threads, the ordered sum, the pullbacks) must leave the pool,
+    # the thread count and the plans such that the next calls run and match the plain loop.
+    import _thread
+    import random
+
+    torch.manual_seed(0)
+    models = [mlp([48]) for _ in range(10)] + [mlp([16, 24]) for _ in range(4)]
+    x = torch.randn(128, IN, requires_grad=True)
+    threads = torch.get_num_threads()
+    rng = random.Random(0)
+
+    def grads_of(run):
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        x.grad = None
+        run().pow(2).mean().backward()
+        return [g.clone() for g in param_grads(models)] + [x.grad.clone()]
+
+    start = time.perf_counter()
+    grads_of(lambda: parsum.sum_models(models, x, n_jobs=2))
+    step = time.perf_counter() - start
+    want = grads_of(lambda: plain_sum(models, x))
+    interrupted = 0
+    for _ in range(40):
+        n_jobs = rng.choice([1, 2, None])
+        timer = threading.Timer(rng.uniform(0, 1.5 * step), _thread.interrupt_main)
+        try:
+            try:
+                timer.start()  # a short delay interrupts start() itself
+                grads_of(functools.partial(parsum.sum_models, models, x, n_jobs=n_jobs))
+            finally:
+                timer.cancel()
+                timer.join()
+            time.sleep(0.01)  # an interrupt made by now lands here, not in the checks below
+        except KeyboardInterrupt:
+            interrupted += 1
+        assert torch.get_num_threads() == threads
+        got = grads_of(functools.partial(parsum.sum_models, models, x, n_jobs=n_jobs))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    assert interrupted >= 10  # most calls were interrupted somewhere
