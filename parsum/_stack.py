@@ -52,7 +52,14 @@
 # the stacked tensors got no gradient (the optimizer then stepped nothing, silently). Before the
 # models are stacked again, their gradients that are the buffer's views are stacked into a new
 # buffer (their views again, and the stacked tensor's ``.grad``), or set to None where the
-# stacked ``.grad`` is None (zeroed by that optimizer).
+# stacked ``.grad`` is None (zeroed by that optimizer). A name frozen on every model
+# (``requires_grad_(False)``, fine-tuning) keeps its gradients of before as the buffer's views
+# and the stacked ``.grad``, which that optimizer steps or zeroes as a plain optimizer does a
+# frozen parameter's (the models' set to None with it, at the next call): kept as gradients of
+# the models' own, they had made the name, once unfrozen, a name whose ``.grad`` were set by
+# hand, whose stacked ``.grad`` stayed None, and which the optimizer never stepped again,
+# silently. Gradients of the models' own (set by hand) are taken in as a new buffer's views
+# after the backward adds to them, where such an optimizer is there to step them (``_adopt``).
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -90,7 +97,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -185,6 +192,15 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
     return Stack(found)
 
 
+class _Kept(NamedTuple):
+    """A frozen name's gradients kept across a restack: the models' tensors, their
+    ``.grad`` (views of ``buffer``) and the buffer, the stacked tensor's ``.grad``."""
+
+    tensors: list[Tensor]
+    views: tuple[Tensor, ...]
+    buffer: Tensor
+
+
 class Stack(Sequence[nn.Module]):
     """Identical models whose parameters and buffers are slices of stacked tensors.
 
@@ -233,6 +249,10 @@ class Stack(Sequence[nn.Module]):
         self._given: set[str] = set()
         self._slots_checked = True  # whether FlatGrad slots fit the models (_check_slots)
         self._trainable: list[str] = []
+        # Per name frozen since the models were stacked again, with the gradients it had: the
+        # models' tensors and their gradients, views of the stacked tensor's ``.grad``, until
+        # an optimizer over ``parameters()`` zeroes it (NOTE [ Gradients across a restack ]).
+        self._frozen_grads: dict[str, _Kept] = {}
         self._state: list[str] = []
         self._params: dict[str, list[Tensor]] = {}
         self._tensors: list[Tensor] = []
@@ -301,7 +321,7 @@ class Stack(Sequence[nn.Module]):
         """Copy the models' tensors (``infos``, one per model) into fresh stacked storage and
         make them its slices."""
         first = infos[0]
-        held = self._held_gradients(infos)
+        held, frozen = self._held_gradients(infos)
         values: dict[str, Tensor] = {}
         with torch.no_grad():
             for t, name in enumerate(first.names):
@@ -334,27 +354,63 @@ class Stack(Sequence[nn.Module]):
                 p.grad = v
             self._grad_buffers[name], self._grad_views[name] = buffer, views
             self.values[name].grad = buffer.view_as(buffer)
+        for name, kept in frozen.items():
+            self.values[name].grad = kept.buffer.view_as(kept.buffer)
+        self._frozen_grads = frozen
         self._record(infos)
 
-    def _held_gradients(self, infos: list[ModelParams]) -> dict[str, Tensor]:
+    def _held_gradients(
+        self, infos: list[ModelParams]
+    ) -> tuple[dict[str, Tensor], dict[str, _Kept]]:
         """Before the models are stacked again (NOTE [ Gradients across a restack ]): each
-        name's gradients that the models hold as this stack's views, stacked anew, and those
-        an optimizer over ``stack.parameters()`` zeroed set to None."""
+        name's gradients that the models hold as this stack's views, stacked anew (those of a
+        name frozen now: kept as they are, with the models' tensors), and those an optimizer
+        over ``stack.parameters()`` zeroed set to None."""
         held: dict[str, Tensor] = {}
-        for t, name in enumerate(infos[0].names):
+        kept: dict[str, _Kept] = {}
+        first = infos[0]
+        trainable = {name: t for t, name in enumerate(first.names)}
+        frozen = {name: t for t, name in enumerate(first.state_names)}
+        for name in [*self._trainable, *self._frozen_grads]:  # some frozen now, or again
             views, stacked = self._grad_views.get(name), self.values.get(name)
-            grads = [info.tensors[t].grad for info in infos]
+            buffer = self._grad_buffers.get(name)
+            if name in self._frozen_grads:
+                views, buffer = self._frozen_grads[name].views, self._frozen_grads[name].buffer
+            if name in trainable:
+                tensors = [info.tensors[trainable[name]] for info in infos]
+            elif name in frozen:
+                tensors = [info.state[frozen[name]] for info in infos]
+            else:
+                continue
+            grads = [p.grad for p in tensors]
             if views is None or stacked is None or len(views) != len(grads):
                 continue
             if not all(map(operator.is_, grads, views)):
                 continue  # set by hand, or None: the models' own
             if stacked.grad is None:  # zeroed by an optimizer over stack.parameters()
-                for info in infos:
-                    info.tensors[t].grad = None
-            else:
+                for p in tensors:
+                    p.grad = None
+            elif name in trainable:
                 with torch.no_grad():
                     held[name] = torch.stack([g.detach() for g in views])  # the grads
-        return held
+            elif buffer is not None:
+                # Frozen now, with the gradients of before: the models keep them, as a frozen
+                # parameter keeps its .grad, and the stacked .grad stays their buffer, which an
+                # optimizer over the stack steps or zeroes as the plain loop's optimizer does
+                # the models' (``_drop_zeroed_frozen``).
+                kept[name] = _Kept(tensors, tuple(views), buffer)
+        return held, kept
+
+    def _drop_zeroed_frozen(self) -> None:
+        """The gradients of frozen names whose stacked ``.grad`` an optimizer over the stack
+        zeroed (set to None): the models' too, as ``zero_grad()`` does a frozen parameter's."""
+        for name, kept in list(self._frozen_grads.items()):
+            stacked = self.values.get(name)
+            if stacked is None or stacked.grad is None:
+                for p, v in zip(kept.tensors, kept.views):
+                    if p.grad is v:
+                        p.grad = None
+                del self._frozen_grads[name]
 
     def _record(self, infos: list[ModelParams]) -> None:
         """What ``_check`` compares on every call (NOTE [ Stacked storage ])."""
@@ -457,6 +513,8 @@ class Stack(Sequence[nn.Module]):
                 return reason
         if not self._slots_checked:
             self._check_slots()
+        if self._frozen_grads:
+            self._drop_zeroed_frozen()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)) or any(map(len, GLOBAL_HOOKS)):
@@ -577,6 +635,29 @@ class Stack(Sequence[nn.Module]):
                         p.grad = v.clone()
                     else:
                         g.add_(v)
+            if self._stacked_grads_wanted:
+                self._adopt(name)
+
+    def _adopt(self, name: str) -> None:
+        """Make the models' gradients of ``name`` a buffer's views again, and that buffer the
+        stacked tensor's ``.grad``, for an optimizer over ``stack.parameters()``: gradients of
+        their own (set by hand, or kept while the name was frozen) had left the stacked
+        ``.grad`` None for good, and that optimizer stepped nothing of ``name`` from then on,
+        silently (NOTE [ Gradients across a restack ])."""
+        params, stacked = self._params[name], self.values[name]
+        grads = list(map(_grad_of, params))
+        if any(map(operator.is_, grads, _nones(len(params)))) or any(
+            g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype
+            for p, g in zip(params, grads)
+        ):
+            return  # a model with no gradient, or one of another kind: each keeps its own
+        with torch.no_grad():
+            buffer = torch.stack([g.detach() for g in grads])
+        views = buffer.unbind(0)
+        for p, v in zip(params, views):
+            p.grad = v
+        self._grad_buffers[name], self._grad_views[name] = buffer, views
+        stacked.grad = buffer.view_as(buffer)
 
     def _flat_block(self, name: str) -> SlotBlock | None:
         """The FlatGrad block holding the gradients of ``name``, if one is laid out so (NOTE

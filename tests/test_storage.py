@@ -561,6 +561,63 @@ def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(ze
     assert stack.values["0.weight"].dtype == torch.float64
 
 
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_an_optimizer_over_the_stack_trains_a_layer_frozen_then_unfrozen(zeroed):
+    # NOTE [ Gradients across a restack ]: a layer frozen on every model (fine-tuning) and
+    # unfrozen later kept its models' gradients of before as gradients of their own, so the
+    # stacked tensor got no gradient from then on and the optimizer over the stack never
+    # stepped that layer again, silently.
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
+    plain_opt = torch.optim.Adam([p for m in plain for p in m.parameters()], lr=1e-2)
+    for step in range(7):
+        if step in (2, 5):  # frozen for steps 2-4, on every model at once
+            for m in (*models, *plain):
+                m[0].weight.requires_grad_(step == 5)
+        if zeroed or step not in (2, 5):  # or the gradients of before kept across the change
+            opt.zero_grad()
+            plain_opt.zero_grad()
+        x = torch.randn(8, IN)
+        y = parsum.sum_models(models, x)
+        assert runs_stacked(y)
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        for got, want in zip(param_grads(models), param_grads(plain)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        opt.step()
+        plain_opt.step()
+        for m, p in zip(models, plain):
+            for a, b in zip(m.parameters(), p.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_over_the_stack_steps_gradients_set_by_hand():
+    # Gradients of the models' own (set by hand: loaded, or replaced by a tool that clones
+    # them) had left the stacked .grad None for good: the optimizer over the stack stepped
+    # nothing of that name from then on. The stack takes them in as its buffer's views.
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    plain_opt = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    for step in range(4):
+        opt.zero_grad()
+        plain_opt.zero_grad()
+        x = torch.randn(8, IN)
+        if step == 1:
+            for ms in (models, plain):
+                for k, m in enumerate(ms):
+                    m[0].weight.grad = torch.full_like(m[0].weight, 0.01 * k)  # by hand
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        for got, want in zip(param_grads(models), param_grads(plain)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        opt.step()
+        plain_opt.step()
+        for m, p in zip(models, plain):
+            for a, b in zip(m.parameters(), p.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert models[3][0].weight.grad.data_ptr() == stack.values["0.weight"].grad[3].data_ptr()
+
+
 @pytest.mark.parametrize("over", ["stack", "models"])
 def test_a_flatgrad_made_before_the_stacked_models_are_cast_is_named_until_replaced(over):
     # NOTE [ Stale slots ] in parsum._grads: the restacked models' float64 gradients had gone
