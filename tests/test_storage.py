@@ -530,6 +530,22 @@ def test_a_change_made_to_every_model_restacks_silently():
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
 
 
+def _train_step_like_plain(models, plain, opt, plain_opt, x):
+    """A step of the stacked models and of their plain twins, each with its optimizer: the
+    gradients and the stepped parameters alike. The stacked models' sum."""
+    y = parsum.sum_models(models, x)
+    y.pow(2).mean().backward()
+    plain_sum(plain, x).pow(2).mean().backward()
+    for got, want in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    opt.step()
+    plain_opt.step()
+    for m, p in zip(models, plain):
+        for a, b in zip(m.parameters(), p.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return y
+
+
 @pytest.mark.parametrize("zeroed", [True, False])
 def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(zeroed):
     # NOTE [ Gradients across a restack ]: after a step, a cast (which keeps each .grad
@@ -549,15 +565,7 @@ def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(ze
         elif step != 3 or zeroed:
             opt.zero_grad()
             plain_opt.zero_grad()
-        parsum.sum_models(models, x).pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        for got, want in zip(param_grads(models), param_grads(plain)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        opt.step()
-        plain_opt.step()
-        for m, p in zip(models, plain):
-            for a, b in zip(m.parameters(), p.parameters()):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        _train_step_like_plain(models, plain, opt, plain_opt, x)
     assert stack.values["0.weight"].dtype == torch.float64
 
 
@@ -578,17 +586,7 @@ def test_an_optimizer_over_the_stack_trains_a_layer_frozen_then_unfrozen(zeroed)
             opt.zero_grad()
             plain_opt.zero_grad()
         x = torch.randn(8, IN)
-        y = parsum.sum_models(models, x)
-        assert runs_stacked(y)
-        y.pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        for got, want in zip(param_grads(models), param_grads(plain)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        opt.step()
-        plain_opt.step()
-        for m, p in zip(models, plain):
-            for a, b in zip(m.parameters(), p.parameters()):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert runs_stacked(_train_step_like_plain(models, plain, opt, plain_opt, x))
 
 
 def test_an_optimizer_over_the_stack_steps_gradients_set_by_hand():
@@ -606,15 +604,7 @@ def test_an_optimizer_over_the_stack_steps_gradients_set_by_hand():
             for ms in (models, plain):
                 for k, m in enumerate(ms):
                     m[0].weight.grad = torch.full_like(m[0].weight, 0.01 * k)  # by hand
-        parsum.sum_models(models, x).pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        for got, want in zip(param_grads(models), param_grads(plain)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        opt.step()
-        plain_opt.step()
-        for m, p in zip(models, plain):
-            for a, b in zip(m.parameters(), p.parameters()):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        _train_step_like_plain(models, plain, opt, plain_opt, x)
         assert models[3][0].weight.grad.data_ptr() == stack.values["0.weight"].grad[3].data_ptr()
 
 
