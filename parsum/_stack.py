@@ -60,6 +60,8 @@
 # hand, whose stacked ``.grad`` stayed None, and which the optimizer never stepped again,
 # silently. Gradients of the models' own (set by hand) are taken in as a new buffer's views
 # after the backward adds to them, where such an optimizer is there to step them (``_adopt``).
+# With a FlatGrad over the stack, the block stays each name's stacked ``.grad`` across a
+# restack, or None where that optimizer zeroed it: the next backward then overwrites the block.
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -328,10 +330,25 @@ class Stack(Sequence[nn.Module]):
                 values[name] = torch.stack([info.tensors[t].detach() for info in infos])
             for t, name in enumerate(first.state_names):
                 values[name] = torch.stack([info.state[t].detach() for info in infos])
+        given: set[str] = set()
         for name, new in values.items():
             old = self.values.get(name)
             if old is not None:  # the same object: an optimizer over parameters() holds it
+                # A FlatGrad's block as its .grad, or None where an optimizer over the stack
+                # zeroed it, stays: the block holds the models' gradients across the restack,
+                # and only the zeroing says that they are stale (NOTE [ One buffer for a
+                # stack ]); forgotten, the next backward had added to the zeroed step's.
+                block = old.grad if name in self._given else None
+                if block is not None and (block.shape, block.dtype, block.device) != (
+                    new.shape,
+                    new.dtype,
+                    new.device,
+                ):
+                    block = None
+                elif name in self._given:
+                    given.add(name)
                 old.data, old.grad, values[name] = new, None, old
+                old.grad = block
         for k, info in enumerate(infos):
             for name, p in zip(first.names, info.tensors):
                 p.data = values[name][k]
@@ -347,7 +364,7 @@ class Stack(Sequence[nn.Module]):
         self._grad_views.clear()
         self._aliases.clear()
         self._flat_blocks.clear()
-        self._given.clear()
+        self._given = given
         for name, buffer in held.items():
             views = buffer.unbind(0)
             for p, v in zip(self._params[name], views):
