@@ -294,13 +294,19 @@ class FlatGrad:
             slot.key != (p.dtype, p.device)
             or slot.key != (view.dtype, view.device)
             or view.shape != p.shape
+            # cast there and back (.double().float()), or to channels_last: the same dtype,
+            # but data of its own, which the buffer no longer sees
+            or view.untyped_storage().data_ptr()
+            != self._buffers[slot.key].untyped_storage().data_ptr()
         ):
             raise ParsumError(
                 f"{where}: {who} of shape {tuple(p.shape)} is now {p.dtype} on {p.device}, "
                 f"and its FlatGrad slot {slot.key[0]} on {slot.key[1]} of shape "
-                f"{tuple(slot.view.shape)}: its module was cast, moved or resized after the "
-                "FlatGrad was made; make a new FlatGrad over it (it takes the parameters "
-                "over), and make FlatGrads after .to(), .double() or .half()"
+                f"{tuple(slot.view.shape)}, its .grad no longer in the FlatGrad's buffer: its "
+                "module was cast, moved or resized after the FlatGrad was made (also there "
+                "and back, or to another memory format); make a new FlatGrad over it (it "
+                "takes the parameters over), and make FlatGrads after .to(), .double() or "
+                ".half()"
             )
 
     def _reattach(self, index: int, param: Tensor) -> None:
@@ -504,8 +510,10 @@ def engine_runs_all(nodes: Sequence[Any]) -> list[bool]:
 # gives the parameter a new storage; stacked storage, after restacking the models, on every call
 # until the slots fit), by the hook where it would copy a gradient into the slot,
 # and by ``zero_()``. A cast with ``.grad`` set keeps the view object but swaps its data (the
-# view's own dtype and device tell): a plain backward then adds into it until the gradients are
-# zeroed, when ``zero_()`` or the next backward's hook names the parameter.
+# view's own dtype and device tell, and its storage, which is no longer the buffer's, where the
+# dtype is the same again: ``.double().float()``, ``.to(memory_format=torch.channels_last)``):
+# a plain backward then adds into it until the gradients are zeroed, when ``zero_()`` or the
+# next backward's hook names the parameter.
 
 
 def check_slots(

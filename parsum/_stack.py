@@ -62,6 +62,9 @@
 # after the backward adds to them, where such an optimizer is there to step them (``_adopt``).
 # With a FlatGrad over the stack, the block stays each name's stacked ``.grad`` across a
 # restack, or None where that optimizer zeroed it: the next backward then overwrites the block.
+# A frozen name's block is zeroed in place when that optimizer zeroes its stacked ``.grad`` (a
+# FlatGrad's ``.grad`` is never None), so that a norm or a clip over the models' gradients does
+# not count a stale step.
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -255,6 +258,9 @@ class Stack(Sequence[nn.Module]):
         # models' tensors and their gradients, views of the stacked tensor's ``.grad``, until
         # an optimizer over ``parameters()`` zeroes it (NOTE [ Gradients across a restack ]).
         self._frozen_grads: dict[str, _Kept] = {}
+        # The same where a FlatGrad's block holds them: the block, zeroed in place when that
+        # optimizer zeroes the stacked .grad (a FlatGrad's .grad is never None).
+        self._frozen_blocks: dict[str, SlotBlock] = {}
         self._state: list[str] = []
         self._params: dict[str, list[Tensor]] = {}
         self._tensors: list[Tensor] = []
@@ -374,6 +380,12 @@ class Stack(Sequence[nn.Module]):
         for name, kept in frozen.items():
             self.values[name].grad = kept.buffer.view_as(kept.buffer)
         self._frozen_grads = frozen
+        self._frozen_blocks = {}
+        for t, name in enumerate(first.state_names):
+            if name in given:  # a FlatGrad's block as the stacked .grad, or zeroed
+                found = slot_block([info.state[t] for info in infos])
+                if found is not None:
+                    self._frozen_blocks[name] = found
         self._record(infos)
 
     def _held_gradients(
@@ -420,7 +432,8 @@ class Stack(Sequence[nn.Module]):
 
     def _drop_zeroed_frozen(self) -> None:
         """The gradients of frozen names whose stacked ``.grad`` an optimizer over the stack
-        zeroed (set to None): the models' too, as ``zero_grad()`` does a frozen parameter's."""
+        zeroed (set to None): the models' too, as ``zero_grad()`` does a frozen parameter's (a
+        FlatGrad's block: zeroed in place)."""
         for name, kept in list(self._frozen_grads.items()):
             stacked = self.values.get(name)
             if stacked is None or stacked.grad is None:
@@ -428,6 +441,14 @@ class Stack(Sequence[nn.Module]):
                     if p.grad is v:
                         p.grad = None
                 del self._frozen_grads[name]
+        for name, block in list(self._frozen_blocks.items()):
+            stacked = self.values.get(name)
+            if stacked is None or stacked.grad is None:
+                with torch.no_grad():
+                    block.block.zero_()
+                    if block.comp is not None:
+                        block.comp.zero_()
+                del self._frozen_blocks[name]
 
     def _record(self, infos: list[ModelParams]) -> None:
         """What ``_check`` compares on every call (NOTE [ Stacked storage ])."""
@@ -530,7 +551,7 @@ class Stack(Sequence[nn.Module]):
                 return reason
         if not self._slots_checked:
             self._check_slots()
-        if self._frozen_grads:
+        if self._frozen_grads or self._frozen_blocks:
             self._drop_zeroed_frozen()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
@@ -558,8 +579,12 @@ class Stack(Sequence[nn.Module]):
         except ParsumError as exc:
             return str(exc).removeprefix(f"{_WHERE}: ")
         tensors = [t for info in infos for t in (*info.tensors, *info.state)]
-        if list(map(_data_ptr, tensors)) == self._ptrs and all(
-            map(operator.is_, tensors, self._tensors)
+        if (
+            list(map(_data_ptr, tensors)) == self._ptrs
+            and all(map(operator.is_, tensors, self._tensors))
+            # The same names trainable: a model's last trainable tensor frozen on every model
+            # keeps the tensors' order, and the stack had gone on training it, silently.
+            and infos[0].names == self._trainable
         ):
             self._record(infos)  # the storage holds: a flag or a setting changed on every model
         else:

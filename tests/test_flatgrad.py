@@ -565,6 +565,31 @@ def test_a_module_cast_after_its_flatgrad_is_named_and_a_new_flatgrad_fixes_it(c
     assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_module_cast_there_and_back_after_its_flatgrad_is_named(stacked):
+    # NOTE [ Stale slots ]: .double().float() (or a move to channels_last) keeps the dtype but
+    # gives each .grad data of its own: the FlatGrad had silently stopped holding them (the
+    # models' .grad kept the values of before while the buffer got the new ones).
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(4)]
+    flat = parsum.FlatGrad(parsum.stack_(models) if stacked else models)
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x).sum().backward()
+    for m in models:
+        m.double().float()
+    with pytest.raises(parsum.ParsumError, match="no longer in the FlatGrad's buffer"):
+        parsum.sum_models(models, x)
+    with pytest.raises(parsum.ParsumError, match="make a new FlatGrad"):
+        flat.zero_()
+    new = parsum.FlatGrad(models).zero_()
+    ref = clone_models(models)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
+
+
 def test_a_plain_backward_after_a_move_is_named_by_the_hook():
     model = nn.Linear(3, 2)
     parsum.FlatGrad(model)

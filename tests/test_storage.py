@@ -530,15 +530,17 @@ def test_a_change_made_to_every_model_restacks_silently():
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
 
 
-def _train_step_like_plain(models, plain, opt, plain_opt, x, frozen_grads=True):
+def _train_step_like_plain(models, plain, opt, plain_opt, x, flat=False):
     """A step of the stacked models and of their plain twins, each with its optimizer: the
-    gradients (with ``frozen_grads``, those of frozen parameters too) and the stepped
-    parameters alike. The stacked models' sum."""
+    gradients and the stepped parameters alike (with a ``flat`` FlatGrad, whose .grad are
+    never None, a zero view where the plain one is None). The stacked models' sum."""
     y = parsum.sum_models(models, x)
     y.pow(2).mean().backward()
     plain_sum(plain, x).pow(2).mean().backward()
     for got, want in zip(unique_params(models), unique_params(plain)):
-        if frozen_grads or got.requires_grad:
+        if flat and want.grad is None:
+            assert not got.grad.any()
+        else:
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
     opt.step()
     plain_opt.step()
@@ -571,14 +573,17 @@ def test_an_optimizer_over_the_stack_keeps_training_after_the_models_are_cast(ze
     assert stack.values["0.weight"].dtype == torch.float64
 
 
+@pytest.mark.parametrize("name", ["0.weight", "4.bias"])  # 4.bias: the last trainable one
 @pytest.mark.parametrize("flat", [False, True], ids=["own buffers", "FlatGrad(stack)"])
 @pytest.mark.parametrize("zeroed", [True, False])
-def test_an_optimizer_over_the_stack_trains_a_layer_frozen_then_unfrozen(zeroed, flat):
+def test_an_optimizer_over_the_stack_trains_a_layer_frozen_then_unfrozen(zeroed, flat, name):
     # NOTE [ Gradients across a restack ]: a layer frozen on every model (fine-tuning) and
     # unfrozen later kept its models' gradients of before as gradients of their own, so the
     # stacked tensor got no gradient from then on and the optimizer over the stack never
     # stepped that layer again, silently. With a FlatGrad over the stack, the restack forgot
     # that the optimizer had zeroed the block, and the next backward added to the stale step.
+    # Frozen, a model's last trainable tensor left the order of its tensors as it was, and
+    # the stack had gone on training it.
     models, plain, stack = stacked_and_plain()
     if flat:
         parsum.FlatGrad(stack)
@@ -587,15 +592,33 @@ def test_an_optimizer_over_the_stack_trains_a_layer_frozen_then_unfrozen(zeroed,
     for step in range(7):
         if step in (2, 5):  # frozen for steps 2-4, on every model at once
             for m in (*models, *plain):
-                m[0].weight.requires_grad_(step == 5)
+                m.get_parameter(name).requires_grad_(step == 5)
         if zeroed or step not in (2, 5):  # or the gradients of before kept across the change
             opt.zero_grad()
             plain_opt.zero_grad()
         x = torch.randn(8, IN)
-        # A FlatGrad's .grad is never None: a frozen model's keeps its view, where the plain
-        # loop's zero_grad() sets it to None (the stacked optimizer skips it either way).
-        y = _train_step_like_plain(models, plain, opt, plain_opt, x, frozen_grads=not flat)
+        y = _train_step_like_plain(models, plain, opt, plain_opt, x, flat=flat)
         assert runs_stacked(y)
+
+
+def test_a_frozen_last_layer_of_stacked_models_stays_frozen():
+    # Freezing each model's last trainable tensor kept the order of the models' tensors, so
+    # the stack took it for a flag changed elsewhere and went on computing its gradient: an
+    # optimizer over the models' parameters then trained the frozen layer, silently.
+    models, plain, _ = stacked_and_plain()
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    plain_opt = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1)
+    for m in (*models, *plain):
+        m[4].bias.requires_grad_(False)
+    frozen = [m[4].bias.detach().clone() for m in models]
+    for _ in range(2):
+        opt.zero_grad()
+        plain_opt.zero_grad()
+        assert runs_stacked(
+            _train_step_like_plain(models, plain, opt, plain_opt, torch.randn(8, IN))
+        )
+    assert all(m[4].bias.grad is None for m in models)
+    assert all(torch.equal(m[4].bias, f) for m, f in zip(models, frozen))
 
 
 def test_an_optimizer_over_the_stack_steps_gradients_set_by_hand():
