@@ -527,6 +527,17 @@ def test_bad_compensated_and_nothing_changed():
     assert lin.weight.grad is None
 
 
+def _a_new_flatgrad_holds_the_gradients(models, x):
+    """A FlatGrad made anew over ``models`` holds their gradients, as the plain loop's."""
+    new = parsum.FlatGrad(models).zero_()
+    ref = clone_models(models)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
+
+
 @pytest.mark.parametrize("change", ["double", "half", "resize"])
 @pytest.mark.parametrize("grads_set", [True, False])
 def test_a_module_cast_after_its_flatgrad_is_named_and_a_new_flatgrad_fixes_it(change, grads_set):
@@ -556,13 +567,7 @@ def test_a_module_cast_after_its_flatgrad_is_named_and_a_new_flatgrad_fixes_it(c
         flat.zero_()
     if change == "resize":
         return
-    new = parsum.FlatGrad(models).zero_()
-    ref = clone_models(models)
-    parsum.sum_models(models, x).pow(2).sum().backward()
-    plain_sum(ref, x).pow(2).sum().backward()
-    for got, want in zip(param_grads(models), param_grads(ref)):
-        torch.testing.assert_close(got, want)
-    assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
+    _a_new_flatgrad_holds_the_gradients(models, x)
 
 
 @pytest.mark.parametrize("stacked", [False, True])
@@ -581,13 +586,7 @@ def test_a_module_cast_there_and_back_after_its_flatgrad_is_named(stacked):
         parsum.sum_models(models, x)
     with pytest.raises(parsum.ParsumError, match="make a new FlatGrad"):
         flat.zero_()
-    new = parsum.FlatGrad(models).zero_()
-    ref = clone_models(models)
-    parsum.sum_models(models, x).pow(2).sum().backward()
-    plain_sum(ref, x).pow(2).sum().backward()
-    for got, want in zip(param_grads(models), param_grads(ref)):
-        torch.testing.assert_close(got, want)
-    assert all(is_view_into(p.grad, new.flat) for p in trainable(models))
+    _a_new_flatgrad_holds_the_gradients(models, x)
 
 
 def test_a_plain_backward_after_a_move_is_named_by_the_hook():
