@@ -157,7 +157,10 @@ class FlatGrad:
                 f"{_WHERE}: compensated is {compensated!r} ({type(compensated).__name__}); "
                 "expected True or False"
             )
-        params = _collect_params(params_or_modules)
+        self._build(_collect_params(params_or_modules), compensated)
+
+    def _build(self, params: list[Tensor], compensated: bool) -> None:
+        """Slots for ``params`` (collected and checked), in their order."""
         sizes: dict[BufferKey, int] = {}
         for p in params:
             key = (p.dtype, p.device)
@@ -259,7 +262,18 @@ class FlatGrad:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["params"], compensated=state["compensated"])  # type: ignore[misc]
+        # The same slots as the original's, frozen parameters' included (a FlatGrad made
+        # anew over them would leave those out, and the values would not fall in place); their
+        # hooks too, which autograd registers only on a tensor that requires grad: these are
+        # the copy's own new tensors, frozen again right after.
+        frozen = [p for p in state["params"] if not p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            self._build(state["params"], state["compensated"])
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
         with torch.no_grad():
             for slot, value, comp in zip(self._slots, state["values"], state["comps"]):
                 slot.view.copy_(value)

@@ -157,23 +157,28 @@ def _copied_and_loaded(*objects):
 
 @pytest.mark.parametrize("compensated", [False, True])
 def test_a_copied_or_loaded_flatgrad_holds_the_copied_models_gradients(compensated):
-    # NOTE [ A copied FlatGrad ]: a deep copy's slots pointed at the original parameters.
+    # NOTE [ A copied FlatGrad ]: a deep copy's slots pointed at the original parameters. A
+    # parameter frozen since the FlatGrad was made keeps its slot in the copy, and its hook.
     torch.manual_seed(0)
     models = [mlp([5]), mlp([3]), nn.Linear(IN, OUT)]
     flat = parsum.FlatGrad(models, compensated=compensated)
     x = torch.randn(6, IN)
     parsum.sum_models(models, x).square().sum().backward()
+    models[1][0].weight.requires_grad_(False)
     held = flat.flat.clone()
     for twin_models, twin_flat in _copied_and_loaded(models, flat):
-        params = trainable(twin_models)
+        params = [p for m in twin_models for p in m.parameters()]
         assert twin_flat.params == params and twin_flat.compensated == compensated
         assert all(is_view_into(p.grad, twin_flat.flat) for p in params)
         assert torch.equal(twin_flat.flat, held)  # the gradients copied with it
         if compensated:
             assert all(torch.equal(a, b) for a, b in zip(twin_flat._comps.values(),
                                                          flat._comps.values()))  # fmt: skip
-        # Training the copy writes into its buffer and leaves the original's alone.
-        twin_flat.zero_()
+        # Training the copy, the frozen parameter trained again, writes into its buffer
+        # (where .grad was set to None too) and leaves the original's alone.
+        twin_models[1][0].weight.requires_grad_(True)
+        for m in twin_models:
+            m.zero_grad(set_to_none=True)
         parsum.sum_models(twin_models, 2 * x).square().sum().backward()
         ref = clone_models(twin_models)
         for m in ref:
