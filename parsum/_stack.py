@@ -280,10 +280,15 @@ class Stack(Sequence[nn.Module]):
             "values": self.values,
             "wanted": self._stacked_grads_wanted,
             "broken": self._broken,
+            "given": set(self._given),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         models, values = state["models"], state["values"]
+        # A FlatGrad block given as a name's stacked .grad (copied with it, as the FlatGrad's
+        # values are) stays given, or zeroed where it was None: the copied FlatGrad's block
+        # then takes its place at the next backward, as across a restack.
+        blocks = {name: values[name].grad for name in state.get("given", ()) if name in values}
         for t in values.values():
             t.grad = None
         reason = state["broken"]
@@ -295,6 +300,12 @@ class Stack(Sequence[nn.Module]):
         if reason is not None:
             self._start(models, None)
             self._broken = reason
+        else:
+            for name, block in blocks.items():
+                stacked = self.values.get(name)
+                if stacked is not None and (block is None or block.shape == stacked.shape):
+                    stacked.grad = block
+                    self._given.add(name)
         if state["wanted"]:
             self.parameters()
 

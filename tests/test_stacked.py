@@ -723,12 +723,15 @@ def _storage_of(t):
     return t.untyped_storage().data_ptr()
 
 
-def test_a_copied_or_loaded_stack_trains_its_copied_models():
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_copied_or_loaded_stack_trains_its_copied_models(flat):
     # NOTE [ A copied stack ]: copying a trainer's state (models, stack, optimizer) raised on
-    # the stack's lock.
+    # the stack's lock; with a FlatGrad over the stack, the copy forgot that the block was the
+    # stacked .grad, and the next backward added to the copied step's gradients.
     torch.manual_seed(0)
     models = [mlp([8]) for _ in range(5)]
     stack = parsum.stack_(models)
+    extra = (parsum.FlatGrad(stack),) if flat else ()
     opt = torch.optim.Adam(stack.parameters(), lr=1e-2)
     batches = [torch.randn(5, IN) for _ in range(4)]
 
@@ -740,11 +743,11 @@ def test_a_copied_or_loaded_stack_trains_its_copied_models():
 
     train(models, opt, batches[:2])
     buffer = io.BytesIO()
-    torch.save((models, stack, opt), buffer)
+    torch.save((models, stack, opt, *extra), buffer)
     buffer.seek(0)
-    copies = [copy.deepcopy((models, stack, opt)), torch.load(buffer, weights_only=False)]
+    copies = [copy.deepcopy((models, stack, opt, *extra)), torch.load(buffer, weights_only=False)]
     before = [p.detach().clone() for m in models for p in m.parameters()]
-    for twin_models, twin_stack, twin_opt in copies:
+    for twin_models, twin_stack, twin_opt, *_ in copies:
         assert list(twin_stack) == list(twin_models)
         stacked = dict(zip(twin_stack._trainable, twin_stack.parameters()))
         assert all(_storage_of(m[0].weight) == _storage_of(stacked["0.weight"])
@@ -756,7 +759,7 @@ def test_a_copied_or_loaded_stack_trains_its_copied_models():
     after = [p.detach() for m in models for p in m.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # the copies' steps alone
     train(models, opt, batches[2:])
-    for twin_models, _, _ in copies:
+    for twin_models, *_ in copies:
         for p, q in zip((p for m in twin_models for p in m.parameters()),
                         (p for m in models for p in m.parameters())):  # fmt: skip
             assert torch.equal(p, q)
