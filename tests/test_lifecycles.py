@@ -1,0 +1,268 @@
+"""Random training lifecycles against plain twins: what a training script does between calls.
+
+Models trained with ``sum_models`` and plain twins trained with the plain loop go through the
+same random events between steps: layers frozen and unfrozen on every model, state loaded,
+``.data`` swapped, gradients kept, set by hand, clipped or scaled, micro-batches, and copies of
+the whole training state (``copy.deepcopy`` of the models with their stack, FlatGrad,
+optimizer or StepInBackward). After every step the gradients and the parameters must be the
+plain twins' (within rounding). Three kinds: stacked models (``stack_``, with or without
+``FlatGrad(stack)``, an optimizer over ``stack.parameters()`` or over the models), a FlatGrad
+over models of several architectures, and ``StepInBackward`` over stacked or unstacked models.
+``python -m tests.test_lifecycles FIRST COUNT`` plays more than the suite.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
+OPTIMIZERS = (
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.05}),
+    (torch.optim.Adam, {"lr": 0.01}),
+)
+
+
+def _mlp(width: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def _freeze_or_unfreeze(rng: random.Random, event: str, frozen: set[str], models: list) -> None:
+    """At most two names frozen at once, on every model (a loss with none trainable left
+    would have nothing to differentiate)."""
+    if event == "freeze" and len(frozen) < 2:
+        name = rng.choice(sorted(set(NAMES) - frozen))
+        frozen.add(name)
+    elif event == "unfreeze" and frozen:
+        name = frozen.pop()
+    else:
+        return
+    for m in models:
+        m.get_parameter(name).requires_grad_(name in frozen)
+
+
+def _reload_or_swap(event: str, plain: list, models: list, every: bool = False) -> None:
+    """``load``: the plain twins' state loaded into the models; ``data``: a new first weight
+    swapped in (``.data =``) on the first model and its twin, or on ``every`` one."""
+    if event == "load":
+        for a, b in zip(plain, models):
+            b.load_state_dict(copy.deepcopy(a.state_dict()))
+    elif event == "data":
+        w = torch.randn(8, 6)
+        for a, b in zip(plain, models) if every else [(plain[0], models[0])]:
+            a[0].weight.data, b[0].weight.data = w.clone(), w.clone()
+
+
+def _differences(plain: list, models: list, step: int, flat: bool, grads: bool) -> str | None:
+    """Where ``models`` differ from their plain twins after ``step``: gradients (a FlatGrad's
+    ``.grad`` is never None: a zero view where the plain one is None) or parameters."""
+    for a, b in zip(plain, models):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            if grads:
+                if p.grad is None and (q.grad is None or (flat and not q.grad.any())):
+                    continue
+                if p.grad is None or q.grad is None:
+                    return f"{name}'s .grad is None on one side only at step {step}"
+                got = q.grad.to_dense() if q.grad.is_sparse else q.grad
+                if not torch.allclose(p.grad, got, rtol=1e-4, atol=1e-6):
+                    return f"{name}'s .grad differs at step {step}"
+            elif not torch.allclose(p, q, rtol=1e-4, atol=1e-6):
+                return f"{name} differs after step {step}"
+    return None
+
+
+def check_stacked(seed: int) -> None:
+    """Stacked models, with or without ``FlatGrad(stack)``, an optimizer over the stack or over
+    the models, through freezes, reloads, swaps, gradients kept, set by hand, clipped or scaled,
+    and copies of the whole training state."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    base = [_mlp() for _ in range(rng.choice([3, 5]))]
+    plain, models = copy.deepcopy(base), copy.deepcopy(base)
+    stack = parsum.stack_(models)
+    flat = parsum.FlatGrad(stack) if rng.random() < 0.4 else None
+    over_stack = rng.random() < 0.5
+    cls, kw = rng.choice(OPTIMIZERS)
+    if flat is not None and not over_stack and cls is torch.optim.Adam:
+        cls, kw = OPTIMIZERS[0]  # Adam counts a frozen parameter's zero-gradient steps
+    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
+    opt = cls(
+        list(stack.parameters()) if over_stack else [p for m in models for p in m.parameters()],
+        **kw,
+    )
+    # A FlatGrad zeroes in place (its .grad is never None): the plain twins as well, where the
+    # FlatGrad is what the optimizer over the models zeroes.
+    set_to_none = flat is None or over_stack
+    frozen: set[str] = set()
+    log = [f"{len(base)} models, FlatGrad {flat is not None}, over the stack {over_stack}"]
+    log.append(cls.__name__)
+    for step in range(8):
+        event = rng.choice(
+            ["none", "freeze", "unfreeze", "keep", "data", "load", "hand", "clip", "scale", "copy"]
+        )
+        log.append(event)
+        _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
+        _reload_or_swap(event, plain, models, every=True)
+        if event == "copy":
+            models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
+        elif event == "hand":
+            for k, (a, b) in enumerate(zip(plain, models)):
+                if a[2].weight.requires_grad:
+                    a[2].weight.grad = torch.full_like(a[2].weight, 0.01 * k)
+                    b[2].weight.grad = torch.full_like(b[2].weight, 0.01 * k)
+        if event not in ("keep", "hand"):
+            plain_opt.zero_grad(set_to_none=set_to_none)
+            if flat is not None and not over_stack:
+                flat.zero_()
+            else:
+                opt.zero_grad()
+        x = torch.randn(5, 6)
+        parsum.sum_models(models, x).pow(2).mean().backward()
+        sum(m(x) for m in plain).pow(2).mean().backward()
+        if event in ("clip", "scale"):
+            for ms in (plain, models):
+                params = [p for m in ms for p in m.parameters()]
+                if event == "clip":
+                    torch.nn.utils.clip_grad_norm_(params, 0.1)
+                else:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(0.5)
+        found = _differences(plain, models, step, flat is not None, grads=True)
+        plain_opt.step()
+        opt.step()
+        found = found or _differences(plain, models, step, flat is not None, grads=False)
+        assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+
+
+def check_flat(seed: int) -> None:
+    """A FlatGrad, compensated or not, over models of several architectures, through
+    freezes, reloads, swaps, gradients kept, clips, scalings, micro-batches and copies."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    base = [_mlp() for _ in range(3)] + [_mlp(5), nn.Linear(6, 3)]
+    plain, models = copy.deepcopy(base), copy.deepcopy(base)
+    flat = parsum.FlatGrad(models, compensated=rng.random() < 0.5)
+    for m in plain:  # a FlatGrad's .grad are never None
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    cls, kw = rng.choice(OPTIMIZERS)
+    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
+    opt = cls([p for m in models for p in m.parameters()], **kw)
+    n_jobs = rng.choice([1, 2, None])
+    frozen: set[str] = set()
+    log = [f"compensated {flat.compensated}, {cls.__name__}, n_jobs {n_jobs}"]
+    for step in range(7):
+        event = rng.choice(
+            ["none", "freeze", "unfreeze", "load", "data", "clip", "scale", "keep", "micro", "copy"]
+        )
+        log.append(event)
+        _freeze_or_unfreeze(rng, event, frozen, [*plain[:3], *models[:3]])
+        _reload_or_swap(event, plain, models)
+        if event == "copy":
+            models, flat, state = copy.deepcopy((models, flat, opt.state_dict()))
+            opt = cls([p for m in models for p in m.parameters()], **kw)
+            opt.load_state_dict(state)
+        if event != "keep":
+            plain_opt.zero_grad(set_to_none=False)
+            flat.zero_()
+        for _ in range(2 if event == "micro" else 1):
+            x = torch.randn(5, 6)
+            parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+            sum(m(x) for m in plain).pow(2).mean().backward()
+        if event == "clip":
+            for ms in (plain, models):
+                torch.nn.utils.clip_grad_norm_([p for m in ms for p in m.parameters()], 0.1)
+        elif event == "scale":
+            for m in plain:
+                for p in m.parameters():
+                    p.grad.mul_(0.5)
+            flat.flat.mul_(0.5)
+        found = _differences(plain, models, step, True, grads=True)
+        assert all(
+            p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+            for m in models
+            for p in m.parameters()
+        ), f"seed {seed}: a .grad left the FlatGrad's buffer at step {step}"
+        plain_opt.step()
+        opt.step()
+        found = found or _differences(plain, models, step, True, grads=False)
+        assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+
+
+def check_step_in_backward(seed: int) -> None:
+    """``StepInBackward`` over stacked or unstacked models, through freezes, reloads, swaps and
+    copies of the models with it: every step the plain loop's, and no ``.grad`` left."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    stacked = rng.random() < 0.6
+    base = [_mlp() for _ in range(rng.choice([3, 5]))]
+    if not stacked and rng.random() < 0.5:
+        base.append(_mlp(5))
+    plain, models = copy.deepcopy(base), copy.deepcopy(base)
+    if stacked:
+        parsum.stack_(models)
+    cls, kw = rng.choice([*OPTIMIZERS, (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})])
+    sib = parsum.StepInBackward(models, cls, **kw)
+    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
+    n_jobs = rng.choice([1, 2, None])
+    frozen: set[str] = set()
+    log = [f"stacked {stacked}, {cls.__name__}, n_jobs {n_jobs}"]
+    for step in range(6):
+        event = rng.choice(["none", "freeze", "unfreeze", "load", "data", "copy"])
+        log.append(event)
+        _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
+        _reload_or_swap(event, plain, models)
+        if event == "copy":
+            models, sib = copy.deepcopy((models, sib))
+        plain_opt.zero_grad()
+        x = torch.randn(5, 6)
+        sum(m(x) for m in plain).pow(2).mean().backward()
+        plain_opt.step()
+        y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs)
+        y.pow(2).mean().backward()
+        found = _differences(plain, models, step, False, grads=False)
+        assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+        assert all(p.grad is None for m in models for p in m.parameters())
+
+
+CHECKS: dict[str, Callable[[int], None]] = {
+    "stacked": check_stacked,
+    "flat": check_flat,
+    "step_in_backward": check_step_in_backward,
+}
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("kind", CHECKS)
+def test_lifecycle_like_the_plain_loop(kind, seed):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stacks that give up say so; the twins tell the rest
+        CHECKS[kind](seed)
+
+
+if __name__ == "__main__":
+    first, count = int(sys.argv[1]), int(sys.argv[2])
+    failed = 0
+    for kind, check in CHECKS.items():
+        for seed in range(first, first + count):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    check(seed)
+            except AssertionError as exc:
+                failed += 1
+                print(f"{kind}: {exc}")
+    print(f"{count} lifecycles of each kind ({', '.join(CHECKS)}), {failed} failed")
