@@ -258,9 +258,10 @@ class Stack(Sequence[nn.Module]):
         # models' tensors and their gradients, views of the stacked tensor's ``.grad``, until
         # an optimizer over ``parameters()`` zeroes it (NOTE [ Gradients across a restack ]).
         self._frozen_grads: dict[str, _Kept] = {}
-        # The same where a FlatGrad's block holds them: the block, zeroed in place when that
-        # optimizer zeroes the stacked .grad (a FlatGrad's .grad is never None).
-        self._frozen_blocks: dict[str, SlotBlock] = {}
+        # The same where a FlatGrad's block holds them (the names): the block, found when that
+        # optimizer zeroes the stacked .grad, is zeroed in place (a FlatGrad's .grad is never
+        # None); found then, it is the FlatGrad's of that time (a copy's, made after the stack).
+        self._frozen_given: set[str] = set()
         self._state: list[str] = []
         self._params: dict[str, list[Tensor]] = {}
         self._tensors: list[Tensor] = []
@@ -306,6 +307,7 @@ class Stack(Sequence[nn.Module]):
                 if stacked is not None and (block is None or block.shape == stacked.shape):
                     stacked.grad = block
                     self._given.add(name)
+            self._frozen_given = self._given - set(self._trainable)
         if state["wanted"]:
             self.parameters()
 
@@ -383,20 +385,11 @@ class Stack(Sequence[nn.Module]):
         self._flat_blocks.clear()
         self._given = given
         for name, buffer in held.items():
-            views = buffer.unbind(0)
-            for p, v in zip(self._params[name], views):
-                p.grad = v
-            self._grad_buffers[name], self._grad_views[name] = buffer, views
-            self.values[name].grad = buffer.view_as(buffer)
+            self._give(name, buffer)
         for name, kept in frozen.items():
             self.values[name].grad = kept.buffer.view_as(kept.buffer)
         self._frozen_grads = frozen
-        self._frozen_blocks = {}
-        for t, name in enumerate(first.state_names):
-            if name in given:  # a FlatGrad's block as the stacked .grad, or zeroed
-                found = slot_block([info.state[t] for info in infos])
-                if found is not None:
-                    self._frozen_blocks[name] = found
+        self._frozen_given = given - set(first.names)
         self._record(infos)
 
     def _held_gradients(
@@ -452,14 +445,16 @@ class Stack(Sequence[nn.Module]):
                     if p.grad is v:
                         p.grad = None
                 del self._frozen_grads[name]
-        for name, block in list(self._frozen_blocks.items()):
+        for name in list(self._frozen_given):
             stacked = self.values.get(name)
             if stacked is None or stacked.grad is None:
-                with torch.no_grad():
-                    block.block.zero_()
-                    if block.comp is not None:
-                        block.comp.zero_()
-                del self._frozen_blocks[name]
+                block = slot_block([m.get_parameter(name) for m in self.models])
+                if block is not None:
+                    with torch.no_grad():
+                        block.block.zero_()
+                        if block.comp is not None:
+                            block.comp.zero_()
+                self._frozen_given.discard(name)
 
     def _record(self, infos: list[ModelParams]) -> None:
         """What ``_check`` compares on every call (NOTE [ Stacked storage ])."""
@@ -562,7 +557,7 @@ class Stack(Sequence[nn.Module]):
                 return reason
         if not self._slots_checked:
             self._check_slots()
-        if self._frozen_grads or self._frozen_blocks:
+        if self._frozen_grads or self._frozen_given:
             self._drop_zeroed_frozen()
         if self._handles_seen is None or _handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
@@ -697,7 +692,7 @@ class Stack(Sequence[nn.Module]):
         their own (set by hand, or kept while the name was frozen) had left the stacked
         ``.grad`` None for good, and that optimizer stepped nothing of ``name`` from then on,
         silently (NOTE [ Gradients across a restack ])."""
-        params, stacked = self._params[name], self.values[name]
+        params = self._params[name]
         grads = list(map(_grad_of, params))
         if any(map(operator.is_, grads, _nones(len(params)))) or any(
             g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype
@@ -705,12 +700,16 @@ class Stack(Sequence[nn.Module]):
         ):
             return  # a model with no gradient, or one of another kind: each keeps its own
         with torch.no_grad():
-            buffer = torch.stack([g.detach() for g in grads])
+            self._give(name, torch.stack([g.detach() for g in grads]))
+
+    def _give(self, name: str, buffer: Tensor) -> None:
+        """Make ``buffer`` (the models' gradients of ``name``, stacked) their ``.grad`` as its
+        views, and the stacked tensor's ``.grad`` (NOTE [ Gradient buffers ])."""
         views = buffer.unbind(0)
-        for p, v in zip(params, views):
+        for p, v in zip(self._params[name], views):
             p.grad = v
         self._grad_buffers[name], self._grad_views[name] = buffer, views
-        stacked.grad = buffer.view_as(buffer)
+        self.values[name].grad = buffer.view_as(buffer)  # a view: seen by the storage count
 
     def _flat_block(self, name: str) -> SlotBlock | None:
         """The FlatGrad block holding the gradients of ``name``, if one is laid out so (NOTE

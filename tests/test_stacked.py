@@ -772,3 +772,27 @@ def test_a_copied_or_loaded_stack_trains_its_copied_models(flat):
     parsum.sum_models(twin_models, batches[0]).pow(2).sum().backward()
     sum(m(batches[0]) for m in ref).pow(2).sum().backward()
     assert_same_grads(twin_models, ref)
+
+
+def test_a_copied_stack_zeroes_a_frozen_layers_flatgrad_block_with_its_optimizer():
+    # NOTE [ Gradients across a restack ]: a frozen name's block, kept as its stacked .grad,
+    # was found when the stack was made again, before a copy's FlatGrad existed; the copy then
+    # never zeroed it, and the frozen models' .grad kept the step of before the copy.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(4)]
+    stack = parsum.stack_(models)
+    flat = parsum.FlatGrad(stack)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1)
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    opt.step()
+    for m in models:
+        m[0].weight.requires_grad_(False)  # frozen with the gradients of that step
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    opt.step()
+    models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
+    assert all(m[0].weight.grad.any() for m in models)
+    opt.zero_grad()
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    assert all(not m[0].weight.grad.any() for m in models)  # zeroed, as None in the plain loop
+    assert all(m[0].bias.grad.any() for m in models)
