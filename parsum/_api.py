@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from . import _config, _pool
 from ._engines import (
+    COMPILED_MODULES,
     CallArgs,
     ModelParams,
     Unit,
@@ -525,7 +526,11 @@ def _check_step_in_backward(
     index: list[int | None] = []
     seen: dict[int, int] = {}
     for i, (model, mp) in enumerate(zip(models, model_params)):
-        j = sib.index(module_of(model) or model)
+        module = module_of(model)
+        j = sib.index(model if module is None else module)
+        while j is None and isinstance(module, COMPILED_MODULES):  # torch.compile's wrapper
+            module = cast(nn.Module, module._orig_mod)  # type: ignore[union-attr]
+            j = sib.index(module)
         if mp.tensors and j is None:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) is not one of "

@@ -79,6 +79,36 @@ def vmap_failure_count() -> int:
 # forward assigns nothing (in-place updates of a buffer's values do reach the buffer).
 
 
+# NOTE [ Compiled modules ]
+# ``torch.compile(module)`` returns an ``OptimizedModule`` that holds the module as ``_orig_mod``
+# (its parameters are named ``_orig_mod.*``) and whose ``forward``, an attribute of its own, is
+# the compiled code bound to that original module; its ``training`` flag is a property that
+# reads the original's. ``module.compile()`` sets the module's ``_compiled_call_impl`` to the
+# compiled ``_call_impl`` of the module itself. parsum calls such a model as it is wherever the
+# model runs as itself (its compiled code runs). A shadow (above) would still run the original
+# module through that bound code, never the shadow's tensors: parameters with a hook got no
+# gradient (their hooks met None), and engine="vjp" returned wrong gradients. So a compiled
+# module's shadow runs the shadow of the original module, uncompiled (the same computation;
+# compiling a shadow made anew on every call would recompile on every call), and what the
+# shadow runs instead is never written back. "auto" and "stacked" never stack a compiled
+# module (the stacked program would replace the compiled code the user asked for), and
+# ``stack_`` refuses one.
+COMPILED_MODULES: tuple[type, ...] = ()
+try:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    COMPILED_MODULES = (OptimizedModule,)
+except ImportError:  # a torch without dynamo: nothing is compiled
+    pass
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled code: torch.compile's wrapper, or compiled in place."""
+    return (
+        isinstance(module, COMPILED_MODULES) or vars(module).get("_compiled_call_impl") is not None
+    )
+
+
 def shadow_module(
     module: nn.Module,
     replace: dict[int, Tensor] | None = None,
@@ -110,6 +140,11 @@ def shadow_module(
         name: None if child is None else shadow_module(child, replace, memo)
         for name, child in state["_modules"].items()
     }
+    if isinstance(module, COMPILED_MODULES):  # NOTE [ Compiled modules ]
+        state["forward"] = state["_modules"]["_orig_mod"].__call__
+        state.pop("_forward", None)
+    if state.get("_compiled_call_impl") is not None:  # compiled in place: the same
+        state["_compiled_call_impl"] = None
     object.__setattr__(copy, "__dict__", state)
     return copy
 
@@ -121,7 +156,10 @@ def write_back(pairs: Iterable[tuple[nn.Module, nn.Module]], placed: Iterable[Te
     ours = {id(t) for t in placed}
     for module, shadow in pairs:
         mine, theirs = vars(module), vars(shadow)
+        compiled = isinstance(module, COMPILED_MODULES)
         for name, value in theirs.items():
+            if name == "_compiled_call_impl" or (compiled and name in ("forward", "_forward")):
+                continue  # NOTE [ Compiled modules ]
             if name == "_buffers":
                 buffers = mine["_buffers"]
                 for key, b in value.items():

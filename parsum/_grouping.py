@@ -133,7 +133,14 @@ from torch import Tensor, nn
 
 from . import _pool
 from ._config import thread_budget
-from ._engines import MODULE_INTERNALS, VMAP_FAILED, ModelParams, Unit, program_of
+from ._engines import (
+    MODULE_INTERNALS,
+    VMAP_FAILED,
+    ModelParams,
+    Unit,
+    is_compiled,
+    program_of,
+)
 from ._sparse import any_sampled, sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models (AUTO_STACK_MIN_BATCHED
@@ -646,6 +653,8 @@ def structure_key(mp: ModelParams) -> Hashable | None:
     parts: list[Hashable] = []
     for module in mp.modules:
         if isinstance(module, torch.jit.ScriptModule):  # functional_call cannot run TorchScript
+            return None
+        if is_compiled(module):  # NOTE [ Compiled modules ] in _engines
             return None
         attributes = vars(module)  # this runs for every candidate model on every call
         if (

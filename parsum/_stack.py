@@ -119,6 +119,7 @@ from ._engines import (
     ModelParams,
     Step,
     batched_forward,
+    module_of,
     program_of,
     runs_as_program,
     stacked_tensors,
@@ -877,8 +878,9 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) cannot run as a stacked "
                 "model: it has a module hook, a tensor attribute that requires grad, a "
-                "TorchScript module, or a module with buffers in training mode (BatchNorm: "
-                "call eval() first or train it unstacked)"
+                "TorchScript or compiled module (torch.compile: stack the models first, then "
+                "compile), or a module with buffers in training mode (BatchNorm: call eval() "
+                "first or train it unstacked)"
             )
         if keys and key != keys[0]:
             raise ParsumError(
@@ -900,7 +902,16 @@ def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
         return []
     found: dict[int, Stack] = {}
     for model in models:
-        stack = _stack_of.get(model) if isinstance(model, nn.Module) else None
+        # A stacked model called through a bound method, a partial, torch.compile's wrapper
+        # or a module that holds it trains the stack's tensors all the same.
+        module = module_of(model)
+        stack = _stack_of.get(module) if module is not None else None
+        if stack is None and module is not None and _stack_of:
+            for inner in module.modules():
+                stack = _stack_of.get(inner)
+                if stack is not None and stack._stacked_grads_wanted:
+                    found[id(stack)] = stack
+            continue
         if stack is not None and stack._stacked_grads_wanted:
             found[id(stack)] = stack
     held = []
