@@ -11,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from . import _config, _pool
@@ -158,6 +159,8 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
+    if forward_ad._current_level >= 0:  # a dual level is open: NOTE [ Forward-mode AD ]
+        _check_no_tangents(models, call, weight_tensor)
     general = functools.partial(
         _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
         chunk_size,
@@ -422,6 +425,55 @@ def _check_hidden_tensors(call: CallArgs) -> None:
                     "this one would get none: pass the tensor itself, or register the class "
                     "as a pytree node (torch.utils._pytree.register_dataclass)"
                 )
+
+
+# NOTE [ Forward-mode AD ]
+# The forward runs the models on parsum's threads and sums their values, detached, in one
+# node: a tangent that an argument, a weight or a parameter carries (``forward_ad.make_dual``)
+# would be dropped, and the result would come back without one, silently (the plain loop
+# propagates it). So a call where one does is refused, as calls inside torch.func transforms
+# are. Checked only while a dual level is open, a read of one module attribute otherwise.
+
+
+def _check_no_tangents(
+    models: list[Callable[..., Any]], call: CallArgs, weight_tensor: Tensor | None
+) -> None:
+    found: str | None = None
+    if any(_has_tangent(call.leaves[j]) for j in call.tensor_positions):
+        found = "an argument"
+    elif weight_tensor is not None and _has_tangent(weight_tensor):
+        found = "weights"
+    else:
+        for i, model in enumerate(models):
+            module = module_of(model)
+            if module is None:
+                continue
+            for prefix, inner in module.named_modules(remove_duplicate=False):
+                own = vars(inner)
+                for name, t in [
+                    *own["_parameters"].items(),
+                    *own["_buffers"].items(),
+                    *own.items(),
+                ]:
+                    if isinstance(t, Tensor) and _has_tangent(t):
+                        name = f"{prefix}.{name}" if prefix else name
+                        found = f"{name!r} of models[{i}] ({type(model).__name__})"
+                        break
+                if found is not None:
+                    break
+            if found is not None:
+                break
+    if found is not None:
+        raise ParsumError(
+            f"{_WHERE}: {found} carries a forward-mode tangent (torch.autograd.forward_ad), "
+            "which parsum's sum would drop: it sums the models' values on its threads, in a "
+            "node without a forward derivative; compute the JVP on the plain sum of the "
+            "models, or differentiate in reverse mode (backward, torch.autograd.grad)"
+        )
+
+
+def _has_tangent(t: Tensor) -> bool:
+    return forward_ad.unpack_dual(t).tangent is not None
 
 
 def _check_initialized(models: list[Callable[..., Any]], model_params: list[ModelParams]) -> None:

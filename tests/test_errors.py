@@ -322,6 +322,46 @@ def test_torch_func_transforms_are_refused_with_what_to_use(transform):
     assert all(g is None for g in param_grads(models))
 
 
+@pytest.mark.parametrize("dual", ["argument", "weights", "parameter"])
+def test_forward_mode_tangents_are_refused_instead_of_dropped(dual):
+    # NOTE [ Forward-mode AD ] in parsum._api: the result came back without a tangent.
+    import torch.autograd.forward_ad as fwAD
+
+    models = [mlp([4]) for _ in range(3)]
+    x = torch.randn(3, IN)
+    weights = torch.ones(3)
+    with fwAD.dual_level():
+        if dual == "argument":
+            x = fwAD.make_dual(x, torch.randn_like(x))
+            match = r"sum_models: an argument carries a forward-mode tangent"
+        elif dual == "weights":
+            weights = fwAD.make_dual(weights, torch.randn_like(weights))
+            match = r"sum_models: weights carries a forward-mode tangent"
+        else:
+            del models[1][0].weight
+            models[1][0].weight = fwAD.make_dual(torch.randn(4, IN), torch.randn(4, IN))
+            match = r"sum_models: '0\.weight' of models\[1\] \(Sequential\) carries"
+        with pytest.raises(parsum.ParsumError, match=match + r".*plain sum"):
+            parsum.sum_models(models, x, weights=weights)
+        with pytest.raises(parsum.ParsumError, match=match):
+            parsum.SumOfModels(models, weights=weights)(x)
+    assert all(g is None for g in param_grads(models))
+
+
+def test_an_open_dual_level_without_tangents_sums_as_usual():
+    import torch.autograd.forward_ad as fwAD
+
+    models = [mlp([4]) for _ in range(3)]
+    plain = clone_models(models)
+    x = torch.randn(3, IN)
+    with fwAD.dual_level():
+        y = parsum.sum_models(models, x)
+    y.pow(2).sum().backward()
+    plain_sum(plain, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(plain)):
+        torch.testing.assert_close(got, want)
+
+
 def test_vjp_engine_refuses_buffer_updates_with_a_hint():
     models = [nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT))]
     x = torch.randn(8, IN, requires_grad=True)
