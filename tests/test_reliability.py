@@ -130,7 +130,11 @@ def test_a_hooked_parameter_under_concurrent_backward_passes(other):
               threading.Thread(target=run, args=({other == "parsum"},))]
         [t.start() for t in ts]
         [t.join() for t in ts]
-        print(len(calls))
+        print(len(calls), flush=True)
+        # torch 2.12.1 aborts at exit after backward passes in two threads ("terminate called
+        # without an active exception", 4 runs in 10 without parsum imported); the work is done.
+        import os
+        os._exit(0)
         """
     )
     assert int(out.split()[-1]) == 300
