@@ -234,7 +234,8 @@ def test_checkpointed_models_run_one_by_one(n_jobs):
         for m in models:
             m.zero_grad()
         assert_matches(*run_both(models, x, n_jobs=n_jobs))
-    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Checkpointed\).*recompute"):
+    # torch 2.11's vmap refuses the checkpoint's function itself, before parsum looks
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Checkpointed\).*(recompute|vmap)"):
         parsum.sum_models([Checkpointed() for _ in range(3)], x, engine="stacked")
     stacked = [Checkpointed() for _ in range(4)]
     parsum.stack_(stacked)
