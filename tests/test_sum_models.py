@@ -511,6 +511,37 @@ def test_autocast_is_reentered_in_workers():
     assert x.grad is not None and x.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("grads", ["own", "FlatGrad", "compensated FlatGrad", "stack"])
+def test_a_grad_scaler_trains_as_with_the_plain_loop(grads):
+    # A float16 loss scaled by torch.amp.GradScaler, unscaled and stepped after the backward:
+    # the gradients parsum writes (FlatGrad views, the stack's tensors) are the scaler's too.
+    torch.manual_seed(0)
+    plain = [nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT)) for _ in range(5)]
+    models = copy.deepcopy(plain)
+    params = [p for m in models for p in m.parameters()]
+    if grads == "stack":
+        params = list(parsum.stack_(models).parameters())
+    elif grads != "own":
+        flat = parsum.FlatGrad(models, compensated=grads.startswith("compensated"))  # noqa: F841
+    runs = [
+        (plain, torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1), plain_sum),
+        (models, torch.optim.SGD(params, lr=0.1), parsum.sum_models),
+    ]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in runs]
+    x = torch.randn(6, IN)
+    for _ in range(4):
+        for (ms, opt, total), scaler in zip(runs, scalers):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                y = total(ms, x)
+            scaler.scale(y.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    for got, want in zip(models, plain):
+        for a, b in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-4)  # float16 sums, rounded
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, 3])
 @pytest.mark.parametrize("weights", [None, "tensor"])
