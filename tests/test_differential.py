@@ -315,7 +315,7 @@ class Case:
                 ["mlp"] * 3
                 + ["relu mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank"]
                 + ["batchnorm", "dropout", "repeated", "tied", "rows", "checkpointed"]
-                + ["nested", "constant", "bag"]
+                + ["nested", "constant", "bag", "compiled"]
             )
             if kind == "relu mlp":
                 m = mlp([16, 12], nn.ReLU)
@@ -352,6 +352,12 @@ class Case:
                 m = Constant()
             elif kind == "bag":
                 m = Bag()
+            elif kind == "compiled":  # NOTE [ Compiled modules ] in parsum._engines
+                m = mlp([rng.choice([4, 8])])
+                if rng.random() < 0.5:
+                    m = torch.compile(m, backend="eager")
+                else:
+                    m.compile(backend="eager")
             else:
                 kind, m = "mlp", mlp([8])
             models.append(m)
