@@ -159,7 +159,7 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
-    if forward_ad._current_level >= 0:  # a dual level is open: NOTE [ Forward-mode AD ]
+    if _dual_level() >= 0:  # a dual level is open: NOTE [ Forward-mode AD ]
         _check_no_tangents(models, call, weight_tensor)
     general = functools.partial(
         _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
@@ -470,6 +470,12 @@ def _check_no_tangents(
             "node without a forward derivative; compute the JVP on the plain sum of the "
             "models, or differentiate in reverse mode (backward, torch.autograd.grad)"
         )
+
+
+def _dual_level() -> int:
+    """The open dual level, -1 if none (a private attribute of torch's: read defensively, so
+    that a torch without it runs, and the forward-AD tests say what is lost)."""
+    return getattr(forward_ad, "_current_level", -1)
 
 
 def _has_tangent(t: Tensor) -> bool:
