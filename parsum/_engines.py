@@ -124,7 +124,10 @@ def shadow_module(
     found = memo.get(id(module))
     if found is not None:
         return found[1]
-    copy = module.__class__.__new__(module.__class__)
+    # Not the class's own __new__: torch.fx's GraphModule makes a class for every instance
+    # there, which lacks the instance's generated forward (the shadow of a traced or exported
+    # model raised "missing the required forward function").
+    copy = object.__new__(module.__class__)
     memo[id(module)] = (module, copy)
     state = dict(vars(module))
     own = state["_parameters"]

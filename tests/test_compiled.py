@@ -1,5 +1,6 @@
-"""Models compiled with torch.compile, and stacked models called through a wrapper, against
-their plain twins (NOTE [ Compiled modules ] in parsum._engines)."""
+"""Models compiled with torch.compile, traced by torch.fx or exported by torch.export, and
+stacked models called through a wrapper, against their plain twins (NOTE [ Compiled modules ]
+in parsum._engines)."""
 
 import copy
 import functools
@@ -224,3 +225,31 @@ def test_step_in_backward_steps_models_called_through_a_wrapper(wrapper, stacked
         [p for m in models for p in m.parameters()], [p for m in plain for p in m.parameters()]
     ):
         torch.testing.assert_close(a, b)
+
+
+TRANSFORMS = {
+    "torch.fx": lambda m, x: torch.fx.symbolic_trace(m),
+    "torch.export": lambda m, x: torch.export.export(m, (x,)).module(),
+}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n_jobs": 2}, {"engine": "vjp"}, {"hook": True}])
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_traced_and_exported_models_sum_and_train_as_their_plain_twins(transform, kwargs):
+    # A GraphModule's class is made for each instance by its __new__, which the copy of the
+    # module tree that parsum runs with aliases or under functorch called: the copy had no
+    # forward ("missing the required forward function"), with a hooked parameter or "vjp".
+    plain = mlps()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    models = [TRANSFORMS[transform](m, x) for m in copy.deepcopy(plain)]
+    kwargs = dict(kwargs)
+    if kwargs.pop("hook", False):
+        seen = []
+        next(models[0].parameters()).register_hook(lambda g: seen.append(1) or g * 2)
+        next(plain[0].parameters()).register_hook(lambda g: g * 2)
+    y = parsum.sum_models(models, x, **kwargs)
+    y_ref = sum(m(x) for m in plain)
+    torch.testing.assert_close(y, y_ref)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    assert_same_grads(grads(models), grads(plain))
