@@ -901,19 +901,31 @@ def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
     if not _wanted:
         return []
     found: dict[int, Stack] = {}
+    owners: dict[int, Stack] | None = None  # a wanted stack's models' parameters, by id
     for model in models:
-        # A stacked model called through a bound method, a partial, torch.compile's wrapper
-        # or a module that holds it trains the stack's tensors all the same.
-        module = module_of(model)
-        stack = _stack_of.get(module) if module is not None else None
-        if stack is None and module is not None and _stack_of:
-            for inner in module.modules():
-                stack = _stack_of.get(inner)
-                if stack is not None and stack._stacked_grads_wanted:
-                    found[id(stack)] = stack
+        module = module_of(model)  # a bound method's or a partial's module
+        if module is None:
             continue
-        if stack is not None and stack._stacked_grads_wanted:
-            found[id(stack)] = stack
+        stack = _stack_of.get(module)
+        if stack is not None:
+            if stack._stacked_grads_wanted:
+                found[id(stack)] = stack
+            continue
+        # A module that reaches a stacked model's parameters otherwise (torch.compile's
+        # wrapper, a module that holds the model, a torch.fx trace of it) trains the stack's
+        # tensors all the same: found by its parameters.
+        if owners is None:
+            owners = {
+                id(p): s
+                for s in list(_wanted)
+                if s._stacked_grads_wanted
+                for ps in s._params.values()
+                for p in ps
+            }
+        for p in module.parameters():
+            stack = owners.get(id(p))
+            if stack is not None:
+                found[id(stack)] = stack
     held = []
     for stack in found.values():
         with stack._lock:

@@ -162,6 +162,7 @@ WRAPPERS = {
     "partial": (functools.partial, lambda m, x: m(x)),
     "compiled": (lambda m: torch.compile(m, backend=BACKEND), lambda m, x: m(x)),
     "compiled in place": (lambda m: m.compile(backend=BACKEND) or m, lambda m, x: m(x)),
+    "traced": (torch.fx.symbolic_trace, lambda m, x: m(x)),  # a module of its own
     "held in a module": (Holder, lambda m, x: m(x) + 1),
 }
 
@@ -210,8 +211,8 @@ def test_step_in_backward_steps_models_called_through_a_wrapper(wrapper, stacked
     opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=1e-2)
     callables = [wrap(m) for m in models]
     x = torch.randn(5, 4, dtype=torch.float64)
-    if wrapper == "held in a module":  # another model, which the StepInBackward does not hold
-        with pytest.raises(parsum.ParsumError, match=r"models\[0\] \(Holder\) is not one of"):
+    if wrapper in ("held in a module", "traced"):  # another model, not the StepInBackward's
+        with pytest.raises(parsum.ParsumError, match=r"models\[0\] \(\w+\) is not one of"):
             parsum.sum_models(callables, x, step_in_backward=step)
         return
     with warnings.catch_warnings():
