@@ -438,31 +438,7 @@ def _check_hidden_tensors(call: CallArgs) -> None:
 def _check_no_tangents(
     models: list[Callable[..., Any]], call: CallArgs, weight_tensor: Tensor | None
 ) -> None:
-    found: str | None = None
-    if any(_has_tangent(call.leaves[j]) for j in call.tensor_positions):
-        found = "an argument"
-    elif weight_tensor is not None and _has_tangent(weight_tensor):
-        found = "weights"
-    else:
-        for i, model in enumerate(models):
-            module = module_of(model)
-            if module is None:
-                continue
-            for prefix, inner in module.named_modules(remove_duplicate=False):
-                own = vars(inner)
-                for name, t in [
-                    *own["_parameters"].items(),
-                    *own["_buffers"].items(),
-                    *own.items(),
-                ]:
-                    if isinstance(t, Tensor) and _has_tangent(t):
-                        name = f"{prefix}.{name}" if prefix else name
-                        found = f"{name!r} of models[{i}] ({type(model).__name__})"
-                        break
-                if found is not None:
-                    break
-            if found is not None:
-                break
+    found = _tangent_carrier(models, call, weight_tensor)
     if found is not None:
         raise ParsumError(
             f"{_WHERE}: {found} carries a forward-mode tangent (torch.autograd.forward_ad), "
@@ -470,6 +446,29 @@ def _check_no_tangents(
             "node without a forward derivative; compute the JVP on the plain sum of the "
             "models, or differentiate in reverse mode (backward, torch.autograd.grad)"
         )
+
+
+def _tangent_carrier(
+    models: list[Callable[..., Any]], call: CallArgs, weight_tensor: Tensor | None
+) -> str | None:
+    """What carries a tangent first: an argument, the weights, or a model's tensor (a
+    parameter, a buffer or a plain attribute), named; None if nothing does."""
+    if any(_has_tangent(call.leaves[j]) for j in call.tensor_positions):
+        return "an argument"
+    if weight_tensor is not None and _has_tangent(weight_tensor):
+        return "weights"
+    for i, model in enumerate(models):
+        module = module_of(model)
+        if module is None:
+            continue
+        for prefix, inner in module.named_modules(remove_duplicate=False):
+            own = vars(inner)
+            tensors = [*own["_parameters"].items(), *own["_buffers"].items(), *own.items()]
+            for name, t in tensors:
+                if isinstance(t, Tensor) and _has_tangent(t):
+                    name = f"{prefix}.{name}" if prefix else name
+                    return f"{name!r} of models[{i}] ({type(model).__name__})"
+    return None
 
 
 def _dual_level() -> int:
