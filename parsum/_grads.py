@@ -362,6 +362,13 @@ class SlotBlock:
     block: Tensor
     comp: Tensor | None
 
+    def zero_(self) -> None:
+        """Zero the block's gradients and their compensation, in place."""
+        with torch.no_grad():
+            self.block.zero_()
+            if self.comp is not None:
+                self.comp.zero_()
+
     def write(self, params: Sequence[Tensor], grad: Tensor, fresh: bool, held: bool) -> None:
         """Copy (``fresh``: the slots hold no gradient) or add (compensated where the FlatGrad
         is) a stacked gradient into the block; every ``.grad`` becomes its view (``held``:

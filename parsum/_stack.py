@@ -451,10 +451,7 @@ class Stack(Sequence[nn.Module]):
             if stacked is None or stacked.grad is None:
                 block = slot_block([m.get_parameter(name) for m in self.models])
                 if block is not None:
-                    with torch.no_grad():
-                        block.block.zero_()
-                        if block.comp is not None:
-                            block.comp.zero_()
+                    block.zero_()
                 self._frozen_given.discard(name)
 
     def _record(self, infos: list[ModelParams]) -> None:
@@ -736,9 +733,7 @@ class Stack(Sequence[nn.Module]):
         zeroed = held and stacked.grad is None and name in self._given
         fresh = zeroed or all(map(operator.is_, current, _nones(len(params))))
         if fresh and grad is None:
-            block.block.zero_()
-            if block.comp is not None:
-                block.comp.zero_()
+            block.zero_()
         elif not fresh and not held:  # some .grad None, some set by hand: row by row
             with torch.no_grad():
                 for k, (p, g, view) in enumerate(zip(params, current, views)):
