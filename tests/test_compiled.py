@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import parsum
+from tests.zoo import param_grads
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -24,10 +25,6 @@ BACKEND = "eager"  # dynamo's tracing without a C++ compiler; what parsum sees i
 def mlps(n=6, seed=0):
     torch.manual_seed(seed)
     return [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double() for _ in range(n)]
-
-
-def grads(models):
-    return [p.grad for m in models for p in m.parameters()]
 
 
 def assert_same_grads(got, want):
@@ -68,7 +65,7 @@ def test_identical_compiled_models_sum_and_train_as_their_plain_twins(kwargs, ho
     torch.testing.assert_close(y, y_ref)
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
-    assert_same_grads(grads(models), grads(plain))
+    assert_same_grads(param_grads(models), param_grads(plain))
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
@@ -99,7 +96,7 @@ def test_a_hooked_parameter_of_a_compiled_model_gets_its_gradient_and_the_model_
             m.zero_grad()
         parsum.sum_models(wrappers, x, n_jobs=2).pow(2).sum().backward()
         sum(m(x) for m in plain).pow(2).sum().backward()
-        assert_same_grads(grads(models), grads(plain))
+        assert_same_grads(param_grads(models), param_grads(plain))
     assert seen == {"plain": 2, "parsum": 2}
     # The shadow that read the hooked parameter through an alias ran the original module
     # uncompiled; the user's module keeps its compiled code.
@@ -126,7 +123,7 @@ def test_a_model_holding_a_compiled_submodule():
             m.zero_grad()
         parsum.sum_models(models, x, engine=engine).pow(2).sum().backward()
         sum(m(x) for m in plain).pow(2).sum().backward()
-        assert_same_grads(grads(models), grads(plain))
+        assert_same_grads(param_grads(models), param_grads(plain))
 
 
 @pytest.mark.parametrize("how", HOW)
@@ -253,4 +250,4 @@ def test_traced_and_exported_models_sum_and_train_as_their_plain_twins(transform
     torch.testing.assert_close(y, y_ref)
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
-    assert_same_grads(grads(models), grads(plain))
+    assert_same_grads(param_grads(models), param_grads(plain))

@@ -4,6 +4,7 @@ a failed call changes nothing and the pool stays usable."""
 import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 import parsum
@@ -325,8 +326,6 @@ def test_torch_func_transforms_are_refused_with_what_to_use(transform):
 @pytest.mark.parametrize("dual", ["argument", "weights", "parameter"])
 def test_forward_mode_tangents_are_refused_instead_of_dropped(dual):
     # NOTE [ Forward-mode AD ] in parsum._api: the result came back without a tangent.
-    import torch.autograd.forward_ad as fwAD
-
     models = [mlp([4]) for _ in range(3)]
     x = torch.randn(3, IN)
     weights = torch.ones(3)
@@ -349,8 +348,6 @@ def test_forward_mode_tangents_are_refused_instead_of_dropped(dual):
 
 
 def test_an_open_dual_level_without_tangents_sums_as_usual():
-    import torch.autograd.forward_ad as fwAD
-
     models = [mlp([4]) for _ in range(3)]
     plain = clone_models(models)
     x = torch.randn(3, IN)
