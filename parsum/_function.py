@@ -660,9 +660,13 @@ def _engine_keeps_graph() -> bool:
 
 
 _SECOND_BACKWARD = (
-    "parsum: sum_models' backward is not differentiable (it was run with create_graph=True, "
-    "and a second backward reached the gradients it returned); double backward through "
-    "sum_models, such as a gradient penalty, needs the plain sum of the models"
+    "parsum: sum_models' backward is not differentiable here (it was run with "
+    "create_graph=True, and a second backward reached the gradients it returned): derivatives "
+    "of higher order run where the models run in the caller's graph, which this call did not "
+    "(a parameter with a tensor hook or used by two models, step_in_backward, a compensated "
+    "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
+    "engine='autograd' avoids), and not with respect to a weight tensor; see "
+    "docs/limits.md, or use the plain sum of the models"
 )
 
 
@@ -1034,6 +1038,36 @@ def freed_graph_error(plan: SumPlan) -> ParsumError:
         "freed by the first one; pass retain_graph=True to the first backward, or call "
         "sum_models again"
     )
+
+
+def freed_by_the_failed_call(exc: Exception) -> bool:
+    """Whether ``exc`` is autograd's error, or a nested sum_models', for a graph whose saved
+    tensors were freed."""
+    return isinstance(exc, FreedGraphError) or (
+        isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
+    )
+
+
+def raise_first_failing_model(
+    plan: SumPlan, attempts: Sequence[tuple[int, Callable[[], object]]], original: Exception
+) -> None:
+    """Run each model's attempt in order and raise the error of the first that fails, named:
+    its own, or ``original`` where the failed call freed part of its graph; return if none
+    fails (the caller raises ``original``)."""
+    for i, attempt in attempts:
+        error = None
+        try:
+            attempt()
+        except Exception as exc:
+            # The exception is its cause (no local may hold it: a cycle through its frame).
+            error = plan.model_error(
+                i, "backward", original if freed_by_the_failed_call(exc) else exc
+            )
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None
 
 
 class ParallelSum(torch.autograd.Function):

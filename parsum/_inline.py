@@ -83,6 +83,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -93,13 +94,17 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from . import _pool
+from ._double_backward import (
+    Holds,
+    differentiable_backward,
+    keeps_models_graphs,
+    second_order_fits,
+)
 from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._errors import ParsumError
 from ._function import (
-    FreedGraphError,
     PendingJoin,
     SumPlan,
-    _engine_keeps_graph,
     _on_device_thread,
     _once_differentiable,
     direct_apply,
@@ -107,6 +112,7 @@ from ._function import (
     join_input,
     may_join_later,
     model_weight_grad,
+    raise_first_failing_model,
     reports_failures,
     run_forward,
     stack_weight_grads,
@@ -175,6 +181,9 @@ class _State:
         # What a backward that captures gradients raises: parameters made in a forward
         # (NOTE [ Parameters made in forward ] in _function).
         self.made_in_forward: str | None = None
+        # The derivative nodes made by backward passes with create_graph=True, which read the
+        # models' graphs too (NOTE [ Double backward ] in _double_backward).
+        self.derivatives = Holds(self)
 
 
 def sum_in_callers_graph(
@@ -245,205 +254,208 @@ class CallerGraphSum(torch.autograd.Function):
         return tuple(leaves)
 
     @staticmethod
-    @_once_differentiable
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        state: _State = ctx.state
-        plan = state.plan
-        edges = state.edges
-        if edges is None:
-            raise freed_graph_error(plan)
-        keep_graph = _engine_keeps_graph()
-        if not keep_graph:
-            state.edges = None  # the models' graphs go when this backward ends
-        weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
-        n_args = ctx.n_args
-        aliases = state.aliases
-        weight_part: list[Tensor | None] = []
-        if weight_tensor is not None:
-            weight_grad = None
-            if ctx.needs_input_grad[3 + n_args]:
-                per_model: list[Tensor | None] = []
-                for out in state.outputs:
-                    assert out is not None
-                    per_model.append(model_weight_grad(grad_outputs, out))
-                weight_grad = stack_weight_grads(weight_tensor, per_model)
-                if not keep_graph:
-                    state.outputs = []
-            weight_part.append(weight_grad)
-        params = plan.params
-        # Accumulating in the pullback must be undone on a failure: every .grad None, or a
-        # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
-        zeroed: list[Tensor] | None = []
-        if has_flat_grads(params):
-            zeroed = zeroed_slot_views(params)
-        # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
-        # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
-        elif (
-            not plan.walk.params_are_leaves  # aliases (their .grad is not theirs to read)
-            or any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
-            # Autograd calls post-accumulate hooks also for the None this node returns.
-            or (not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params)))
-        ):
-            zeroed = None
-        accumulate = (
-            zeroed is not None and not ctx.create_graph and engine_runs_all([_ANCHOR_NODE])[0]
-        )
-        if state.made_in_forward is not None and not accumulate:
-            # Captured, their gradients would be lost (NOTE [ Parameters made in forward ]).
-            raise ParsumError(state.made_in_forward)
-        weighted = weight_tensor is not None or plan.weights is not None
-        param_grads: list[Tensor | None] = [None] * len(params)
-        # The arguments' gradients, each chunk's summed as soon as its models are pulled back
-        # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]).
-        totals: dict[int, GradSum] = {}
-        if not params and aliases is None:
-            return (None, None, None, *weight_part)
-        error: BaseException | None = None
-        # The models each failing chunk was pulling back when it failed.
-        failing: dict[int, list[int]] = {}
-        graphs = edges  # as narrowed here, for the function below
+        if torch.is_grad_enabled() and second_order_fits(ctx):  # NOTE [ Double backward ]
+            return differentiable_backward(ctx, grad_outputs)
+        return _pull_back_models(ctx, *grad_outputs)
 
-        def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, GradSum] | None:
-            """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
-            the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
-            gradients summed, where arguments need them."""
-            captured: dict[int, Sequence[Tensor | None]] = {}  # argument gradients returned
-            running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
-            running = [i for i in running if graphs[i]]  # an output that needs a gradient
-            if not running:
-                return None
-            failing[k] = running
-            outs = [edge for i in running for edge, _ in graphs[i]]
-            if weighted:
-                cots: list[Tensor] = []
-                for i in running:
-                    cotangents = SinglePullback.cotangents(
-                        grad_outputs, plan.weight(i, weight_tensor)
-                    )
-                    cots.extend(cotangents[j] for _, j in graphs[i])
-            else:
-                cots = [grad_outputs[j] for i in running for _, j in graphs[i]]
-            if accumulate:  # into every leaf, as the running backward would: no inputs
-                # (the arguments' aliases included: each model's are leaves of its own)
-                pull_back(outs, (), cots, retain_graph=keep_graph, accumulate=True)
-            else:
-                slots = [s for i in running for s in plan.param_slots[i]]
-                mine = [a for i in running for a in aliases[i]] if aliases is not None else []
-                found = pull_back(outs, [*(params[s] for s in slots), *mine], cots, keep_graph)
-                for slot, grad in zip(slots, found):
-                    param_grads[slot] = grad
-                if aliases is not None:
-                    at = len(slots)
-                    for i in running:
-                        captured[i] = found[at : at + n_args]
-                        at += n_args
-                del found
-            del failing[k]
-            if aliases is None:
-                return None
-            (chunk,) = chunks  # with arguments to differentiate, one chunk a call
-            return _chunk_argument_gradients(plan, chunk, aliases, captured)
 
-        def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
-            for j, acc in (partial or {}).items():
-                merge_grads(totals, j, acc)
-
-        n_chunks = len(plan.chunks)
-        # A model with CPU parameters may still return CUDA tensors: then this backward runs
-        # on the device's thread, which helpers would wait on (NOTE [ Device threads ]). And
-        # where the pullbacks may draw random numbers again (NOTE [ Random numbers replayed in
-        # backward ] in _random).
-        one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
-        workers = 1 if one_thread else plan.n_workers
-        pending = state.pending
-        joined = (None,) if pending is not None else ()  # the join node's gradient
-
-        def undo() -> None:
-            """What the pullbacks accumulated, undone after a failure."""
-            for alias in (a for mine in aliases or () for a in mine):
-                alias.grad = None  # what a model that ran accumulated
-            if accumulate:  # what they were: none of it stays
-                assert zeroed is not None
-                kept = {id(view) for view in zeroed}  # zeroed views; every other .grad None
-                for view in zeroed:
-                    view.zero_()
-                for p in params:
-                    if id(p.grad) not in kept:
-                        p.grad = None
-
-        def raise_failure(error: BaseException) -> None:
-            """Raise ``error``, or the error of the first model that fails, named."""
-            running = failing[min(failing)] if failing else []
-            # The frames' references dropped: an error whose traceback holds a frame that
-            # holds it is a cycle, which keeps the models' graphs alive until the garbage
-            # collector runs.
-            try:
-                if isinstance(error, Exception):
-                    if len(running) == 1:
-                        raise plan.model_error(running[0], "backward", error)
-                    mine = [e if i in running else [] for i, e in enumerate(graphs)]
-                    _raise_first_failure(plan, mine, grad_outputs, weight_tensor, error, aliases)
-                raise error
-            finally:
-                error = None  # type: ignore[assignment]
-
-        def pull_back_one(k: int) -> dict[int, GradSum] | None:
-            return pull_back_chunks(k, (k,))
-
-        if pending is not None and accumulate and aliases is None:
-            # NOTE [ Pullbacks joined later ]
-            job = _pool.start_ordered(
-                pull_back_one, n_chunks, workers, add_in_order, plan.claim_order, plan.callers_last
-            )
-            if job is not None:
-
-                def finish() -> None:
-                    failure: BaseException | None = None
-                    try:
-                        _pool.join(job)
-                    except BaseException as exc:
-                        undo()
-                        failure = exc
-                    if failure is not None:
-                        try:
-                            raise_failure(failure)
-                        finally:
-                            failure = None
-
-                pending.finish = finish
-                return (None, None, None, *weight_part, *param_grads, *joined)
-        try:
-            if _pool.threads_for(n_chunks, workers) <= 1:
-                with _pool.as_one_task(n_chunks):  # the chunks' threads
-                    if state.in_order and aliases is None:
-                        pull_back_chunks(0, range(n_chunks))
-                    else:  # forwards on several threads: each chunk's ran in order
-                        for k in range(n_chunks):
-                            add_in_order(k, pull_back_one(k))
-            else:  # NOTE [ The caller's graph on several threads ]
-                _pool.run_ordered(
-                    pull_back_one,
-                    n_chunks,
-                    workers,
-                    add_in_order,
-                    plan.claim_order if aliases is None else None,  # NOTE [ Argument
-                    plan.callers_last,  # gradients chunk by chunk ]
-                )
-        except BaseException as exc:
-            undo()
-            error = exc
-        if error is not None:
-            try:
-                raise_failure(error)
-            finally:
-                error = edges = None
-        arg_grads: list[Tensor | None] = [None] * n_args
-        if aliases is not None:
-            with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
-                arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
+@_once_differentiable
+def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+    """CallerGraphSum's backward: the models pulled back, their gradients not differentiable."""
+    state: _State = ctx.state
+    plan = state.plan
+    edges = state.edges
+    if edges is None:
+        raise freed_graph_error(plan)
+    keep_graph = keeps_models_graphs(state)
+    if not keep_graph:
+        state.edges = None  # the models' graphs go when this backward ends
+    weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
+    n_args = ctx.n_args
+    aliases = state.aliases
+    weight_part: list[Tensor | None] = []
+    if weight_tensor is not None:
+        weight_grad = None
+        if ctx.needs_input_grad[3 + n_args]:
+            per_model: list[Tensor | None] = []
+            for out in state.outputs:
+                assert out is not None
+                per_model.append(model_weight_grad(grad_outputs, out))
+            weight_grad = stack_weight_grads(weight_tensor, per_model)
             if not keep_graph:
-                state.aliases = None
-        return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
+                state.outputs = []
+        weight_part.append(weight_grad)
+    params = plan.params
+    # Accumulating in the pullback must be undone on a failure: every .grad None, or a
+    # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
+    zeroed: list[Tensor] | None = []
+    if has_flat_grads(params):
+        zeroed = zeroed_slot_views(params)
+    # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
+    # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
+    elif (
+        not plan.walk.params_are_leaves  # aliases (their .grad is not theirs to read)
+        or any(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
+        # Autograd calls post-accumulate hooks also for the None this node returns.
+        or (not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params)))
+    ):
+        zeroed = None
+    accumulate = zeroed is not None and not ctx.create_graph and engine_runs_all([_ANCHOR_NODE])[0]
+    if state.made_in_forward is not None and not accumulate:
+        # Captured, their gradients would be lost (NOTE [ Parameters made in forward ]).
+        raise ParsumError(state.made_in_forward)
+    weighted = weight_tensor is not None or plan.weights is not None
+    param_grads: list[Tensor | None] = [None] * len(params)
+    # The arguments' gradients, each chunk's summed as soon as its models are pulled back
+    # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]).
+    totals: dict[int, GradSum] = {}
+    if not params and aliases is None:
+        return (None, None, None, *weight_part)
+    error: BaseException | None = None
+    # The models each failing chunk was pulling back when it failed.
+    failing: dict[int, list[int]] = {}
+    graphs = edges  # as narrowed here, for the function below
+
+    def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, GradSum] | None:
+        """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
+        the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
+        gradients summed, where arguments need them."""
+        captured: dict[int, Sequence[Tensor | None]] = {}  # argument gradients returned
+        running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
+        running = [i for i in running if graphs[i]]  # an output that needs a gradient
+        if not running:
+            return None
+        failing[k] = running
+        outs = [edge for i in running for edge, _ in graphs[i]]
+        if weighted:
+            cots: list[Tensor] = []
+            for i in running:
+                cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+                cots.extend(cotangents[j] for _, j in graphs[i])
+        else:
+            cots = [grad_outputs[j] for i in running for _, j in graphs[i]]
+        if accumulate:  # into every leaf, as the running backward would: no inputs
+            # (the arguments' aliases included: each model's are leaves of its own)
+            pull_back(outs, (), cots, retain_graph=keep_graph, accumulate=True)
+        else:
+            slots = [s for i in running for s in plan.param_slots[i]]
+            mine = [a for i in running for a in aliases[i]] if aliases is not None else []
+            found = pull_back(outs, [*(params[s] for s in slots), *mine], cots, keep_graph)
+            for slot, grad in zip(slots, found):
+                param_grads[slot] = grad
+            if aliases is not None:
+                at = len(slots)
+                for i in running:
+                    captured[i] = found[at : at + n_args]
+                    at += n_args
+            del found
+        del failing[k]
+        if aliases is None:
+            return None
+        (chunk,) = chunks  # with arguments to differentiate, one chunk a call
+        return _chunk_argument_gradients(plan, chunk, aliases, captured)
+
+    def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
+        for j, acc in (partial or {}).items():
+            merge_grads(totals, j, acc)
+
+    n_chunks = len(plan.chunks)
+    # A model with CPU parameters may still return CUDA tensors: then this backward runs
+    # on the device's thread, which helpers would wait on (NOTE [ Device threads ]). And
+    # where the pullbacks may draw random numbers again (NOTE [ Random numbers replayed in
+    # backward ] in _random).
+    one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
+    workers = 1 if one_thread else plan.n_workers
+    pending = state.pending
+    joined = (None,) if pending is not None else ()  # the join node's gradient
+
+    def undo() -> None:
+        """What the pullbacks accumulated, undone after a failure."""
+        for alias in (a for mine in aliases or () for a in mine):
+            alias.grad = None  # what a model that ran accumulated
+        if accumulate:  # what they were: none of it stays
+            assert zeroed is not None
+            kept = {id(view) for view in zeroed}  # zeroed views; every other .grad None
+            for view in zeroed:
+                view.zero_()
+            for p in params:
+                if id(p.grad) not in kept:
+                    p.grad = None
+
+    def raise_failure(error: BaseException) -> None:
+        """Raise ``error``, or the error of the first model that fails, named."""
+        running = failing[min(failing)] if failing else []
+        # The frames' references dropped: an error whose traceback holds a frame that
+        # holds it is a cycle, which keeps the models' graphs alive until the garbage
+        # collector runs.
+        try:
+            if isinstance(error, Exception):
+                if len(running) == 1:
+                    raise plan.model_error(running[0], "backward", error)
+                mine = [e if i in running else [] for i, e in enumerate(graphs)]
+                _raise_first_failure(plan, mine, grad_outputs, weight_tensor, error, aliases)
+            raise error
+        finally:
+            error = None  # type: ignore[assignment]
+
+    def pull_back_one(k: int) -> dict[int, GradSum] | None:
+        return pull_back_chunks(k, (k,))
+
+    if pending is not None and accumulate and aliases is None:
+        # NOTE [ Pullbacks joined later ]
+        job = _pool.start_ordered(
+            pull_back_one, n_chunks, workers, add_in_order, plan.claim_order, plan.callers_last
+        )
+        if job is not None:
+
+            def finish() -> None:
+                failure: BaseException | None = None
+                try:
+                    _pool.join(job)
+                except BaseException as exc:
+                    undo()
+                    failure = exc
+                if failure is not None:
+                    try:
+                        raise_failure(failure)
+                    finally:
+                        failure = None
+
+            pending.finish = finish
+            return (None, None, None, *weight_part, *param_grads, *joined)
+    try:
+        if _pool.threads_for(n_chunks, workers) <= 1:
+            with _pool.as_one_task(n_chunks):  # the chunks' threads
+                if state.in_order and aliases is None:
+                    pull_back_chunks(0, range(n_chunks))
+                else:  # forwards on several threads: each chunk's ran in order
+                    for k in range(n_chunks):
+                        add_in_order(k, pull_back_one(k))
+        else:  # NOTE [ The caller's graph on several threads ]
+            _pool.run_ordered(
+                pull_back_one,
+                n_chunks,
+                workers,
+                add_in_order,
+                plan.claim_order if aliases is None else None,  # NOTE [ Argument
+                plan.callers_last,  # gradients chunk by chunk ]
+            )
+    except BaseException as exc:
+        undo()
+        error = exc
+    if error is not None:
+        try:
+            raise_failure(error)
+        finally:
+            error = edges = None
+    arg_grads: list[Tensor | None] = [None] * n_args
+    if aliases is not None:
+        with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
+            arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
+        if not keep_graph:
+            state.aliases = None
+    return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 
 # NOTE [ Argument gradients chunk by chunk ]
@@ -496,31 +508,12 @@ def _raise_first_failure(
     """Pull each model back alone, in order, and raise naming the first that fails: with its
     own error, or ``original`` where the failed call freed part of its graph (NOTE [ Engine
     calls of the caller's graph ])."""
+    attempts = []
     for i, model_edges in enumerate(edges):
         wrt = [*plan.model_params[i].tensors, *(aliases[i] if aliases is not None else ())]
         if not model_edges or not wrt:
             continue
         cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
-        error = None
-        try:
-            pull_back(
-                [e for e, _ in model_edges], wrt, [cotangents[j] for _, j in model_edges], True
-            )
-        except Exception as exc:
-            # The exception is its cause (no local may hold it: a cycle through its frame).
-            error = plan.model_error(
-                i, "backward", original if _freed_by_the_failed_call(exc) else exc
-            )
-        if error is not None:
-            try:
-                raise error
-            finally:
-                error = None
-
-
-def _freed_by_the_failed_call(exc: Exception) -> bool:
-    """Whether ``exc`` is autograd's error, or a nested sum_models', for a graph whose saved
-    tensors were freed."""
-    return isinstance(exc, FreedGraphError) or (
-        isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
-    )
+        outs, cots = [e for e, _ in model_edges], [cotangents[j] for _, j in model_edges]
+        attempts.append((i, functools.partial(pull_back, outs, wrt, cots, True)))
+    raise_first_failing_model(plan, attempts, original)

@@ -270,15 +270,19 @@ def test_a_retained_graph_gives_each_backward_its_own_argument_gradient():
         torch.testing.assert_close(x.grad, x_ref.grad)
 
 
-def test_double_backward_raises():
+def test_double_backward_matches_the_plain_sum():
+    # NOTE [ Double backward ]; tests/test_double_backward.py has the rest.
     models = [mlp([4]) for _ in range(2)]
+    ref = clone_models(models)
     x = torch.randn(3, IN)
-    params = [p for m in models for p in m.parameters()]
     y = parsum.sum_models(models, x, n_jobs=1)
     assert in_callers_graph(y)
-    grads = torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
-    with pytest.raises(RuntimeError, match="sum_models' backward is not differentiable"):
+    for ms, out in ((models, y), (ref, plain_sum(ref, x))):
+        params = [p for m in ms for p in m.parameters()]
+        grads = torch.autograd.grad(out.pow(2).sum(), params, create_graph=True)
         sum(g.pow(2).sum() for g in grads).backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
 
 
 def test_hooks_run_once_on_the_whole_gradient():

@@ -70,6 +70,22 @@ def test_weight_tensor_gets_its_gradient(device, n_jobs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_gradient_penalty(device, n_jobs):
+    # NOTE [ Double backward ]: on CUDA the second-order nodes run on the device's thread.
+    models = _models("zoo", device)
+    ref = clone_models(models)
+    x = torch.randn(5, IN, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    for t, y in ((x, parsum.sum_models(models, x, n_jobs=n_jobs)), (x_ref, plain_sum(ref, x_ref))):
+        (g,) = torch.autograd.grad(y.sum(), t, create_graph=True)
+        (y.pow(2).mean() + (g.norm(dim=1) - 1).pow(2).mean()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compensated", [False, True])
 def test_flatgrad(device, compensated):
     models = _models("zoo", device)

@@ -245,7 +245,9 @@ def test_a_second_backward_with_respect_to_anything_raises(second):
     models = _identical(3)
     params = [p for m in models for p in m.parameters()]
     x = torch.randn(4, IN, requires_grad=True)
-    loss = parsum.sum_models(models, x, engine="autograd").pow(2).sum()
+    # engine="vjp": through ParallelSum (the caller's graph differentiates again:
+    # tests/test_double_backward.py)
+    loss = parsum.sum_models(models, x, engine="vjp").pow(2).sum()
     grads = torch.autograd.grad(loss, [x, *params], create_graph=True)
     penalty = sum(g.pow(2).sum() for g in grads)
     with pytest.raises(parsum.ParsumError, match="sum_models' backward is not differentiable"):

@@ -1,0 +1,385 @@
+"""Derivatives of any order through a sum of models run in the caller's graph.
+
+# NOTE [ Double backward ]
+# A backward run with ``create_graph=True`` (a gradient penalty, the derivatives in x of a
+# physics-informed loss, a Hessian-vector product) must return gradients that are themselves
+# differentiable. In the caller's graph (NOTE [ The caller's graph ] in _inline) the models'
+# graphs are ordinary autograd graphs, so there CallerGraphSum's backward, run with grad mode
+# on, hands the pullback to a node of its own, a ``DifferentiablePullback``:
+# - its forward pulls every model back in one engine call with ``create_graph=True``, reading
+#   the incoming gradients through leaves of its own, and returns the derivatives: each
+#   parameter's, and each argument's summed over the models' aliases in model order, in the
+#   wide dtype (float32 in float64), by ops that record their graph;
+# - its backward differentiates those derivatives in one engine call with respect to its
+#   incoming-gradient leaves, the parameters and the aliases, and returns what reaches each
+#   (the aliases' gradients added with the compensated sum, in model order, as a first
+#   backward adds them); run with ``create_graph=True`` itself, it hands that to a node of the
+#   next order, which also differentiates with respect to the leaves of the orders before it.
+# The models' aliases are leaves cut from the arguments, so without these nodes a second
+# backward stopped at them: d2y/dx2 would have been lost without a word (it raised instead).
+# Everything runs in the calling thread, one engine call a node, whatever ``n_jobs``: the bits
+# do not depend on it. The nested calls keep the graphs they walk, which nodes of another order
+# may walk later in the same backward (plain autograd walks each node once, with its gradients
+# added up first); where the running backward frees its graph, the models' graphs are dropped
+# when it ends (``release_at_end``), so their saved tensors go then. A model that fails is named
+# (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Where the
+# models ran through ParallelSum (a parameter with a tensor hook or used twice,
+# step_in_backward, a compensated FlatGrad, ``take_rows``, ``engine="vjp"``, stacked models
+# beside others) or a weight tensor needs its gradient, the gradients are not ordinary graphs of
+# the models, and a second backward that reaches them raises (``_once_differentiable``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+from ._engines import SinglePullback
+from ._errors import ParsumError
+from ._function import (
+    SumPlan,
+    _at_end_of_backward,
+    _engine_keeps_graph,
+    freed_graph_error,
+    raise_first_failing_model,
+)
+from ._summation import WIDE, CompensatedAccumulator
+
+
+class Holds:
+    """The derivative nodes made from one CallerGraphSum's models (weakly: each holds this),
+    and its state (weakly: it holds this), whose hold on the models' graphs ``release`` drops
+    with theirs."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = weakref.ref(state)
+        self.refs: list[weakref.ref[Derivatives]] = []
+
+    def __bool__(self) -> bool:
+        return any(ref() is not None for ref in self.refs)
+
+    def add(self, held: Derivatives) -> None:
+        self.refs.append(weakref.ref(held))
+
+    def release(self) -> None:
+        state = self.state()
+        if state is not None:
+            state.edges = state.aliases = None
+            state.outputs = []
+        for ref in self.refs:
+            held = ref()
+            if held is not None:
+                held.free()
+        self.refs = []
+
+
+class Derivatives:
+    """What a ``DifferentiablePullback`` node differentiates and, once its forward ran, what it
+    found, with their graphs. Order 1 differentiates the models' outputs (their edges, each
+    model's cotangents weighted); order k + 1 the derivatives order k found."""
+
+    def __init__(
+        self,
+        holds: Holds,
+        plan: SumPlan,
+        aliases: list[list[Tensor]] | None,
+        edges: list[list[tuple[GradientEdge, int]]] | None = None,
+        weight_tensor: Tensor | None = None,
+        source: Derivatives | None = None,
+    ) -> None:
+        self.holds = holds
+        self.plan = plan
+        self.aliases = aliases
+        self.edges = edges  # order 1
+        self.weight_tensor = weight_tensor
+        self.source = source  # order k + 1: order k, whose derivatives are differentiated
+        # The leaves of the orders before (their incoming gradients), latest first.
+        self.earlier: list[Tensor | None] = (
+            [] if source is None else [*source.leaves, *source.earlier]
+        )
+        self.leaves: list[Tensor | None] = []  # the incoming gradients, as leaves of its own
+        self.found: list[Tensor | None] = []  # [*earlier's, *arguments', *parameters']
+        self.alias_found: Sequence[Tensor | None] = []  # model by model, argument by argument
+        self.freed = False
+
+    def free(self) -> None:
+        self.freed = True
+        self.edges = self.aliases = self.source = None
+        self.earlier, self.leaves, self.found, self.alias_found = [], [], [], []
+
+    def alias_list(self) -> list[Tensor]:
+        return [a for mine in self.aliases or () for a in mine]
+
+    def n_args(self) -> int:
+        return len(self.aliases[0]) if self.aliases else 0
+
+    def wrt(self) -> list[Tensor]:
+        """What this order differentiates with respect to, in the order of its outputs."""
+        earlier = [t for t in self.earlier if t is not None]
+        return [*earlier, *self.plan.params, *self.alias_list()]
+
+    def outputs_and_cotangents(
+        self, models: Sequence[int] | None = None
+    ) -> tuple[list[Any], list[Tensor]]:
+        """What this order differentiates, with its cotangents (of ``models`` alone, where
+        given)."""
+        outs: list[Any] = []
+        cots: list[Tensor] = []
+        if self.edges is not None:
+            for i in range(len(self.edges)) if models is None else models:
+                model_edges = self.edges[i]
+                if not model_edges:
+                    continue
+                weight = self.plan.weight(i, self.weight_tensor)
+                cotangents = SinglePullback.cotangents(self.leaves, weight)  # type: ignore[arg-type]
+                outs.extend(edge for edge, _ in model_edges)
+                cots.extend(cotangents[j] for _, j in model_edges)
+            return outs, cots
+        source = self.source
+        assert source is not None
+        pairs = zip(source.found, self.leaves)
+        if models is not None:  # each model's share: its parameters' and its aliases'
+            pairs = zip(*source.model_share(models, self.leaves))
+        for first, leaf in pairs:
+            if first is not None and leaf is not None and first.requires_grad:
+                outs.append(first)
+                cots.append(leaf)
+        return outs, cots
+
+    def model_share(
+        self, models: Sequence[int], incoming: Sequence[Tensor | None]
+    ) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """The derivatives of ``models`` found here (their parameters' and their aliases'),
+        with the incoming gradients of the outputs they went into."""
+        plan = self.plan
+        n_earlier = len(self.earlier)
+        n_args = self.n_args()
+        at_params = n_earlier + n_args
+        found: list[Tensor | None] = []
+        into: list[Tensor | None] = []
+        for i in models:
+            for s in plan.param_slots[i]:
+                found.append(self.found[at_params + s])
+                into.append(incoming[at_params + s])
+            for j in range(n_args):
+                found.append(self.alias_found[i * n_args + j])
+                into.append(incoming[n_earlier + j])  # each alias' share of its argument's sum
+        return found, into
+
+
+def release_at_end(holder: Any) -> None:
+    """Unless the running backward keeps its graph, drop ``holder``'s hold on the models'
+    graphs (``release()``) when it ends (NOTE [ Double backward ])."""
+    if not _engine_keeps_graph():
+        ref = weakref.ref(holder)
+        _at_end_of_backward(lambda: _release(ref))
+
+
+def _release(ref: weakref.ref[Any]) -> None:
+    holder = ref()
+    if holder is not None:
+        holder.release()
+
+
+def keeps_models_graphs(state: Any) -> bool:
+    """Whether a first-order pullback of ``state``'s models keeps their graphs: where the
+    running backward does, or where derivative nodes read them too (then they go when the
+    backward ends)."""
+    if state.derivatives:
+        release_at_end(state.derivatives)
+        return True
+    return _engine_keeps_graph()
+
+
+def second_order_fits(ctx: Any) -> bool:
+    """Whether a CallerGraphSum backward run with create_graph=True returns differentiable
+    gradients (NOTE [ Double backward ]): the models' graphs are there, something is
+    differentiated, and no weight tensor needs a gradient."""
+    state = ctx.state
+    plan: SumPlan = state.plan
+    return (
+        state.edges is not None
+        and (bool(plan.params) or state.aliases is not None)
+        and not (plan.has_weight_tensor and ctx.needs_input_grad[3 + ctx.n_args])
+    )
+
+
+def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """CallerGraphSum's backward with create_graph=True: the gradients of its inputs, from a
+    ``DifferentiablePullback`` node (NOTE [ Double backward ])."""
+    if ctx.before_backward is not None:  # set by Stack.attach_at_backward
+        ctx.before_backward()
+    ctx.create_graph = True
+    state = ctx.state
+    plan: SumPlan = state.plan
+    if state.made_in_forward is not None:  # NOTE [ Parameters made in forward ] in _function
+        raise ParsumError(state.made_in_forward)
+    weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
+    held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
+    n_args = ctx.n_args
+    grads = _apply(held, grad_outputs, (), ctx.call_tensors[:n_args])
+    weight_part = [None] if plan.has_weight_tensor else []
+    joined = (None,) if state.pending is not None else ()
+    return (None, None, None, *grads[:n_args], *weight_part, *grads[n_args:], *joined)
+
+
+def _apply(
+    held: Derivatives,
+    incoming: Sequence[Tensor | None],
+    earlier: Sequence[Tensor | None],
+    arguments: Sequence[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """A new ``DifferentiablePullback`` node's outputs, ``held`` registered."""
+    held.holds.add(held)
+    release_at_end(held.holds)
+    return DifferentiablePullback.apply(
+        held,
+        len(incoming),
+        len(earlier),
+        len(arguments),
+        *incoming,
+        *earlier,
+        *arguments,
+        *held.plan.params,
+    )
+
+
+class DifferentiablePullback(torch.autograd.Function):
+    """Derivatives of a sum of models in the caller's graph, differentiable again (NOTE
+    [ Double backward ]). Inputs: ``(held, n_incoming, n_earlier, n_args, *incoming,
+    *earlier, *arguments, *params)``, ``earlier`` being the incoming gradients of the orders
+    before; outputs: the derivatives with respect to ``earlier`` (None for a None), the
+    arguments and the parameters."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        held: Derivatives,
+        n_incoming: int,
+        n_earlier: int,
+        n_args: int,
+        *tensors: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
+        plan = held.plan
+        ctx.held = held
+        ctx.n_args = n_args
+        ctx.inputs = tensors[: n_incoming + n_earlier]  # the next order's earlier ones
+        ctx.arguments = tensors[n_incoming + n_earlier : n_incoming + n_earlier + n_args]
+        ctx.set_materialize_grads(False)
+        with torch.enable_grad():
+            held.leaves = [
+                None if g is None else g.detach().requires_grad_() for g in tensors[:n_incoming]
+            ]
+            outs, cots = held.outputs_and_cotangents()
+            wrt = held.wrt()
+            try:
+                found = _grad(outs, wrt, cots, create_graph=True)
+            except Exception as exc:
+                models = range(len(plan.models))
+                raise_first_failing_model(plan, [(i, _attempt(held, [i])) for i in models], exc)
+                raise
+            at = 0
+            earlier_found: list[Tensor | None] = []
+            for t in held.earlier:  # None where the earlier order's incoming gradient was
+                earlier_found.append(None if t is None else found[at])
+                at += t is not None
+            param_found = found[at : at + len(plan.params)]
+            held.alias_found = found[at + len(plan.params) :]
+            arg_found = [
+                _wide_sum([g for g in held.alias_found[j::n_args] if g is not None])
+                for j in range(n_args)
+            ]
+            held.found = [*earlier_found, *arg_found, *param_found]
+        return tuple(None if g is None else g.detach() for g in held.found)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        held: Derivatives = ctx.held
+        plan = held.plan
+        if held.freed:
+            raise freed_graph_error(plan)
+        n_args = ctx.n_args
+        following = Derivatives(held.holds, plan, held.aliases, source=held)
+        if torch.is_grad_enabled():  # create_graph=True: the next order's node
+            return (None, None, None, None, *_apply(following, grads, ctx.inputs, ctx.arguments))
+        following.leaves = list(grads)
+        release_at_end(held.holds)
+        outs, cots = following.outputs_and_cotangents()
+        wrt = following.wrt()
+        found: Sequence[Tensor | None] = [None] * len(wrt)
+        if outs:
+            try:
+                found = _grad(outs, wrt, cots)
+            except Exception as exc:
+                models = range(len(plan.models))
+                raise_first_failing_model(
+                    plan, [(i, _attempt(following, [i])) for i in models], exc
+                )
+                raise
+        at = 0
+        inputs_grads: list[Tensor | None] = []
+        for t in following.earlier:
+            inputs_grads.append(None if t is None else found[at])
+            at += t is not None
+        param_grads = found[at : at + len(plan.params)]
+        alias_grads = found[at + len(plan.params) :]
+        arg_grads: list[Tensor | None] = []
+        for j in range(n_args):
+            acc = CompensatedAccumulator()
+            for g in alias_grads[j::n_args]:
+                if g is not None:
+                    acc.add(g)
+            arg_grads.append(None if acc.empty else acc.result())
+        return (None, None, None, None, *inputs_grads, *arg_grads, *param_grads)
+
+
+def _attempt(held: Derivatives, models: Sequence[int]) -> Callable[[], object]:
+    """``held``'s differentiation of ``models`` alone, the graphs kept."""
+
+    def attempt() -> object:
+        outs, cots = held.outputs_and_cotangents(models)
+        plan = held.plan
+        mine = [plan.params[s] for i in models for s in plan.param_slots[i]]
+        mine += [a for i in models for a in (held.aliases[i] if held.aliases else ())]
+        wrt = [*(t for t in held.earlier if t is not None), *mine]
+        return _grad(outs, wrt, cots, create_graph=torch.is_grad_enabled()) if outs else None
+
+    return attempt
+
+
+def _grad(
+    outputs: Sequence[Any],
+    inputs: Sequence[Tensor],
+    cotangents: Sequence[Tensor],
+    create_graph: bool = False,
+) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad``, the graphs kept (``release_at_end`` drops them)."""
+    return torch.autograd.grad(
+        outputs,
+        inputs,
+        cotangents,
+        retain_graph=True,
+        create_graph=create_graph,
+        allow_unused=True,
+    )
+
+
+def _wide_sum(grads: list[Tensor]) -> Tensor | None:
+    """The sum of ``grads`` in order, recording its graph: in the wide dtype where there is
+    one (float32 in float64), otherwise plainly."""
+    if not grads:
+        return None
+    if len(grads) == 1:
+        return grads[0]
+    wide = WIDE.get(grads[0].dtype)
+    if wide is None or any(g.layout != torch.strided for g in grads):
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        return total
+    return torch.stack(grads).sum(0, dtype=wide).to(grads[0].dtype)

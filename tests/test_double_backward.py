@@ -1,0 +1,306 @@
+"""Derivatives of second and higher order through sum_models (NOTE [ Double backward ]):
+gradient penalties, physics-informed losses, Hessian-vector products, against the plain sum
+and numerically (gradgradcheck) in float64."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum import _double_backward
+from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, unique_params, zoo
+
+WEIGHTS = [0.5, 1.0, 2.0, -1.0, 3.0, 0.25, 1.5]
+
+
+def _mixed(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    acts = [nn.Tanh, nn.Softplus, nn.SiLU, nn.GELU, nn.Sigmoid]
+    return [mlp([3 + i], acts[i % len(acts)]).to(dtype) for i in range(5)]
+
+
+def _node(t: torch.Tensor) -> str:
+    return type(t.grad_fn).__name__
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("weights", [None, "floats"])
+def test_gradgradcheck_in_the_argument_and_the_parameters(n_jobs, weights):
+    models = _mixed()
+    w = WEIGHTS[: len(models)] if weights else None
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    params = unique_params(models)
+
+    def f(*inputs):
+        return parsum.sum_models(models, inputs[0], n_jobs=n_jobs, weights=w)
+
+    assert _node(f(x)) == "CallerGraphSumBackward"
+    assert torch.autograd.gradcheck(f, (x, *params))
+    assert torch.autograd.gradgradcheck(f, (x, *params))
+
+
+def test_gradgradcheck_of_the_zoo_in_the_argument():
+    models = zoo(torch.float64)
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: parsum.sum_models(models, t, n_jobs=2), (x,))
+
+
+def _penalized(forward, models, x):
+    """A WGAN-GP-style step: the loss of the sum plus a penalty on its gradient in x."""
+    x = x.detach().clone().requires_grad_()
+    y = forward(models, x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    loss = y.pow(2).mean() + 10 * (g.norm(dim=1) - 1).pow(2).mean()
+    loss.backward()
+    return [y.detach(), g.detach(), loss.detach(), x.grad, *param_grads(models)]
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_penalty_matches_the_plain_sum(n_jobs, dtype):
+    models = zoo(dtype)
+    x = torch.randn(5, IN, dtype=dtype)
+    got = _penalized(lambda m, t: parsum.sum_models(m, t, n_jobs=n_jobs), models, x)
+    want = _penalized(plain_sum, clone_models(models), x)
+    assert all(g is not None for g in got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradient_penalty_bits_do_not_depend_on_n_jobs():
+    # (The default, n_jobs unset, may chunk differently on small budgets: docs/sum-models.md.)
+    models = zoo()
+    x = torch.randn(5, IN)
+    runs = [
+        _penalized(lambda m, t, n=n: parsum.sum_models(m, t, n_jobs=n), clone_models(models), x)
+        for n in (1, 2, 3)
+    ]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_gradient_penalty_with_weights_and_an_unused_parameter():
+    models = _mixed()
+    models[2][0].bias.requires_grad_(False)  # frozen: no gradient of any order
+    models.append(nn.Linear(IN, 3).double())
+    models[-1].register_parameter("spare", nn.Parameter(torch.ones(2, dtype=torch.float64)))
+    w = WEIGHTS[: len(models)]
+    x = torch.randn(4, IN, dtype=torch.float64)
+    got = _penalized(lambda m, t: parsum.sum_models(m, t, weights=w), models, x)
+    want = _penalized(lambda m, t: plain_sum(m, t, weights=w), clone_models(models), x)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    assert models[-1].spare.grad is None and models[2][0].bias.grad is None
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_third_order_physics_informed_loss(n_jobs):
+    # u'' + u = 0 on a grid: the loss holds second derivatives in x, its backward a third.
+    models = _mixed()
+    ref = clone_models(models)
+
+    def step(forward, ms):
+        t = torch.linspace(-1, 1, 7, dtype=torch.float64).reshape(-1, 1).repeat(1, IN)
+        t.requires_grad_()
+        u = forward(ms, t)
+        (du,) = torch.autograd.grad(u.sum(), t, create_graph=True)
+        (d2u,) = torch.autograd.grad(du.sum(), t, create_graph=True)
+        loss = (d2u.sum(1, keepdim=True) + u).pow(2).mean() + du.pow(2).mean()
+        loss.backward()
+        return [loss.detach(), t.grad, *param_grads(ms)]
+
+    got = step(lambda m, t: parsum.sum_models(m, t, n_jobs=n_jobs), models)
+    want = step(plain_sum, ref)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_hessian_vector_product_in_the_parameters():
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64)
+
+    def hvp(forward, ms):
+        params = unique_params(ms)
+        loss = forward(ms, x).pow(2).mean()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return torch.autograd.grad(grads, params, [torch.ones_like(g) for g in grads])
+
+    for a, b in zip(hvp(parsum.sum_models, models), hvp(plain_sum, ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_backward_with_create_graph_leaves_differentiable_grads():
+    models = _mixed()
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    parsum.sum_models(models, x).pow(2).sum().backward(create_graph=True)
+    plain_sum(ref, x).pow(2).sum().backward(create_graph=True)
+    got = sum(p.grad.pow(2).sum() for p in unique_params(models))
+    want = sum(p.grad.pow(2).sum() for p in unique_params(ref))
+    torch.testing.assert_close(got, want)
+    got_params, want_params = unique_params(models), unique_params(ref)
+    for a, b in zip(torch.autograd.grad(got, got_params), torch.autograd.grad(want, want_params)):
+        torch.testing.assert_close(a, b)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The identity, whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, g):
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx, gg):
+        raise RuntimeError("no second derivative here")
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    """sin, whose first derivative cannot be differentiated."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _NoSecondDerivative.apply(g * x.cos())
+
+
+class _Sine(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, 3).double()
+
+    def forward(self, x):
+        return _OnceDifferentiable.apply(self.lin(x))
+
+
+def test_a_model_that_cannot_be_differentiated_twice_is_named():
+    models = [*_mixed()[:2], _Sine(), *_mixed(seed=1)[:1]]
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    y = parsum.sum_models(models, x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    before = [p.grad for p in unique_params(models)]
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(_Sine\) raised RuntimeError.*no sec"):
+        g.pow(2).sum().backward()
+    assert [p.grad for p in unique_params(models)] == before == [None] * len(before)
+
+
+def test_where_the_models_run_through_parallel_sum_a_second_backward_raises():
+    models = _mixed()
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    y = parsum.sum_models(models, x, engine="vjp")
+    assert _node(y) != "CallerGraphSumBackward"
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(parsum.ParsumError, match="not differentiable here"):
+        g.pow(2).sum().backward()
+
+
+def test_a_weight_tensor_that_needs_its_gradient_still_raises():
+    models = _mixed()
+    w = torch.ones(len(models), dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    y = parsum.sum_models(models, x, weights=w)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(parsum.ParsumError, match="not differentiable here"):
+        g.pow(2).sum().backward()
+
+
+class _Recorder(nn.Module):
+    """An MLP that keeps a weak reference to each hidden activation it makes."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, width), nn.Linear(width, 2)
+        self.made: list[weakref.ref] = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.made.append(weakref.ref(h))
+        return self.b(h)
+
+
+def test_repeated_penalty_steps_free_the_graphs_and_the_nodes(monkeypatch):
+    made: list[weakref.ref] = []  # every derivative node's holdings, weakly
+    add = _double_backward.Holds.add
+    monkeypatch.setattr(
+        _double_backward.Holds,
+        "add",
+        lambda self, held: (made.append(weakref.ref(held)), add(self, held)),
+    )
+    models = [_Recorder(4 + i) for i in range(4)]
+    optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=1e-3)
+    for _ in range(5):
+        optimizer.zero_grad()
+        x = torch.randn(5, IN, requires_grad=True)
+        y = parsum.sum_models(models, x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        loss = y.pow(2).mean() + (g.norm(dim=1) - 1).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        # Freed when the backward ends, as the plain loop's, although loss, y and g live on.
+        assert all(ref() is None for m in models for ref in m.made)
+    assert len(made) == 5
+    del x, y, g, loss
+    assert all(ref() is None for ref in made)  # no cycle: gone without the collector
+
+
+def test_a_second_backward_through_freed_graphs_raises():
+    models = [_Recorder(4 + i) for i in range(3)]
+    x = torch.randn(5, IN, requires_grad=True)
+    (g,) = torch.autograd.grad(parsum.sum_models(models, x).sum(), x, create_graph=True)
+    penalty = g.pow(2).sum()
+    penalty.backward()
+    with pytest.raises(RuntimeError, match=r"second time|freed"):
+        penalty.backward()
+
+
+def test_retain_graph_keeps_the_graphs_for_another_second_backward():
+    models = _mixed()
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = parsum.sum_models(models, x), plain_sum(ref, x_ref)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    (g_ref,) = torch.autograd.grad(y_ref.sum(), x_ref, create_graph=True)
+    for _ in range(2):
+        g.pow(2).sum().backward(retain_graph=True)
+        g_ref.pow(2).sum().backward(retain_graph=True)
+    for a, b in zip([*param_grads(models), x.grad], [*param_grads(ref), x_ref.grad]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("second", ["grad_params", "backward_inputs", "grad_x"])
+def test_a_second_backward_with_respect_to_anything_matches_the_plain_sum(second):
+    models = _mixed()
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    found = []
+    for ms, t, out in (
+        (models, x, parsum.sum_models(models, x)),
+        (ref, x_ref, plain_sum(ref, x_ref)),
+    ):
+        params = unique_params(ms)
+        grads = torch.autograd.grad(out.pow(2).sum(), [t, *params], create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        if second == "grad_params":
+            found.append(torch.autograd.grad(penalty, params))
+        elif second == "backward_inputs":
+            penalty.backward(inputs=params)
+            found.append([p.grad for p in params])
+            assert t.grad is None
+        else:
+            found.append(torch.autograd.grad(penalty, t))
+    for a, b in zip(*found):
+        torch.testing.assert_close(a, b)
