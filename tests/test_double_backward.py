@@ -4,11 +4,14 @@ and numerically (gradgradcheck) in float64."""
 
 from __future__ import annotations
 
+import random
+import sys
 import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import parsum
 from parsum import _double_backward
@@ -304,3 +307,146 @@ def test_a_second_backward_with_respect_to_anything_matches_the_plain_sum(second
             found.append(torch.autograd.grad(penalty, t))
     for a, b in zip(*found):
         torch.testing.assert_close(a, b)
+
+
+# Random scenarios: mixes of models (some running through ParallelSum, where a second backward
+# must raise), weights, n_jobs, engines, and what is differentiated; never silently wrong.
+SCENARIOS = ("penalty", "hvp", "third order", "grad of grads")
+KINDS = ("mlp", "mlp", "mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank")
+KINDS += ("batchnorm", "repeated", "tied", "checkpointed", "nested", "constant", "frozen")
+
+
+def _random_models(rng: random.Random) -> tuple[list[nn.Module], list[str]]:
+    from tests.test_differential import Checkpointed, Constant, Nested, Tied, TreeOut
+
+    if rng.random() < 0.1:
+        kinds = ["tree"] * rng.randint(1, 4)
+        return [TreeOut(rng.choice([4, 8])) for _ in kinds], kinds
+    models: list[nn.Module] = []
+    kinds: list[str] = []
+    shared = None
+    for _ in range(rng.randint(1, 7)):
+        kind = rng.choice(KINDS)
+        if kind == "random mlp":
+            widths = [rng.choice([3, 5, 9]) for _ in range(rng.randint(1, 3))]
+            acts = [nn.Tanh, nn.GELU, nn.SiLU, nn.Softplus, nn.ELU, nn.ReLU]
+            m = mlp(widths, rng.choice(acts))
+        elif kind == "layernorm":
+            m = nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, 3))
+        elif kind == "conv":
+            m = zoo()[3]
+        elif kind == "parametrized":
+            m = zoo()[4]
+        elif kind == "low rank":
+            m = zoo()[5]
+        elif kind == "batchnorm":
+            m = nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 3))
+        elif kind == "repeated" and models:
+            m = rng.choice(models)
+        elif kind == "tied":
+            shared = shared or nn.Linear(IN, 5)
+            m = Tied(shared)
+        elif kind == "checkpointed":
+            m = Checkpointed(mlp([rng.choice([4, 8])], nn.GELU))
+        elif kind == "nested":
+            m = Nested()
+        elif kind == "constant":
+            m = Constant()
+        elif kind == "frozen":
+            m = mlp([6])
+            m[0].requires_grad_(False)
+        else:
+            kind, m = "mlp", mlp([8])
+        models.append(m)
+        kinds.append(kind)
+    if not any(p.requires_grad for m in models for p in m.parameters()):  # constants alone
+        models.append(mlp([8]))
+        kinds.append("mlp")
+    return models, kinds
+
+
+def _leaf_sum(y):
+    return sum(t.sum() for t in pytree.tree_leaves(y))
+
+
+def _play(scenario: str, forward, models, x) -> list[torch.Tensor | None]:
+    """The scenario's results: what it differentiates, then every .grad it leaves."""
+    x = x.detach().clone().requires_grad_()
+    params = unique_params(models)
+    trained = [p for p in params if p.requires_grad]
+    y = forward(models, x)
+    if scenario == "penalty":
+        (g,) = torch.autograd.grad(_leaf_sum(y), x, create_graph=True)
+        loss = (
+            sum(t.pow(2).mean() for t in pytree.tree_leaves(y)) + (g.norm(dim=1) - 1).pow(2).mean()
+        )
+        loss.backward()
+        found = [loss.detach()]
+    elif scenario == "hvp":
+        grads = torch.autograd.grad(_leaf_sum(y).pow(2), trained, create_graph=True)
+        found = list(torch.autograd.grad(grads, trained, [torch.ones_like(g) for g in grads]))
+    elif scenario == "third order":
+        (g,) = torch.autograd.grad(_leaf_sum(y), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), x, create_graph=True)
+        loss = gg.pow(2).sum() + _leaf_sum(y)
+        loss.backward()
+        found = [loss.detach()]
+    else:  # "grad of grads": second order in every parameter and x at once
+        grads = torch.autograd.grad(_leaf_sum(y).pow(2), [x, *trained], create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+        found = []
+    return [*found, x.grad, *(p.grad for p in params)]
+
+
+def check_derivatives(seed: int) -> int:
+    """Play scenario ``seed``; how many of its two parsum runs were refused."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    models, kinds = _random_models(rng)
+    models = [m.double() for m in models]
+    scenario = rng.choice(SCENARIOS)
+    weights = WEIGHTS[: len(models)] if len(models) <= len(WEIGHTS) and rng.random() < 0.4 else None
+    engine = rng.choice(["auto", "auto", "autograd", "vjp"])
+    if {"nested", "checkpointed", "batchnorm"} & set(kinds):  # what torch.func refuses to run
+        engine = "auto"
+    x = torch.randn(5, IN, dtype=torch.float64)
+    ref = clone_models(models)
+    want = _play(scenario, lambda m, t: plain_sum(m, t, weights=weights), ref, x)
+    runs = []
+    refused = 0
+    for n_jobs in (1, 2):
+        mine = clone_models(models)
+
+        def call(m, t, n_jobs=n_jobs):
+            return parsum.sum_models(m, t, weights=weights, n_jobs=n_jobs, engine=engine)
+
+        try:
+            got = _play(scenario, call, mine, x)
+        except parsum.ParsumError as err:
+            if "not differentiable here" in str(err) or "engine='vjp'" in str(err):
+                refused += 1
+                continue  # refused, not wrong (docs/limits.md)
+            raise AssertionError(f"seed {seed}: {kinds}, {scenario}, {engine}: {err}") from err
+        runs.append(got)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None), f"seed {seed}: {kinds}, {scenario}"
+            if a is not None:
+                torch.testing.assert_close(
+                    a, b, msg=lambda m: f"seed {seed}: {kinds}, {scenario}: {m}"
+                )
+    if len(runs) == 2:
+        assert all(a is b or torch.equal(a, b) for a, b in zip(*runs)), f"seed {seed}: bits"
+    return refused
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_scenarios(seed):
+    check_derivatives(seed)
+
+
+if __name__ == "__main__":
+    first, count = (int(a) for a in sys.argv[1:3])
+    refusals = sum(check_derivatives(s) for s in range(first, first + count))
+    print(
+        f"{count} scenarios from seed {first}: all right ({refusals} of {2 * count} runs refused)"
+    )
