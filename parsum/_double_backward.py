@@ -48,6 +48,7 @@ from ._function import (
     freed_graph_error,
     raise_first_failing_model,
 )
+from ._grads import wanted_gradients
 from ._summation import WIDE, CompensatedAccumulator
 
 
@@ -105,6 +106,9 @@ class Derivatives:
         self.leaves: list[Tensor | None] = []  # the incoming gradients, as leaves of its own
         self.found: list[Tensor | None] = []  # [*earlier's, *arguments', *parameters']
         self.alias_found: Sequence[Tensor | None] = []  # model by model, argument by argument
+        # Which of [*earlier, *arguments, *parameters] the running backward wants a gradient
+        # of (``wanted``); the others are not differentiated.
+        self.wanted: list[bool] | None = None
         self.freed = False
 
     def free(self) -> None:
@@ -118,10 +122,38 @@ class Derivatives:
     def n_args(self) -> int:
         return len(self.aliases[0]) if self.aliases else 0
 
-    def wrt(self) -> list[Tensor]:
-        """What this order differentiates with respect to, in the order of its outputs."""
-        earlier = [t for t in self.earlier if t is not None]
-        return [*earlier, *self.plan.params, *self.alias_list()]
+    def _wanted(self) -> tuple[list[bool], list[bool], list[bool]]:
+        n_earlier, n_args = len(self.earlier), self.n_args()
+        wanted = self.wanted or [True] * (n_earlier + n_args + len(self.plan.params))
+        earlier = [w and t is not None for w, t in zip(wanted, self.earlier)]
+        return earlier, wanted[n_earlier : n_earlier + n_args], wanted[n_earlier + n_args :]
+
+    def wrt(self, models: Sequence[int] | None = None) -> list[Tensor]:
+        """What this order differentiates with respect to (for ``models`` alone, where
+        given): the earlier orders' leaves, the parameters and the models' aliases, those
+        wanted."""
+        earlier, args, params = self._wanted()
+        plan = self.plan
+        slots = range(len(plan.params)) if models is None else _slots(plan, models)
+        mine = range(len(self.aliases or ())) if models is None else models
+        aliases = self.aliases or []
+        return [
+            *(t for t, w in zip(self.earlier, earlier) if w and t is not None),
+            *(plan.params[s] for s in slots if params[s]),
+            *(a for i in mine for a, w in zip(aliases[i], args) if w),
+        ]
+
+    def spread(
+        self, found: Sequence[Tensor | None]
+    ) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]]:
+        """``found`` (with respect to ``wrt()``) as the earlier orders', the parameters' and
+        the aliases' derivatives, None where not wanted."""
+        earlier, args, params = self._wanted()
+        taken = iter(found)
+        earlier_found = [next(taken) if w else None for w in earlier]
+        param_found = [next(taken) if w else None for w in params]
+        alias_found = [next(taken) if w else None for _ in self.aliases or () for w in args]
+        return earlier_found, param_found, alias_found
 
     def outputs_and_cotangents(
         self, models: Sequence[int] | None = None
@@ -170,6 +202,10 @@ class Derivatives:
                 found.append(self.alias_found[i * n_args + j])
                 into.append(incoming[n_earlier + j])  # each alias' share of its argument's sum
         return found, into
+
+
+def _slots(plan: SumPlan, models: Sequence[int]) -> list[int]:
+    return [s for i in models for s in plan.param_slots[i]]
 
 
 def release_at_end(holder: Any) -> None:
@@ -222,6 +258,7 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
     n_args = ctx.n_args
+    held.wanted = wanted_gradients([*ctx.call_tensors[:n_args], *plan.params])
     grads = _apply(held, grad_outputs, (), ctx.call_tensors[:n_args])
     weight_part = [None] if plan.has_weight_tensor else []
     joined = (None,) if state.pending is not None else ()
@@ -283,13 +320,7 @@ class DifferentiablePullback(torch.autograd.Function):
                 models = range(len(plan.models))
                 raise_first_failing_model(plan, [(i, _attempt(held, [i])) for i in models], exc)
                 raise
-            at = 0
-            earlier_found: list[Tensor | None] = []
-            for t in held.earlier:  # None where the earlier order's incoming gradient was
-                earlier_found.append(None if t is None else found[at])
-                at += t is not None
-            param_found = found[at : at + len(plan.params)]
-            held.alias_found = found[at + len(plan.params) :]
+            earlier_found, param_found, held.alias_found = held.spread(found)
             arg_found = [
                 _wide_sum([g for g in held.alias_found[j::n_args] if g is not None])
                 for j in range(n_args)
@@ -305,6 +336,7 @@ class DifferentiablePullback(torch.autograd.Function):
             raise freed_graph_error(plan)
         n_args = ctx.n_args
         following = Derivatives(held.holds, plan, held.aliases, source=held)
+        following.wanted = wanted_gradients([*ctx.inputs, *ctx.arguments, *plan.params])
         if torch.is_grad_enabled():  # create_graph=True: the next order's node
             return (None, None, None, None, *_apply(following, grads, ctx.inputs, ctx.arguments))
         following.leaves = list(grads)
@@ -321,13 +353,7 @@ class DifferentiablePullback(torch.autograd.Function):
                     plan, [(i, _attempt(following, [i])) for i in models], exc
                 )
                 raise
-        at = 0
-        inputs_grads: list[Tensor | None] = []
-        for t in following.earlier:
-            inputs_grads.append(None if t is None else found[at])
-            at += t is not None
-        param_grads = found[at : at + len(plan.params)]
-        alias_grads = found[at + len(plan.params) :]
+        inputs_grads, param_grads, alias_grads = following.spread(found)
         arg_grads: list[Tensor | None] = []
         for j in range(n_args):
             acc = CompensatedAccumulator()
@@ -343,10 +369,7 @@ def _attempt(held: Derivatives, models: Sequence[int]) -> Callable[[], object]:
 
     def attempt() -> object:
         outs, cots = held.outputs_and_cotangents(models)
-        plan = held.plan
-        mine = [plan.params[s] for i in models for s in plan.param_slots[i]]
-        mine += [a for i in models for a in (held.aliases[i] if held.aliases else ())]
-        wrt = [*(t for t in held.earlier if t is not None), *mine]
+        wrt = held.wrt(models)
         return _grad(outs, wrt, cots, create_graph=torch.is_grad_enabled()) if outs else None
 
     return attempt

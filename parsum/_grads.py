@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import UninitializedParameter
 
 from ._errors import ParsumError
@@ -519,6 +520,25 @@ def engine_runs_all(nodes: Sequence[Any]) -> list[bool]:
         except RuntimeError:  # some node is captured, not run: ask node by node
             pass
     return [engine_runs(node) for node in nodes]
+
+
+def wanted_gradients(tensors: Sequence[Tensor | None]) -> list[bool]:
+    """Whether the running backward wants each tensor's gradient (NOTE [ Gradients not
+    wanted ] in _inline): it needs a gradient and the backward runs its node, or captures its
+    gradient (a leaf that ``torch.autograd.grad`` asks for)."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    wanted = []
+    for t in tensors:
+        if t is None or not t.requires_grad:
+            wanted.append(False)
+        elif will_execute is None:
+            wanted.append(True)
+        else:
+            try:
+                wanted.append(bool(will_execute(get_gradient_edge(t).node)))
+            except RuntimeError:  # a leaf whose gradient autograd.grad captures
+                wanted.append(True)
+    return wanted
 
 
 # NOTE [ Stale slots ]

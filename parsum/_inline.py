@@ -70,6 +70,15 @@
 # every model is a module, a method or a partial of one (a plain callable's captured tensors
 # are checked by the other path).
 #
+# NOTE [ Gradients not wanted ]
+# Under ``torch.autograd.grad`` or ``backward(inputs=...)`` the running backward may want the
+# gradient of the arguments alone (an adversarial example, a saliency map, a gradient penalty's
+# first derivative) or of the parameters alone. A captured pullback differentiates only what
+# it wants (autograd's ``_will_engine_execute_node`` on each input's node, asked only where the
+# backward does not run every leaf), so that the models' weight gradients, half of a linear
+# layer's backward, are not computed for nothing: 16 MLPs of widths 128-512 at batch 64, 2
+# threads, the gradient in x alone 0.74x -> 0.95x the plain loop's (which prunes them itself).
+#
 # NOTE [ FlatGrad in the caller's graph ]
 # A parameter with a slot in a FlatGrad that is not compensated has as its ``.grad`` the slot's
 # view (or None), which autograd accumulates into in place, as in a plain backward (NOTE [ Who
@@ -121,6 +130,7 @@ from ._grads import (
     engine_runs_all,
     has_compensated_flat_grads,
     has_flat_grads,
+    wanted_gradients,
     zeroed_slot_views,
 )
 from ._sparse import (
@@ -301,7 +311,11 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         or (not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params)))
     ):
         zeroed = None
-    accumulate = zeroed is not None and not ctx.create_graph and engine_runs_all([_ANCHOR_NODE])[0]
+    runs_all = engine_runs_all([_ANCHOR_NODE])[0]
+    accumulate = zeroed is not None and not ctx.create_graph and runs_all
+    # NOTE [ Gradients not wanted ]
+    wanted = None if runs_all else wanted_gradients([*ctx.call_tensors[:n_args], *params])
+    arguments_wanted = wanted is None or any(wanted[:n_args])
     if state.made_in_forward is not None and not accumulate:
         # Captured, their gradients would be lost (NOTE [ Parameters made in forward ]).
         raise ParsumError(state.made_in_forward)
@@ -340,11 +354,18 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             pull_back(outs, (), cots, retain_graph=keep_graph, accumulate=True)
         else:
             slots = [s for i in running for s in plan.param_slots[i]]
-            mine = [a for i in running for a in aliases[i]] if aliases is not None else []
+            if wanted is not None:
+                slots = [s for s in slots if wanted[n_args + s]]
+            mine = []
+            if aliases is not None and arguments_wanted:
+                mine = [a for i in running for a in aliases[i]]
+            if not slots and not mine:
+                del failing[k]
+                return None
             found = pull_back(outs, [*(params[s] for s in slots), *mine], cots, keep_graph)
             for slot, grad in zip(slots, found):
                 param_grads[slot] = grad
-            if aliases is not None:
+            if mine:
                 at = len(slots)
                 for i in running:
                     captured[i] = found[at : at + n_args]

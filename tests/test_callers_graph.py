@@ -639,3 +639,58 @@ def test_argument_gradients_are_summed_chunk_by_chunk():
     x_ref = x.detach().clone().requires_grad_()
     plain_sum(ref, x_ref).pow(2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+class _Spy(torch.autograd.Function):
+    """The identity, counting its backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Spy.calls += 1
+        return g
+
+
+class _Watched(nn.Module):
+    """A layer whose weight and input each pass a _Spy, telling whether backward reached them."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin, self.head = nn.Linear(IN, width), nn.Linear(width, OUT)
+
+    def forward(self, x, spy="weight"):
+        weight = _Spy.apply(self.lin.weight) if spy == "weight" else self.lin.weight
+        x = _Spy.apply(x) if spy == "input" else x
+        return self.head(torch.tanh(nn.functional.linear(x, weight, self.lin.bias)))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("wrt", ["x", "params"])
+def test_what_the_backward_does_not_want_is_not_differentiated(n_jobs, wrt):
+    # NOTE [ Gradients not wanted ]: a gradient in x alone computes no weight gradient, one in
+    # the parameters alone none through the argument's aliases; both equal the plain loop's.
+    torch.manual_seed(0)
+    models = [_Watched(w) for w in (4, 7, 5)]
+    ref = clone_models(models)
+    x = torch.randn(3, IN, requires_grad=True)
+    spy = "weight" if wrt == "x" else "input"
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, spy=spy)
+    assert in_callers_graph(y)
+    params = [p for m in models for p in m.parameters()]
+    _Spy.calls = 0
+    got = torch.autograd.grad(y.pow(2).sum(), [x] if wrt == "x" else params)
+    assert _Spy.calls == 0
+    y_ref = plain_sum(ref, x, spy=spy)
+    want = torch.autograd.grad(
+        y_ref.pow(2).sum(), [x] if wrt == "x" else [p for m in ref for p in m.parameters()]
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, spy=spy)
+    y.pow(2).sum().backward()  # backward() wants everything
+    assert _Spy.calls == len(models) and x.grad is not None

@@ -450,3 +450,25 @@ if __name__ == "__main__":
     print(
         f"{count} scenarios from seed {first}: all right ({refusals} of {2 * count} runs refused)"
     )
+
+
+def test_a_gradient_in_x_alone_differentiates_no_parameter(monkeypatch):
+    # The parameters' derivatives with their graphs cost as much again; where the running
+    # backward does not want them (autograd.grad with respect to x), none is made.
+    made: list[_double_backward.Derivatives] = []
+    add = _double_backward.Holds.add
+    monkeypatch.setattr(
+        _double_backward.Holds, "add", lambda self, held: (made.append(held), add(self, held))
+    )
+    models = _mixed()
+    ref = clone_models(models)
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(parsum.sum_models(models, x).sum(), x, create_graph=True)
+    n_params = len(made[0].plan.params)
+    assert made[0].found[-n_params:] == [None] * n_params and made[0].found[0] is not None
+    g.pow(2).sum().backward()  # the parameters' second-order terms still come through x's
+    x_ref = x.detach().clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(plain_sum(ref, x_ref).sum(), x_ref, create_graph=True)
+    g_ref.pow(2).sum().backward()
+    for a, b in zip([*param_grads(models), x.grad], [*param_grads(ref), x_ref.grad]):
+        torch.testing.assert_close(a, b)
