@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 import weakref
 
 import pytest
@@ -472,3 +473,37 @@ def test_a_gradient_in_x_alone_differentiates_no_parameter(monkeypatch):
     g_ref.pow(2).sum().backward()
     for a, b in zip([*param_grads(models), x.grad], [*param_grads(ref), x_ref.grad]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_concurrent_callers_differentiate_twice_on_shared_models():
+    models = _mixed()
+    ref = clone_models(models)
+    xs = [torch.randn(5, IN, dtype=torch.float64) for _ in range(4)]
+
+    def second_order(forward, ms, x):
+        x = x.clone().requires_grad_()
+        y = forward(ms, x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        loss = (g.norm(dim=1) - 1).pow(2).mean() + y.pow(2).mean()
+        return torch.autograd.grad(loss, unique_params(ms))
+
+    want = [second_order(plain_sum, ref, x) for x in xs]
+    failures: list[str] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(5):
+                got = second_order(lambda m, t: parsum.sum_models(m, t, n_jobs=2), models, xs[k])
+                for a, b in zip(got, want[k]):
+                    torch.testing.assert_close(a, b)
+        except Exception as exc:  # reported by the caller's thread
+            failures.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert not failures, failures[0]
