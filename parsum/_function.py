@@ -675,15 +675,17 @@ class _NotDifferentiable(torch.autograd.Function):
     backward raises. Its inputs also include every tensor ``sum_models`` differentiated
     (arguments, weights, parameters), so that a second backward with respect to any of them
     reaches it and raises: with the gradients alone as inputs, ``torch.autograd.grad(penalty,
-    params)`` found no path to the parameters and returned None without a word."""
+    params)`` found no path to the parameters and returned None without a word. Its
+    backward raises a ParsumError with ``message``."""
 
     @staticmethod
-    def forward(ctx: Any, n_grads: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, message: str, n_grads: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.message = message
         return tuple(g.view_as(g) for g in tensors[:n_grads])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
-        raise ParsumError(_SECOND_BACKWARD)
+        raise ParsumError(ctx.message)
 
 
 # NOTE [ Applying a Function with many inputs ]
@@ -854,7 +856,7 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
             for t in [*ctx.call_tensors, *plan.params]
             if isinstance(t, Tensor) and t.requires_grad
         ]
-        marked = iter(_NotDifferentiable.apply(len(present), *present, *anchors))
+        marked = iter(_NotDifferentiable.apply(_SECOND_BACKWARD, len(present), *present, *anchors))
         return tuple(None if g is None else next(marked) for g in grads)
 
     return wrapper

@@ -84,13 +84,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # NOTE [ Releasing the process group ]
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from ._api import sum_models as _local_sum
 from ._engines import ModelParams
 from ._errors import ParsumError
-from ._function import announcing_backward_failures, distributed_call
+from ._function import _NotDifferentiable, announcing_backward_failures, distributed_call
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
 from ._host_exchange import GroupSlots, group_object
 from ._summation import CompensatedAccumulator
@@ -379,6 +378,36 @@ def _added_in_rank_order(tensors: list[Tensor]) -> Tensor:
     return total.result()
 
 
+_ACROSS_RANKS = (
+    f"{_WHERE}: its gradients across ranks are not differentiable (a backward with "
+    "create_graph=True returned them, and a second backward reached them): derivatives of "
+    "higher order through a sum over ranks would need the exchange differentiated too; "
+    "parsum.sum_models in one process differentiates to any order"
+)
+
+
+def _first_order(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., Any]:
+    """torch's ``once_differentiable`` for the exchange's nodes, but a second backward that
+    reaches the gradients raises a ParsumError, whatever it is taken with respect to: torch's
+    detaches them, so ``torch.autograd.grad(penalty, params, allow_unused=True)`` found no path
+    and returned None for every parameter without a word (2 gloo ranks). Incoming gradients
+    that need none (``y.sum()``'s) give gradients that need none, exactly: the exchange is
+    linear."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        anchors = [g for g in grads if g is not None and g.requires_grad]
+        if not torch.is_grad_enabled() or not anchors:
+            return out
+        present = [g for g in out if g is not None]
+        marked = iter(_NotDifferentiable.apply(_ACROSS_RANKS, len(present), *present, *anchors))
+        return tuple(None if g is None else next(marked) for g in out)
+
+    return wrapper
+
+
 class _SumAcrossRanks(torch.autograd.Function):
     """forward: the sums over ranks of the leaves, computed beforehand (``totals``); backward:
     the gradient, unchanged, to this rank's own sum (NOTE [ Cross-rank sum ])."""
@@ -388,7 +417,7 @@ class _SumAcrossRanks(torch.autograd.Function):
         return tuple(totals)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *grads)
 
@@ -402,7 +431,7 @@ class _SumGradsAcrossRanks(torch.autograd.Function):
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         group = ctx.group
         failed = _exchange_backward_status(group, _status_device(group), 0)

@@ -115,6 +115,37 @@ def _agrees_with_one_process(rank: int) -> None:
     torch.testing.assert_close(pair["a"], 3 * x.detach())
 
 
+def _second_backward(rank: int) -> None:
+    """A gradient penalty through the sum over ranks: the first derivative is right; a second
+    backward raises, with respect to anything (torch's once_differentiable had given None for
+    every parameter under autograd.grad(..., allow_unused=True), without a word)."""
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    mine = models[rank::WORLD]
+    x = torch.randn(4, IN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_()
+    (g,) = torch.autograd.grad(parsum.distributed.sum_models(mine, x).sum(), x, create_graph=True)
+    x_ref = x.detach().clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(plain_sum(ref, x_ref).sum(), x_ref, create_graph=True)
+    torch.testing.assert_close(g, g_ref, **TOL)
+    params = [p for m in mine for p in m.parameters()]
+    for second in (
+        lambda: torch.autograd.grad(g.pow(2).sum(), params, allow_unused=True, retain_graph=True),
+        lambda: torch.autograd.grad(g.pow(2).sum(), x, retain_graph=True),
+        lambda: g.pow(2).sum().backward(retain_graph=True),
+    ):
+        with pytest.raises(parsum.ParsumError, match="across ranks are not differentiable"):
+            second()
+    assert all(p.grad is None for p in params)
+    # Within a rank too (its models run through ParallelSum there, which announces failures
+    # to the other ranks): a Hessian-vector product in the own parameters raises.
+    grads = torch.autograd.grad(
+        parsum.distributed.sum_models(mine, x).sum(), params, create_graph=True
+    )
+    with pytest.raises(parsum.ParsumError, match="not differentiable"):
+        torch.autograd.grad(sum(gr.sum() for gr in grads), params, allow_unused=True)
+
+
 def _complex_outputs(rank: int) -> None:
     """Complex models and a complex weight tensor: each rank's share against one process, its
     conjugates included (NOTE [ Complex weights ] in parsum._engines)."""
@@ -590,6 +621,7 @@ def _per_model_parts(models: list[nn.Module], share: list[int]) -> dict[str, lis
 
 
 SCENARIOS = {
+    "second_backward": _second_backward,
     "random_cases": _random_cases,
     "agree": _agrees_with_one_process,
     "complex": _complex_outputs,
@@ -618,6 +650,7 @@ SCENARIOS = {
     [
         "random_cases",
         "agree",
+        "second_backward",
         "complex",
         "forward_failure",
         "mismatch",
