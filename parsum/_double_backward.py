@@ -25,8 +25,14 @@
 # (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Where the
 # models ran through ParallelSum (a parameter with a tensor hook or used twice,
 # step_in_backward, a compensated FlatGrad, ``take_rows``, ``engine="vjp"``, stacked models
-# beside others) or a weight tensor needs its gradient, the gradients are not ordinary graphs of
-# the models, and a second backward that reaches them raises (``_once_differentiable``).
+# beside others, parsum.distributed's ranks) or a weight tensor needs its gradient, the
+# gradients are not ordinary graphs of the models, and a second backward that reaches them
+# raises (``_once_differentiable``).
+# Each node differentiates only what the running backward wants (``wanted_gradients``): the
+# gradient in x of a penalty's first step made every weight's derivative and its graph too,
+# and the step ran at 0.66x the plain loop's speed, now 0.81x (16 MLPs of widths 128-512, batch
+# 64, 2 cores); the rest is the models' graphs walked twice in the last backward, once by the
+# sum's node and once by its derivative's, where plain autograd adds both into each node first.
 """
 
 from __future__ import annotations
