@@ -528,6 +528,28 @@ def test_concurrent_callers_differentiate_twice_on_shared_models():
     assert not failures, failures[0]
 
 
+@pytest.mark.parametrize("holder", ["FlatGrad", "SumOfModels"])
+def test_gradient_penalty_through_a_flatgrad_and_a_sum_of_models(holder):
+    models = zoo(torch.float64)
+    ref = clone_models(models)
+    x = torch.randn(5, IN, dtype=torch.float64)
+    if holder == "FlatGrad":
+        flat = parsum.FlatGrad(models)
+        forward = parsum.sum_models
+    else:
+        ensemble = parsum.SumOfModels(models, weights=WEIGHTS)
+        forward = lambda m, t: ensemble(t)  # noqa: E731
+    got = _penalized(forward, models, x)
+    want = _penalized(
+        lambda m, t: plain_sum(m, t, weights=None if holder == "FlatGrad" else WEIGHTS), ref, x
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    if holder == "FlatGrad":  # the gradients landed in the buffer's views
+        for p in unique_params(models):
+            assert p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+
+
 if __name__ == "__main__":
     first, count = (int(a) for a in sys.argv[1:3])
     refusals = sum(check_derivatives(s) for s in range(first, first + count))
