@@ -550,6 +550,23 @@ def test_gradient_penalty_through_a_flatgrad_and_a_sum_of_models(holder):
             assert p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
 
 
+def test_autograd_functional_hessian_hvp_and_vhp():
+    models = _mixed()
+    x = torch.randn(2, IN, dtype=torch.float64)
+    v = torch.randn(2, IN, dtype=torch.float64)
+
+    def ours(t):
+        return parsum.sum_models(models, t).sum()
+
+    def plain(t):
+        return plain_sum(models, t).sum()
+
+    functional = torch.autograd.functional
+    torch.testing.assert_close(functional.hessian(ours, x), functional.hessian(plain, x))
+    for product in (functional.hvp, functional.vhp):  # hvp differentiates a vjp again
+        torch.testing.assert_close(product(ours, x, v)[1], product(plain, x, v)[1])
+
+
 if __name__ == "__main__":
     first, count = (int(a) for a in sys.argv[1:3])
     refusals = sum(check_derivatives(s) for s in range(first, first + count))
