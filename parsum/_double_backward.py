@@ -53,6 +53,7 @@ from ._function import (
     _engine_keeps_graph,
     freed_graph_error,
     raise_first_failing_model,
+    under_vmap,
 )
 from ._grads import wanted_gradients
 from ._summation import WIDE, CompensatedAccumulator
@@ -361,11 +362,15 @@ class DifferentiablePullback(torch.autograd.Function):
                 raise
         inputs_grads, param_grads, alias_grads = following.spread(found)
         arg_grads: list[Tensor | None] = []
+        vmapped = any(map(under_vmap, grads))  # NOTE [ Gradients under vmap ] in _inline
         for j in range(n_args):
+            mine = [g for g in alias_grads[j::n_args] if g is not None]
+            if vmapped:
+                arg_grads.append(_wide_sum(mine))
+                continue
             acc = CompensatedAccumulator()
-            for g in alias_grads[j::n_args]:
-                if g is not None:
-                    acc.add(g)
+            for g in mine:
+                acc.add(g)
             arg_grads.append(None if acc.empty else acc.result())
         return (None, None, None, None, *inputs_grads, *arg_grads, *param_grads)
 

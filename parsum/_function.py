@@ -643,6 +643,19 @@ def _on_device_thread(grad_outputs: Sequence[Tensor | None]) -> bool:
     return any(g is not None and g.device.type != "cpu" for g in grad_outputs)
 
 
+_BATCHED_CHECKS = tuple(
+    getattr(torch._C._functorch, name)
+    for name in ("is_legacy_batchedtensor", "is_batchedtensor")
+    if hasattr(torch._C._functorch, name)
+)
+
+
+def under_vmap(t: Tensor | None) -> bool:
+    """Whether ``t`` is batched by a vmap that runs the backward (NOTE [ Gradients under vmap ]
+    in _inline)."""
+    return t is not None and any(check(t) for check in _BATCHED_CHECKS)
+
+
 def _at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward ends (autograd's final callbacks, which
     DistributedDataParallel uses too); where they are missing, it is not run."""
@@ -667,6 +680,16 @@ _SECOND_BACKWARD = (
     "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
     "engine='autograd' avoids), and not with respect to a weight tensor; see "
     "docs/limits.md, or use the plain sum of the models"
+)
+
+
+_UNDER_VMAP = (
+    "sum_models: its backward ran under vmap (torch.autograd.grad(..., is_grads_batched=True), "
+    "torch.autograd.functional.jacobian or hessian with vectorize=True), which it supports "
+    "where the models run in the caller's graph; this call ran through ParallelSum (a "
+    "parameter with a tensor hook or used by two models, step_in_backward, a compensated "
+    "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
+    "engine='autograd' avoids): pass vectorize=False, one backward per row"
 )
 
 
@@ -1119,8 +1142,13 @@ class ParallelSum(torch.autograd.Function):
         if ctx.pullbacks is None:
             raise freed_graph_error(plan)
         run = _Backward(ctx, grad_outputs)
-        run.pull_back_all()
-        return run.gradients()
+        try:
+            run.pull_back_all()
+            return run.gradients()
+        except RuntimeError as exc:  # NOTE [ Gradients under vmap ] in _inline
+            if isinstance(exc, ParsumError) or not any(map(under_vmap, grad_outputs)):
+                raise
+            raise ParsumError(_UNDER_VMAP) from exc
 
 
 # NOTE [ Large models pulled back alone ]

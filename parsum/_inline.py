@@ -105,6 +105,7 @@ from torch.autograd.graph import GradientEdge
 from . import _pool
 from ._double_backward import (
     Holds,
+    _wide_sum,
     differentiable_backward,
     keeps_models_graphs,
     second_order_fits,
@@ -125,6 +126,7 @@ from ._function import (
     reports_failures,
     run_forward,
     stack_weight_grads,
+    under_vmap,
 )
 from ._grads import (
     engine_runs_all,
@@ -374,6 +376,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         del failing[k]
         if aliases is None:
             return None
+        if vmapped:  # NOTE [ Gradients under vmap ]: added at the end, out of place
+            vmapped_captured.update(captured)
+            return None
         (chunk,) = chunks  # with arguments to differentiate, one chunk a call
         return _chunk_argument_gradients(plan, chunk, aliases, captured)
 
@@ -386,7 +391,10 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # on the device's thread, which helpers would wait on (NOTE [ Device threads ]). And
     # where the pullbacks may draw random numbers again (NOTE [ Random numbers replayed in
     # backward ] in _random).
-    one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs)
+    # NOTE [ Gradients under vmap ]
+    vmapped = any(map(under_vmap, grad_outputs))
+    vmapped_captured: dict[int, Sequence[Tensor | None]] = {}
+    one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs) or vmapped
     workers = 1 if one_thread else plan.n_workers
     pending = state.pending
     joined = (None,) if pending is not None else ()  # the join node's gradient
@@ -472,13 +480,29 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             error = edges = None
     arg_grads: list[Tensor | None] = [None] * n_args
     if aliases is not None:
-        with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
-            arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
+        if vmapped:
+            captured = sorted(vmapped_captured.items())
+            arg_grads = [
+                _wide_sum([t for _, g in captured if (t := g[j]) is not None])
+                for j in range(n_args)
+            ]
+        else:
+            with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
+                arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
         if not keep_graph:
             state.aliases = None
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 
+# NOTE [ Gradients under vmap ]
+# ``torch.autograd.grad(..., is_grads_batched=True)`` (``torch.autograd.functional.jacobian``
+# and ``hessian`` with ``vectorize=True``) runs the backward under vmap: the incoming gradients
+# are batched, and the compensated sum's in-place and ``out=`` kernels have no batching rule
+# ("Batching rule not implemented for aten::add.out"). There the pullback runs in the calling
+# thread and the arguments' gradients are added at the end, model by model, in the wide dtype
+# out of place (``_wide_sum``, as derivatives of higher order add them); the parameters'
+# need no sum.
+#
 # NOTE [ Argument gradients chunk by chunk ]
 # Each model reads the arguments through aliases of its own, whose gradients are added with
 # ParallelSum's compensated sum: model by model within a chunk, then the chunks in order. A

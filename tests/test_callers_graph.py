@@ -694,3 +694,39 @@ def test_what_the_backward_does_not_want_is_not_differentiated(n_jobs, wrt):
     y = parsum.sum_models(models, x, n_jobs=n_jobs, spy=spy)
     y.pow(2).sum().backward()  # backward() wants everything
     assert _Spy.calls == len(models) and x.grad is not None
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_jacobian_vectorized_in_the_argument_and_the_parameters(n_jobs, weighted):
+    # NOTE [ Gradients under vmap ]: the backward under vmap (is_grads_batched) raised
+    # "Batching rule not implemented for aten::add.out" wherever x needed a gradient.
+    models = [m.double() for m in zoo()]
+    weights = [0.5 + 0.25 * i for i in range(len(models))] if weighted else None
+    x = torch.randn(3, IN, dtype=torch.float64)
+
+    def ours(t):
+        return parsum.sum_models(models, t, n_jobs=n_jobs, weights=weights)
+
+    def plain(t):
+        return plain_sum(models, t, weights=weights)
+
+    jacobian = torch.autograd.functional.jacobian
+    torch.testing.assert_close(jacobian(ours, x, vectorize=True), jacobian(plain, x))
+    y = ours(x)
+    params = [p for m in models for p in m.parameters()]
+    rows = torch.eye(y.numel(), dtype=y.dtype).reshape(-1, *y.shape)
+    got = torch.autograd.grad(y, params, rows, is_grads_batched=True)
+    want = torch.autograd.grad(plain(x), params, rows, is_grads_batched=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error():
+    models = [mlp([4]).double() for _ in range(5)] + [mlp([7]).double()]  # auto stacks five
+    x = torch.randn(2, IN, dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian
+    with pytest.raises(parsum.ParsumError, match=r"ran under vmap.*vectorize=False"):
+        jacobian(lambda t: parsum.sum_models(models, t), x, vectorize=True)
+    got = jacobian(lambda t: parsum.sum_models(models, t, engine="autograd"), x, vectorize=True)
+    torch.testing.assert_close(got, jacobian(lambda t: plain_sum(models, t), x))

@@ -563,6 +563,9 @@ def test_autograd_functional_hessian_hvp_and_vhp():
 
     functional = torch.autograd.functional
     torch.testing.assert_close(functional.hessian(ours, x), functional.hessian(plain, x))
+    # Under vmap (NOTE [ Gradients under vmap ] in parsum._inline)
+    vectorized = functional.hessian(ours, x, vectorize=True)
+    torch.testing.assert_close(vectorized, functional.hessian(plain, x))
     for product in (functional.hvp, functional.vhp):  # hvp differentiates a vjp again
         torch.testing.assert_close(product(ours, x, v)[1], product(plain, x, v)[1])
 
