@@ -182,6 +182,72 @@ class Failing(nn.Module):
         return y
 
 
+class ModelMaker:
+    """Models of the kinds the random tests mix, drawn from ``rng`` into ``models``: ``act``
+    where a kind's hidden layer has one activation, ``acts`` for a "random mlp"'s."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        act: type[nn.Module] = nn.ReLU,
+        acts: tuple[type[nn.Module], ...] = (nn.Tanh, nn.ReLU, nn.GELU),
+    ) -> None:
+        self.rng, self.act, self.acts = rng, act, list(acts)
+        self.models: list[nn.Module] = []
+        self.shared: nn.Linear | None = None  # the layer that "tied" models hold
+
+    def add(self, kind: str) -> str:
+        """Make a model of ``kind`` and append it; its kind ("mlp" where ``kind`` cannot be
+        made: "repeated" with no model yet, or an unknown kind)."""
+        rng, models = self.rng, self.models
+        if kind == "relu mlp":
+            m = mlp([16, 12], nn.ReLU)
+        elif kind == "random mlp":
+            widths = [rng.choice([3, 5, 9]) for _ in range(rng.randint(1, 3))]
+            m = mlp(widths, rng.choice(self.acts))
+        elif kind == "layernorm":
+            m = nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, OUT))
+        elif kind == "conv":
+            m = ConvNet()
+        elif kind == "parametrized":
+            m = parametrized_model()
+        elif kind == "low rank":
+            m = nn.Sequential(LowRankLinear(IN, 9), nn.Tanh(), LowRankLinear(9, OUT, rank=3))
+        elif kind == "batchnorm":
+            m = nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), self.act(), nn.Linear(7, OUT))
+        elif kind == "dropout":
+            m = nn.Sequential(nn.Linear(IN, 12), self.act(), nn.Dropout(0.3), nn.Linear(12, OUT))
+        elif kind == "repeated" and models:
+            m = rng.choice(models)
+        elif kind == "tied":
+            self.shared = self.shared or nn.Linear(IN, 5)
+            m = Tied(self.shared)
+        elif kind == "rows":  # the table of an earlier one, or its own
+            tables = [m.table for m in models if isinstance(m, Rows)]
+            m = Rows(rng.choice(tables) if tables and rng.random() < 0.5 else None)
+        elif kind == "checkpointed":
+            m = Checkpointed(mlp([rng.choice([4, 8])], nn.GELU))
+        elif kind == "nested":
+            m = Nested()
+        elif kind == "constant":
+            m = Constant()
+        elif kind == "bag":
+            m = Bag()
+        elif kind == "compiled":  # NOTE [ Compiled modules ] in parsum._engines
+            m = mlp([rng.choice([4, 8])])
+            if rng.random() < 0.5:
+                m = torch.compile(m, backend="eager")
+            else:
+                m.compile(backend="eager")
+        elif kind == "frozen":  # its first layer frozen
+            m = mlp([6])
+            m[0].requires_grad_(False)
+        else:
+            kind, m = "mlp", mlp([8])
+        models.append(m)
+        return kind
+
+
 @dataclass
 class Case:
     """One random scenario; ``run(n_jobs)`` plays it with parsum, ``run(None, plain=True)``
@@ -308,8 +374,7 @@ class Case:
         if rng.random() < 0.1:
             self.kinds = ["tree"] * rng.randint(1, 5)
             return [TreeOut(rng.choice([4, 8])) for _ in self.kinds]
-        models: list[nn.Module] = []
-        shared = None
+        maker = ModelMaker(rng)
         for _ in range(rng.randint(1, 8)):
             kind = rng.choice(
                 ["mlp"] * 3
@@ -317,51 +382,8 @@ class Case:
                 + ["batchnorm", "dropout", "repeated", "tied", "rows", "checkpointed"]
                 + ["nested", "constant", "bag", "compiled"]
             )
-            if kind == "relu mlp":
-                m = mlp([16, 12], nn.ReLU)
-            elif kind == "random mlp":
-                widths = [rng.choice([3, 5, 9]) for _ in range(rng.randint(1, 3))]
-                m = mlp(widths, rng.choice([nn.Tanh, nn.ReLU, nn.GELU]))
-            elif kind == "layernorm":
-                m = nn.Sequential(
-                    nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, OUT)
-                )
-            elif kind == "conv":
-                m = ConvNet()
-            elif kind == "parametrized":
-                m = parametrized_model()
-            elif kind == "low rank":
-                m = nn.Sequential(LowRankLinear(IN, 9), nn.Tanh(), LowRankLinear(9, OUT, rank=3))
-            elif kind == "batchnorm":
-                m = nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, OUT))
-            elif kind == "dropout":
-                m = nn.Sequential(nn.Linear(IN, 12), nn.ReLU(), nn.Dropout(0.3), nn.Linear(12, OUT))
-            elif kind == "repeated" and models:
-                m = rng.choice(models)
-            elif kind == "tied":
-                shared = shared or nn.Linear(IN, 5)
-                m = Tied(shared)
-            elif kind == "rows":  # the table of an earlier one, or its own
-                tables = [m.table for m in models if isinstance(m, Rows)]
-                m = Rows(rng.choice(tables) if tables and rng.random() < 0.5 else None)
-            elif kind == "checkpointed":
-                m = Checkpointed(mlp([rng.choice([4, 8])], nn.GELU))
-            elif kind == "nested":
-                m = Nested()
-            elif kind == "constant":
-                m = Constant()
-            elif kind == "bag":
-                m = Bag()
-            elif kind == "compiled":  # NOTE [ Compiled modules ] in parsum._engines
-                m = mlp([rng.choice([4, 8])])
-                if rng.random() < 0.5:
-                    m = torch.compile(m, backend="eager")
-                else:
-                    m.compile(backend="eager")
-            else:
-                kind, m = "mlp", mlp([8])
-            models.append(m)
-            self.kinds.append(kind)
+            self.kinds.append(maker.add(kind))
+        models = maker.models
         if all(kind == "constant" for kind in self.kinds):  # else nothing to differentiate:
             models.append(mlp([8]))  # the plain loop's loss needs no gradient, parsum's does
             self.kinds.append("mlp")

@@ -320,54 +320,17 @@ KINDS += ("dropout", "bag", "compiled")
 
 
 def _random_models(rng: random.Random) -> tuple[list[nn.Module], list[str]]:
-    from tests.test_differential import Bag, Checkpointed, Constant, Nested, Tied, TreeOut
+    from tests.test_differential import ModelMaker, TreeOut
 
     if rng.random() < 0.1:
         kinds = ["tree"] * rng.randint(1, 4)
         return [TreeOut(rng.choice([4, 8])) for _ in kinds], kinds
-    models: list[nn.Module] = []
-    kinds: list[str] = []
-    shared = None
-    for _ in range(rng.randint(1, 7)):
-        kind = rng.choice(KINDS)
-        if kind == "random mlp":
-            widths = [rng.choice([3, 5, 9]) for _ in range(rng.randint(1, 3))]
-            acts = [nn.Tanh, nn.GELU, nn.SiLU, nn.Softplus, nn.ELU, nn.ReLU]
-            m = mlp(widths, rng.choice(acts))
-        elif kind == "layernorm":
-            m = nn.Sequential(nn.Linear(IN, 10), nn.LayerNorm(10), nn.SiLU(), nn.Linear(10, 3))
-        elif kind == "conv":
-            m = zoo()[3]
-        elif kind == "parametrized":
-            m = zoo()[4]
-        elif kind == "low rank":
-            m = zoo()[5]
-        elif kind == "batchnorm":
-            m = nn.Sequential(nn.Linear(IN, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 3))
-        elif kind == "repeated" and models:
-            m = rng.choice(models)
-        elif kind == "tied":
-            shared = shared or nn.Linear(IN, 5)
-            m = Tied(shared)
-        elif kind == "checkpointed":
-            m = Checkpointed(mlp([rng.choice([4, 8])], nn.GELU))
-        elif kind == "nested":
-            m = Nested()
-        elif kind == "constant":
-            m = Constant()
-        elif kind == "dropout":
-            m = nn.Sequential(nn.Linear(IN, 12), nn.Tanh(), nn.Dropout(0.3), nn.Linear(12, 3))
-        elif kind == "bag":
-            m = Bag()
-        elif kind == "compiled":  # torch.compile cannot differentiate twice: refused, named
-            m = torch.compile(mlp([rng.choice([4, 8])]), backend="eager")
-        elif kind == "frozen":
-            m = mlp([6])
-            m[0].requires_grad_(False)
-        else:
-            kind, m = "mlp", mlp([8])
-        models.append(m)
-        kinds.append(kind)
+    # Smooth activations where the differential test's kinds use ReLU, whose second
+    # derivative is zero.
+    acts = (nn.Tanh, nn.GELU, nn.SiLU, nn.Softplus, nn.ELU, nn.ReLU)
+    maker = ModelMaker(rng, act=nn.Tanh, acts=acts)
+    kinds = [maker.add(rng.choice(KINDS)) for _ in range(rng.randint(1, 7))]
+    models = maker.models
     if not any(p.requires_grad for m in models for p in m.parameters()):  # constants alone
         models.append(mlp([8]))
         kinds.append("mlp")
