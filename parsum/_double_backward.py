@@ -263,6 +263,8 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
     if state.made_in_forward is not None:  # NOTE [ Parameters made in forward ] in _function
         raise ParsumError(state.made_in_forward)
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
+    if state.derivatives is None:
+        state.derivatives = Holds(state)
     held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
     n_args = ctx.n_args
     held.wanted = wanted_gradients([*ctx.call_tensors[:n_args], *plan.params])

@@ -711,6 +711,17 @@ class _NotDifferentiable(torch.autograd.Function):
         raise ParsumError(ctx.message)
 
 
+def not_differentiable(
+    grads: Sequence[Tensor | None], anchors: Sequence[Tensor], message: str
+) -> tuple[Tensor | None, ...]:
+    """``grads`` as they are, but a second backward that reaches them, or that differentiates
+    with respect to any of ``anchors`` through them, raises a ParsumError with ``message``
+    (``_NotDifferentiable``)."""
+    present = [g for g in grads if g is not None]
+    marked = iter(_NotDifferentiable.apply(message, len(present), *present, *anchors))
+    return tuple(None if g is None else next(marked) for g in grads)
+
+
 # NOTE [ Applying a Function with many inputs ]
 # From torch 2.14 on, ``Function.apply`` is torch's C ``apply`` itself; before, it ran a Python
 # preamble first, which passes every input through a generator (to unwrap functorch wrappers left
@@ -872,15 +883,13 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
             grads = backward(ctx, *grad_outputs)
         if not create_graph:
             return grads
-        present = [g for g in grads if g is not None]
         plan: SumPlan = ctx.plan
         anchors = [
             t
             for t in [*ctx.call_tensors, *plan.params]
             if isinstance(t, Tensor) and t.requires_grad
         ]
-        marked = iter(_NotDifferentiable.apply(_SECOND_BACKWARD, len(present), *present, *anchors))
-        return tuple(None if g is None else next(marked) for g in grads)
+        return not_differentiable(grads, anchors, _SECOND_BACKWARD)
 
     return wrapper
 

@@ -194,8 +194,9 @@ class _State:
         # (NOTE [ Parameters made in forward ] in _function).
         self.made_in_forward: str | None = None
         # The derivative nodes made by backward passes with create_graph=True, which read the
-        # models' graphs too (NOTE [ Double backward ] in _double_backward).
-        self.derivatives = Holds(self)
+        # models' graphs too (NOTE [ Double backward ] in _double_backward); made with the
+        # first, not on every call.
+        self.derivatives: Holds | None = None
 
 
 def sum_in_callers_graph(

@@ -89,7 +89,7 @@ from torch.utils import _pytree as pytree
 from ._api import sum_models as _local_sum
 from ._engines import ModelParams
 from ._errors import ParsumError
-from ._function import _NotDifferentiable, announcing_backward_failures, distributed_call
+from ._function import announcing_backward_failures, distributed_call, not_differentiable
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
 from ._host_exchange import GroupSlots, group_object
 from ._summation import CompensatedAccumulator
@@ -401,9 +401,7 @@ def _first_order(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable
         anchors = [g for g in grads if g is not None and g.requires_grad]
         if not torch.is_grad_enabled() or not anchors:
             return out
-        present = [g for g in out if g is not None]
-        marked = iter(_NotDifferentiable.apply(_ACROSS_RANKS, len(present), *present, *anchors))
-        return tuple(None if g is None else next(marked) for g in out)
+        return not_differentiable(out, anchors, _ACROSS_RANKS)
 
     return wrapper
 
