@@ -7,9 +7,13 @@ copied out of git (``git archive``) and imported as ``parsum_base``, its own poo
 threads beside this checkout's; each method steps its own copy of the models, the methods in
 turn (``common.interleaved``), each after ``--settle-ms`` of untimed steps. A step is
 forward, backward and, with ``--adam``, one ``torch.optim.Adam`` step on the caller's threads,
-or with ``--sib`` a ``StepInBackward`` of Adam.
+or with ``--sib`` a ``StepInBackward`` of Adam. ``--step grad-x`` times the forward and the
+loss's gradient in the argument alone (``torch.autograd.grad(loss, x)``: adversarial examples,
+saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
+``create_graph=True``, then the backward of the loss plus a penalty on it).
 
     python benchmarks/bench_against.py --rev HEAD~3 [--adam] [--sib] [--n-jobs 2]
+        [--step train|grad-x|penalty]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -31,12 +35,14 @@ from typing import Any
 import torch
 from common import (
     interleaved,
+    loss_of,
     parsum_adam_step,
     parsum_sib_step,
     parsum_step,
     plain_adam_step,
     plain_step,
     workloads_of,
+    zero_grads,
 )
 
 import parsum
@@ -63,6 +69,10 @@ def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
+    if args.step != "train":
+        total = _plain_total if package is None else package.sum_models
+        step = _gradient_in_x if args.step == "grad-x" else _penalty_step
+        return functools.partial(step, total, models, x, args.n_jobs)
     if package is None:
         if args.adam or args.sib:
             return functools.partial(plain_adam_step(models), x)
@@ -75,12 +85,30 @@ def step_of(
     return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
 
 
+def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:
+    return sum(m(x) for m in models)  # type: ignore[return-value]
+
+
+def _gradient_in_x(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    x = x.detach().requires_grad_()
+    torch.autograd.grad(loss_of(total(models, x, n_jobs=n_jobs)), x)
+
+
+def _penalty_step(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    zero_grads(models)
+    x = x.detach().requires_grad_()
+    y = total(models, x, n_jobs=n_jobs)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    (loss_of(y) + (g.norm(dim=1) - 1).pow(2).mean()).backward()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", required=True, help="the git revision to compare against")
     parser.add_argument("--adam", action="store_true", help="an Adam step after each call")
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
     parser.add_argument("--n-jobs", type=int, default=None)
+    parser.add_argument("--step", choices=["train", "grad-x", "penalty"], default="train")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--settle-ms", type=float, default=20.0)
     parser.add_argument(

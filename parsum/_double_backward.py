@@ -30,9 +30,10 @@
 # raises (``_once_differentiable``).
 # Each node differentiates only what the running backward wants (``wanted_gradients``): the
 # gradient in x of a penalty's first step made every weight's derivative and its graph too,
-# and the step ran at 0.66x the plain loop's speed, now 0.81x (16 MLPs of widths 128-512, batch
-# 64, 2 cores); the rest is the models' graphs walked twice in the last backward, once by the
-# sum's node and once by its derivative's, where plain autograd adds both into each node first.
+# and the step ran at 0.663x the plain loop's speed, now 0.718x in the same run (16 MLPs of
+# widths 128-512, batch 64, 2 cores; benchmarks/bench_against.py --step penalty); the rest is
+# the models' graphs walked twice in the last backward, once by the sum's node and once by its
+# derivative's, where plain autograd adds both into each node first.
 """
 
 from __future__ import annotations

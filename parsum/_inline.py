@@ -77,7 +77,8 @@
 # it wants (autograd's ``_will_engine_execute_node`` on each input's node, asked only where the
 # backward does not run every leaf), so that the models' weight gradients, half of a linear
 # layer's backward, are not computed for nothing: 16 MLPs of widths 128-512 at batch 64, 2
-# threads, the gradient in x alone 0.74x -> 0.95x the plain loop's (which prunes them itself).
+# threads, the gradient in x alone 0.705x -> 0.885x the plain loop's (which prunes them itself),
+# in one run of benchmarks/bench_against.py --step grad-x.
 #
 # NOTE [ FlatGrad in the caller's graph ]
 # A parameter with a slot in a FlatGrad that is not compensated has as its ``.grad`` the slot's
