@@ -106,6 +106,24 @@ class Recurrent(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
+class Net(nn.Module):
+    """An MLP as users write one: a class of its own, its hidden layers in a ModuleList and a
+    forward that loops over them. parsum runs an ``nn.Sequential`` of known layers as a direct
+    program (NOTE [ Direct programs ] in parsum._engines), which skips the module calls; this
+    one it calls as the plain loop does."""
+
+    def __init__(self, n_in: int, width: int, depth: int, n_out: int) -> None:
+        super().__init__()
+        dims = [n_in] + [width] * depth
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.out = nn.Linear(width, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
 @dataclass
 class Workload:
     name: str
@@ -141,6 +159,17 @@ def workload(name: str, batch: int | None = None) -> Workload:
         models = [mlp(16, (16, 24, 32, 48)[i % 4], 1 + i % 3, 4) for i in range(64)]
         b = batch or 32
         return Workload(name, f"64 MLPs, widths 16-48, batch {b}", models, torch.randn(b, 16))
+    if name == "distinct-tiny":
+        # No two alike (auto stacks nothing), and classes of the user's own.
+        models = [Net(16, 16 + i // 2, 1 + i % 3, 4) for i in range(64)]
+        b = batch or 32
+        desc = f"64 distinct MLP classes, widths 16-47, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 16))
+    if name == "distinct-medium":
+        models = [Net(64, 128 + 24 * i, 1 + i % 3, 10) for i in range(16)]
+        b = batch or 64
+        desc = f"16 distinct MLP classes, widths 128-488, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
     if name == "identical-tiny":
         models = [mlp(16, 32, 2, 4) for _ in range(64)]
         b = batch or 32
@@ -187,8 +216,8 @@ def workload(name: str, batch: int | None = None) -> Workload:
         desc = f"8 LSTMs, widths 16-30, with a head, batch {b} x 10 steps"
         return Workload(name, desc, models, torch.randn(b, 10, 8))
     extra = (
-        "mixed-sizes", "dropout-medium", "dropout-wrapped", "transformers", "embedding-bags",
-        "lstms",
+        "distinct-tiny", "distinct-medium", "mixed-sizes", "dropout-medium", "dropout-wrapped",
+        "transformers", "embedding-bags", "lstms",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
