@@ -67,9 +67,17 @@ whether threads pay.
 #   So 2 workers take models where those with convolutions or recurrent layers do most of the
 #   work (by the estimate below: their kernels split worse over intra-op threads, and an LSTM
 #   runs all its steps in one operation without the GIL), and models whose kernel
-#   share C / O (below) is at least WORKERS_MIN_KERNEL_SHARE (below it the GIL serializes too
-#   much: 5.15 against 4.80 ms a step for the medium MLPs at batch 32, share 1.1), the latter
-#   only where the caller's team can be ended or with step_in_backward. Either only where the
+#   share C / O (below) is at least WORKERS_MIN_KERNEL_SHARE, the latter only where the
+#   caller's team can be ended or with step_in_backward. That share was 2.0 (the medium MLPs
+#   at batch 32, share 1.1, had run 5.15 ms a step on workers against 4.80 in one chunk) until
+#   MLPs written as classes of their own (benchmarks' distinct-medium, 16 of widths 128-488)
+#   showed it a cliff: at batch 64, share 1.99, one chunk ran 0.88x the plain loop and 2
+#   workers 1.05x. Measured again (2026-11-29, 2 cores, interleaved, 24 rounds, against the
+#   faster plain loop; with torch.optim.Adam after each step in brackets), one chunk -> 2
+#   workers: distinct-medium at batch 16 (share 0.50) 0.80 -> 0.91 (0.91 -> 1.04), 32 (1.00)
+#   0.87 -> 1.01 (0.93 -> 1.04), 64 (1.99) 0.90 -> 1.05 (0.79 -> 0.98); the Sequential MLPs of
+#   widths 128-512 at batch 32 (1.11) 0.92 -> 1.07 (0.97 -> 1.05); at batch 8 (share 0.25)
+#   even, 0.77 and 0.76. Either only where the
 #   chunks, claimed in their order by whichever worker is free, would finish within
 #   MAX_IMBALANCE of an even split by estimated cost: two large models and a small one left a
 #   worker idle (3 MLPs of widths 512, 512 and 512 with one layer fewer, batch 256: 2 workers
@@ -213,8 +221,8 @@ GIL_SHARE_OF_OVERHEAD = 1 / 3
 MAX_USEFUL_WORKERS = 8
 # NOTE [ Threads that pay ]: from this kernel share a budget of 2 goes to workers (with the
 # caller's team ended, or step_in_backward), where the chunks split within MAX_IMBALANCE of
-# evenly.
-WORKERS_MIN_KERNEL_SHARE = 2.0
+# evenly: between the shares measured even (0.25) and faster on workers (0.50).
+WORKERS_MIN_KERNEL_SHARE = 0.4
 MAX_IMBALANCE = 1.05
 
 
@@ -559,19 +567,39 @@ def _param_rows(
     that must not depend on the data)."""
     tensors = mp.tensors if tensors is None else tensors
     positions = _conv_positions(mp, batch)
+    tables = _embedding_tables(mp)
     rows = batch.rows * _tokens(mp, batch) if not positions else batch.rows
-    if not positions and not any_sampled():  # the common case, on every call
+    if not positions and not tables and not any_sampled():  # the common case
         return sum([t.numel() for t in tensors]) * rows
     total = 0
     for t in tensors:
         gathered = sampled_elements(t)
-        if gathered is None:
+        if gathered is None and id(t) in tables:  # NOTE [ Embedding tables ]
+            total += t.numel() // max(t.shape[0], 1) * rows
+        elif gathered is None:
             total += t.numel() * rows * positions.get(id(t), 1)
         elif last_call:
             total += gathered
         else:
             total += t.numel() // max(t.shape[0], 1) * batch.rows
     return total
+
+
+# NOTE [ Embedding tables ]
+# An nn.Embedding or nn.EmbeddingBag reads a row of its table for each id, not the whole table:
+# counted whole, 8 EmbeddingBags of 1000 rows with a head looked like models with kernels large
+# enough for workers (a kernel share of 0.50), which ran them at 0.48x the plain loop against
+# 0.63x in the calling thread (2 cores). Their weights count one row per batch row (and token),
+# as a table read through take_rows does before its first call.
+
+
+def _embedding_tables(mp: ModelParams) -> set[int]:
+    """The ids of the model's embedding tables (NOTE [ Embedding tables ])."""
+    return {
+        id(m.weight)
+        for m in mp.modules
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and isinstance(m.weight, Tensor)
+    }
 
 
 # NOTE [ Tokens ]
