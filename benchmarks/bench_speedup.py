@@ -74,8 +74,14 @@ from common import (
 
 import parsum
 
-# The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md).
-CASES = [(name, None) for name in WORKLOADS] + [("heterogeneous-medium", 64)]
+# The small-batch case of the medium workload, where threads pay most (BENCHMARKING.md), and
+# MLPs written as classes of their own, no two alike (common.Net): what a call costs models that
+# run neither as direct programs nor stacked.
+CASES = [(name, None) for name in WORKLOADS] + [
+    ("heterogeneous-medium", 64),
+    ("distinct-medium", 64),
+    ("distinct-tiny", None),
+]
 # Run only when named in --workloads: models with dropout (NOTE [ Random numbers in forwards ]),
 # and models of other layers than MLPs and CNNs: sequences (NOTE [ Tokens ] in parsum._grouping),
 # embeddings and recurrent layers, beyond direct programs (NOTE [ Direct programs ]).
