@@ -38,8 +38,10 @@
 #                                           # slowed by each other, idle (bench_places.py)
 #   bash benchmarks/run_16cores.sh next     # one call for a session with 15 minutes of the
 #                                           # machine (about 8.5 minutes): the CUDA smoke test
-#                                           # and tests, medium and tiny MLPs over 1-16 workers
-#                                           # and processes (the default's worker count), the
+#                                           # and tests, medium MLPs at batch 64 (Sequentials
+#                                           # and classes of their own) and tiny ones over 1-16
+#                                           # workers and processes (the default's worker
+#                                           # count; batch 256, run on 2026-11-27, left out), the
 #                                           # exchange between 2-16 processes, where a CUDA
 #                                           # step's host time goes (captured beside the
 #                                           # default), the main example
@@ -161,7 +163,8 @@ join)
     ;;
 next)
     cuda_checks 110
-    speedup 230 speedup-16cores --workloads heterogeneous-medium,heterogeneous-tiny \
+    speedup 230 speedup-16cores --workloads \
+        heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
         --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 5
     exchange 70 100
     (cd benchmarks && timeout 30 python profile_step.py --device cuda \
