@@ -125,7 +125,8 @@ def sum_models(
             with ``n_jobs`` left unset, small models run in the calling thread, where threads
             do not pay).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
-            the order of additions, never ``n_jobs``. Default: at most 16 chunks of about
+            the order of additions (outputs small enough are added all at once, in model
+            order, whatever the chunks), never ``n_jobs``. Default: at most 16 chunks of about
             equal estimated cost (parameters times batch rows, plus a per-model overhead).
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and
@@ -267,10 +268,19 @@ def _general_sum(
         chunks = chunks_of(units, found, batch, chunk_size)
         order = costliest_first(units, chunks, found, batch)
         claim_order: tuple[int, ...] | None = order
+        # One chunk with the budget's intra-op threads; a budget of 1 keeps the chunks an
+        # explicit n_jobs has: one thread either way, and then the same bits (NOTE [ Threads
+        # that pay ] in _grouping).
         if (
             chosen
             and chunk_size is None
-            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
+            and (
+                on_device
+                or (
+                    budget > 1
+                    and intra_op_only(found, batch, budget, units, chunks, order, stepping)
+                )
+            )
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch, budget) if chosen else n_workers

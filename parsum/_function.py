@@ -30,7 +30,7 @@ import functools
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -66,7 +66,7 @@ from ._random import (
     warn_thread_timing,
 )
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
-from ._summation import WIDE, ChunkPartials, CompensatedAccumulator
+from ._summation import WIDE, ChunkPartials, CompensatedAccumulator, sums_at_once
 
 if TYPE_CHECKING:
     from ._plans import Walk
@@ -304,6 +304,8 @@ def run_forward(
                 raise _describe_mismatch(plan, i, sig, ref) from None
 
     failed_chunks: list[int] = []
+    # A stacked group's outputs are added with one reduction of their own (_add_group).
+    one_model_units = all(len(unit.models) == 1 for unit in plan.units)
     weighted = weight_tensor is not None or plan.weights is not None
     models = plan.models
     positions = call.grad_positions
@@ -336,7 +338,7 @@ def run_forward(
     if walk.draws_random is not False and walk.recomputes is None and walk.kept:
         nodes = []
 
-    def forward_chunk(k: int) -> list[CompensatedAccumulator]:
+    def forward_chunk(k: int) -> ChunkSum:
         try:
             if turns is not None:
                 draw_chunk_noise(k)
@@ -359,8 +361,9 @@ def run_forward(
         finally:
             turns.done(k)
 
-    def sum_chunk(k: int) -> list[CompensatedAccumulator]:
+    def sum_chunk(k: int) -> ChunkSum:
         accs: list[CompensatedAccumulator] = []
+        at_once = False  # NOTE [ One reduction for small outputs ] in _summation
         # Each output leaf's values not added yet: added together, in model order, with one
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
@@ -425,6 +428,7 @@ def run_forward(
                     first = i
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
+                    at_once = one_model_units and all(sums_at_once(n, t) for t in leaves)
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
                 if roots is not None:
@@ -440,16 +444,25 @@ def run_forward(
                     values = [v * w for v in values]  # type: ignore[operator]  # never None
                 for waiting, v in zip(pending, values):
                     waiting.append(v)
+        if at_once:
+            return ChunkSum(None, pending)
         _flush(accs, pending)
-        return accs
+        return ChunkSum(accs, None)
 
-    def consume(k: int, accs: list[CompensatedAccumulator]) -> None:
+    def consume(k: int, chunk: ChunkSum) -> None:
         # The chunk's models all match its first (sum_chunk): that one against model 0's.
         if signatures[plan.units[plan.chunks[k][0]].models[0]] != signatures[0]:
             raise_first_mismatch(models_of(range(k, k + 1)))
+        if chunk.terms is not None:
+            if not totals:
+                totals.extend(ChunkPartials() for _ in chunk.terms)
+            for total, terms in zip(totals, chunk.terms):
+                total.add_terms(terms)
+            return
+        assert chunk.accs is not None
         if not totals:
-            totals.extend(ChunkPartials() for _ in accs)
-        for total, acc in zip(totals, accs):
+            totals.extend(ChunkPartials() for _ in chunk.accs)
+        for total, acc in zip(totals, chunk.accs):
             total.merge(acc)
 
     in_order = bool(walk.draws_random and not walk.predraws)
@@ -557,6 +570,15 @@ def _note_random_draws(
         walk.recomputes = may_recompute(nodes)
     # Not looked for (forwards on several threads, or a walk for one call): one thread.
     plan.one_thread_backward = walk.recomputes is not False
+
+
+class ChunkSum(NamedTuple):
+    """A chunk's outputs: summed per output leaf (``accs``), or, to be summed with every other
+    chunk's at the end, the terms themselves per output leaf (``terms``; NOTE [ One reduction
+    for small outputs ] in _summation)."""
+
+    accs: list[CompensatedAccumulator] | None
+    terms: list[list[Tensor]] | None
 
 
 def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> None:

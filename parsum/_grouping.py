@@ -47,7 +47,10 @@ whether threads pay.
 # [ Thread budget ] in _pool) is spent: on intra-op threads inside each model's kernels, or on
 # workers that run different models side by side.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
-#   in the calling thread as one chunk with the whole budget, as the plain loop does, unless
+#   in the calling thread as one chunk with the whole budget, as the plain loop does (a budget
+#   of 1 keeps the chunks an explicit n_jobs has, run one after the other: one thread either
+#   way, and then the bits of an explicit n_jobs, x's gradient's included; 64 tiny MLPs took
+#   2-3% longer a step in 16 chunks than in one, with their outputs summed at once), unless
 #   their chunks split evenly over 2 workers and the workers pay with the optimizer the user
 #   runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
 #   whose OpenMP threads then spin for 5-9 ms on the cores (NOTE [ Spinning intra-op

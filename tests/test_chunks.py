@@ -127,7 +127,9 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     models = learned([mlp([256 + i, 256]) for i in range(8)], x)  # of their own: none stacked
     parsum.sum_models(models, x)
     chunks, workers = jobs_run[-1]
-    if n_cores <= 2:
+    if n_cores == 1:  # one thread, the chunks of an explicit n_jobs (and its bits)
+        assert (chunks, workers) == (len(models), 1)
+    elif n_cores == 2:
         assert (chunks, workers) == (1, min(n_cores, useful_workers_of(models, x)))
     else:
         assert chunks == len(models) and 1 < workers <= n_cores
@@ -258,8 +260,10 @@ def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
     y = parsum.sum_models(models, x)  # with any optimizer
     if n_cores == 2 and mlps == 0:
         assert jobs_run[-1] == (len(models), 2)
-    else:
+    elif n_cores == 2:
         assert jobs_run[-1][0] == 1  # one chunk, on the intra-op threads
+    else:
+        assert jobs_run[-1] == (len(models), 1)  # one thread
     y.sum().backward()
     expected = torch.stack([m(x) for m in models]).double().sum(0)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
@@ -290,7 +294,7 @@ def test_a_budget_of_2_goes_to_workers_where_recurrent_layers_do_most_of_the_wor
     share = _grouping._kernel_share(mps, Batch.of([x]))
     assert share >= _grouping.MIN_KERNEL_SHARE
     y = parsum.sum_models(models, x)
-    assert jobs_run[-1] == ((len(models), 2) if n_cores == 2 else (1, 1))
+    assert jobs_run[-1] == (len(models), n_cores)
     y.sum().backward()
     expected = torch.stack([m(x) for m in models]).double().sum(0)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
@@ -620,3 +624,67 @@ def test_useful_workers_grow_with_the_kernels_up_to_a_cap():
     assert counts == sorted(counts) and counts[0] > 1
     assert counts[-1] == MAX_USEFUL_WORKERS
     assert workers(medium, 4096, budget=64) == 32  # half a larger budget
+
+
+def _step_bits(models, x, **kwargs):
+    """The output, x's gradient and every parameter's gradient of one step, cloned."""
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = parsum.sum_models(models, x, **kwargs)
+    y.pow(2).mean().backward()
+    return [y.detach().clone(), x.grad.clone(), *(g.clone() for g in param_grads(models))]
+
+
+def test_a_budget_of_1_gives_the_bits_of_an_explicit_n_jobs(cores, jobs_run):
+    # NOTE [ Threads that pay ]: one thread either way, so the default keeps the chunks that an
+    # explicit n_jobs has, and its bits, x's gradient's included (summed chunk by chunk).
+    cores(1)
+    x = torch.randn(5, IN)
+    models = learned([mlp([4 + i % 5, 3 + i % 3]) for i in range(20)], x)
+    default = _step_bits(models, x)
+    assert jobs_run[-1][0] > 1  # its chunks, run in the calling thread
+    for n_jobs in (1, 2):
+        explicit = _step_bits(models, x, n_jobs=n_jobs)
+        assert all(torch.equal(a, b) for a, b in zip(default, explicit))
+
+
+class _Head(torch.nn.Module):
+    """A linear model of any output width."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(IN, n_out)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("n_out", [3, 70_000])  # summed at once, and chunk by chunk
+def test_the_sum_does_not_depend_on_n_jobs_and_is_compensated(n_out):
+    # NOTE [ One reduction for small outputs ] in parsum._summation: small outputs, all of
+    # them summed at once whatever the chunks; large ones chunk by chunk, in chunk order.
+    from parsum._summation import sums_at_once
+
+    x = torch.randn(2, IN)
+    models = [_Head(n_out) for _ in range(12)]
+    with torch.no_grad():  # outputs 1e8, ten times 0.3, -1e8: a float32 running sum loses 3
+        for i, m in enumerate(models):
+            m.lin.weight.zero_()
+            m.lin.bias.fill_(1e8 if i == 0 else -1e8 if i == 11 else 0.3)
+    outs = [m(x).detach() for m in models]
+    assert sums_at_once(len(models), outs[0]) == (n_out == 3)
+    runs = {
+        (n_jobs, chunk_size): parsum.sum_models(
+            models, x, n_jobs=n_jobs, chunk_size=chunk_size
+        ).detach()
+        for n_jobs in (1, 2, 3)
+        for chunk_size in (None, 5)
+    }
+    for (_, chunk_size), run in runs.items():
+        assert torch.equal(run, runs[1, chunk_size])  # any n_jobs
+        if n_out == 3:
+            assert torch.equal(run, runs[1, None])  # and any chunks
+    exact = torch.stack(outs).double().sum(0)
+    assert torch.equal(runs[1, None], exact.float())  # 3.0000001, where sum(outs) gives 0
+    assert not torch.equal(sum(outs), exact.float())
