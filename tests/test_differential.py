@@ -6,7 +6,8 @@ graphs, steps in the backward, models changed between calls, and models that fai
 or backward. Every call's outputs and gradients must be the plain loop's (within rounding),
 the same bits for every n_jobs and beside calls in other threads, and a failed call must
 change nothing.
-``python -m tests.test_differential FIRST COUNT`` plays more cases than the suite."""
+``python -m tests.test_differential FIRST COUNT [BUDGET]`` plays more cases than the suite (on a
+thread budget of 3, or BUDGET)."""
 
 from __future__ import annotations
 
@@ -964,8 +965,15 @@ if __name__ == "__main__":
     # A crash prints every thread's Python stack (one run of 2026-11-29 ended in a general
     # protection fault inside glibc's malloc, in the calling thread, with nothing else to go on).
     faulthandler.enable(all_threads=True)
-    _config.usable_cores = lambda: 3  # type: ignore[assignment]
-    torch.set_num_threads(3)
+    # An optional third argument sets the thread budget (default 3). On budgets of 1 and 2 the
+    # default may plan apart from an explicit n_jobs (NOTE [ Threads that pay ] in
+    # parsum._grouping): on 1 it must give their bits, on 2 it may not (one chunk on both
+    # intra-op threads), and is left out.
+    budget = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    _config.usable_cores = lambda: budget  # type: ignore[assignment]
+    torch.set_num_threads(budget)
+    if budget == 2:
+        N_JOBS = (1, 2, 3)
     first, count = int(sys.argv[1]), int(sys.argv[2])
     failed = _failures("seed {}", check, range(first, first + count))
     groups = [range(g, min(g + 10, first + count)) for g in range(first, first + count, 10)]
