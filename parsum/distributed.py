@@ -96,6 +96,7 @@ from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
 _PARSUM_KEYWORDS = ("weights", "n_jobs", "engine", "chunk_size", "step_in_backward")
+_TENSOR_SPEC = pytree.tree_structure(torch.empty(0))
 
 
 def sum_models(
@@ -164,7 +165,10 @@ def sum_models(
     try:
         with announcing_backward_failures(announce if wanted else None), distributed_call():
             local = _local_sum(models, *args, **kwargs)
-        local_leaves, out_spec = pytree.tree_flatten(local)
+        # A tensor without tree_flatten, whose recursive helper is a reference cycle a call
+        local_leaves, out_spec = (
+            ([local], _TENSOR_SPEC) if isinstance(local, Tensor) else pytree.tree_flatten(local)
+        )
     except Exception as exc:  # announced to the other ranks before it is raised here
         error = exc
     signature = repr([(tuple(t.shape), str(t.dtype)) for t in local_leaves]) + repr(out_spec)
