@@ -125,8 +125,8 @@ def sum_models(
             with ``n_jobs`` left unset, small models run in the calling thread, where threads
             do not pay).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
-            the order of additions (outputs small enough are added all at once, in model
-            order, whatever the chunks), never ``n_jobs``. Default: at most 16 chunks of about
+            the order of additions (outputs small enough are added all at once at the end, in
+            the chunks' order), never ``n_jobs``. Default: at most 16 chunks of about
             equal estimated cost (parameters times batch rows, plus a per-model overhead).
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and

@@ -304,8 +304,6 @@ def run_forward(
                 raise _describe_mismatch(plan, i, sig, ref) from None
 
     failed_chunks: list[int] = []
-    # A stacked group's outputs are added with one reduction of their own (_add_group).
-    one_model_units = all(len(unit.models) == 1 for unit in plan.units)
     weighted = weight_tensor is not None or plan.weights is not None
     models = plan.models
     positions = call.grad_positions
@@ -415,10 +413,19 @@ def run_forward(
                     first = unit.models[0]
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
+                    at_once = all(sums_at_once(n, t) for t in leaves)
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
+                if at_once:  # each model's output a term, in the group's order
+                    group = _weighted_group(plan, unit.models, run.stacked, weight_tensor)
+                    for waiting, v in zip(pending, group):
+                        waiting.extend(v.unbind(0))
+                    continue
                 _flush(accs, pending)
-                _add_group(plan, unit.models, run.stacked, weight_tensor, accs)
+                for acc, v in zip(
+                    accs, _weighted_group(plan, unit.models, run.stacked, weight_tensor)
+                ):
+                    acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
                 continue
             for i, out in zip(unit.models, run.outs):
                 leaves, sig = _signature(plan, i, out)
@@ -428,7 +435,7 @@ def run_forward(
                     first = i
                     accs = [CompensatedAccumulator() for _ in leaves]
                     pending = [[] for _ in leaves]
-                    at_once = one_model_units and all(sums_at_once(n, t) for t in leaves)
+                    at_once = all(sums_at_once(n, t) for t in leaves)
                 elif sig != signatures[first]:
                     raise _ChunkMismatch
                 if roots is not None:
@@ -588,26 +595,27 @@ def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> N
             waiting.clear()
 
 
-def _add_group(
+def _weighted_group(
     plan: SumPlan,
     members: tuple[int, ...],
     stacked: list[Tensor],
     weight_tensor: Tensor | None,
-    accs: list[CompensatedAccumulator],
-) -> None:
-    """Add a stacked group's weighted outputs (models along dim 0) with one wide reduction."""
+) -> list[Tensor]:
+    """A stacked group's outputs (models along dim 0), detached and weighted."""
     w: Tensor | list[float] | None = None
     if weight_tensor is not None:
         w = weight_tensor.detach()[list(members)]
     elif plan.weights is not None:
         w = [plan.weights[i] for i in members]
-    for acc, leaf in zip(accs, stacked):
+    weighted = []
+    for leaf in stacked:
         v = leaf.detach()
         if w is not None:
             # On the output's device, whatever the default device or the weights' device.
             wv = torch.as_tensor(w, dtype=v.dtype, device=v.device)
             v = v * wv.view(-1, *([1] * (v.dim() - 1)))
-        acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
+        weighted.append(v)
+    return weighted
 
 
 class _BufferSnapshot:

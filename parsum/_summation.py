@@ -179,13 +179,15 @@ PARTIALS_BYTES = 4 * 2**20
 
 # NOTE [ One reduction for small outputs ]
 # Where all the models' outputs together fit in PARTIALS_BYTES of wide values, a chunk does not
-# sum its models' outputs: it hands them over, and the call adds all of them in model order with
-# one wide reduction at the end (``ChunkPartials.add_terms``), whatever the chunks. Chunk sums
-# of a few small outputs cost more than their arithmetic: 64 MLPs of 4 outputs at batch 32 in 16
-# chunks took 0.28-0.37 ms less a forward this way (one thread, 3% of the step; 16 medium MLPs
-# in chunks of one model: the same). Which outputs are summed at once depends on their shape,
-# dtype and count alone, so the bits stay those of any n_jobs, and they no longer depend on the
-# chunks either. The outputs wait until then: one that is a view keeps its base alive as long.
+# sum its models' outputs, nor a stacked group its own: it hands them over, and the call adds
+# all of them, in the order of the chunks and their units (a group's models in its order), with
+# one wide reduction at the end (``ChunkPartials.add_terms``). Sums of a few small outputs cost
+# more than their arithmetic: 64 MLPs of 4 outputs at batch 32 in 16 chunks took 0.28-0.37 ms
+# less a forward this way (one thread, 3% of the step; 16 medium MLPs in chunks of one model:
+# the same), and 64 tiny MLPs in 12 stacked groups 0.6-3.4% less a step (budgets of 1 and 2,
+# n_jobs unset, 1 and 2; in one package, the switch flipped step by step). Which outputs are
+# summed at once depends on their shape, dtype and count alone, so the bits stay those of any
+# n_jobs. The outputs wait until then: one that is a view keeps its base alive as long.
 
 
 def sums_at_once(n_terms: int, like: Tensor) -> bool:
