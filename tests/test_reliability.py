@@ -548,3 +548,46 @@ def test_a_call_leaves_no_reference_cycle_behind(kind, n_jobs):
         gc.set_debug(saved)
         gc.garbage.clear()
     assert left == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_interrupt_as_the_caller_releases_a_chunk_does_not_hang(monkeypatch, phase):
+    # NOTE [ Interrupted callers ] in parsum._pool: a KeyboardInterrupt raised in the calling
+    # thread right as it releases a chunk it ran (found by the interrupt test in CI, once in
+    # six runs); the call raises it once the helpers' chunks are done, and the next calls run.
+    from parsum import _pool
+    from tests.zoo import mlp
+
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(8)]
+    x = torch.randn(16, IN, requires_grad=True)
+    want = plain_sum(models, x)
+    threads = torch.get_num_threads()
+    caller = threading.get_ident()
+    release = _pool._Job._release
+    armed = [False]
+
+    def interrupted(self, *args):
+        if armed[0] and threading.get_ident() == caller:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return release(self, *args)
+
+    monkeypatch.setattr(_pool._Job, "_release", interrupted)
+    y = None
+    with pytest.raises(KeyboardInterrupt):
+        armed[0] = phase == "forward"
+        y = parsum.sum_models(models, x, n_jobs=2)
+        armed[0] = True
+        y.pow(2).mean().backward()
+    assert not armed[0]
+    assert torch.get_num_threads() == threads
+    monkeypatch.setattr(_pool._Job, "_release", release)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    x.grad = None
+    got = parsum.sum_models(models, x, n_jobs=2)
+    torch.testing.assert_close(got, want)
+    got.pow(2).mean().backward()
+    assert all(p.grad is not None for m in models for p in m.parameters())
