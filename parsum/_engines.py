@@ -1121,6 +1121,14 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
 _LEAF = pytree.tree_structure(0)
 
 
+def flatten_output(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``pytree.tree_flatten``, a tensor (the usual output) without it: its recursive helper is a
+    reference cycle left to the garbage collector on every call (torch 2.13: 7 objects)."""
+    if isinstance(tree, Tensor):
+        return [tree], _LEAF
+    return pytree.tree_flatten(tree)
+
+
 def batched_forward(
     model: nn.Module,
     program: list[Step] | None,
@@ -1149,9 +1157,7 @@ def batched_forward(
 
         chunk = _models_per_chunk(trainable, args, kwargs)
         out = torch.vmap(one, randomness="different", chunk_size=chunk)(trainable, state)
-    # A tensor, the usual output, without tree_flatten, whose recursive helper is a reference
-    # cycle left to the garbage collector on every call (torch 2.13: 7 objects a unit).
-    leaves, spec = ([out], _LEAF) if isinstance(out, Tensor) else pytree.tree_flatten(out)
+    leaves, spec = flatten_output(out)
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
             raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")

@@ -87,7 +87,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ._api import sum_models as _local_sum
-from ._engines import ModelParams
+from ._engines import ModelParams, flatten_output
 from ._errors import ParsumError
 from ._function import announcing_backward_failures, distributed_call, not_differentiable
 from ._grouping import AUTO_STACK_MIN_BATCHED, Batch, estimated_cost, structure_key
@@ -96,7 +96,6 @@ from ._summation import CompensatedAccumulator
 
 _WHERE = "parsum.distributed.sum_models"
 _PARSUM_KEYWORDS = ("weights", "n_jobs", "engine", "chunk_size", "step_in_backward")
-_TENSOR_SPEC = pytree.tree_structure(torch.empty(0))
 
 
 def sum_models(
@@ -165,10 +164,7 @@ def sum_models(
     try:
         with announcing_backward_failures(announce if wanted else None), distributed_call():
             local = _local_sum(models, *args, **kwargs)
-        # A tensor without tree_flatten, whose recursive helper is a reference cycle a call
-        local_leaves, out_spec = (
-            ([local], _TENSOR_SPEC) if isinstance(local, Tensor) else pytree.tree_flatten(local)
-        )
+        local_leaves, out_spec = flatten_output(local)
     except Exception as exc:  # announced to the other ranks before it is raised here
         error = exc
     signature = repr([(tuple(t.shape), str(t.dtype)) for t in local_leaves]) + repr(out_spec)
