@@ -44,6 +44,7 @@ from ._grouping import (
     chunks_of,
     costliest_first,
     intra_op_only,
+    intra_op_pays,
     plan_units,
     small_last_chunk,
     storage_stack_limit,
@@ -279,6 +280,7 @@ def _general_sum(
                 or (
                     budget > 1
                     and intra_op_only(found, batch, budget, units, chunks, order, stepping)
+                    and intra_op_pays(units, found, batch)
                 )
             )
         ):

@@ -47,10 +47,12 @@ whether threads pay.
 # [ Thread budget ] in _pool) is spent: on intra-op threads inside each model's kernels, or on
 # workers that run different models side by side.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
-#   in the calling thread as one chunk with the whole budget, as the plain loop does (a budget
-#   of 1 keeps the chunks an explicit n_jobs has, run one after the other: one thread either
-#   way, and then the bits of an explicit n_jobs, x's gradient's included; 64 tiny MLPs took
-#   2-3% longer a step in 16 chunks than in one, with their outputs summed at once), unless
+#   in the calling thread as one chunk with the whole budget, as the plain loop does, where
+#   their kernels are large enough to split (NOTE [ Kernels too small for intra-op threads ];
+#   a budget of 1 keeps the chunks an explicit n_jobs has, run one after the other: one thread
+#   either way, and then the bits of an explicit n_jobs, x's gradient's included; 64 tiny
+#   MLPs took 2-3% longer a step in 16 chunks than in one, with their outputs summed at once),
+#   unless
 #   their chunks split evenly over 2 workers and the workers pay with the optimizer the user
 #   runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
 #   whose OpenMP threads then spin for 5-9 ms on the cores (NOTE [ Spinning intra-op
@@ -114,6 +116,22 @@ whether threads pay.
 #   positions over the stride): 8 small CNNs on 28x28 images at batch 8-16 ran 1.5x faster on
 #   2 threads than on 1, which counting each weight once (0.07-0.15M parameter-rows a model)
 #   missed.
+#
+# NOTE [ Kernels too small for intra-op threads ]
+# A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
+# split: an MLP's matmuls of 32 rows and widths under 50 are not, and a second thread then costs
+# each parallel op its wake-up, and the core when the machine is busy. Where every unit has
+# fewer than INTRA_OP_MIN_PARAM_ROWS parameter-rows and none is a stacked group, the default
+# keeps the chunks of an explicit n_jobs in the calling thread, on one intra-op thread each
+# (as on a budget of 1 or more than 2: then with the bits of an explicit n_jobs too). Measured
+# on 2 cores (2026-11-29, in one process, each way on its own copy of the models, interleaved,
+# 30-40 rounds, in two runs): 64 distinct MLP classes of widths 16-47 at batch 32 (0.18M
+# parameter-rows the largest) 1.08x and 1.17x faster, at batch 16 1.04x and 1.14x, 8
+# EmbeddingBags with a head 0.99x and 1.08x (the second run on a busier machine: the plain loop
+# 1.43x slower on 2 threads than on 1 there, 1.10x in the first); at batch 64 (0.35M) even,
+# 16 MLP classes of widths 128-488 at batch 1 (0.47M) even. 64 tiny Sequential MLPs in stacked
+# groups ran 0.95x at batch 8 (a group's matmuls are batched over its models): groups keep one
+# chunk.
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
@@ -227,6 +245,9 @@ MAX_USEFUL_WORKERS = 8
 # evenly: between the shares measured even (0.25) and faster on workers (0.50).
 WORKERS_MIN_KERNEL_SHARE = 0.4
 MAX_IMBALANCE = 1.05
+# NOTE [ Kernels too small for intra-op threads ]: below this many parameter-rows in every
+# unit, a budget of 2 keeps the models on one intra-op thread.
+INTRA_OP_MIN_PARAM_ROWS = 262_144
 
 
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
@@ -405,6 +426,16 @@ def intra_op_only(
     # an optimizer step (NOTE [ The caller's OpenMP team ] in _pool).
     paid = stepping or _pool.releases_callers_team()
     return not (paid and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
+
+
+def intra_op_pays(units: Sequence[Unit], model_params: Sequence[ModelParams], batch: Batch) -> bool:
+    """Whether the models' kernels are large enough for a second intra-op thread to pay, or
+    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ])."""
+    return any(
+        unit.engine == "stacked"
+        or sum(_param_rows(model_params[i], batch) for i in unit.models) >= INTRA_OP_MIN_PARAM_ROWS
+        for unit in units
+    )
 
 
 def _runs_long_kernels(mp: ModelParams, batch: Batch) -> bool:

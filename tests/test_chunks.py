@@ -649,6 +649,52 @@ def test_a_budget_of_1_gives_the_bits_of_an_explicit_n_jobs(cores, jobs_run):
         assert all(torch.equal(a, b) for a, b in zip(default, explicit))
 
 
+class _ThreadsSeen(torch.nn.Module):
+    """A one-hidden-layer MLP that records the intra-op threads its forwards run on."""
+
+    def __init__(self, width, seen):
+        super().__init__()
+        self.hidden, self.out = torch.nn.Linear(IN, width), torch.nn.Linear(width, OUT)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.add(torch.get_num_threads())
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+@pytest.mark.parametrize("kind", ["tiny", "one wide", "stacked"])
+def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind):
+    # NOTE [ Kernels too small for intra-op threads ] in parsum._grouping: where no model's
+    # kernels are large enough for a second intra-op thread, the default runs the chunks of an
+    # explicit n_jobs in the calling thread, one intra-op thread each, with its bits; a model
+    # large enough, or a stacked group, keeps one chunk on both threads.
+    cores(2)
+    seen: set[int] = set()
+    x = torch.randn(32, IN)
+    if kind == "stacked":  # two architectures, 8 alike each: auto stacks them in two groups
+        models = [mlp([24]) for _ in range(8)] + [mlp([16]) for _ in range(8)]
+    else:  # of their own: none stacked
+        models = [_ThreadsSeen(8 + i, seen) for i in range(12)]
+    if kind == "one wide":
+        models.append(_ThreadsSeen(1200, seen))
+    mps = [ModelParams.of(m) for m in models]
+    rows = [_grouping._param_rows(mp, Batch.of([x])) for mp in mps]
+    assert (max(rows) >= _grouping.INTRA_OP_MIN_PARAM_ROWS) == (kind == "one wide")
+    learned(models, x)
+    seen.clear()
+    default = _step_bits(models, x)
+    chunks, workers = jobs_run[-1]
+    if kind == "tiny":
+        assert chunks > 1 and workers == 1 and seen == {1}
+        for n_jobs in (1, 2):
+            explicit = _step_bits(models, x, n_jobs=n_jobs)
+            assert all(torch.equal(a, b) for a, b in zip(default, explicit))
+    else:
+        assert chunks == 1
+        assert kind == "stacked" or seen == {2}
+    assert torch.get_num_threads() == 2  # the caller's, restored
+
+
 class _Head(torch.nn.Module):
     """A linear model of any output width."""
 

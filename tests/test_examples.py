@@ -157,6 +157,11 @@ def test_bench_team():
     assert "the caller's team can be ended: " in out
 
 
+def test_bench_intra_op():
+    out = run("benchmarks/bench_intra_op.py", "--rounds", "1", "--workloads", "distinct-tiny:8")
+    assert "default against one chunk " in out and "against the faster plain loop: " in out
+
+
 def test_bench_against_another_revision():
     args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--adam"]
     out = run("benchmarks/bench_against.py", *args, "--workloads", "heterogeneous-medium:16")
