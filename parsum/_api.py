@@ -280,7 +280,7 @@ def _general_sum(
                 or (
                     budget > 1
                     and intra_op_only(found, batch, budget, units, chunks, order, stepping)
-                    and intra_op_pays(units, found, batch)
+                    and (stepping or intra_op_pays(units, found, batch))
                 )
             )
         ):

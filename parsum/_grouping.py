@@ -131,7 +131,10 @@ whether threads pay.
 # 1.43x slower on 2 threads than on 1 there, 1.10x in the first); at batch 64 (0.35M) even,
 # 16 MLP classes of widths 128-488 at batch 1 (0.47M) even. 64 tiny Sequential MLPs in stacked
 # groups ran 0.95x at batch 8 (a group's matmuls are batched over its models): groups keep one
-# chunk.
+# chunk. So do models whose optimizer steps in the backward: the steps of a chunk's small
+# models run as one (NOTE [ One step over a chunk's small models ] in _fused), and in 16
+# chunks the tiny classes with one Adam each ran 0.93x, the EmbeddingBags 0.70x. With Adam
+# stepped after the call, the tiny classes and the EmbeddingBags ran even (1.01x, 0.98x).
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
@@ -246,7 +249,8 @@ MAX_USEFUL_WORKERS = 8
 WORKERS_MIN_KERNEL_SHARE = 0.4
 MAX_IMBALANCE = 1.05
 # NOTE [ Kernels too small for intra-op threads ]: below this many parameter-rows in every
-# unit, a budget of 2 keeps the models on one intra-op thread.
+# unit (none stacked, no step in the backward), a budget of 2 keeps the models on one
+# intra-op thread.
 INTRA_OP_MIN_PARAM_ROWS = 262_144
 
 

@@ -695,6 +695,17 @@ def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run
     assert torch.get_num_threads() == 2  # the caller's, restored
 
 
+def test_a_budget_of_2_keeps_tiny_models_that_step_in_the_backward_on_one_chunk(cores, jobs_run):
+    # NOTE [ Kernels too small for intra-op threads ]: their steps run as one a chunk.
+    cores(2)
+    x = torch.randn(32, IN)
+    models = learned([_ThreadsSeen(8 + i, set()) for i in range(12)], x)
+    parsum.sum_models(models, x, step_in_backward=stepping(models)).pow(2).sum().backward()
+    assert jobs_run[-1] == (1, 1)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    assert jobs_run[-1][0] > 1
+
+
 class _Head(torch.nn.Module):
     """A linear model of any output width."""
 
