@@ -134,8 +134,8 @@ whether threads pay.
 # chunk. So do models whose optimizer steps in the backward: the steps of a chunk's small
 # models run as one (NOTE [ One step over a chunk's small models ] in _fused), and in 16
 # chunks the tiny classes with one Adam each ran 0.93x, the EmbeddingBags 0.70x. With Adam
-# stepped after the call, the tiny classes ran 1.01x and 1.12x (two runs; at batch 16 1.10x),
-# the EmbeddingBags 0.98x (twice).
+# stepped after the call, the tiny classes ran 1.01-1.12x (three runs; at batch 16 1.06-1.10x),
+# the EmbeddingBags 0.98-1.00x (``benchmarks/bench_intra_op.py --adam``).
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,

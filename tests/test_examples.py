@@ -158,8 +158,11 @@ def test_bench_team():
 
 
 def test_bench_intra_op():
-    out = run("benchmarks/bench_intra_op.py", "--rounds", "1", "--workloads", "distinct-tiny:8")
-    assert "default against one chunk " in out and "against the faster plain loop: " in out
+    for adam in ([], ["--adam"]):
+        args = ["--rounds", "1", "--workloads", "distinct-tiny:8", *adam]
+        out = run("benchmarks/bench_intra_op.py", *args)
+        assert "default against one chunk " in out and "against the faster plain loop: " in out
+    assert "; steps with Adam" in out
 
 
 def test_bench_against_another_revision():
