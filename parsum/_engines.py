@@ -1118,14 +1118,15 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
     return trainable, state
 
 
-_LEAF = pytree.tree_structure(0)
+# A single tensor's spec (any leaf's: they are equal).
+LEAF_SPEC = pytree.tree_structure(0)
 
 
 def flatten_output(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """``pytree.tree_flatten``, a tensor (the usual output) without it: its recursive helper is a
     reference cycle left to the garbage collector on every call (torch 2.13: 7 objects)."""
     if isinstance(tree, Tensor):
-        return [tree], _LEAF
+        return [tree], LEAF_SPEC
     return pytree.tree_flatten(tree)
 
 
@@ -1237,7 +1238,7 @@ def stacked_forward(
         args, kwargs = call.build(inputs)
         trainable, state = stacked_tensors(params)
         leaves, spec = batched_forward(model, program_of(model), trainable, state, args, kwargs)
-    if spec == _LEAF:  # the usual case: one unbind for every model's view
+    if spec == LEAF_SPEC:  # the usual case: one unbind for every model's view
         outs: list[Any] = list(leaves[0].unbind(0))
     else:
         outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from . import _pool
 from ._engines import (
+    LEAF_SPEC,
     CallArgs,
     GraphPullback,
     ModelParams,
@@ -175,12 +176,9 @@ class SumPlan:
         return None if self.weights is None else self.weights[i]
 
 
-_LEAF = pytree.tree_structure(torch.empty(0))
-
-
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
     if isinstance(out, Tensor):  # the usual output: no pytree walk
-        return [out], (_LEAF, ((out.shape, out.dtype, out.device),))
+        return [out], (LEAF_SPEC, ((out.shape, out.dtype, out.device),))
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
         raise ParsumError(
