@@ -52,9 +52,8 @@ whether threads pay.
 #   a budget of 1 keeps the chunks an explicit n_jobs has, run one after the other: one thread
 #   either way, and then the bits of an explicit n_jobs, x's gradient's included; 64 tiny
 #   MLPs took 2-3% longer a step in 16 chunks than in one, with their outputs summed at once),
-#   unless
-#   their chunks split evenly over 2 workers and the workers pay with the optimizer the user
-#   runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
+#   unless their chunks split evenly over 2 workers and the workers pay with the optimizer the
+#   user runs. An ordinary optimizer step between calls runs on the caller's intra-op threads,
 #   whose OpenMP threads then spin for 5-9 ms on the cores (NOTE [ Spinning intra-op
 #   threads ] in _pool): the next call's helper shares a core with one. Measured on 2 cores,
 #   interleaved (20 ms of untimed steps before each timed one), a step with torch.optim.Adam
@@ -122,20 +121,21 @@ whether threads pay.
 # split: an MLP's matmuls of 32 rows and widths under 50 are not, and a second thread then costs
 # each parallel op its wake-up, and the core when the machine is busy. Where every unit has
 # fewer than INTRA_OP_MIN_PARAM_ROWS parameter-rows and none is a stacked group, the default
-# keeps the chunks of an explicit n_jobs in the calling thread, on one intra-op thread each
-# (as on a budget of 1 or more than 2: then with the bits of an explicit n_jobs too). Measured
-# on 2 cores (2026-11-29, in one process, each way on its own copy of the models, interleaved,
-# 30-40 rounds, in two runs): 64 distinct MLP classes of widths 16-47 at batch 32 (0.18M
-# parameter-rows the largest) 1.08x and 1.17x faster, at batch 16 1.04x and 1.14x, 8
-# EmbeddingBags with a head 0.99x and 1.08x (the second run on a busier machine: the plain loop
-# 1.43x slower on 2 threads than on 1 there, 1.10x in the first); at batch 64 (0.35M) even,
-# 16 MLP classes of widths 128-488 at batch 1 (0.47M) even. 64 tiny Sequential MLPs in stacked
-# groups ran 0.95x at batch 8 (a group's matmuls are batched over its models): groups keep one
-# chunk. So do models whose optimizer steps in the backward: the steps of a chunk's small
-# models run as one (NOTE [ One step over a chunk's small models ] in _fused), and in 16
-# chunks the tiny classes with one Adam each ran 0.93x, the EmbeddingBags 0.70x. With Adam
-# stepped after the call, the tiny classes ran 1.01-1.12x (three runs; at batch 16 1.06-1.10x),
-# the EmbeddingBags 0.98-1.00x (``benchmarks/bench_intra_op.py --adam``).
+# keeps the chunks of an explicit n_jobs in the calling thread, on one intra-op thread each, as
+# a budget of 1 does, and gives an explicit n_jobs's bits. Measured on 2 cores (2026-11-29, in
+# one process, each way on its own copy of the models, interleaved, 30-40 rounds, three runs,
+# the last ``benchmarks/bench_intra_op.py``): 64 distinct MLP classes of widths 16-47 at batch
+# 32 (0.18M parameter-rows the largest) 1.08x, 1.17x and 1.08x faster, at batch 16 1.04x,
+# 1.14x and 1.05x, 8 EmbeddingBags with a head 0.99x, 1.08x and 0.97x (the second run on a
+# busier machine: the plain loop 1.43x slower on 2 threads than on 1 there, 1.10x in the
+# first); at batch 64 (0.35M) even, 16 MLP classes of widths 128-488 at batch 1 (0.47M) even.
+# 64 tiny Sequential MLPs in stacked groups ran 0.95x at batch 8 (a group's matmuls are
+# batched over its models): groups keep one chunk. So do models whose optimizer steps in the
+# backward: the steps of a chunk's small models run as one (NOTE [ One step over a chunk's
+# small models ] in _fused), and in 16 chunks the tiny classes with one Adam each ran 0.93x,
+# the EmbeddingBags 0.70x. With Adam stepped after the call, the tiny classes ran 1.01-1.12x
+# (three runs; at batch 16 1.06-1.10x), the EmbeddingBags 0.98-1.00x (``bench_intra_op.py
+# --adam``).
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
