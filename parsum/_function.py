@@ -364,6 +364,20 @@ def run_forward(
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
         first: int | None = None
+
+        def admit(i: int, leaves: list[Tensor], sig: Signature) -> None:
+            """Model i's output leaves: the chunk's first (its sums follow them), or checked
+            against the first's."""
+            nonlocal first, accs, pending, at_once
+            if first is None:
+                check_weight_dtype(plan.where, weight_tensor, leaves)
+                first = i
+                accs = [CompensatedAccumulator() for _ in leaves]
+                pending = [[] for _ in leaves]
+                at_once = all(sums_at_once(n, t) for t in leaves)
+            elif sig != signatures[first]:
+                raise _ChunkMismatch
+
         for u in plan.chunks[k]:
             unit = plan.units[u]
             try:
@@ -406,14 +420,7 @@ def run_forward(
                 leaves, sig = _signature(plan, unit.models[0], run.outs[0])
                 for i in unit.models:
                     signatures[i] = sig
-                if first is None:
-                    check_weight_dtype(plan.where, weight_tensor, leaves)
-                    first = unit.models[0]
-                    accs = [CompensatedAccumulator() for _ in leaves]
-                    pending = [[] for _ in leaves]
-                    at_once = all(sums_at_once(n, t) for t in leaves)
-                elif sig != signatures[first]:
-                    raise _ChunkMismatch
+                admit(unit.models[0], leaves, sig)
                 if at_once:  # each model's output a term, in the group's order
                     group = _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                     for waiting, v in zip(pending, group):
@@ -428,14 +435,7 @@ def run_forward(
             for i, out in zip(unit.models, run.outs):
                 leaves, sig = _signature(plan, i, out)
                 signatures[i] = sig
-                if first is None:
-                    check_weight_dtype(plan.where, weight_tensor, leaves)
-                    first = i
-                    accs = [CompensatedAccumulator() for _ in leaves]
-                    pending = [[] for _ in leaves]
-                    at_once = all(sums_at_once(n, t) for t in leaves)
-                elif sig != signatures[first]:
-                    raise _ChunkMismatch
+                admit(i, leaves, sig)
                 if roots is not None:
                     roots[i] = [
                         (_edge(leaf), j) for j, leaf in enumerate(leaves) if leaf.requires_grad
