@@ -45,6 +45,8 @@
 #                                           # exchange between 2-16 processes, where a CUDA
 #                                           # step's host time goes (captured beside the
 #                                           # default), the main example
+#   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
+#                                           # its cores, pinned (bench_intra_op.py, ~3 min)
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
 #                                           # and tests, the team's end against keeping it, then
 #                                           # the medium MLPs over 1-16 workers with the Adam rows
@@ -177,6 +179,14 @@ first)
     team 110
     speedup 170 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
         --rounds 8
+    ;;
+twocores)
+    # Two of its cores alone (the development machine's 2 vCPUs share theirs): the small-kernel
+    # rule of a budget of 2, forward + backward and with Adam (~3 min)
+    (cd benchmarks && OMP_NUM_THREADS=2 timeout 90 taskset -c 0,1 python bench_intra_op.py \
+        --rounds 20) > "$out/intra-op-2of16cores.txt" 2>&1
+    (cd benchmarks && OMP_NUM_THREADS=2 timeout 90 taskset -c 0,1 python bench_intra_op.py \
+        --rounds 20 --adam) > "$out/intra-op-adam-2of16cores.txt" 2>&1
     ;;
 alloc)
     (cd benchmarks && timeout 400 python bench_allocator.py --processes 3 \

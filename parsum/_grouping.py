@@ -133,9 +133,10 @@ whether threads pay.
 # batched over its models): groups keep one chunk. So do models whose optimizer steps in the
 # backward: the steps of a chunk's small models run as one (NOTE [ One step over a chunk's
 # small models ] in _fused), and in 16 chunks the tiny classes with one Adam each ran 0.93x,
-# the EmbeddingBags 0.70x. With Adam stepped after the call, the tiny classes ran 1.01-1.12x
-# (three runs; at batch 16 1.06-1.10x), the EmbeddingBags 0.98-1.00x (``bench_intra_op.py
-# --adam``).
+# the EmbeddingBags 0.70x. With Adam stepped after the call, the tiny classes ran 1.01-1.19x
+# (four runs; at batch 16 1.06-1.19x), the EmbeddingBags 0.98-1.05x (``bench_intra_op.py
+# --adam``). A fourth run without Adam, in ``run_16cores.sh twocores`` (pinned to 2 cores,
+# 20 rounds): 1.03x, 1.09x at batch 16, the EmbeddingBags 0.98x.
 #
 # NOTE [ Chunks ]
 # Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
