@@ -394,9 +394,12 @@ def useful_workers(model_params: Sequence[ModelParams], batch: Batch, budget: in
     return min(cap, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
 
 
-def _kernel_share(model_params: Sequence[ModelParams], batch: Batch) -> float:
-    """C / O: the models' kernel work over their Python overhead, as estimated from shapes."""
-    kernels = sum(_param_rows(mp, batch) for mp in model_params)
+def _kernel_share(
+    model_params: Sequence[ModelParams], batch: Batch, last_call: bool = True
+) -> float:
+    """C / O: the models' kernel work over their Python overhead, as estimated from shapes (a
+    take_rows table's rows as ``_param_rows`` counts them with ``last_call``)."""
+    kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
     overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
     return kernels / overhead if overhead else math.inf
 
@@ -431,15 +434,21 @@ def intra_op_only(
     # Without the caller's team released, its spinning threads take the helper's core after
     # an optimizer step (NOTE [ The caller's OpenMP team ] in _pool).
     paid = stepping or _pool.releases_callers_team()
-    return not (paid and _kernel_share(model_params, batch) >= WORKERS_MIN_KERNEL_SHARE)
+    # One row per take_rows row of the batch: the chunks, hence the bits, must not depend on
+    # the rows an earlier call drew (the workers' count, which leaves the bits alone, may).
+    share = _kernel_share(model_params, batch, last_call=False)
+    return not (paid and share >= WORKERS_MIN_KERNEL_SHARE)
 
 
 def intra_op_pays(units: Sequence[Unit], model_params: Sequence[ModelParams], batch: Batch) -> bool:
     """Whether the models' kernels are large enough for a second intra-op thread to pay, or
-    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ])."""
+    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ]). A
+    table read by take_rows counts one row per batch row: the chunks, hence the bits, must not
+    depend on the rows a call drew."""
     return any(
         unit.engine == "stacked"
-        or sum(_param_rows(model_params[i], batch) for i in unit.models) >= INTRA_OP_MIN_PARAM_ROWS
+        or sum(_param_rows(model_params[i], batch, last_call=False) for i in unit.models)
+        >= INTRA_OP_MIN_PARAM_ROWS
         for unit in units
     )
 

@@ -75,6 +75,33 @@ def test_cost_is_parameters_times_rows_plus_overhead_and_ignores_sampling():
     assert costs[0] == costs[1] == _grouping.MODEL_OVERHEAD_PARAM_ROWS + 7 * 4
 
 
+def test_one_chunk_or_several_ignores_the_rows_a_table_gave(monkeypatch):
+    # Whether a budget of 2 runs one chunk on both intra-op threads or the chunks (on workers,
+    # or on one thread: NOTE [ Kernels too small for intra-op threads ]) decides the bits: a
+    # take_rows table counts one row per batch row there, whatever its last call gathered, so
+    # the bits do not depend on the rows an earlier call drew.
+    monkeypatch.setattr(_pool, "releases_callers_team", lambda: True)
+    holders = []
+    for _ in range(2):
+        holder = torch.nn.Module()
+        holder.table = torch.nn.Parameter(torch.randn(50_000, 64))
+        holders.append(holder)
+    units = [Unit((0,), "autograd"), Unit((1,), "autograd")]
+    chunks, batch = [range(0, 1), range(1, 2)], Batch(8)
+    choices = []
+    for n_rows in (1, 50_000):  # 64 elements gathered a table, then 3.2M
+        for holder in holders:
+            parsum.take_rows(holder.table, torch.arange(n_rows))
+        mps = [ModelParams.of(h) for h in holders]
+        choices.append(
+            (
+                _grouping.intra_op_only(mps, batch, 2, units, chunks, (0, 1), False),
+                _grouping.intra_op_pays(units, mps, batch),
+            )
+        )
+    assert choices[0] == choices[1] == (True, False)
+
+
 @pytest.mark.parametrize("kind", [torch.nn.Embedding, torch.nn.EmbeddingBag])
 def test_an_embedding_table_counts_the_rows_it_reads(kind):
     # NOTE [ Embedding tables ]: a row per batch row, not the whole table.
