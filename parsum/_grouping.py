@@ -357,7 +357,7 @@ def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None)
         max_params, max_rows = AUTO_STACK_BATCHED_LIMITS[budget]
     return (
         sum([t.numel() for t in mp.tensors]) <= max_params
-        and _param_rows(mp, batch) <= max_rows
+        and _param_rows(mp, batch, last_call=False) <= max_rows
         and sum([t.numel() for t in mp.state]) <= AUTO_STACK_MAX_STATE_ELEMENTS
     )
 
@@ -428,7 +428,7 @@ def intra_op_only(
         return True
     long_kernels = [_runs_long_kernels(mp, batch) for mp in model_params]
     if any(long_kernels):
-        costs = [_param_rows(mp, batch) for mp in model_params]
+        costs = [_param_rows(mp, batch, last_call=False) for mp in model_params]
         if 2 * sum(c for c, long in zip(costs, long_kernels) if long) >= sum(costs):
             return False
     # Without the caller's team released, its spinning threads take the helper's core after
