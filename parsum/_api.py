@@ -44,7 +44,6 @@ from ._grouping import (
     chunks_of,
     costliest_first,
     intra_op_only,
-    intra_op_pays,
     plan_units,
     small_last_chunk,
     storage_stack_limit,
@@ -275,14 +274,7 @@ def _general_sum(
         if (
             chosen
             and chunk_size is None
-            and (
-                on_device
-                or (
-                    budget > 1
-                    and intra_op_only(found, batch, budget, units, chunks, order, stepping)
-                    and (stepping or intra_op_pays(units, found, batch))
-                )
-            )
+            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch, budget) if chosen else n_workers

@@ -415,14 +415,16 @@ def intra_op_only(
 ) -> bool:
     """Whether ``auto`` spends the budget on intra-op threads alone, the models in one chunk
     in the calling thread rather than ``chunks`` (claimed in ``order``) on workers: a budget
-    of at most INTRA_OP_ONLY_BUDGET, unless the chunks split evenly over the budget's workers
+    of 2 up to INTRA_OP_ONLY_BUDGET, unless the chunks split evenly over the budget's workers
     and convolutions do most of the work or the kernel share is at least
     WORKERS_MIN_KERNEL_SHARE, the latter where the caller's OpenMP team is ended before the
     workers start or the optimizer steps in the backward (``stepping``; NOTE [ Threads that
-    pay ])."""
-    if budget <= 1:
-        return True
-    if budget > INTRA_OP_ONLY_BUDGET:
+    pay ]). Not for a budget of 1, which keeps the chunks of an explicit n_jobs and its bits,
+    nor for kernels too small for a second intra-op thread unless the optimizer steps in the
+    backward (``intra_op_pays``)."""
+    if budget <= 1 or budget > INTRA_OP_ONLY_BUDGET:
+        return False
+    if not stepping and not intra_op_pays(units, model_params, batch):
         return False
     if not _split_evenly(units, chunks, order, model_params, batch, budget):
         return True

@@ -95,7 +95,8 @@ def test_one_chunk_or_several_ignores_the_rows_a_table_gave(monkeypatch):
         mps = [ModelParams.of(h) for h in holders]
         choices.append(
             (
-                _grouping.intra_op_only(mps, batch, 2, units, chunks, (0, 1), False),
+                # stepping: the workers' kernel share alone decides (intra_op_pays below)
+                _grouping.intra_op_only(mps, batch, 2, units, chunks, (0, 1), True),
                 _grouping.intra_op_pays(units, mps, batch),
             )
         )
