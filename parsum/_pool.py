@@ -138,12 +138,34 @@
 # checkpointing around ``sum_models`` matches the tensors it recomputes to those saved by the
 # order they were saved in, which threads would shuffle (measured: its metadata check failed
 # with 2 workers; tensors of one shape could be swapped without a word).
+#
+# NOTE [ Modes stay in the calling thread ]
+# Torch function modes (``TorchFunctionMode``) and dispatch modes (``TorchDispatchMode``:
+# ``FlopCounterMode``, tracing) are thread-local as well, and a mode object cannot be entered
+# again in another thread (``FlopCounterMode`` starts its count anew on entering). A helper ran
+# its models outside the caller's mode: a function mode that changed a layer's output gave
+# another sum on 2 workers than on 1, and ``FlopCounterMode`` missed the helpers' flops, in
+# forward and in backward. Where such a mode is on, a job runs in the calling thread
+# (``threads_for``), in forward or in backward, wherever the mode is then: the same chunks
+# under the same intra-op threads, hence the same bits. The default device's context
+# (``with torch.device(...)``), a function mode too, is carried instead (``ThreadState``).
+# torch.profiler records only the threads it was started in unless asked for every thread
+# (``experimental_config=_ExperimentalConfig(profile_all_threads=True)``): that is the user's
+# choice, and a call does not leave its threads for it.
+#
+# NOTE [ Context variables ]
+# Python's context variables (``contextvars.ContextVar``: a setting a model reads, a library's
+# context manager) belong to the thread that set them: a model on a helper read their defaults,
+# and a sum of models that scale their output by one came out wrong on 2 workers without a
+# word. Each helper runs its part of a job in a copy of the caller's context taken when the job
+# starts, as ``asyncio.to_thread`` does; what a model sets there stays in that job.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import ctypes
 import functools
 import math
@@ -155,6 +177,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._device import DeviceContext
 
 from . import _config
 
@@ -224,6 +247,9 @@ class ThreadState:
     cuda_device: int | None = None
     cuda_stream: Any = None
     settings: Any = None  # parsum.config's, for nested calls run in helpers
+    # The caller's context variables, each helper running in a copy (NOTE [ Context
+    # variables ]).
+    context: contextvars.Context | None = None
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -246,6 +272,7 @@ class ThreadState:
             cuda_device,
             cuda_stream,
             _config.current_settings(),
+            contextvars.copy_context(),
         )
 
     def set_here(self) -> bool:
@@ -467,11 +494,14 @@ class _Pool:
             if job.done.is_set():
                 continue
             _set_threads(job.intra_threads)
+            # A copy for each helper: a context runs in one thread at a time.
+            context = job.state.context.copy() if job.state.context is not None else None
             if job.state.set_here():  # NOTE [ A helper's state ]
-                job.work()
+                _in_context(context, job.work)
             else:
                 with job.state.entered():
-                    job.work()
+                    _in_context(context, job.work)
+            del context
             teamed = job.intra_threads > 1
             del job
             if teamed:  # NOTE [ Helpers' OpenMP teams ]
@@ -499,6 +529,14 @@ class _Pool:
 _pool = _Pool()
 
 
+def _in_context(context: contextvars.Context | None, work: Callable[[], None]) -> None:
+    """``work()`` in ``context`` (NOTE [ Context variables ]), or as it is without one."""
+    if context is None:
+        work()
+    else:
+        context.run(work)
+
+
 def pool_size() -> int:
     """Number of helper threads in the pool (for tests: repeated calls must not grow it)."""
     return _pool.size
@@ -513,9 +551,32 @@ def intra_op_threads(n_tasks: int, budget: int | None = None) -> int:
 
 def threads_for(n_tasks: int, n_workers: int) -> int:
     """Threads a job of ``n_tasks`` chunks runs on, caller included (1 inside a task)."""
-    if _local.in_task:
+    if _local.in_task or modes_stay_here():
         return 1
     return min(n_workers, n_tasks, _config.usable_cores())
+
+
+def modes_stay_here() -> bool:
+    """Whether a torch function mode other than the default device's, or a dispatch mode, is
+    on in this thread: then jobs run here (NOTE [ Modes stay in the calling thread ])."""
+    if _dispatch_modes():
+        return True
+    if not _function_modes():
+        return False
+    stack = _function_mode_stack()
+    return stack is None or not all(isinstance(mode, DeviceContext) for mode in stack)
+
+
+def _dispatch_modes() -> bool:
+    """Whether this thread has a torch dispatch mode (False where torch cannot tell)."""
+    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return count is not None and count() > 0
+
+
+def _function_mode_stack() -> list[Any] | None:
+    """This thread's torch function modes, outermost first; None where torch cannot tell."""
+    stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+    return None if stack is None else list(stack())
 
 
 def run_ordered(

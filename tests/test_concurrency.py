@@ -3,6 +3,7 @@
 Every test here runs under a short timeout: a deadlock fails fast instead of hanging CI.
 """
 
+import contextvars
 import functools
 import gc
 import multiprocessing
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import parsum
 from parsum import _config, _pool
@@ -404,6 +407,132 @@ def test_calls_under_saved_tensor_hooks_stay_in_the_calling_thread():
     y.sum().backward()
     assert len(packed) == n_plain
     assert set(packed) == names_plain == {threading.current_thread().name}
+
+
+class _Seen(torch.autograd.Function):
+    """Identity that calls ``record("forward")`` and ``record("backward")`` where it runs."""
+
+    @staticmethod
+    def forward(ctx, record, h):
+        ctx.record = record
+        record("forward")
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record("backward")
+        return None, grad
+
+
+class Watched(nn.Module):
+    """A small model whose forward and backward each call ``record(phase)``."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.record = record
+
+    def forward(self, x):
+        return _Seen.apply(self.record, torch.tanh(self.lin(x)))
+
+
+_SCALE = contextvars.ContextVar("parsum_test_scale", default=1.0)
+
+
+def test_context_variables_cross_into_workers(cores):
+    # NOTE [ Context variables ] in _pool: a model that reads a ContextVar set by the caller
+    # (in forward or in backward) reads the caller's value on a helper too, as
+    # asyncio.to_thread gives it, the value of the call's own time.
+    cores(2)
+    seen = []
+
+    def record(phase):
+        seen.append((phase, threading.current_thread().name, _SCALE.get()))
+        time.sleep(0.02)  # long enough for the helper to take a chunk too
+
+    x = torch.randn(3, IN)
+    models = learned([Watched(record) for _ in range(4)], x)
+    for scale in (3.0, 5.0):
+        token = _SCALE.set(scale)
+        try:
+            seen.clear()
+            parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+        finally:
+            _SCALE.reset(token)
+        assert sorted(p for p, _, _ in seen) == ["backward"] * 4 + ["forward"] * 4
+        assert {value for _, _, value in seen} == {scale}, seen
+        for phase in ("forward", "backward"):
+            helpers = [n for p, n, _ in seen if p == phase and n.startswith("parsum-worker")]
+            assert helpers, f"no {phase} ran on a helper: {seen}"
+
+
+class _Negated(TorchFunctionMode):
+    """Negates every linear layer's output, noting the thread of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            self.threads.append(threading.current_thread().name)
+            time.sleep(0.02)  # long enough for a helper to take a chunk too
+            return -out
+        return out
+
+
+def test_calls_under_a_torch_function_mode_stay_in_the_calling_thread(cores):
+    # NOTE [ Modes stay in the calling thread ] in _pool: a mode is thread-local and cannot be
+    # entered again in a helper, so every model runs where the mode is, as in the plain loop;
+    # the chunks and their intra-op threads stay, and so do the bits.
+    cores(2)
+    x = torch.randn(5, IN, requires_grad=True)
+    models = [nn.Linear(IN, OUT) for _ in range(4)]
+    twins = clone_models(models)
+    for ms in (models, twins):  # a first call with a graph learns that they draw nothing
+        parsum.sum_models(ms, x, n_jobs=2, chunk_size=1)
+    mode = _Negated()
+    with mode:
+        want = plain_sum(models, x)
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        one = parsum.sum_models(twins, x, n_jobs=1, chunk_size=1)
+    assert set(mode.threads) == {threading.current_thread().name}
+    assert len(mode.threads) == 3 * len(models)  # the plain loop, 2 jobs, 1 job
+    torch.testing.assert_close(y, want)
+    assert torch.equal(y, one)
+    with mode:
+        y.sum().backward()
+        one.sum().backward()
+    for got, twin in zip(param_grads(models), param_grads(twins)):
+        assert torch.equal(got, twin)
+
+
+@pytest.mark.parametrize("where", ["forward and backward", "backward"])
+def test_dispatch_modes_see_every_op(cores, where):
+    # FlopCounterMode (a dispatch mode) counts the ops of the thread it is on: on helpers it
+    # missed a third of the flops.
+    cores(2)
+    x = torch.randn(64, IN)
+    models = [nn.Linear(IN, OUT) for _ in range(4)]
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # learns that they draw nothing
+
+    def flops(step):
+        for m in models:
+            m.zero_grad()
+        counter = FlopCounterMode(display=False)
+        if where == "backward":
+            y = step()
+            with counter:
+                y.sum().backward()
+        else:
+            with counter:
+                step().sum().backward()
+        return counter.get_total_flops()
+
+    plain = flops(lambda: plain_sum(models, x))
+    assert plain > 0
+    assert flops(lambda: parsum.sum_models(models, x, n_jobs=2, chunk_size=1)) == plain
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
