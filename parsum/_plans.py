@@ -19,9 +19,14 @@
 # models' modules from then on (a group depends on its modules' settings), and a group vmap
 # was found unable to run makes the units anew (64 identical tiny MLPs that auto stacks,
 # planned on every call before: forward 3.3 -> 1.8 ms, plain loop 2.1).
-# Not reused: calls where a model is not a module (a bound method is a new object every call),
-# a lazy module is not initialized, a tensor is a subclass, or ``take_rows`` has read one of the
-# models' tensors (the chunks count the rows such a table gathers).
+# A bound method of a module (``m.encode``) is a new object on every call: it is known by its
+# module and its function, which the walk holds (the module weakly). Planned on every call, 64
+# tiny MLP classes called through ``m.forward`` ran at 0.85x the modules' speed and 16
+# Sequentials at batch 64 at 0.89x (2 threads); reused, at 0.92-1.03x and 0.92-0.98x in three
+# runs (benchmarks/bench_methods.py, results/methods-2cores.txt).
+# Not reused: calls where a model is another callable (a ``functools.partial``: its arguments
+# may be anything), a lazy module is not initialized, a tensor is a subclass, or ``take_rows``
+# has read one of the models' tensors (the chunks count the rows such a table gathers).
 # Not seen (the walk would have seen them): a tensor's shape changed in place without a new
 # storage (``p.data = p.data.view(...)``), and a torch.nn layer's settings changed (a
 # convolution's stride, which the cost estimate reads).
@@ -35,12 +40,13 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from torch import Tensor, nn
 from torch.nn.parameter import Parameter
@@ -53,6 +59,7 @@ from ._engines import (
     _may_hold_loose_tensors,
     direct_program,
     module_hooks,
+    module_of,
     own_calls,
 )
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
@@ -136,6 +143,9 @@ class Walk:
         self._handles: int | None = None
         self._hook_ids: list[tuple[int, ...]] = []
         self._model_refs: list[weakref.ref[Any]] = []
+        # Each model's function where it is a bound method (its module in _model_refs), else
+        # None; None for a walk over modules alone.
+        self._model_funcs: list[Any] | None = None
         # Where every parameter is (a move gives it a new storage: the walk no longer holds).
         self.params_on_cpu = all(p.device.type == "cpu" for p in params)
         # Whether every parameter is a leaf: a model run inside another sum's pullback with
@@ -161,8 +171,21 @@ class Walk:
         return True
 
     def over(self, models: Sequence[Callable[..., Any]]) -> bool:
-        """Whether this walk was made over these very models (their ids alone may be reused)."""
-        return all(map(_is, [ref() for ref in self._model_refs], models))
+        """Whether this walk was made over these very models (their ids alone may be reused):
+        the same modules, and bound methods of the same modules with the same functions."""
+        if self._model_funcs is None:
+            return all(map(_is, [ref() for ref in self._model_refs], models))
+        if len(models) != len(self._model_refs):
+            return False
+        for ref, func, model in zip(self._model_refs, self._model_funcs, models):
+            if func is None:
+                if ref() is not model:
+                    return False
+            elif not (
+                inspect.ismethod(model) and model.__func__ is func and ref() is model.__self__
+            ):
+                return False
+        return True
 
     def no_user_tensor_hooks(self) -> bool:
         """Whether no parameter has a tensor hook of the user's (parsum's own, a FlatGrad's or
@@ -312,7 +335,7 @@ class _Held:
         return _GONE if found is None else found
 
 
-_plans: OrderedDict[tuple[int, ...], Walk] = OrderedDict()
+_plans: OrderedDict[tuple[Hashable, ...], Walk] = OrderedDict()
 # Reentrant: a model collected while a thread holds it (the collector runs on any allocation)
 # calls _Forget, which takes it again in the same thread.
 _lock = threading.RLock()
@@ -323,9 +346,34 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     if not _plans:
         return None
     walk = _plans.get(tuple(map(id, models)))
+    if walk is None:
+        key = _methods_key(models)
+        walk = _plans.get(key) if key is not None else None
     if walk is None or not walk.over(models) or _reads_tables(walk.params):
         return None
     return walk if walk.holds() else None
+
+
+def _bound_to_module(model: Any) -> bool:
+    """Whether ``model`` is a bound method of a module (``m.encode``)."""
+    return inspect.ismethod(model) and isinstance(model.__self__, nn.Module)
+
+
+def _methods_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | None:
+    """The key of a walk over modules and bound methods of modules, some of the latter among
+    them: a method by its module and function; None for any other models."""
+    if all(isinstance(m, nn.Module) for m in models):
+        return None
+    key: list[Hashable] = []
+    m: Any
+    for m in models:
+        if isinstance(m, nn.Module):
+            key.append(id(m))
+        elif _bound_to_module(m):
+            key.append((id(m.__self__), id(m.__func__)))
+        else:
+            return None
+    return tuple(key)
 
 
 def _reads_tables(params: Sequence[Tensor]) -> bool:
@@ -341,7 +389,10 @@ def keep_walk(
 ) -> bool:
     """Keep ``walk`` (just made from ``model_params``, modules included) for the next call;
     whether it was kept."""
-    if not all(isinstance(m, nn.Module) for m in models) or _reads_tables(walk.params):
+    key = _methods_key(models) or tuple(map(id, models))
+    if not all(isinstance(m, nn.Module) or _bound_to_module(m) for m in models):
+        return False
+    if _reads_tables(walk.params):
         return False
     if any(mp.uninitialized is not None for mp in model_params):
         return False
@@ -355,7 +406,6 @@ def keep_walk(
     if not walk._record(modules):
         return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
-    key = tuple(map(id, models))
     last = _plans.get(key)
     if last is not None and last.over(models) and last._training == walk._training:
         # The same models in the same modes, changed otherwise (a module's own attribute, a
@@ -367,7 +417,14 @@ def keep_walk(
         walk.modifies_args = last.modifies_args
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
-    walk._model_refs = [weakref.ref(m, forget) for m in models]
+    if all(isinstance(m, nn.Module) for m in models):
+        walk._model_refs = [weakref.ref(m, forget) for m in models]
+    else:  # a method by its module, weakly, and its function
+        owners = [module_of(m) for m in models]  # the module itself, or the method's
+        walk._model_refs = [weakref.ref(cast(nn.Module, m), forget) for m in owners]
+        walk._model_funcs = [
+            None if isinstance(m, nn.Module) else cast(Any, m).__func__ for m in models
+        ]
     with _lock:
         _plans[key] = walk
         _plans.move_to_end(key)
@@ -385,7 +442,7 @@ def stripped(model_params: list[ModelParams]) -> list[ModelParams]:
 class _Forget:
     __slots__ = ("key", "walk")
 
-    def __init__(self, key: tuple[int, ...], walk: Walk) -> None:
+    def __init__(self, key: tuple[Hashable, ...], walk: Walk) -> None:
         self.key = key
         self.walk = weakref.ref(walk)
 

@@ -2,6 +2,7 @@
 bits are those of a fresh plan, and a kept plan keeps no model alive."""
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -203,11 +204,76 @@ def test_at_most_max_plans_are_kept():
     assert known_walk(ensembles[-1]) is not None and known_walk(ensembles[0]) is None
 
 
-def test_methods_and_lazy_modules_are_planned_on_every_call():
+class TwoHeads(nn.Module):
+    """A model called through its methods: each a head of its own on a shared body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(IN, 6)
+        self.a = nn.Linear(6, OUT)
+        self.b = nn.Linear(6, OUT)
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.body(x)))
+
+    def second(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.sigmoid(self.body(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(x)
+
+
+def test_bound_methods_reuse_their_plan_until_something_changes():
+    # A bound method is a new object on every call: known by its module and its function.
+    torch.manual_seed(0)
+    models = [TwoHeads() for _ in range(3)]
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+
+    def methods(ms, which="first"):
+        return [getattr(m, which) for m in ms] + [ms[0]]  # a module among them too
+
+    for step in range(3):
+        if step == 2:  # noticed, as for modules
+            for ms in (models, ref):
+                ms[1].a.weight.requires_grad_(False)
+            assert known_walk(methods(models)) is None
+        y = parsum.sum_models(methods(models), x, n_jobs=2, chunk_size=1)
+        y.pow(2).sum().backward()
+        y_ref = sum(f(x) for f in methods(ref))
+        y_ref.pow(2).sum().backward()
+        torch.testing.assert_close(y, y_ref)
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b)
+        if step < 2:
+            assert known_walk(methods(models)) is not None
+    # Another function of the same modules is another plan; so is another order.
+    assert known_walk(methods(models, "second")) is None
+    assert known_walk(methods(models)[::-1]) is None
+    parsum.sum_models(methods(models, "second"), x)
+    assert known_walk(methods(models, "second")) is not None
+    assert known_walk(methods(models)) is not None
+
+
+def test_a_plan_over_bound_methods_keeps_no_model_alive():
+    models = [TwoHeads() for _ in range(2)]
+    parsum.sum_models([m.first for m in models], torch.randn(3, IN)).sum().backward()
+    assert known_walk([m.first for m in models]) is not None
+    refs = [weakref.ref(m) for m in models]
+    n_plans = len(_plans._plans)
+    del models
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(_plans._plans) == n_plans - 1
+
+
+def test_partials_and_lazy_modules_are_planned_on_every_call():
     base = [mlp([4]), mlp([5])]
-    methods = [m.forward for m in base]
-    parsum.sum_models(methods, torch.randn(2, IN))
-    assert known_walk(methods) is None
+    partials = [functools.partial(m) for m in base]
+    parsum.sum_models(partials, torch.randn(2, IN))
+    assert known_walk(partials) is None
     lazy = [nn.Sequential(nn.LazyLinear(OUT)), mlp([3])]
     with pytest.raises(parsum.ParsumError, match="lazy"):
         parsum.sum_models(lazy, torch.randn(2, IN))

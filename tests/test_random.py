@@ -3,6 +3,7 @@ models' recomputed masks equal to the forward's (NOTE [ Random numbers in forwar
 NOTE [ Random numbers replayed in backward ] in parsum._random)."""
 
 import copy
+import functools
 import threading
 import time
 import warnings
@@ -234,9 +235,10 @@ def test_eval_mode_runs_the_forwards_on_the_threads_again():
     assert len(seen) == 2
 
 
-def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
-    """A plan made for one call does not look for checkpoints in the graph: where the forwards
-    drew, the pullbacks run on one thread, checkpointed or not."""
+def test_calls_planned_anew_that_draw_are_pulled_back_on_one_thread(monkeypatch):
+    """A plan made for one call (models given as partials) does not look for checkpoints in the
+    graph: where the forwards drew, the pullbacks run on one thread, checkpointed or not. Bound
+    methods, like modules, have a kept plan, which looked (NOTE [ Reused plans ])."""
     from parsum import _pool
 
     workers = []
@@ -249,11 +251,13 @@ def test_bound_methods_that_draw_are_pulled_back_on_one_thread(monkeypatch):
     monkeypatch.setattr(_pool, "run_ordered", spy)
     models = dropout_mlps()
     x = torch.randn(32, 8)
-    step(models, x, 0, [m.forward for m in models], n_jobs=2, chunk_size=1)
+    for _ in range(2):
+        step(models, x, 0, [functools.partial(m) for m in models], n_jobs=2, chunk_size=1)
     assert workers == []  # forwards in model order, pullbacks on one thread: no job
-    step(models, x, 0, n_jobs=2, chunk_size=1)  # modules: a kept plan, which looked: none
-    step(models, x, 0, n_jobs=2, chunk_size=1)
-    assert workers[-1] == 2
+    for calls in ([m.forward for m in models], None):  # kept plans, which looked: none
+        step(models, x, 0, calls, n_jobs=2, chunk_size=1)
+        assert workers[-1] == 2
+        del workers[:]
 
 
 def test_checkpointing_turned_on_by_an_attribute_is_seen():
