@@ -21,6 +21,7 @@ from ._engines import (
     ModelParams,
     Unit,
     direct_calls_allowed,
+    model_kind,
     module_of,
     runs_as_program,
     vmap_failure_count,
@@ -471,7 +472,7 @@ def _tangent_carrier(
             for name, t in tensors:
                 if isinstance(t, Tensor) and _has_tangent(t):
                     name = f"{prefix}.{name}" if prefix else name
-                    return f"{name!r} of models[{i}] ({type(model).__name__})"
+                    return f"{name!r} of models[{i}] ({model_kind(model)})"
     return None
 
 
@@ -489,7 +490,7 @@ def _check_initialized(models: list[Callable[..., Any]], model_params: list[Mode
     for i, (model, mp) in enumerate(zip(models, model_params)):
         if mp.uninitialized is not None:
             raise ParsumError(
-                f"{_WHERE}: models[{i}] ({type(model).__name__}) has lazy parameters that are "
+                f"{_WHERE}: models[{i}] ({model_kind(model)}) has lazy parameters that are "
                 f"not initialized yet, in {mp.uninitialized}; parsum needs every "
                 "parameter's shape before the forwards run: call the model once first (for "
                 "example on one batch under torch.no_grad()), as DistributedDataParallel and "
@@ -501,7 +502,7 @@ def _check_vjp_models(models: list[Callable[..., Any]], model_params: list[Model
     for i, (model, mp) in enumerate(zip(models, model_params)):
         if mp.loose:
             raise ParsumError(
-                f"{_WHERE}: models[{i}] ({type(model).__name__}) holds tensor attribute(s) "
+                f"{_WHERE}: models[{i}] ({model_kind(model)}) holds tensor attribute(s) "
                 f"{mp.loose} that require grad and are not parameters; engine='vjp' "
                 "differentiates parameters only (functional_call): register them as "
                 "nn.Parameter, or use engine='autograd' or 'auto'"
@@ -606,7 +607,7 @@ def _check_step_in_backward(
             )
         if mp.loose:
             raise ParsumError(
-                f"{_WHERE}: models[{i}] ({type(model).__name__}) holds tensor attribute(s) "
+                f"{_WHERE}: models[{i}] ({model_kind(model)}) holds tensor attribute(s) "
                 f"{mp.loose} that require grad and are not parameters, which its optimizer "
                 "does not step; step_in_backward would drop their gradients: register them "
                 "as nn.Parameter"

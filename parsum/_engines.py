@@ -398,6 +398,21 @@ def module_of(model: Callable[..., Any]) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) and inspect.ismethod(model) else None
 
 
+def model_kind(model: Any) -> str:
+    """How an error names a model beside its index: its class; for a bound method of a module,
+    the class and the method (``Net.encode``); for a ``functools.partial``, what it wraps; for
+    a function, ``function`` and its name."""
+    if isinstance(model, functools.partial):
+        return f"partial of {model_kind(model.func)}"
+    if isinstance(model, nn.Module):
+        return type(model).__name__
+    if inspect.ismethod(model):
+        return f"{type(model.__self__).__name__}.{model.__func__.__name__}"
+    if inspect.isfunction(model):
+        return f"function {model.__name__}"
+    return type(model).__name__
+
+
 def pull_back(
     outputs: Sequence[GradientEdge],
     inputs: Sequence[Tensor],

@@ -51,6 +51,7 @@ from ._engines import (
     _edge,
     check_weight_dtype,
     direct_calls_allowed,
+    model_kind,
     pull_back_together,
     run_direct,
     unit_forward,
@@ -164,7 +165,7 @@ class SumPlan:
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
             hint += "; engine='autograd' runs each model on its own"
         err = ParsumError(
-            f"{self.where}: model {i} ({type(model).__name__}){who} raised "
+            f"{self.where}: model {i} ({model_kind(model)}){who} raised "
             f"{type(exc).__name__} in {phase}: {exc}{hint}"
         )
         err.__cause__ = exc
@@ -182,21 +183,21 @@ def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
         raise ParsumError(
-            f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned "
+            f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned "
             f"no tensor ({type(out).__name__}); expected a tensor or a pytree of "
             "tensors"
         )
     for j, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
             raise ParsumError(
-                f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned a "
+                f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a "
                 f"{type(leaf).__name__} as output leaf {j}; expected tensors only"
             )
     return leaves, (spec, tuple((t.shape, t.dtype, t.device) for t in leaves))
 
 
 def _describe_mismatch(plan: SumPlan, i: int, sig: Signature, ref: Signature) -> ParsumError:
-    head = f"{plan.where}: model {i} ({type(plan.models[i]).__name__}) returned"
+    head = f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned"
     if sig[0] != ref[0]:
         return ParsumError(
             f"{head} an output of structure {sig[0]}, model 0 one of "
@@ -254,7 +255,7 @@ def params_made_in_forward(plan: SumPlan) -> str | None:
         new = [name for name, t in zip(found.names, found.tensors) if id(t) not in known]
         if new:
             return (
-                f"{plan.where}: model {i} ({type(model).__name__}) made parameters in its "
+                f"{plan.where}: model {i} ({model_kind(model)}) made parameters in its "
                 f"forward ({', '.join(new)}), which this call's backward cannot reach: it "
                 "differentiates the parameters found before the forwards ran. They exist now, "
                 "and the next call trains them; call each model once first (for example on "

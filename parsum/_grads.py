@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import UninitializedParameter
 
+from ._engines import model_kind
 from ._errors import ParsumError
 from ._sparse import OwnPostHook, has_user_hooks, has_user_post_hooks
 from ._summation import compensated_add_
@@ -568,7 +569,7 @@ def check_slots(
         for name, p in zip(model_names, model_tensors):
             found = owner_of(p)
             if found is not None:
-                who = f"parameter {name!r} of models[{i}] ({type(model).__name__})"
+                who = f"parameter {name!r} of models[{i}] ({model_kind(model)})"
                 found[0]._check_slot(found[1], p, "sum_models", who)
 
 

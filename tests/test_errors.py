@@ -1,6 +1,9 @@
 """Bad input and failing models: ParsumError naming the argument, value, index and type;
 a failed call changes nothing and the pool stays usable."""
 
+import functools
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +122,36 @@ def test_model_raising_in_forward(n_jobs):
     # the pool stays usable
     y = parsum.sum_models(zoo(), x, n_jobs=n_jobs)
     assert y.shape == (2, OUT)
+
+
+def _boom_function(x):
+    raise ValueError("boom in forward")
+
+
+_WRAPS = {
+    "bound method": (lambda m: m.forward, "{}.forward"),
+    "partial": (functools.partial, "partial of {}"),
+    "partial of a method": (lambda m: functools.partial(m.forward), "partial of {}.forward"),
+}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("wrap", list(_WRAPS))
+def test_a_method_or_partial_is_named_by_what_it_calls(wrap, phase):
+    # Named by its type alone, a bound method read "(method)", a partial "(partial)".
+    failing = Boom() if phase == "forward" else BoomBackward()
+    make, name = _WRAPS[wrap]
+    models = [mlp([3]), make(failing)]
+    named = re.escape(f"model 1 ({name.format(type(failing).__name__)}) raised ValueError")
+    with pytest.raises(parsum.ParsumError, match=rf"{named} in {phase}"):
+        parsum.sum_models(models, torch.randn(2, IN)).sum().backward()
+
+
+def test_a_function_is_named_by_its_name():
+    with pytest.raises(
+        parsum.ParsumError, match=r"model 1 \(function _boom_function\) raised ValueError"
+    ):
+        parsum.sum_models([mlp([3]), _boom_function], torch.randn(2, IN))
 
 
 def test_first_failing_model_is_reported():

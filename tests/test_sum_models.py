@@ -399,7 +399,9 @@ def test_callables_that_capture_what_needs_a_gradient_raise(n_jobs):
         [lambda x: owner(x), lambda x: x @ table, lambda x: x @ outer, lambda x: owner.head.bias]
     ):
         models = [owner, bad]
-        with pytest.raises(parsum.ParsumError, match=r"model 1 \(function\) raised .* not one of"):
+        with pytest.raises(
+            parsum.ParsumError, match=r"model 1 \(function <lambda>\) raised .* not one of"
+        ):
             parsum.sum_models(models, x, n_jobs=n_jobs, engine="autograd")
         assert x.grad is None and table.grad is None
         assert all(p.grad is None for p in owner.parameters()), i
