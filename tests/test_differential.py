@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import faulthandler
+import inspect
 import random
 import sys
 import threading
@@ -287,6 +288,9 @@ class Case:
     scale_needs_grad: bool = False  # the keyword argument's tensor, where models take one
     inference: bool = False  # torch.inference_mode instead of torch.no_grad
     rows: int = 5  # the argument's batch rows
+    # The models passed as bound methods (m.forward, new objects every call), to parsum and
+    # the plain loop alike: their plans are reused as the modules' are (NOTE [ Reused plans ]).
+    methods: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Case:
@@ -368,6 +372,12 @@ class Case:
         norms = (nn.modules.batchnorm._BatchNorm,)
         if not any(isinstance(mod, norms) for m in case.models for mod in m.modules()):
             case.rows = rng.choice([5, 5, 5, 2, 1])
+        case.methods = (
+            not case.module
+            and not case.step_in_backward
+            and case.engine != "vjp"  # which runs modules only
+            and rng.random() < 0.15
+        )
         return case
 
     def _models(self) -> list[nn.Module]:
@@ -495,16 +505,21 @@ class Case:
             if self.draws:  # only then: a thread seeding beside a call looks like its models
                 torch.manual_seed(self.seed + 100 + step)  # drawing (NOTE [ Random numbers
                 # in forwards ] in parsum._random), which then run in model order
+            # Bound methods are made anew for every call, as a user's list comprehension does
+            # (a compiled module's forward is a function of its own: the module itself).
+            calls = (
+                [_bound_forward(m) for m in models] if self.methods and share is None else models
+            )
             if failing and not plain:
-                self._fail(models, x, weights, n_jobs, sib)
+                self._fail(models, calls, x, weights, n_jobs, sib)
                 continue
             if plain:
                 if failing:  # as if the step never ran, or its forward only
                     if self.failing_in == "backward":
-                        plain_sum(models, x, weights=weights, **call)
+                        plain_sum(calls, x, weights=weights, **call)
                     continue
                 with self._no_grad(), self._autocast():
-                    y = plain_sum(models, x, weights=weights, **call)
+                    y = plain_sum(calls, x, weights=weights, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
                 if self.chunk_size is not None:
@@ -514,7 +529,7 @@ class Case:
                     summing = _as_module(models, weights, kwargs)
                 with self._no_grad(), self._autocast():
                     y = summing(
-                        models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
+                        calls, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
                         **kwargs,
                     )  # fmt: skip
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
@@ -622,17 +637,19 @@ class Case:
             if p.requires_grad:
                 p.register_hook(_double)
 
-    def _fail(self, models, x, weights, n_jobs, sib) -> None:
-        """A call with a failing model: ParsumError, and nothing changed."""
+    def _fail(self, models, calls, x, weights, n_jobs, sib) -> None:
+        """A call with a failing model (``calls``: the models or their bound methods):
+        ParsumError, and nothing changed."""
         params = unique_params(models)
         state = _state(models)
         kwargs = {} if sib is None else {"step_in_backward": sib}
-        named = rf"model {self.failing_model} \(Failing\) raised RuntimeError in {self.failing_in}"
+        kind = "Failing.forward" if inspect.ismethod(calls[self.failing_model]) else "Failing"
+        named = rf"model {self.failing_model} \({kind}\) raised RuntimeError in {self.failing_in}"
         scale = torch.tensor(0.5, dtype=self.dtype).requires_grad_(self.scale_needs_grad)
         call = {"scale": scale} if self.scale else {}
         with pytest.raises(parsum.ParsumError, match=named):
             y = parsum.sum_models(
-                models, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call, **kwargs
+                calls, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call, **kwargs
             )
             if self.failing_in == "backward":
                 state = _state(models)  # the forward's statistics stay, as in the plain loop
@@ -644,6 +661,12 @@ class Case:
         after = _state(models)
         for what in state:
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
+
+
+def _bound_forward(model: nn.Module) -> Any:
+    """``model.forward`` where it is a bound method, else the model."""
+    forward = model.forward
+    return forward if inspect.ismethod(forward) else model
 
 
 def _as_module(models: list[nn.Module], weights: Any, kwargs: dict[str, Any]) -> Any:
