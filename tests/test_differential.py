@@ -507,9 +507,7 @@ class Case:
                 # in forwards ] in parsum._random), which then run in model order
             # Bound methods are made anew for every call, as a user's list comprehension does
             # (a compiled module's forward is a function of its own: the module itself).
-            calls = (
-                [_bound_forward(m) for m in models] if self.methods and share is None else models
-            )
+            calls = [_bound_forward(m) for m in models] if self.methods else models
             if failing and not plain:
                 self._fail(models, calls, x, weights, n_jobs, sib)
                 continue
