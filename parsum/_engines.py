@@ -486,7 +486,7 @@ def autograd_forward(
             model = rebind(model, shadow_module(module, aliases, shadowed))
             wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
-        args, kwargs = call.build(inputs)
+        args, kwargs = call.build(model_arguments(inputs))
         out = (  # NOTE [ Direct programs ]
             run_direct(program, args[0])
             if program is not None and not hooked
@@ -1048,6 +1048,25 @@ def direct_calls_allowed(call: CallArgs) -> bool:
         and not any(GLOBAL_HOOKS)
         and torch._C._get_tracing_state() is None
     )
+
+
+# NOTE [ Aliases behind a view ]
+# A model reads each argument that needs a gradient through an alias of its own, a leaf
+# (``x.detach().requires_grad_()``). A global module hook may hook a module's inputs:
+# ``torch.utils.module_tracker.ModuleTracker`` (which ``FlopCounterMode`` and other debugging
+# modes use) puts ``register_multi_grad_hook`` on them, which asks the engine whether it will
+# run each input's node, and PyTorch refuses that question for a leaf inside
+# ``torch.autograd.grad``, which a pullback that captures gradients is ("A leaf node was passed
+# to _will_engine_execute_node"): the plain loop's ``backward()`` of the same models ran. Where
+# such a hook is registered, a model reads a view of its alias instead, a node of the graph;
+# the alias, behind it, still gets the gradient, the same values.
+
+
+def model_arguments(aliases: dict[int, Tensor]) -> dict[int, Tensor]:
+    """What a model reads for its argument aliases (NOTE [ Aliases behind a view ])."""
+    if not any(GLOBAL_HOOKS):
+        return aliases
+    return {j: a.view_as(a) for j, a in aliases.items()}
 
 
 def run_direct(program: DirectProgram, x: Tensor) -> Tensor:

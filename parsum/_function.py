@@ -51,6 +51,7 @@ from ._engines import (
     _edge,
     check_weight_dtype,
     direct_calls_allowed,
+    model_arguments,
     model_kind,
     pull_back_together,
     run_direct,
@@ -390,7 +391,7 @@ def run_forward(
                     else:  # aliases of its own, for its own argument gradients
                         mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
                         aliases[i] = list(mine.values())  # type: ignore[index]
-                        args, kwargs = call.build(mine)
+                        args, kwargs = call.build(model_arguments(mine))
                     program = programs[i] if programs is not None else None
                     if program is not None:
                         run = UnitRun([run_direct(program, args[0])], None)

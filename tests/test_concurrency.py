@@ -3,6 +3,7 @@
 Every test here runs under a short timeout: a deadlock fails fast instead of hanging CI.
 """
 
+import contextlib
 import contextvars
 import functools
 import gc
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.module_tracker import ModuleTracker
 
 import parsum
 from parsum import _config, _pool
@@ -537,6 +539,37 @@ def test_dispatch_modes_see_every_op(cores, where):
     plain = flops(lambda: plain_sum(models, x))
     assert plain > 0
     assert flops(lambda: parsum.sum_models(models, x, n_jobs=2, chunk_size=1)) == plain
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("tracker", ["ModuleTracker", "FlopCounterMode"])
+def test_module_trackers_hooking_inputs_leave_gradients_as_they_are(cores, tracker, n_jobs):
+    # NOTE [ Aliases behind a view ] in _engines: their multi-grad hooks on the models' inputs
+    # made a capturing pullback (here: .grad already set) raise "A leaf node was passed to
+    # _will_engine_execute_node"; the same steps without the tracker give the same bits.
+    cores(2)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT)) for _ in range(4)]
+    twins = clone_models(models)
+    x = torch.randn(16, IN)
+
+    def steps(ms, tracked):
+        xr = x.clone().requires_grad_()
+        for _ in range(2):  # the second adds to .grad: its pullbacks capture
+            if not tracked:
+                context: Any = contextlib.nullcontext()
+            elif tracker == "ModuleTracker":
+                context = ModuleTracker()
+            else:
+                context = FlopCounterMode(display=False)
+            with context:
+                y = parsum.sum_models(ms, xr, n_jobs=n_jobs, chunk_size=1)
+                y.pow(2).sum().backward()
+        return y.detach(), xr.grad, param_grads(ms)
+
+    (y, xg, grads), (y_ref, xg_ref, grads_ref) = steps(models, True), steps(twins, False)
+    assert torch.equal(y, y_ref) and torch.equal(xg, xg_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
