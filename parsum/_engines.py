@@ -638,7 +638,7 @@ def vjp_forward(
     primal_params = {n: p.detach() for n, p in zip(params.names, params.tensors)}
 
     def function(arg_tensors: list[Tensor], param_tensors: dict[str, Tensor]) -> Any:
-        args, kwargs = call.build(dict(zip(positions, arg_tensors)))
+        args, kwargs = call.build(model_arguments(dict(zip(positions, arg_tensors))))
         if isinstance(model, nn.Module):
             shadow = shadow_module(model)  # NOTE [ Shadow modules ]
             return torch.func.functional_call(shadow, param_tensors, args, kwargs)

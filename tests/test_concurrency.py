@@ -541,9 +541,10 @@ def test_dispatch_modes_see_every_op(cores, where):
     assert flops(lambda: parsum.sum_models(models, x, n_jobs=2, chunk_size=1)) == plain
 
 
+@pytest.mark.parametrize("engine", ["auto", "vjp"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("tracker", ["ModuleTracker", "FlopCounterMode"])
-def test_module_trackers_hooking_inputs_leave_gradients_as_they_are(cores, tracker, n_jobs):
+def test_module_trackers_hooking_inputs_leave_gradients_as_they_are(cores, tracker, n_jobs, engine):
     # NOTE [ Aliases behind a view ] in _engines: their multi-grad hooks on the models' inputs
     # made a capturing pullback (here: .grad already set) raise "A leaf node was passed to
     # _will_engine_execute_node"; the same steps without the tracker give the same bits.
@@ -563,7 +564,7 @@ def test_module_trackers_hooking_inputs_leave_gradients_as_they_are(cores, track
             else:
                 context = FlopCounterMode(display=False)
             with context:
-                y = parsum.sum_models(ms, xr, n_jobs=n_jobs, chunk_size=1)
+                y = parsum.sum_models(ms, xr, n_jobs=n_jobs, chunk_size=1, engine=engine)
                 y.pow(2).sum().backward()
         return y.detach(), xr.grad, param_grads(ms)
 
