@@ -173,7 +173,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -249,7 +249,7 @@ class ThreadState:
     settings: Any = None  # parsum.config's, for nested calls run in helpers
     # The caller's context variables, each helper running in a copy (NOTE [ Context
     # variables ]).
-    context: contextvars.Context | None = None
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -272,7 +272,6 @@ class ThreadState:
             cuda_device,
             cuda_stream,
             _config.current_settings(),
-            contextvars.copy_context(),
         )
 
     def set_here(self) -> bool:
@@ -495,12 +494,12 @@ class _Pool:
                 continue
             _set_threads(job.intra_threads)
             # A copy for each helper: a context runs in one thread at a time.
-            context = job.state.context.copy() if job.state.context is not None else None
+            context = job.state.context.copy()
             if job.state.set_here():  # NOTE [ A helper's state ]
-                _in_context(context, job.work)
+                context.run(job.work)
             else:
                 with job.state.entered():
-                    _in_context(context, job.work)
+                    context.run(job.work)
             del context
             teamed = job.intra_threads > 1
             del job
@@ -527,14 +526,6 @@ class _Pool:
 
 
 _pool = _Pool()
-
-
-def _in_context(context: contextvars.Context | None, work: Callable[[], None]) -> None:
-    """``work()`` in ``context`` (NOTE [ Context variables ]), or as it is without one."""
-    if context is None:
-        work()
-    else:
-        context.run(work)
 
 
 def pool_size() -> int:
