@@ -346,8 +346,8 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     if not _plans:
         return None
     walk = _plans.get(tuple(map(id, models)))
-    if walk is None:
-        key = _methods_key(models)
+    if walk is None and not all(isinstance(m, nn.Module) for m in models):
+        key = _walk_key(models)  # bound methods among them
         walk = _plans.get(key) if key is not None else None
     if walk is None or not walk.over(models) or _reads_tables(walk.params):
         return None
@@ -359,11 +359,10 @@ def _bound_to_module(model: Any) -> bool:
     return inspect.ismethod(model) and isinstance(model.__self__, nn.Module)
 
 
-def _methods_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | None:
-    """The key of a walk over modules and bound methods of modules, some of the latter among
-    them: a method by its module and function; None for any other models."""
-    if all(isinstance(m, nn.Module) for m in models):
-        return None
+def _walk_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | None:
+    """The key a walk over these models is kept under: a module by its id, a bound method of
+    one by its module's and its function's; None where another callable is among them (no
+    walk is kept for it)."""
     key: list[Hashable] = []
     m: Any
     for m in models:
@@ -389,10 +388,8 @@ def keep_walk(
 ) -> bool:
     """Keep ``walk`` (just made from ``model_params``, modules included) for the next call;
     whether it was kept."""
-    key = _methods_key(models) or tuple(map(id, models))
-    if not all(isinstance(m, nn.Module) or _bound_to_module(m) for m in models):
-        return False
-    if _reads_tables(walk.params):
+    key = _walk_key(models)
+    if key is None or _reads_tables(walk.params):
         return False
     if any(mp.uninitialized is not None for mp in model_params):
         return False
