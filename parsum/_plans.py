@@ -267,35 +267,46 @@ class Walk:
         return True
 
     def _record(self, modules: list[nn.Module]) -> bool:
-        """What ``holds`` compares; False if these modules are not planned twice."""
-        self._handles = _handle_count()
-        self._hook_ids = list(map(_hook_ids, modules))
+        """What ``holds`` compares; False, recording nothing, if these modules are not planned
+        twice: a tensor subclass among their tensors, or a TorchScript module, whose dicts are
+        views of C++ state (``holds`` reads plain dicts only)."""
+        dicts = [list(_dicts_of(module)) for module in modules]
+        if any(type(inner) is not dict for inners in dicts for inner in inners):
+            return False
+        refs = []
+        sized: list[dict] = []
         entries: list[tuple[dict, str, Any]] = []
         tensors: list[Tensor] = []
-        for position, module in enumerate(modules):
-            self._module_refs.append(weakref.ref(module))
-            for inner in _dicts_of(module):
-                self._sized.append(inner)
+        custom = _Watched([], [], [])
+        for position, (module, inners) in enumerate(zip(modules, dicts)):
+            refs.append(weakref.ref(module))
+            for inner in inners:
+                sized.append(inner)
                 for key, value in inner.items():
                     entries.append((inner, key, value))
                     if isinstance(value, Tensor):
                         tensors.append(value)
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 attributes = vars(module)
-                owner = len(self._custom.at)
-                self._custom.at.append(position)
-                self._custom.sizes.append(len(attributes))
+                owner = len(custom.at)
+                custom.at.append(position)
+                custom.sizes.append(len(attributes))
                 for key in attributes.keys() - MODULE_INTERNALS:
                     value = attributes[key]
-                    self._custom.attributes.append((owner, key, _Held(value)))
+                    custom.attributes.append((owner, key, _Held(value)))
                     if isinstance(value, Tensor):
                         tensors.append(value)
         if any(type(t) not in _PLAIN_TENSORS for t in tensors):
             return False
+        self._handles = _handle_count()
+        self._hook_ids = list(map(_hook_ids, modules))
+        self._module_refs = refs
+        self._custom = custom
+        self._sized = sized
         self._types = list(map(type, modules))
         self._training = list(map(_training, modules))
         self._calls = own_calls(modules)
-        self._sizes = list(map(len, self._sized))
+        self._sizes = list(map(len, sized))
         self._entry_dicts = [e[0] for e in entries]
         self._entry_keys = [e[1] for e in entries]
         self._entry_values = [e[2] for e in entries]

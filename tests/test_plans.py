@@ -286,6 +286,42 @@ def test_partials_and_lazy_modules_are_planned_on_every_call():
     assert known_walk(lazy) is None
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize("scripted", ["model", "layer"])
+def test_torchscript_models_train_over_several_calls(scripted, n_jobs):
+    # A TorchScript module's parameter and submodule dicts are views of C++ state, not dicts:
+    # the second call on the same models raised TypeError from the kept plan's check. Such
+    # models are planned on every call, and train as the plain loop trains them.
+    def make(width):
+        if scripted == "model":
+            return torch.jit.script(mlp([width]))
+        return nn.Sequential(
+            torch.jit.script(nn.Linear(IN, width)), nn.Tanh(), nn.Linear(width, OUT)
+        )
+
+    torch.manual_seed(0)
+    models = [make(w) for w in (4, 5, 6)]
+    torch.manual_seed(0)
+    ref = [make(w) for w in (4, 5, 6)]
+    x = torch.randn(3, IN)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    opt_ref = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        got = parsum.sum_models(models, x, n_jobs=n_jobs)
+        want = plain_sum(ref, x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for g, w in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(g, w)
+        opt.step()
+        opt_ref.step()
+    assert known_walk(models) is None
+
+
 def count_calls(monkeypatch, owner, name: str) -> list[int]:
     """How many times ``owner.name`` is called from here on (one element per call)."""
     calls: list[int] = []
