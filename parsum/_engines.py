@@ -134,10 +134,14 @@ def shadow_module(
     state["_parameters"] = (
         {k: replace.get(id(p), p) for k, p in own.items()} if replace else dict(own)
     )
-    if replace:  # a plain tensor attribute too (``ModelParams.loose``)
+    if replace:  # a plain tensor attribute too, or one in a list (``ModelParams.loose``)
         for name, value in state.items():
             if isinstance(value, Tensor) and id(value) in replace:
                 state[name] = replace[id(value)]
+            elif isinstance(value, CONTAINERS) and name not in MODULE_INTERNALS:
+                rebuilt = _replaced(value, replace)
+                if rebuilt is not value:  # the shadow's own: write_back leaves it
+                    state[name] = replace[id(rebuilt)] = rebuilt
     state["_buffers"] = dict(state["_buffers"])
     state["_modules"] = {
         name: None if child is None else shadow_module(child, replace, memo)
@@ -150,6 +154,26 @@ def shadow_module(
         state["_compiled_call_impl"] = None
     object.__setattr__(copy, "__dict__", state)
     return copy
+
+
+def _replaced(value: Any, replace: dict[int, Any], seen: frozenset[int] = frozenset()) -> Any:
+    """``value`` with the tensors ``replace`` maps replaced, in copies of the lists, tuples
+    and dicts that hold them; ``value`` itself where none is (or where it holds itself)."""
+    if isinstance(value, Tensor):
+        return replace.get(id(value), value)
+    if not isinstance(value, CONTAINERS) or id(value) in seen:
+        return value
+    seen = seen | {id(value)}
+    if isinstance(value, dict):
+        items = {k: _replaced(v, replace, seen) for k, v in value.items()}
+        same = all(items[k] is v for k, v in value.items())
+        return value if same else type(value)(items)
+    parts = [_replaced(v, replace, seen) for v in value]
+    if all(a is b for a, b in zip(parts, value)):
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*parts)
+    return type(value)(parts)
 
 
 def write_back(pairs: Iterable[tuple[nn.Module, nn.Module]], placed: Iterable[Tensor]) -> None:
@@ -376,14 +400,48 @@ def _may_hold_loose_tensors(cls: type) -> bool:
 
 
 def _loose_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """A module's plain tensor attributes that require grad and are leaves, by name."""
+    """A module's plain tensor attributes that require grad and are leaves, by name, also
+    those held in lists, tuples and dicts (``self.scales = [torch.ones(3, requires_grad=True)]``
+    as ``scales[0]``), which the plain loop's backward reaches as well."""
     attributes = vars(module)
     # The attributes every nn.Module has are skipped in C; what is left are its own.
     return [
-        (name, value)
+        (path, t)
         for name in sorted(attributes.keys() - MODULE_INTERNALS)
-        if isinstance(value := attributes[name], Tensor) and value.requires_grad and value.is_leaf
+        for path, t in tensors_held(name, attributes[name])
+        if t.requires_grad and t.is_leaf
     ]
+
+
+CONTAINERS = (list, tuple, dict)
+
+
+def tensors_held(name: str, value: Any) -> list[tuple[str, Tensor]]:
+    """The tensors an attribute holds, itself or inside nested lists, tuples and dicts, each
+    with its path (``name``, ``name[0]``, ``name['key']``)."""
+    if isinstance(value, Tensor):
+        return [(name, value)]
+    if not isinstance(value, CONTAINERS):
+        return []
+    found: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(name, value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, Tensor):
+            found.append((path, item))
+        elif isinstance(item, CONTAINERS) and id(item) not in seen:
+            seen.add(id(item))  # a container holding itself is read once
+            values = item.values() if isinstance(item, dict) else item
+            # A long list of numbers or strings (a vocabulary) is passed over by its types.
+            if not any(issubclass(kind, _HOLDING) for kind in set(map(type, values))):
+                continue
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            stack.extend(reversed([(f"{path}[{k!r}]", v) for k, v in pairs]))
+    return found
+
+
+_HOLDING = (Tensor, *CONTAINERS)
 
 
 def module_of(model: Callable[..., Any]) -> nn.Module | None:

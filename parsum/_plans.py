@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import Parameter
 
 from ._engines import (
+    CONTAINERS,
     MODULE_INTERNALS,
     DirectProgram,
     ModelParams,
@@ -61,6 +62,7 @@ from ._engines import (
     module_hooks,
     module_of,
     own_calls,
+    tensors_held,
 )
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
@@ -268,8 +270,9 @@ class Walk:
 
     def _record(self, modules: list[nn.Module]) -> bool:
         """What ``holds`` compares; False, recording nothing, if these modules are not planned
-        twice: a tensor subclass among their tensors, or a TorchScript module, whose dicts are
-        views of C++ state (``holds`` reads plain dicts only)."""
+        twice: a tensor subclass among their tensors, tensors in a list, tuple or dict held by
+        a module, or a TorchScript module, whose dicts are views of C++ state (``holds`` reads
+        plain dicts only)."""
         dicts = [list(_dicts_of(module)) for module in modules]
         if any(type(inner) is not dict for inners in dicts for inner in inners):
             return False
@@ -296,6 +299,10 @@ class Walk:
                     custom.attributes.append((owner, key, _Held(value)))
                     if isinstance(value, Tensor):
                         tensors.append(value)
+                    elif isinstance(value, CONTAINERS) and tensors_held(key, value):
+                        # Held by identity, a list would hide the tensors put in it since
+                        # (or set to require grad): such models are planned on every call.
+                        return False
         if any(type(t) not in _PLAIN_TENSORS for t in tensors):
             return False
         self._handles = _handle_count()

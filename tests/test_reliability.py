@@ -310,6 +310,88 @@ def test_a_tensor_attribute_is_refused_where_it_would_lose_its_gradient():
         parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
 
 
+class _Listed(nn.Module):
+    """Trainable tensors that are not parameters, held in a list and a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.scales = [torch.rand(OUT, requires_grad=True)]
+        self.shifts = {"out": (torch.randn(OUT, requires_grad=True),)}
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[0] + self.shifts["out"][0]
+
+    def held(self):
+        return [self.scales[0], self.shifts["out"][0]]
+
+
+# The ways a call reached these tensors' gradients: the caller's graph with autograd.grad,
+# ParallelSum (a tensor hook on another model's parameter, a parameter two models share, x
+# that needs a gradient), and a hook on the held tensor itself.
+_LISTED_PATHS = ["backward", "autograd.grad", "hook elsewhere", "shared", "x grad", "own hook"]
+
+
+@pytest.mark.parametrize("path", _LISTED_PATHS)
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_tensors_held_in_lists_and_dicts_get_their_gradients(path, n_jobs):
+    # The plain loop's backward reaches them; parsum's ParallelSum and a capturing backward
+    # did not know them: None, silently, the weights never trained.
+    torch.manual_seed(0)
+    models = [_Listed(), nn.Linear(IN, OUT), _Listed()]
+    ref = clone_models(models)
+    x = torch.randn(4, IN, requires_grad=path == "x grad")
+    x_ref = x.detach().clone().requires_grad_(path == "x grad")
+    for ms in (models, ref):
+        if path == "hook elsewhere":
+            ms[1].weight.register_hook(lambda g: 2 * g)
+        if path == "shared":
+            ms.append(ms[1])
+        if path == "own hook":
+            ms[0].scales[0].register_hook(lambda g: 2 * g)
+    held = [t for m in (models[0], models[2]) for t in m.held()]
+    held_ref = [t for m in (ref[0], ref[2]) for t in m.held()]
+    loss = parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum()
+    want = torch.autograd.grad(plain_sum(ref, x_ref).pow(2).sum(), held_ref)
+    if path == "autograd.grad":
+        got = torch.autograd.grad(loss, held)
+    else:
+        loss.backward()
+        got = [t.grad for t in held]
+    for g, w in zip(got, want):
+        assert g is not None
+        torch.testing.assert_close(g, w)
+    assert models[0].scales[0] is held[0]  # the user's tensor, never the alias of a hook
+
+
+@pytest.mark.parametrize("change", ["element replaced", "element set to require grad"])
+def test_a_tensor_put_in_a_list_between_calls_gets_its_gradient(change):
+    torch.manual_seed(0)
+    models = [_Listed(), _Listed()]
+    x = torch.randn(4, IN)
+    for step in range(2):
+        if step == 1:
+            fresh = torch.rand(OUT, requires_grad=change == "element replaced")
+            if change == "element set to require grad":
+                models[1].scales[0].requires_grad_(False)
+                parsum.sum_models(models, x)  # planned without it
+                fresh = models[1].scales[0].requires_grad_(True)
+            models[1].scales[0] = fresh
+        held = models[1].scales[0]
+        (grad,) = torch.autograd.grad(parsum.sum_models(models, x).sum(), [held])
+        (want,) = torch.autograd.grad(plain_sum(models, x).sum(), [held])
+        torch.testing.assert_close(grad, want)
+
+
+def test_tensors_held_in_lists_are_refused_where_they_would_lose_their_gradients():
+    models = [_Listed(), _Listed()]
+    with pytest.raises(parsum.ParsumError, match=r"\['scales\[0\]', \"shifts\['out'\]\[0\]\"\]"):
+        parsum.sum_models(models, torch.randn(2, IN), engine="vjp")
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    with pytest.raises(parsum.ParsumError, match=r"scales\[0\].*register them as"):
+        parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
+
+
 def test_a_tensor_inside_a_dataclass_argument_is_refused():
     import dataclasses
 
