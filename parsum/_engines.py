@@ -519,9 +519,12 @@ def autograd_forward(
     call: CallArgs,
     params: ModelParams,
     program: DirectProgram | None = None,
+    check_leaves: bool = False,
 ) -> tuple[Any, Pullback]:
     """Run the model on detached inputs under enable_grad (its layers called directly where
-    ``program`` is given: NOTE [ Direct programs ]); pull back with autograd.grad."""
+    ``program`` is given: NOTE [ Direct programs ]); pull back with autograd.grad. With
+    ``check_leaves``, a module's graph is looked through for tensors it does not own (NOTE
+    [ Tensors a module does not own ])."""
     # NOTE [ Hooks run once ]: differentiating with respect to a parameter would run its
     # tensor hooks (register_hook) in the pullback, and autograd runs them again on the whole
     # gradient that ParallelSum returns. Such a parameter is read through an alias, a view of
@@ -565,6 +568,8 @@ def autograd_forward(
         # Every tensor argument is its own, also one it marked to require grad itself.
         arguments = [t for t in call.leaves if isinstance(t, Tensor)]
         _check_no_captured_leaves(roots, [*inputs.values(), *arguments])
+    elif check_leaves and (program is None or hooked):
+        check_own_leaves(model, roots, [*inputs.values(), *params.tensors], call)
     aliased = wrt_params is not params.tensors
     return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs), aliased)
 
@@ -660,11 +665,11 @@ def pull_back_together(
     return results
 
 
-def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Tensor]) -> None:
-    """Raise if a plain callable's graph reaches a tensor that requires grad besides its own
-    arguments (``lambda x: m(x)``): parsum differentiates with respect to what it knows, so
-    that tensor's gradient would be lost without a word."""
+def foreign_leaves(roots: Iterable[GradientEdge | None], own: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors that require grad which a graph reaches from ``roots`` besides ``own``
+    (leaves: an AccumulateGrad node holds its tensor), each once."""
     own_ids = {id(t) for t in own}
+    found: dict[int, Tensor] = {}
     seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
     stack: list[Any] = [edge.node for edge in roots if edge is not None]
     while stack:
@@ -672,25 +677,85 @@ def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Te
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        leaf = getattr(node, "variable", None)  # an AccumulateGrad node holds its leaf
+        leaf = getattr(node, "variable", None)
         if isinstance(leaf, Tensor):
             if id(leaf) not in own_ids:
-                raise ParsumError(
-                    f"its autograd graph reaches a tensor of shape {tuple(leaf.shape)} that "
-                    "requires grad and is not one of its arguments (a parameter or tensor it "
-                    "captures, as in lambda x: m(x)); parsum would give it no gradient: pass "
-                    "the module or its bound method (m, m.encode) as the model, wrap the "
-                    "function in an nn.Module (nn.Sequential(m, nn.Softmax(-1))), or pass the "
-                    "tensor as an argument"
-                )
+                found.setdefault(id(leaf), leaf)
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Tensor]) -> None:
+    """Raise if a plain callable's graph reaches a tensor that requires grad besides its own
+    arguments (``lambda x: m(x)``): parsum differentiates with respect to what it knows, so
+    that tensor's gradient would be lost without a word."""
+    found = foreign_leaves(roots, own)
+    if found:
+        raise ParsumError(
+            f"its autograd graph reaches a tensor of shape {tuple(found[0].shape)} that "
+            "requires grad and is not one of its arguments (a parameter or tensor it "
+            "captures, as in lambda x: m(x)); parsum would give it no gradient: pass "
+            "the module or its bound method (m, m.encode) as the model, wrap the "
+            "function in an nn.Module (nn.Sequential(m, nn.Softmax(-1))), or pass the "
+            "tensor as an argument"
+        )
+
+
+# Leaves of parsum's own (its nodes' anchors), which a model calling sum_models reaches.
+INTERNAL_LEAVES: list[Tensor] = []
+
+
+# NOTE [ Tensors a module does not own ]
+# parsum differentiates a module with respect to what its walk finds: its parameters, its
+# tensor attributes and the tensors in its lists and dicts. A forward may read a tensor that
+# requires grad from elsewhere: a global, a plain object's attribute, a module kept in a Python
+# list instead of an nn.ModuleList (whose parameters model.parameters() does not list either).
+# The plain loop's backward reaches it; parsum's pullbacks did not (ParallelSum, a capturing
+# backward), and where they did (accumulating on several threads) in an order that depended on
+# the threads: its gradient was lost or not reproducible, silently. The first call of a plan
+# looks through each module's graph for such tensors (a plan made for one call, every call;
+# layers of torch.nn run as a direct program read only their own; under engine="vjp" the graph
+# that the transform leaves outside, recorded for that call) and raises, naming the model and
+# the tensors' shapes: 1.3 ms for 64 tiny MLP classes, about what planning them costs. A forward
+# that starts reading such a tensor on a later call of the same plan is not seen.
+
+
+def check_own_leaves(
+    model: Callable[..., Any],
+    roots: Iterable[GradientEdge | None],
+    own: Sequence[Tensor],
+    call: CallArgs,
+) -> None:
+    """Raise if a module's graph reaches tensors that require grad which it does not own (NOTE
+    [ Tensors a module does not own ]); a tensor argument is its own."""
+    found = foreign_leaves(roots, own)
+    if not found:
+        return
+    # The tensor arguments, the anchors of the nodes of a sum_models call inside the model,
+    # and parameters the forward made (NOTE [ Parameters made in forward ] in _function).
+    made = ModelParams.of(model).tensors
+    arguments = {id(t) for t in [*call.leaves, *INTERNAL_LEAVES, *made] if isinstance(t, Tensor)}
+    found = [t for t in found if id(t) not in arguments]
+    if found:
+        shapes = ", ".join(str(tuple(t.shape)) for t in found[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        raise ParsumError(
+            f"its autograd graph reaches {len(found)} tensor(s) that require grad and are not "
+            f"its parameters, attributes or arguments (shapes {shapes}{more}): read from a "
+            "global or a plain object, or the parameters of a module kept in a Python list "
+            "instead of an nn.ModuleList; parsum would give them no gradient: register them "
+            "in the module (nn.Parameter, nn.ModuleList, nn.ParameterList) or pass them as "
+            "arguments"
+        )
 
 
 def vjp_forward(
-    model: Callable[..., Any], call: CallArgs, params: ModelParams
+    model: Callable[..., Any], call: CallArgs, params: ModelParams, check_leaves: bool = False
 ) -> tuple[Any, Pullback]:
-    """Run the model through torch.func.vjp over torch.func.functional_call."""
+    """Run the model through torch.func.vjp over torch.func.functional_call; with
+    ``check_leaves``, looking through the graph it leaves outside the transform (NOTE
+    [ Tensors a module does not own ])."""
     positions = call.grad_positions
     primal_args = [call.leaves[j].detach() for j in positions]
     primal_params = {n: p.detach() for n, p in zip(params.names, params.tensors)}
@@ -702,8 +767,15 @@ def vjp_forward(
             return torch.func.functional_call(shadow, param_tensors, args, kwargs)
         return model(*args, **kwargs)
 
-    out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)  # type: ignore[misc]
+    # Checking, a graph outside the transform is recorded (of the ops on tensors that require
+    # grad out there alone): what it reaches is not the model's.
+    with torch.enable_grad() if check_leaves else contextlib.nullcontext():
+        out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)  # type: ignore[misc]
     out_spec = pytree.tree_structure(out)
+    if check_leaves:
+        leaves = pytree.tree_leaves(out)
+        edges = [_edge(t) for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+        check_own_leaves(model, edges, [], call)
 
     def pullback(
         cotangents: Sequence[Tensor], retain_graph: bool
@@ -776,6 +848,7 @@ def unit_forward(
     build_graph: bool,
     fall_back: bool = False,
     program: DirectProgram | None = None,
+    check_leaves: bool = False,
 ) -> UnitRun:
     """Run a unit's models.
 
@@ -805,9 +878,9 @@ def unit_forward(
     if not build_graph:
         return UnitRun([plain_forward(models[i], call, program)], None)
     if unit.engine == "autograd":
-        out, pullback = autograd_forward(models[i], call, model_params[i], program)
+        out, pullback = autograd_forward(models[i], call, model_params[i], program, check_leaves)
     else:
-        out, pullback = ENGINE_FORWARDS[unit.engine](models[i], call, model_params[i])
+        out, pullback = vjp_forward(models[i], call, model_params[i], check_leaves)
     return UnitRun([out], SinglePullback(pullback))
 
 

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from . import _pool
 from ._engines import (
+    INTERNAL_LEAVES,
     LEAF_SPEC,
     CallArgs,
     GraphPullback,
@@ -49,6 +50,7 @@ from ._engines import (
     UnitPullback,
     UnitRun,
     _edge,
+    check_own_leaves,
     check_weight_dtype,
     direct_calls_allowed,
     model_arguments,
@@ -328,6 +330,8 @@ def run_forward(
             records = [[] for _ in programs]
             programs = [p if p is None else p._replace(record=r) for p, r in zip(programs, records)]
     watch = walk.draws_random is None or (parallel and turns is None)
+    # NOTE [ Tensors a module does not own ] in _engines: once for a kept walk.
+    check_leaves = not walk.leaves_checked and (build_graph or roots is not None)
     states = generator_states() if watch else None
     # The outputs' nodes, to look for recomputation where the models may draw random numbers:
     # once for a kept walk. A walk made for one call would look on every call (1.3 ms a step
@@ -397,6 +401,10 @@ def run_forward(
                         run = UnitRun([run_direct(program, args[0])], None)
                     else:
                         run = UnitRun([models[i](*args, **kwargs)], None)
+                        if check_leaves:
+                            mine_now = mine.values() if shared_args is None else ()
+                            own = [*plan.model_params[i].tensors, *mine_now]
+                            check_own_leaves(models[i], _edge_of(run.outs[0]), own, call)
                 else:
                     one = programs[unit.models[0]] if programs and len(unit.models) == 1 else None
                     run = unit_forward(
@@ -407,6 +415,7 @@ def run_forward(
                         build_graph,
                         plan.engine == "auto",
                         one,
+                        check_leaves,
                     )
             except _CONTROL_FLOW:
                 raise
@@ -515,9 +524,17 @@ def run_forward(
     # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
     # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
+    if check_leaves and walk.kept:
+        walk.leaves_checked = True
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
     return _Forward(leaves, pullbacks, outputs, made)
+
+
+def _edge_of(out: Any) -> Iterator[GradientEdge]:
+    """The gradient edges of a model's output leaves that need a gradient."""
+    leaves = [out] if isinstance(out, Tensor) else pytree.tree_leaves(out)
+    return (_edge(t) for t in leaves if isinstance(t, Tensor) and t.requires_grad)
 
 
 # NOTE [ Arguments modified in place ]
@@ -889,6 +906,7 @@ def distributed_call() -> Iterator[None]:
 # The join node's input, for it to be a node: one leaf for all calls, whose AccumulateGrad
 # receives None. On the CPU whatever the default device at import.
 _JOIN_ANCHOR = torch.empty(0, requires_grad=True, device="cpu")
+INTERNAL_LEAVES.append(_JOIN_ANCHOR)
 
 
 def join_input(pending: PendingJoin) -> Tensor:

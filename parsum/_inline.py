@@ -111,7 +111,7 @@ from ._double_backward import (
     keeps_models_graphs,
     second_order_fits,
 )
-from ._engines import CallArgs, SinglePullback, _edge, module_of, pull_back
+from ._engines import INTERNAL_LEAVES, CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._errors import ParsumError
 from ._function import (
     PendingJoin,
@@ -244,6 +244,7 @@ def sum_in_callers_graph(
 # cost 50-60 us of a step's forward in place (16 MLPs of widths 128-512, batch 64, one thread),
 # for a node that only answers that question. On the CPU whatever the default device at import.
 _ANCHOR = torch.empty(0, requires_grad=True, device="cpu")
+INTERNAL_LEAVES.append(_ANCHOR)
 _ANCHOR_NODE = _edge(_ANCHOR).node
 
 

@@ -121,6 +121,9 @@ class Walk:
         # threads (NOTE [ Arguments modified in place ] in _function).
         self.modifies_args = False
         self.kept = False  # by keep_walk, for the next calls
+        # Whether a call looked through the models' graphs (NOTE [ Tensors a module does not
+        # own ] in _engines).
+        self.leaves_checked = False
         # Whether the models' draws can be made beforehand, and the shapes of what they draw
         # by noise_key (NOTE [ Dropout drawn beforehand ] in _random).
         self.predraws = False

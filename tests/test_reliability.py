@@ -5,6 +5,7 @@ Tests that could crash the interpreter run their scenario in a subprocess; every
 a short timeout, so a deadlock fails fast.
 """
 
+import functools
 import gc
 import signal
 import subprocess
@@ -390,6 +391,89 @@ def test_tensors_held_in_lists_are_refused_where_they_would_lose_their_gradients
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     with pytest.raises(parsum.ParsumError, match=r"scales\[0\].*register them as"):
         parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
+
+
+_GLOBAL_SCALE = torch.rand(OUT, requires_grad=True)
+
+
+class _ReadsAGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.norm = nn.BatchNorm1d(OUT)
+
+    def forward(self, x):
+        return self.norm(self.lin(x)) * _GLOBAL_SCALE
+
+
+class _KeepsLayersInAList(nn.Module):
+    """The classic slip: layers in a Python list, not an nn.ModuleList (unregistered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.extra = [nn.Linear(IN, OUT)]
+
+    def forward(self, x):
+        return self.lin(x) + self.extra[0](x)
+
+
+class _Holder:
+    def __init__(self):
+        self.t = torch.rand(OUT, requires_grad=True)
+
+
+class _ReadsAnObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.holder = _Holder()
+
+    def forward(self, x):
+        return self.lin(x) * self.holder.t
+
+
+@pytest.mark.parametrize("path", ["default", "hook elsewhere", "shared", "autograd", "vjp"])
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize("kind", [_ReadsAGlobal, _KeepsLayersInAList, _ReadsAnObject])
+def test_a_module_reading_tensors_it_does_not_own_is_named(kind, n_jobs, path):
+    # NOTE [ Tensors a module does not own ]: their gradients were lost through ParallelSum
+    # and a capturing backward, silently; now the call raises, naming the model, and changes
+    # nothing.
+    torch.manual_seed(0)
+    models = [nn.Linear(IN, OUT), kind(), nn.Linear(IN, OUT)]
+    kwargs = {"engine": path} if path in ("autograd", "vjp") else {}
+    if path == "vjp" and kind is _ReadsAGlobal:  # vjp refuses BatchNorm in training mode
+        models[1].eval()
+    if path == "hook elsewhere":
+        models[0].weight.register_hook(lambda g: 2 * g)
+    if path == "shared":
+        models.append(models[0])
+    before = [t.clone() for t in models[1].state_dict().values()]
+    match = rf"model 1 \({kind.__name__}\) raised ParsumError in forward: .* not its parameters"
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(before, models[1].state_dict().values()))
+    assert all(p.grad is None for m in models for p in m.parameters())
+    with torch.no_grad():  # nothing to differentiate, nothing lost: no error
+        parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, **kwargs)
+
+
+def test_a_plan_looks_through_the_graphs_once(monkeypatch):
+    from parsum import _engines
+
+    walks = []
+    original = _engines.foreign_leaves
+    monkeypatch.setattr(_engines, "foreign_leaves", lambda *a: walks.append(1) or original(*a))
+    torch.manual_seed(0)
+    models = [_Tempered(), _Tempered(), _Tempered()]
+    x = torch.randn(4, IN)
+    for _ in range(3):
+        parsum.sum_models(models, x, n_jobs=1).sum().backward()
+    assert len(walks) == 3  # the first call's, one a model
+    for _ in range(2):  # a plan made for one call looks on every call
+        parsum.sum_models([functools.partial(m) for m in models], x, n_jobs=1).sum().backward()
+    assert len(walks) == 9
 
 
 def test_a_tensor_inside_a_dataclass_argument_is_refused():
