@@ -62,6 +62,7 @@ from ._stack import (
     stacked_sum,
     wanted_stacks_among,
 )
+from ._transformed import sum_in_transform
 
 _WHERE = "sum_models"
 
@@ -143,13 +144,6 @@ def sum_models(
             index and type, with the original exception chained). A failed call changes no
             ``.grad`` and restores the buffers of modules in training mode.
     """
-    if torch._C._are_functorch_transforms_active():
-        raise ParsumError(
-            f"{_WHERE}: called inside a torch.func transform (grad, vmap, jacrev, ...); the "
-            "workers run the models and their pullbacks with torch.autograd, outside the "
-            "transform: differentiate with torch.autograd.grad or "
-            "torch.autograd.functional.jacobian, or sum the models plainly inside the transform"
-        )
     models = _check_models(models)
     settings = _config.current_settings()
     engine = _config.check_engine(engine, _WHERE)
@@ -161,6 +155,8 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
+    if torch._C._are_functorch_transforms_active():  # NOTE [ Inside a transform ]
+        return sum_in_transform(_WHERE, models, call, weight_list, weight_tensor, step_in_backward)
     if _dual_level() >= 0:  # a dual level is open: NOTE [ Forward-mode AD ]
         _check_no_tangents(models, call, weight_tensor)
     general = functools.partial(

@@ -339,23 +339,6 @@ def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs
         parsum.sum_models(_makes_heads(), x, n_jobs=n_jobs)
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap"])
-def test_torch_func_transforms_are_refused_with_what_to_use(transform):
-    models = [mlp([4]) for _ in range(2)]
-    x = torch.randn(3, IN)
-
-    def total(x):
-        return parsum.sum_models(models, x).sum(-1)
-
-    run = {
-        "grad": lambda: torch.func.grad(lambda x: total(x).sum())(x),
-        "vmap": lambda: torch.func.vmap(total)(x),
-    }[transform]
-    with pytest.raises(parsum.ParsumError, match=r"inside a torch\.func transform.*autograd\.grad"):
-        run()
-    assert all(g is None for g in param_grads(models))
-
-
 @pytest.mark.parametrize("dual", ["argument", "weights", "parameter"])
 def test_forward_mode_tangents_are_refused_instead_of_dropped(dual):
     # NOTE [ Forward-mode AD ] in parsum._api: the result came back without a tangent.
