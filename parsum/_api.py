@@ -155,10 +155,10 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
-    if torch._C._are_functorch_transforms_active():  # NOTE [ Inside a transform ]
+    if torch._C._are_functorch_transforms_active() or (
+        _dual_level() >= 0 and _tangent_carrier(models, call, weight_tensor) is not None
+    ):  # NOTE [ Inside a transform ] in _transformed; NOTE [ Forward-mode AD ]
         return sum_in_transform(_WHERE, models, call, weight_list, weight_tensor, step_in_backward)
-    if _dual_level() >= 0:  # a dual level is open: NOTE [ Forward-mode AD ]
-        _check_no_tangents(models, call, weight_tensor)
     general = functools.partial(
         _general_sum, models, call, weight_list, weight_tensor, n_jobs, n_workers, engine,
         chunk_size,
@@ -431,22 +431,11 @@ def _check_hidden_tensors(call: CallArgs) -> None:
 # NOTE [ Forward-mode AD ]
 # The forward runs the models on parsum's threads and sums their values, detached, in one
 # node: a tangent that an argument, a weight or a parameter carries (``forward_ad.make_dual``)
-# would be dropped, and the result would come back without one, silently (the plain loop
-# propagates it). So a call where one does is refused, as calls inside torch.func transforms
-# are. Checked only while a dual level is open, a read of one module attribute otherwise.
-
-
-def _check_no_tangents(
-    models: list[Callable[..., Any]], call: CallArgs, weight_tensor: Tensor | None
-) -> None:
-    found = _tangent_carrier(models, call, weight_tensor)
-    if found is not None:
-        raise ParsumError(
-            f"{_WHERE}: {found} carries a forward-mode tangent (torch.autograd.forward_ad), "
-            "which parsum's sum would drop: it sums the models' values on its threads, in a "
-            "node without a forward derivative; compute the JVP on the plain sum of the "
-            "models, or differentiate in reverse mode (backward, torch.autograd.grad)"
-        )
+# would be dropped, and the result would come back without one (the plain loop propagates it).
+# A call where one does is run as inside a torch.func transform (NOTE [ Inside a transform ] in
+# _transformed): the models in the calling thread, their sum in plain operations, which carry
+# the tangents. Looked for only while a dual level is open, a read of one module attribute
+# otherwise.
 
 
 def _tangent_carrier(

@@ -11,7 +11,9 @@
 # narrower dtypes, rounded once; Neumaier's sum with Knuth's TwoSum in float64, applied where the
 # sum is finite (NOTE [ Compensated summation ] in _summation). Their derivatives are those of
 # the plain sum: the compensation's parts cancel exactly (each a difference of the same
-# incoming value). One thread runs it, so ``n_jobs`` changes nothing; nothing is chunked.
+# incoming value). One thread runs it, so ``n_jobs`` changes nothing; nothing is chunked. A
+# call whose tensors carry forward-mode tangents runs here too (NOTE [ Forward-mode AD ] in
+# _api).
 # ``step_in_backward`` (an optimizer step inside a backward the transform computes itself) and
 # a compensated FlatGrad (whose accumulation a backward of the transform's result would
 # bypass) are refused.

@@ -340,26 +340,37 @@ def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs
 
 
 @pytest.mark.parametrize("dual", ["argument", "weights", "parameter"])
-def test_forward_mode_tangents_are_refused_instead_of_dropped(dual):
-    # NOTE [ Forward-mode AD ] in parsum._api: the result came back without a tangent.
+def test_forward_mode_tangents_are_carried(dual):
+    # NOTE [ Forward-mode AD ] in parsum._api: the result came back without a tangent, then
+    # the call was refused; now it runs as inside a torch.func transform, carrying them.
+    torch.manual_seed(0)
     models = [mlp([4]) for _ in range(3)]
-    x = torch.randn(3, IN)
-    weights = torch.ones(3)
-    with fwAD.dual_level():
-        if dual == "argument":
-            x = fwAD.make_dual(x, torch.randn_like(x))
-            match = r"sum_models: an argument carries a forward-mode tangent"
-        elif dual == "weights":
-            weights = fwAD.make_dual(weights, torch.randn_like(weights))
-            match = r"sum_models: weights carries a forward-mode tangent"
-        else:
-            del models[1][0].weight
-            models[1][0].weight = fwAD.make_dual(torch.randn(4, IN), torch.randn(4, IN))
-            match = r"sum_models: '0\.weight' of models\[1\] \(Sequential\) carries"
-        with pytest.raises(parsum.ParsumError, match=match + r".*plain sum"):
-            parsum.sum_models(models, x, weights=weights)
-        with pytest.raises(parsum.ParsumError, match=match):
-            parsum.SumOfModels(models, weights=weights)(x)
+    x, weights = torch.randn(3, IN), torch.tensor([0.5, -1.0, 2.0])
+    tangent = torch.randn_like(x if dual == "argument" else weights)
+    if dual == "parameter":
+        tangent = torch.randn(4, IN)
+        weight = models[1][0].weight.detach().clone()
+        del models[1][0].weight
+    results = []
+    for total in (parsum.sum_models, plain_sum, parsum.SumOfModels):
+        with fwAD.dual_level():
+            xd, wd = x, weights
+            if dual == "argument":
+                xd = fwAD.make_dual(x, tangent)
+            elif dual == "weights":
+                wd = fwAD.make_dual(weights, tangent)
+            else:
+                models[1][0].weight = fwAD.make_dual(weight, tangent)
+            if total is parsum.SumOfModels:
+                y = total(models, weights=wd)(xd)
+            else:
+                y = total(models, xd, weights=wd)
+            primal, tangent_out = fwAD.unpack_dual(y)
+            assert tangent_out is not None
+            results.append((primal.clone(), tangent_out.clone()))
+    for got in (results[0], results[2]):
+        torch.testing.assert_close(got[0], results[1][0])
+        torch.testing.assert_close(got[1], results[1][1])
     assert all(g is None for g in param_grads(models))
 
 
