@@ -174,6 +174,12 @@ class StepInBackward:
                     f"{_WHERE}: optimizer_cls returned a {type(optimizer).__name__}; expected "
                     "a torch.optim.Optimizer"
                 )
+            if _needs_closure(optimizer):
+                raise ParsumError(
+                    f"{_WHERE}: {type(optimizer).__name__}.step needs a closure that runs the "
+                    "forward and backward again (torch.optim.LBFGS), which a step inside the "
+                    "backward cannot give: step it after the backward, with a closure"
+                )
             self.optimizers.append(optimizer)
 
     def _watch_gradients(self) -> None:
@@ -374,6 +380,15 @@ _param_groups = operator.attrgetter("param_groups")
 _grad_of = operator.attrgetter("grad")
 _pre_hooks = operator.attrgetter("_optimizer_step_pre_hooks")
 _post_hooks = operator.attrgetter("_optimizer_step_post_hooks")
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` takes a closure without a default (LBFGS re-evaluates the loss)."""
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: let its step say so
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _counts_only(opt: torch.optim.Optimizer) -> bool:

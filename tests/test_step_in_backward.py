@@ -569,6 +569,8 @@ def test_tied_parameters_across_models_are_refused():
             r"SGD\(params of models\[0\] "
             r"\(Linear\), \*\*\{'lr': -1.0\}\) raised ValueError",
         ),
+        # Its step needs a closure: it raised TypeError from inside the first backward.
+        ([nn.Linear(2, 2)], torch.optim.LBFGS, {}, r"LBFGS.step needs a closure"),
     ],
 )
 def test_bad_construction(models, cls, kw, match):
