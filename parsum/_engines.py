@@ -116,8 +116,10 @@ def shadow_module(
 ) -> nn.Module:
     """A copy of ``module``'s tree whose parameter, buffer and submodule dicts are its own
     (NOTE [ Shadow modules ]); a submodule reached twice is shadowed once. ``replace`` maps
-    ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is.
-    ``memo`` collects (module, shadow) pairs by id."""
+    ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is (in a
+    list, tuple or dict attribute too: the shadow then holds a copy of the container, which is
+    added to ``replace`` so that ``write_back`` leaves it). ``memo`` collects (module, shadow)
+    pairs by id."""
     if isinstance(module, torch.jit.ScriptModule):  # functional_call refuses it, with a message
         return module
     memo = {} if memo is None else memo
