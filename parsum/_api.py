@@ -88,7 +88,9 @@ def sum_models(
     the result is differentiated. Outputs, input gradients and gradients of parameters shared
     by several models are reduced with a compensated sum (a float64 accumulator for float32
     and narrower, Kahan-Babuska-Neumaier for float64) in a fixed order: more accurate than the
-    plain sum, and bitwise identical for any ``n_jobs``.
+    plain sum, and bitwise identical for any ``n_jobs``. Inside a ``torch.func`` transform
+    (``grad``, ``vmap``, ``jacrev``, ...) or with forward-mode tangents, the models run in the
+    calling thread and their sum, compensated alike, in operations the transform sees.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(4, 8),
@@ -105,8 +107,9 @@ def sum_models(
         models: non-empty sequence of callables, normally ``nn.Module``s whose architectures
             may differ. A module may appear more than once (it then counts more than once).
             A bound method of a module (``m.encode``) or a ``functools.partial`` trains that
-            module's parameters; another callable is differentiated with respect to its
-            arguments only, and raises if it reaches a tensor that needs a gradient otherwise.
+            module's parameters and the tensors it holds; another callable is differentiated
+            with respect to its arguments only. A model whose graph reaches a tensor that needs
+            a gradient and that it neither holds nor was passed raises.
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
         weights: optional sequence of floats (a 1-D numpy array too) or of 0-dim tensors, or
