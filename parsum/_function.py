@@ -402,9 +402,13 @@ def run_forward(
                     else:
                         run = UnitRun([models[i](*args, **kwargs)], None)
                         if check_leaves:
-                            mine_now = mine.values() if shared_args is None else ()
-                            own = [*plan.model_params[i].tensors, *mine_now]
-                            check_own_leaves(models[i], _edge_of(run.outs[0]), own, call)
+                            check_own_leaves(
+                                models[i],
+                                _edge_of(run.outs[0]),
+                                plan.model_params[i].tensors,
+                                mine.values() if shared_args is None else (),
+                                call,
+                            )
                 else:
                     one = programs[unit.models[0]] if programs and len(unit.models) == 1 else None
                     run = unit_forward(

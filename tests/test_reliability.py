@@ -459,7 +459,7 @@ def test_a_module_reading_tensors_it_does_not_own_is_named(kind, n_jobs, path):
         parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, **kwargs)
 
 
-def test_a_plan_looks_through_the_graphs_once(monkeypatch):
+def test_a_module_is_looked_through_once(monkeypatch):
     from parsum import _engines
 
     walks = []
@@ -471,9 +471,15 @@ def test_a_plan_looks_through_the_graphs_once(monkeypatch):
     for _ in range(3):
         parsum.sum_models(models, x, n_jobs=1).sum().backward()
     assert len(walks) == 3  # the first call's, one a model
-    for _ in range(2):  # a plan made for one call looks on every call
+    for subset in ([0, 1], [2, 0], [1, 2]):  # new plans, of modules looked through already
+        parsum.sum_models([models[i] for i in subset], x, n_jobs=1).sum().backward()
+    assert len(walks) == 3
+    models[1].lin.weight = nn.Parameter(torch.randn(OUT, IN))  # not the module it was
+    parsum.sum_models(models, x, n_jobs=1).sum().backward()
+    assert len(walks) == 4
+    for _ in range(2):  # partials are looked through on every call
         parsum.sum_models([functools.partial(m) for m in models], x, n_jobs=1).sum().backward()
-    assert len(walks) == 9
+    assert len(walks) == 10
 
 
 def test_a_tensor_inside_a_dataclass_argument_is_refused():
