@@ -276,7 +276,7 @@ class Walk:
         twice: a tensor subclass among their tensors, tensors in a list, tuple or dict held by
         a module, or a TorchScript module, whose dicts are views of C++ state (``holds`` reads
         plain dicts only)."""
-        dicts = [list(_dicts_of(module)) for module in modules]
+        dicts = list(map(_dicts_of, modules))  # each module's three dicts, a tuple
         if any(type(inner) is not dict for inners in dicts for inner in inners):
             return False
         refs = []
