@@ -145,6 +145,13 @@ def sum_models(
     if world == 1:  # NOTE [ One rank ]: the rank's own sum is every rank's
         with distributed_call():  # NOTE [ Pullbacks joined later ] in _function
             return _local_sum(models, *args, **kwargs)
+    if torch._C._are_functorch_transforms_active():  # before any exchange: ranks stay in step
+        raise ParsumError(
+            f"{_WHERE}: called inside a torch.func transform (grad, vmap, jacrev, ...) with "
+            f"{world} ranks: the exchange between ranks runs outside the transform, which "
+            "would not see the other ranks' part; call parsum.sum_models on all the models in "
+            "the transform, or differentiate with torch.autograd.grad"
+        )
     device = _status_device(group)
     # The models' arguments are the same on every rank; parsum's own keywords (weights for this
     # rank's models) are the rank's alone.

@@ -194,6 +194,18 @@ def _forward_failure(rank: int) -> None:
     _same_on_every_rank(y)
 
 
+def _inside_a_transform(rank: int) -> None:
+    # Each rank raises before any exchange (the transform would not see the other ranks'
+    # part), and the ranks are still in step.
+    mine = [nn.Linear(IN, OUT)]
+    x = torch.randn(4, IN)
+    with pytest.raises(parsum.ParsumError, match=r"inside a torch.func transform .* with 2 ranks"):
+        torch.func.grad(lambda x: parsum.distributed.sum_models(mine, x).sum())(x)
+    with pytest.raises(parsum.ParsumError, match=r"inside a torch.func transform"):
+        torch.func.vmap(lambda x: parsum.distributed.sum_models(mine, x))(x)
+    _same_on_every_rank(parsum.distributed.sum_models(mine, x))
+
+
 def _mismatch(rank: int) -> None:
     mine = [nn.Linear(IN, OUT + rank)]
     with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
@@ -626,6 +638,7 @@ SCENARIOS = {
     "agree": _agrees_with_one_process,
     "complex": _complex_outputs,
     "forward_failure": _forward_failure,
+    "inside_a_transform": _inside_a_transform,
     "mismatch": _mismatch,
     "backward_failure": _backward_failure,
     "nccl": _nccl,
@@ -653,6 +666,7 @@ SCENARIOS = {
         "second_backward",
         "complex",
         "forward_failure",
+        "inside_a_transform",
         "mismatch",
         "stacked_storage",
         "one_exchange",
