@@ -71,7 +71,7 @@ from ._random import (
     warn_thread_timing,
 )
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
-from ._summation import WIDE, ChunkPartials, CompensatedAccumulator, sums_at_once
+from ._summation import WIDE, ChunkPartials, CompensatedAccumulator, sum_dtype, sums_at_once
 
 if TYPE_CHECKING:
     from ._plans import Walk
@@ -445,7 +445,8 @@ def run_forward(
                 for acc, v in zip(
                     accs, _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                 ):
-                    acc.add_wide(v.sum(0, dtype=WIDE.get(v.dtype, v.dtype)), v.dtype)
+                    wide = WIDE.get(v.dtype, sum_dtype(v.dtype))
+                    acc.add_wide(v.sum(0, dtype=wide), v.dtype)
                 continue
             for i, out in zip(unit.models, run.outs):
                 leaves, sig = _signature(plan, i, out)
@@ -632,9 +633,11 @@ def _weighted_group(
     for leaf in stacked:
         v = leaf.detach()
         if w is not None:
-            # On the output's device, whatever the default device or the weights' device.
-            wv = torch.as_tensor(w, dtype=v.dtype, device=v.device)
-            v = v * wv.view(-1, *([1] * (v.dim() - 1)))
+            # In the dtype of the plain loop's w_i * out_i (a float weight makes integer and
+            # boolean outputs float), on the output's device, whatever the weights' device.
+            dtype = torch.result_type(w[0], v)
+            wv = torch.as_tensor(w, dtype=dtype, device=v.device)
+            v = v.to(dtype) * wv.view(-1, *([1] * (v.dim() - 1)))
         weighted.append(v)
     return weighted
 

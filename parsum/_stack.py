@@ -138,7 +138,7 @@ from ._grads import (
 from ._grouping import Batch, structure_key
 from ._pool import autocast_states
 from ._sparse import has_user_post_hooks, post_accumulate_hooks
-from ._summation import WIDE
+from ._summation import WIDE, sum_dtype
 
 _WHERE = "stack_"
 
@@ -1031,12 +1031,17 @@ def _sum_over_models(
     summed = []
     for leaf in leaves:
         if weight_tensor is not None or weights is not None:
+            # In the dtype of the plain loop's w_i * out_i (a float weight makes integer and
+            # boolean outputs float).
+            first = weight_tensor[0] if weight_tensor is not None else weights[0]  # type: ignore[index]
+            dtype = torch.result_type(first, leaf)
             if weight_tensor is not None:
-                w = weight_tensor.to(dtype=leaf.dtype, device=leaf.device)
+                w = weight_tensor.to(dtype=dtype, device=leaf.device)
             else:
-                w = torch.tensor(weights, dtype=leaf.dtype, device=leaf.device)
-            leaf = leaf * w.view(n, *([1] * (leaf.dim() - 1)))
-        summed.append(leaf.sum(0, dtype=WIDE.get(leaf.dtype, leaf.dtype)).to(leaf.dtype))
+                w = torch.tensor(weights, dtype=dtype, device=leaf.device)
+            leaf = leaf.to(dtype) * w.view(n, *([1] * (leaf.dim() - 1)))
+        total = sum_dtype(leaf.dtype)  # booleans counted, as the plain sum counts them
+        summed.append(leaf.sum(0, dtype=WIDE.get(leaf.dtype, total)).to(total))
     return summed
 
 

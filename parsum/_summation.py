@@ -49,6 +49,12 @@ def _is_inexact(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the plain sum of tensors of ``dtype``: Python's ``sum`` starts from 0, so
+    booleans are counted in int64 (an ensemble's votes), every other dtype is kept."""
+    return torch.int64 if dtype == torch.bool else dtype
+
+
 # Accumulation dtype of the dtypes that have a wider one (NOTE [ Compensated summation ]).
 WIDE = {
     torch.float32: torch.float64,
@@ -82,7 +88,10 @@ class CompensatedAccumulator:
     def add(self, x: Tensor) -> None:
         s = self._sum
         if s is None:
-            self._sum, self._owned, self._dtype = x, False, x.dtype
+            if x.dtype == torch.bool:  # counted, as the plain sum counts them
+                self._sum, self._owned, self._dtype = x.to(torch.int64), True, torch.int64
+            else:
+                self._sum, self._owned, self._dtype = x, False, x.dtype
             return
         assert self._dtype is not None
         wide = WIDE.get(self._dtype)
@@ -101,7 +110,7 @@ class CompensatedAccumulator:
         """Add a partial sum of tensors of ``dtype`` already held in their wide dtype (a fresh
         tensor, taken over), without rounding it to ``dtype`` first."""
         if self._sum is None:
-            self._sum, self._owned, self._dtype = x, True, dtype
+            self._sum, self._owned, self._dtype = x, True, sum_dtype(dtype)
         else:
             self.add(x)
 

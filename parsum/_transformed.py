@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ._engines import CallArgs, ModelParams, model_kind
 from ._errors import ParsumError
 from ._grads import has_compensated_flat_grads
-from ._summation import WIDE
+from ._summation import WIDE, sum_dtype
 
 
 def sum_in_transform(
@@ -58,6 +58,7 @@ def sum_in_transform(
     args, kwargs = call.build()
     outputs: list[list[Tensor]] = []
     spec: pytree.TreeSpec | None = None
+    first: list[Tensor] = []  # model 0's output leaves, unweighted
     for i, model in enumerate(models):
         try:
             out = model(*args, **kwargs)
@@ -75,14 +76,14 @@ def sum_in_transform(
                 "or a pytree of tensors"
             )
         if spec is None:
-            spec = out_spec
+            spec, first = out_spec, leaves
         elif out_spec != spec or any(
-            (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(leaves, outputs[0])
+            (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(leaves, first)
         ):
             raise ParsumError(
                 f"{where}: model {i} ({model_kind(model)}) returned "
                 f"{_describe(out_spec, leaves)}, where model 0 returned "
-                f"{_describe(spec, outputs[0])}; every model must return the same structure, "
+                f"{_describe(spec, first)}; every model must return the same structure, "
                 "shapes and dtypes"
             )
         if weight_tensor is not None:
@@ -104,7 +105,7 @@ def compensated_sum(terms: Sequence[Tensor]) -> Tensor:
     """The sum of ``terms`` in order, compensated, in differentiable operations."""
     dtype = terms[0].dtype
     if not (dtype.is_floating_point or dtype.is_complex):
-        total = terms[0]
+        total = terms[0].to(sum_dtype(dtype))  # booleans counted, as the plain sum counts them
         for t in terms[1:]:
             total = total + t
         return total

@@ -600,6 +600,49 @@ def test_float32_more_accurate_than_plain_sum(n_jobs):
     assert not torch.equal(x3.grad, torch.full((3,), 5.0))
 
 
+class _Votes(nn.Module):
+    """A classifier's vote: booleans, which the plain sum counts (0 + True + ... in int64)."""
+
+    def __init__(self, as_int=False):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.as_int = as_int
+
+    def forward(self, x):
+        vote = self.lin(x) > 0
+        return (10 * self.lin(x)).to(torch.int32) if self.as_int else vote
+
+
+@pytest.mark.parametrize("weights", [None, "floats", "tensor"])
+@pytest.mark.parametrize("how", ["distinct", "auto", "stacked", "stack_", "n_jobs=2", "vmap"])
+@pytest.mark.parametrize("as_int", [False, True])
+def test_boolean_and_integer_outputs_sum_as_the_plain_loop(as_int, how, weights):
+    # Booleans came back as their logical or (a bool tensor) where the plain sum counts them,
+    # and engine="stacked" cast float weights to an integer or boolean output's dtype (0.5 -> 0).
+    torch.manual_seed(0)
+    models = [_Votes(as_int) for _ in range(4)]
+    if how == "stack_":
+        parsum.stack_(models)
+    w = {None: None, "floats": [0.5, 1.5, 2.0, 0.25], "tensor": torch.tensor([0.5, 1.5, 2.0, 0.25])}
+    kwargs = {"weights": w[weights]}
+    if how == "stacked":
+        kwargs["engine"] = "stacked"
+    if how == "n_jobs=2":
+        kwargs["n_jobs"] = 2
+    x = torch.randn(5, IN)
+    if how == "vmap":
+        got = torch.func.vmap(lambda r: parsum.sum_models(models, r, **kwargs))(x)
+    else:
+        got = parsum.sum_models(models, x, **kwargs)
+    if weights is None:  # Python's sum, from 0 (tests.zoo.plain_sum starts from model 0)
+        want = sum(m(x) for m in models)
+    else:
+        want = sum(wi * m(x) for wi, m in zip(w[weights], models))
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want)
+    assert torch.equal(parsum.sum_models(models[:1], x), 0 + models[0](x))  # one model too
+
+
 def test_identity_model_does_not_alias_input():
     x = torch.randn(3)
     y = parsum.sum_models([nn.Identity()], x)
