@@ -181,7 +181,7 @@ class SumPlan:
 
 
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
-    if isinstance(out, Tensor):  # the usual output: no pytree walk
+    if isinstance(out, Tensor) and out.layout == torch.strided:  # the usual output: no pytree walk
         return [out], (LEAF_SPEC, ((out.shape, out.dtype, out.device),))
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
@@ -195,6 +195,12 @@ def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature
             raise ParsumError(
                 f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a "
                 f"{type(leaf).__name__} as output leaf {j}; expected tensors only"
+            )
+        if leaf.layout != torch.strided:
+            raise ParsumError(
+                f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a "
+                f"{leaf.layout} tensor as output leaf {j}; parsum sums dense (strided) "
+                "tensors: return out.to_dense()"
             )
     return leaves, (spec, tuple((t.shape, t.dtype, t.device) for t in leaves))
 

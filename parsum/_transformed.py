@@ -68,12 +68,18 @@ def sum_in_transform(
                 f"forward: {exc}"
             ) from exc
         leaves, out_spec = pytree.tree_flatten(out)
-        bad = [j for j, t in enumerate(leaves) if not isinstance(t, Tensor)]
+        bad = [
+            j
+            for j, t in enumerate(leaves)
+            if not isinstance(t, Tensor) or t.layout != torch.strided
+        ]
         if not leaves or bad:
-            what = f"a {type(leaves[bad[0]]).__name__} as leaf {bad[0]}" if bad else "no tensor"
+            leaf = leaves[bad[0]] if bad else None
+            kind = leaf.layout if isinstance(leaf, Tensor) else type(leaf).__name__
+            what = f"a {kind} as leaf {bad[0]}" if bad else "no tensor"
             raise ParsumError(
-                f"{where}: model {i} ({model_kind(model)}) returned {what}; expected a tensor "
-                "or a pytree of tensors"
+                f"{where}: model {i} ({model_kind(model)}) returned {what}; expected a dense "
+                "tensor or a pytree of them"
             )
         if spec is None:
             spec, first = out_spec, leaves

@@ -94,6 +94,8 @@ class Returns(nn.Module):
         (lambda y: 3.0, r"model 4 \(Returns\) returned a float as output leaf 0"),
         (lambda y: None, r"model 4 \(Returns\) returned a NoneType as output leaf 0"),
         (lambda y: (), r"model 4 \(Returns\) returned no tensor \(tuple\)"),
+        # A raw RuntimeError from parsum's sum before ("COO only supports memory format")
+        (lambda y: y.to_sparse(), r"model 4 \(Returns\) returned a torch.sparse_coo tensor"),
     ],
 )
 def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match):
