@@ -539,6 +539,10 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
             raise ParsumError(
                 f"{_WHERE}: weights[{i}] is {w!r} ({type(w).__name__}); expected a real number"
             )
+    if all(isinstance(w, numbers.Integral) for w in weights):
+        # Kept as ints: w * m(x) keeps an integer output's dtype, and counts booleans in int64,
+        # as in the plain loop (a float weight would make them float); floats alike.
+        return [int(w) for w in weights], None
     return [float(w) for w in weights], None
 
 

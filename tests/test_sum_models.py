@@ -613,17 +613,23 @@ class _Votes(nn.Module):
         return (10 * self.lin(x)).to(torch.int32) if self.as_int else vote
 
 
-@pytest.mark.parametrize("weights", [None, "floats", "tensor"])
+@pytest.mark.parametrize("weights", [None, "floats", "ints", "tensor"])
 @pytest.mark.parametrize("how", ["distinct", "auto", "stacked", "stack_", "n_jobs=2", "vmap"])
 @pytest.mark.parametrize("as_int", [False, True])
 def test_boolean_and_integer_outputs_sum_as_the_plain_loop(as_int, how, weights):
     # Booleans came back as their logical or (a bool tensor) where the plain sum counts them,
-    # and engine="stacked" cast float weights to an integer or boolean output's dtype (0.5 -> 0).
+    # engine="stacked" cast float weights to an integer or boolean output's dtype (0.5 -> 0),
+    # and int weights were made floats (float votes where the plain loop counts in int64).
     torch.manual_seed(0)
     models = [_Votes(as_int) for _ in range(4)]
     if how == "stack_":
         parsum.stack_(models)
-    w = {None: None, "floats": [0.5, 1.5, 2.0, 0.25], "tensor": torch.tensor([0.5, 1.5, 2.0, 0.25])}
+    w = {
+        None: None,
+        "floats": [0.5, 1.5, 2.0, 0.25],
+        "ints": [1, 3, 2, np.int64(5)],
+        "tensor": torch.tensor([0.5, 1.5, 2.0, 0.25]),
+    }
     kwargs = {"weights": w[weights]}
     if how == "stacked":
         kwargs["engine"] = "stacked"
@@ -641,6 +647,15 @@ def test_boolean_and_integer_outputs_sum_as_the_plain_loop(as_int, how, weights)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want)
     assert torch.equal(parsum.sum_models(models[:1], x), 0 + models[0](x))  # one model too
+
+
+@pytest.mark.parametrize("engine", ["auto", "stacked"])
+def test_int_weights_give_the_bits_of_the_same_floats(engine):
+    models = zoo()[:3] if engine == "auto" else [mlp([4]) for _ in range(3)]
+    x = torch.randn(5, IN)
+    ints = parsum.sum_models(models, x, weights=[1, -2, 3], engine=engine)
+    floats = parsum.sum_models(models, x, weights=[1.0, -2.0, 3.0], engine=engine)
+    assert torch.equal(ints, floats)
 
 
 def test_identity_model_does_not_alias_input():
