@@ -709,7 +709,9 @@ INTERNAL_LEAVES: list[Tensor] = []
 # Modules whose graph reached only their own tensors, with their parameters' ids then: a
 # module in model sets that change every call (random subsets of an ensemble) is looked
 # through once, not on every call.
-_found_own: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
+_found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 # NOTE [ Tensors a module does not own ]
@@ -724,10 +726,10 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]] = weakref.Weak
 # layers of torch.nn run as a direct program read only their own; under engine="vjp" the graph
 # that the transform leaves outside, recorded for that call) and raises, naming the model and
 # the tensors' shapes: 1.3 ms for 64 tiny MLP classes, about what planning them costs. A module
-# found clean is not looked through again while it has the same parameters, whatever set it is
-# called in: random subsets of an ensemble, a new plan every call, took 0.87x the steps of the
-# code before when each call looked (64 tiny classes, 3 of 4 drawn), 0.97-0.98x since. A
-# forward that starts reading such a tensor later is not seen.
+# (or a bound method of one) found clean is not looked through again while it has the same
+# parameters, whatever set it is called in: random subsets of an ensemble, a new plan every
+# call, took 0.87x the steps of the code before when each call looked (64 tiny classes, 3 of 4
+# drawn), 0.97-0.98x since. A forward that starts reading such a tensor later is not seen.
 
 
 def check_own_leaves(
@@ -741,12 +743,19 @@ def check_own_leaves(
     [ Tensors a module does not own ]): its ``params`` and the ``aliases`` of its arguments; a
     tensor argument is its own too."""
     key = tuple(map(id, params))
-    if isinstance(model, nn.Module) and _found_own.get(model) == key:
+    # A module by itself, a bound method by its module and function (another function of the
+    # same module may read other tensors); a partial is looked through every time.
+    module: nn.Module | None = model if isinstance(model, nn.Module) else None
+    func: Any = None
+    if module is None and inspect.ismethod(model) and isinstance(model.__self__, nn.Module):
+        module, func = model.__self__, model.__func__
+    known = _found_own.get(module) if module is not None else None
+    if known is not None and known.get(func) == key:
         return
     found = foreign_leaves(roots, [*params, *aliases])
     if not found:
-        if isinstance(model, nn.Module):
-            _found_own[model] = key
+        if module is not None:
+            _found_own.setdefault(module, {})[func] = key
         return
     # The tensor arguments, the anchors of the nodes of a sum_models call inside the model,
     # and parameters the forward made (NOTE [ Parameters made in forward ] in _function).

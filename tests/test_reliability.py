@@ -477,9 +477,12 @@ def test_a_module_is_looked_through_once(monkeypatch):
     models[1].lin.weight = nn.Parameter(torch.randn(OUT, IN))  # not the module it was
     parsum.sum_models(models, x, n_jobs=1).sum().backward()
     assert len(walks) == 4
+    for subset in (models[::-1], models[:2]):  # bound methods once, by module and function
+        parsum.sum_models([m.forward for m in subset], x, n_jobs=1).sum().backward()
+    assert len(walks) == 7
     for _ in range(2):  # partials are looked through on every call
         parsum.sum_models([functools.partial(m) for m in models], x, n_jobs=1).sum().backward()
-    assert len(walks) == 10
+    assert len(walks) == 13
 
 
 def test_a_tensor_inside_a_dataclass_argument_is_refused():
