@@ -32,7 +32,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -454,6 +454,11 @@ def module_of(model: Callable[..., Any]) -> nn.Module | None:
         model = model.func
     if isinstance(model, nn.Module):
         return model
+    return method_module(model)
+
+
+def method_module(model: Any) -> nn.Module | None:
+    """The module ``model`` is a bound method of (``m.encode``), or None."""
     owner = getattr(model, "__self__", None)
     return owner if isinstance(owner, nn.Module) and inspect.ismethod(model) else None
 
@@ -562,10 +567,7 @@ def autograd_forward(
     # The pullback keeps the outputs' gradient edges, not the outputs: plain PyTorch frees a
     # model's output once it is summed, so holding M of them until backward would be memory
     # that grows with M.
-    roots = [
-        _edge(o) if isinstance(o, Tensor) and o.requires_grad else None
-        for o in ([out] if isinstance(out, Tensor) else pytree.tree_leaves(out))
-    ]
+    roots = output_edges(out)
     if not params.tensors and module_of(model) is None:
         # Every tensor argument is its own, also one it marked to require grad itself.
         arguments = [t for t in call.leaves if isinstance(t, Tensor)]
@@ -574,6 +576,13 @@ def autograd_forward(
         check_own_leaves(model, roots, params.tensors, inputs.values(), call)
     aliased = wrt_params is not params.tensors
     return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs), aliased)
+
+
+def output_edges(out: Any) -> list[GradientEdge | None]:
+    """The gradient edge of each of a model's output leaves, None for one that needs no
+    gradient."""
+    leaves = [out] if isinstance(out, Tensor) else pytree.tree_leaves(out)
+    return [_edge(o) if isinstance(o, Tensor) and o.requires_grad else None for o in leaves]
 
 
 # Nodes of Python autograd.Functions, whose edges need the ownership token that
@@ -747,8 +756,8 @@ def check_own_leaves(
     # same module may read other tensors); a partial is looked through every time.
     module: nn.Module | None = model if isinstance(model, nn.Module) else None
     func: Any = None
-    if module is None and inspect.ismethod(model) and isinstance(model.__self__, nn.Module):
-        module, func = model.__self__, model.__func__
+    if module is None and (owner := method_module(model)) is not None:
+        module, func = owner, cast(Any, model).__func__
     known = _found_own.get(module) if module is not None else None
     if known is not None and known.get(func) == key:
         return
@@ -798,9 +807,7 @@ def vjp_forward(
         out, vjp_fn = torch.func.vjp(function, primal_args, primal_params)  # type: ignore[misc]
     out_spec = pytree.tree_structure(out)
     if check_leaves:
-        leaves = pytree.tree_leaves(out)
-        edges = [_edge(t) for t in leaves if isinstance(t, Tensor) and t.requires_grad]
-        check_own_leaves(model, edges, params.tensors, (), call)
+        check_own_leaves(model, output_edges(out), params.tensors, (), call)
 
     def pullback(
         cotangents: Sequence[Tensor], retain_graph: bool

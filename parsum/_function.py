@@ -55,6 +55,7 @@ from ._engines import (
     direct_calls_allowed,
     model_arguments,
     model_kind,
+    output_edges,
     pull_back_together,
     run_direct,
     unit_forward,
@@ -71,7 +72,14 @@ from ._random import (
     warn_thread_timing,
 )
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
-from ._summation import WIDE, ChunkPartials, CompensatedAccumulator, sum_dtype, sums_at_once
+from ._summation import (
+    WIDE,
+    ChunkPartials,
+    CompensatedAccumulator,
+    sum_dtype,
+    sums_at_once,
+    weigh_models,
+)
 
 if TYPE_CHECKING:
     from ._plans import Walk
@@ -410,7 +418,7 @@ def run_forward(
                         if check_leaves:
                             check_own_leaves(
                                 models[i],
-                                _edge_of(run.outs[0]),
+                                output_edges(run.outs[0]),
                                 plan.model_params[i].tensors,
                                 mine.values() if shared_args is None else (),
                                 call,
@@ -542,12 +550,6 @@ def run_forward(
     return _Forward(leaves, pullbacks, outputs, made)
 
 
-def _edge_of(out: Any) -> Iterator[GradientEdge]:
-    """The gradient edges of a model's output leaves that need a gradient."""
-    leaves = [out] if isinstance(out, Tensor) else pytree.tree_leaves(out)
-    return (_edge(t) for t in leaves if isinstance(t, Tensor) and t.requires_grad)
-
-
 # NOTE [ Arguments modified in place ]
 # A model that modifies its argument in place (``x.mul_(2)``, a first ``ReLU(inplace=True)``)
 # changes what the models after it read: in the plain loop each reads the changes of those
@@ -635,17 +637,8 @@ def _weighted_group(
         w = weight_tensor.detach()[list(members)]
     elif plan.weights is not None:
         w = [plan.weights[i] for i in members]
-    weighted = []
-    for leaf in stacked:
-        v = leaf.detach()
-        if w is not None:
-            # In the dtype of the plain loop's w_i * out_i (a float weight makes integer and
-            # boolean outputs float), on the output's device, whatever the weights' device.
-            dtype = torch.result_type(w[0], v)
-            wv = torch.as_tensor(w, dtype=dtype, device=v.device)
-            v = v.to(dtype) * wv.view(-1, *([1] * (v.dim() - 1)))
-        weighted.append(v)
-    return weighted
+    # On the output's device, whatever the weights' device.
+    return [leaf.detach() if w is None else weigh_models(leaf.detach(), w) for leaf in stacked]
 
 
 class _BufferSnapshot:

@@ -59,6 +59,7 @@ from ._engines import (
     Unit,
     _may_hold_loose_tensors,
     direct_program,
+    method_module,
     module_hooks,
     module_of,
     own_calls,
@@ -375,11 +376,6 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     return walk if walk.holds() else None
 
 
-def _bound_to_module(model: Any) -> bool:
-    """Whether ``model`` is a bound method of a module (``m.encode``)."""
-    return inspect.ismethod(model) and isinstance(model.__self__, nn.Module)
-
-
 def _walk_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | None:
     """The key a walk over these models is kept under: a module by its id, a bound method of
     one by its module's and its function's; None where another callable is among them (no
@@ -389,7 +385,7 @@ def _walk_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | No
     for m in models:
         if isinstance(m, nn.Module):
             key.append(id(m))
-        elif _bound_to_module(m):
+        elif method_module(m) is not None:
             key.append((id(m.__self__), id(m.__func__)))
         else:
             return None

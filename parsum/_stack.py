@@ -138,7 +138,7 @@ from ._grads import (
 from ._grouping import Batch, structure_key
 from ._pool import autocast_states
 from ._sparse import has_user_post_hooks, post_accumulate_hooks
-from ._summation import WIDE, sum_dtype
+from ._summation import WIDE, sum_dtype, weigh_models
 
 _WHERE = "stack_"
 
@@ -1020,26 +1020,19 @@ def stacked_sum(
         raise StackedForwardFailed() from exc
     if handles is not None and _handle_count() == handles + hooked:
         stack._handles_seen = handles + hooked  # no hook but ours since the check
-    return pytree.tree_unflatten(_sum_over_models(leaves, len(stack), weights, weight_tensor), spec)
+    return pytree.tree_unflatten(_sum_over_models(leaves, weights, weight_tensor), spec)
 
 
 def _sum_over_models(
-    leaves: list[Tensor], n: int, weights: list[float] | None, weight_tensor: Tensor | None
+    leaves: list[Tensor], weights: list[float] | None, weight_tensor: Tensor | None
 ) -> list[Tensor]:
     """Each output leaf, the models' along dim 0, weighted and summed in the wide dtype (NOTE
     [ Compensated summation ] in _summation)."""
     summed = []
+    w = weight_tensor if weight_tensor is not None else weights
     for leaf in leaves:
-        if weight_tensor is not None or weights is not None:
-            # In the dtype of the plain loop's w_i * out_i (a float weight makes integer and
-            # boolean outputs float).
-            first = weight_tensor[0] if weight_tensor is not None else weights[0]  # type: ignore[index]
-            dtype = torch.result_type(first, leaf)
-            if weight_tensor is not None:
-                w = weight_tensor.to(dtype=dtype, device=leaf.device)
-            else:
-                w = torch.tensor(weights, dtype=dtype, device=leaf.device)
-            leaf = leaf.to(dtype) * w.view(n, *([1] * (leaf.dim() - 1)))
+        if w is not None:
+            leaf = weigh_models(leaf, w)
         total = sum_dtype(leaf.dtype)  # booleans counted, as the plain sum counts them
         summed.append(leaf.sum(0, dtype=WIDE.get(leaf.dtype, total)).to(total))
     return summed
@@ -1057,7 +1050,7 @@ def group_in_callers_graph(
     trainable, state = stacked_tensors(model_params)
     args, kwargs = call.build()
     leaves, spec = batched_forward(models[0], program_of(models[0]), trainable, state, args, kwargs)
-    summed = _sum_over_models(leaves, len(model_params), weights, weight_tensor)
+    summed = _sum_over_models(leaves, weights, weight_tensor)
     return pytree.tree_unflatten(summed, spec)
 
 

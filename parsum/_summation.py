@@ -49,6 +49,15 @@ def _is_inexact(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def weigh_models(values: Tensor, weights: Tensor | Sequence[float]) -> Tensor:
+    """Models' values along dim 0, each times its weight, in the dtype of the plain loop's
+    ``w_i * out_i`` (a float weight makes integer and boolean outputs float); differentiable in
+    a weight tensor."""
+    dtype = torch.result_type(weights[0], values)
+    w = torch.as_tensor(weights, dtype=dtype, device=values.device)
+    return values.to(dtype) * w.view(-1, *([1] * (values.dim() - 1)))
+
+
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the plain sum of tensors of ``dtype``: Python's ``sum`` starts from 0, so
     booleans are counted in int64 (an ensemble's votes), every other dtype is kept."""
