@@ -302,15 +302,6 @@ def test_a_tensor_attribute_that_requires_grad_gets_its_gradient(engine, n_jobs)
         torch.testing.assert_close(m.lin.weight.grad, r.lin.weight.grad)
 
 
-def test_a_tensor_attribute_is_refused_where_it_would_lose_its_gradient():
-    models = [_Tempered(), _Tempered()]
-    with pytest.raises(parsum.ParsumError, match=r"models\[0\] \(_Tempered\) holds tensor attr"):
-        parsum.sum_models(models, torch.randn(2, IN), engine="vjp")
-    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
-    with pytest.raises(parsum.ParsumError, match=r"\['temperature'\].*register them as"):
-        parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
-
-
 class _Listed(nn.Module):
     """Trainable tensors that are not parameters, held in a list and a dict."""
 
@@ -384,12 +375,31 @@ def test_a_tensor_put_in_a_list_between_calls_gets_its_gradient(change):
         torch.testing.assert_close(grad, want)
 
 
-def test_tensors_held_in_lists_are_refused_where_they_would_lose_their_gradients():
-    models = [_Listed(), _Listed()]
-    with pytest.raises(parsum.ParsumError, match=r"\['scales\[0\]', \"shifts\['out'\]\[0\]\"\]"):
+@pytest.mark.parametrize(
+    ("kind", "vjp_match", "sib_match"),
+    [
+        (
+            _Tempered,
+            r"models\[0\] \(_Tempered\) holds tensor attr",
+            r"\['temperature'\].*register them as",
+        ),
+        (
+            _Listed,
+            r"\['scales\[0\]', \"shifts\['out'\]\[0\]\"\]",
+            r"scales\[0\].*register them as",
+        ),
+    ],
+    ids=["attribute", "in a list and a dict"],
+)
+def test_tensors_not_parameters_are_refused_where_they_would_lose_their_gradients(
+    kind, vjp_match, sib_match
+):
+    # A tensor attribute, and tensors held in a list and a dict.
+    models = [kind(), kind()]
+    with pytest.raises(parsum.ParsumError, match=vjp_match):
         parsum.sum_models(models, torch.randn(2, IN), engine="vjp")
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
-    with pytest.raises(parsum.ParsumError, match=r"scales\[0\].*register them as"):
+    with pytest.raises(parsum.ParsumError, match=sib_match):
         parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib)
 
 
