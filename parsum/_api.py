@@ -334,7 +334,7 @@ def _general_sum(
             pass  # the general way runs them again, and names the model that fails
         else:
             return out
-    if build_graph and fits_callers_graph(plan, tensors):
+    if build_graph and fits_callers_graph(plan):
         # NOTE [ The caller's graph ]
         leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:

@@ -41,11 +41,14 @@
 # call partly freed, the original error (``_raise_first_failure``).
 #
 # NOTE [ The caller's graph on several threads ]
-# With the models' parameters on the CPU (where backward runs on a CPU thread, never on a
-# device's: NOTE [ Device threads ] in _function), a call on several threads takes this path
-# too: ``run_forward`` runs the chunks on the pool's threads as ParallelSum does, and the
-# backward pulls each chunk's models back on the pool's threads (their engine calls as above,
-# per chunk), writing into disjoint ``.grad``. It skips ParallelSum's per-model machinery
+# A call on several threads takes this path too: ``run_forward`` runs the chunks on the pool's
+# threads as ParallelSum does, and the backward pulls each chunk's models back on the pool's
+# threads (their engine calls as above, per chunk), writing into disjoint ``.grad``; where it
+# runs on a device's thread, it pulls them back there, one chunk after the other (NOTE [ Device
+# threads ] in _function). Models on a GPU took ParallelSum on several threads until an H200
+# showed why not: a gradient penalty (create_graph=True) at n_jobs=2 raised, since derivatives
+# of higher order run in the caller's graph alone (NOTE [ Double backward ] in
+# _double_backward). It skips ParallelSum's per-model machinery
 # (argument aliases, pullback objects, gradients routed back through the node), which the
 # other threads' GIL turns into waits: 64 tiny MLPs at n_jobs=2 on 2 cores took 9.7 ms a step
 # against 11.6 through ParallelSum (16 MLPs of widths 128-512, batch 256: 13.9 against a
@@ -146,16 +149,10 @@ from ._sparse import (
 )
 
 
-def fits_callers_graph(plan: SumPlan, tensors: Sequence[Tensor]) -> bool:
+def fits_callers_graph(plan: SumPlan) -> bool:
     """Whether the call runs in the caller's graph (NOTE [ The caller's graph ])."""
     return (
-        (
-            _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
-            # Pulled back in helpers: only where backward runs on a CPU thread (NOTE [ Device
-            # threads ] in _function).
-            or (plan.walk.params_on_cpu and all(t.device.type == "cpu" for t in tensors))
-        )
-        and plan.step_in_backward is None
+        plan.step_in_backward is None
         and all(unit.engine == "autograd" for unit in plan.units)
         and not any(plan.shared)
         and not reports_failures()

@@ -152,8 +152,6 @@ class Walk:
         # Each model's function where it is a bound method (its module in _model_refs), else
         # None; None for a walk over modules alone.
         self._model_funcs: list[Any] | None = None
-        # Where every parameter is (a move gives it a new storage: the walk no longer holds).
-        self.params_on_cpu = all(p.device.type == "cpu" for p in params)
         # Whether every parameter is a leaf: a model run inside another sum's pullback with
         # hooked parameters reads aliases of them (NOTE [ Hooks run once ] in _engines), whose
         # gradients must be returned, never accumulated (NOTE [ Accumulating in the pullback ]).
