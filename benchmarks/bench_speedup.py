@@ -306,7 +306,9 @@ def main() -> None:
     )
     parser.add_argument("--json", default="speedup.json")
     parser.add_argument("--png", default="speedup.png")
-    parser.add_argument("--replot", metavar="JSON", help="only draw --png from saved results")
+    parser.add_argument(
+        "--replot", metavar="JSON", help="only print the tables and draw --png from saved results"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     if args.replot:
@@ -316,6 +318,9 @@ def main() -> None:
         jobs = sorted(
             int(k.split()[1]) for k in seconds if k.split()[-1].isdigit() and "parsum" in k
         )
+        print(f"torch {saved['torch']}, {saved['cores']} usable cores (from {args.replot})")
+        for r in saved["results"]:
+            report(r["workload"], r["description"], r["seconds"], jobs)
         plot(saved["results"], jobs, args.png, saved["cores"])
         print(f"wrote {args.png}")
         return
