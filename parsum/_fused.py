@@ -41,6 +41,19 @@
 # pullbacks do not run. Measured on 2 cores with Adam, in one process against the commit before
 # (bench_against.py --sib): those 64 tiny MLPs (one chunk at a budget of 2) 1.11-1.14x, from
 # 0.90x to 1.03x the plain loop with one Adam; 16 medium MLPs (chunks of one model) unchanged.
+#
+# NOTE [ Steps over tensors in one call ]
+# On the CPU, PyTorch's default (foreach=None) steps SGD, Adam and AdamW one tensor at a time
+# from Python: about ten kernel calls an Adam tensor, each giving the GIL up and taking it back
+# in a worker whose neighbours' pullbacks want it too. Their foreach implementation makes the
+# same kernel calls on each tensor from C++, with the same bits (tested against the loop on
+# every optimizer setting that changes the arithmetic), so a step left to that default runs
+# with foreach=True, for that step alone (the optimizer's settings are set back after it),
+# where its tensors hold at most MERGED_STEP_ELEMENTS elements: foreach makes its temporaries
+# for all the tensors at once, and a fused step's memory is kept to about a model's gradients.
+# Measured with Adam on 2 cores against the commit before (bench_against.py --sib, two runs of
+# 30 rounds, benchmarks/results/sib-one-call-2cores.txt): 16 MLPs of widths 128-512 1.02-1.08x,
+# 16 MLP classes 1.06-1.10x, 64 tiny MLPs 1.21-1.22x, 64 tiny classes 1.14x.
 """
 
 from __future__ import annotations
@@ -259,11 +272,13 @@ class StepInBackward:
         for p, g in zip(params, grads):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
+        looped = _loops_over_tensors(optimizer, params)
         try:
             optimizer.step()
         finally:
             for p in params:
                 p.grad = None
+            _loop_again(looped)
         self._stepped.update(id(p) for p in params)
 
     def step_as_one(
@@ -296,11 +311,13 @@ class StepInBackward:
         merged.state = _SharedState(optimizers, [ps for _, ps, _ in entries])
         for p, g in zip(params, (g for _, _, gs in entries for g in gs)):
             p.grad = g
+        looped = _loops_over_tensors(merged, params)
         try:
             merged.step()
         finally:
             for p in params:
                 p.grad = None
+            _loop_again(looped)
             # Between steps it holds no model's state, in a plain dict (copied and pickled
             # with the StepInBackward).
             merged.state = collections.defaultdict(dict)
@@ -389,6 +406,48 @@ def _needs_closure(opt: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):  # no signature to read: let its step say so
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+# Whose foreach step gives the bits of its loop over the tensors (NOTE [ Steps over tensors in
+# one call ]); a subclass may step otherwise.
+_SAME_BITS_IN_ONE_CALL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def _loops_over_tensors(opt: torch.optim.Optimizer, params: Sequence[Tensor]) -> list[dict]:
+    """The groups of ``opt`` set to step their tensors in one call for its next step, where
+    PyTorch's default would loop over them from Python (NOTE [ Steps over tensors in one
+    call ]); ``_loop_again`` sets them back."""
+    if type(opt) not in _SAME_BITS_IN_ONE_CALL:
+        return []
+    groups = opt.param_groups
+    for group in groups:
+        if (
+            group.get("foreach", False) is not None
+            or group.get("fused")
+            or group.get("differentiable")
+        ):
+            return []
+    elements = 0
+    for p in params:
+        grad = p.grad
+        if (
+            p.device.type != "cpu"
+            or not p.is_floating_point()
+            or (grad is not None and grad.is_sparse)
+        ):
+            return []
+        elements += p.numel()
+    if elements > MERGED_STEP_ELEMENTS:
+        return []
+    for group in groups:
+        group["foreach"] = True
+    return groups
+
+
+def _loop_again(groups: list[dict]) -> None:
+    """``groups`` back to PyTorch's default after a step in one call."""
+    for group in groups:
+        group["foreach"] = None
 
 
 def _counts_only(opt: torch.optim.Optimizer) -> bool:

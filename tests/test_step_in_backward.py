@@ -656,3 +656,59 @@ def test_each_models_gradients_clipped_in_a_step_pre_hook_as_in_plain_training()
         for m, r in zip(models, ref):
             for a, b in zip(m.parameters(), r.parameters()):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# NOTE [ Steps over tensors in one call ]: settings that change the arithmetic of each class.
+LOOPED_BY_DEFAULT = [
+    (torch.optim.SGD, dict(lr=0.05)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.01, betas=(0.8, 0.9))),
+    (torch.optim.Adam, dict(lr=1e-2, maximize=True, eps=1e-6)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize(("cls", "kw"), LOOPED_BY_DEFAULT, ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_size", [None, 3])  # 3: small models step as one
+def test_steps_in_one_call_give_the_bits_of_the_loop(cls, kw, dtype, chunk_size):
+    # Left to PyTorch's default, a step on the CPU runs over its tensors in one call, with
+    # the bits and the state of the loop that foreach=False asks for; the optimizers' own
+    # setting stays the default.
+    base = [mlp([(4, 8, 6)[i % 3]]).to(dtype) for i in range(6)]
+    batches = [torch.randn(5, IN, dtype=dtype) for _ in range(3)]
+    runs = []
+    for extra in ({}, {"foreach": False}):
+        models = clone_models(base)
+        sib = train_fused(models, batches, cls, {**kw, **extra}, chunk_size=chunk_size, n_jobs=2)
+        runs.append((trainable(models), sib))
+    (ours, sib), (looped, _) = runs
+    for p, q in zip(ours, looped):
+        assert torch.equal(p, q)
+    for o, a in zip(sib.optimizers, runs[1][1].optimizers):
+        assert all(g["foreach"] is None for g in o.param_groups)
+        mine, theirs = o.state_dict()["state"], a.state_dict()["state"]
+        for key in mine:
+            for name, value in mine[key].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[key][name]))
+
+
+def test_a_step_left_to_the_default_runs_in_one_call():
+    # Seen from the step itself (a pre-hook, which keeps the models stepping alone), and not
+    # where the tensors are too many for it or the user chose.
+    seen = []
+
+    def record(opt, args, kwargs):
+        seen.append(opt.param_groups[0]["foreach"])
+
+    for kw, widths in ((dict(), [8]), (dict(foreach=False), [8]), (dict(), [1100, 1100])):
+        models = [mlp(widths) for _ in range(2)]  # 1100 x 1100: above MERGED_STEP_ELEMENTS
+        sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-3, **kw)
+        for o in sib.optimizers:
+            o.register_step_pre_hook(record)
+        x = torch.randn(3, IN)
+        parsum.sum_models(models, x, step_in_backward=sib).sum().backward()
+    assert seen == [True, True, False, False, None, None]
