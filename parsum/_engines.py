@@ -739,6 +739,16 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
 # parameters, whatever set it is called in: random subsets of an ensemble, a new plan every
 # call, took 0.87x the steps of the code before when each call looked (64 tiny classes, 3 of 4
 # drawn), 0.97-0.98x since. A forward that starts reading such a tensor later is not seen.
+# Identical models stacked into one vmap group are looked through together (the stacked
+# tensors and the models' own are theirs), also where vmap cannot run them and they run one by
+# one: beside other models, through ParallelSum, such a tensor lost its gradient, silently. A
+# call whose models all run as one group in the caller's graph (NOTE [ One group in the
+# caller's graph ] in _stack) gives it the plain loop's gradient and is not looked through.
+
+
+class ForeignLeaves(ParsumError):
+    """A module's graph reaches tensors it does not own (NOTE [ Tensors a module does not
+    own ])."""
 
 
 def check_own_leaves(
@@ -774,7 +784,7 @@ def check_own_leaves(
     if found:
         shapes = ", ".join(str(tuple(t.shape)) for t in found[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
-        raise ParsumError(
+        raise ForeignLeaves(
             f"its autograd graph reaches {len(found)} tensor(s) that require grad and are not "
             f"its parameters, attributes or arguments (shapes {shapes}{more}): read from a "
             "global or a plain object, or the parameters of a module kept in a Python list "
@@ -892,9 +902,11 @@ def unit_forward(
         group = [models[i] for i in unit.models]
         group_params = [model_params[i] for i in unit.models]
         try:
-            return stacked_forward(group, call, group_params, build_graph)
+            return stacked_forward(group, call, group_params, build_graph, check_leaves)
         except AutocastUnderVmap:  # this call only, whatever the engine asked
-            return _one_by_one(unit, models, call, model_params, build_graph)
+            return _one_by_one(unit, models, call, model_params, build_graph, check_leaves)
+        except ForeignLeaves:  # refused, not a forward vmap cannot run
+            raise
         except Exception:
             if not fall_back:
                 raise
@@ -902,7 +914,7 @@ def unit_forward(
             # models one by one instead, which also names the model when one of them fails.
             # Only a group that runs that way is marked as one vmap cannot run; a call that
             # fails anyway (a bad batch) says nothing about vmap.
-            run = _one_by_one(unit, models, call, model_params, build_graph)
+            run = _one_by_one(unit, models, call, model_params, build_graph, check_leaves)
             VMAP_FAILED.update(group)  # type: ignore[arg-type]
             _vmap_failures[0] += 1  # plans that stack this group are made again
             return run
@@ -973,9 +985,19 @@ def _one_by_one(
     call: CallArgs,
     model_params: Sequence[ModelParams],
     build_graph: bool,
+    check_leaves: bool,
 ) -> UnitRun:
     runs = [
-        unit_forward(Unit((i,), "autograd"), models, call, model_params, build_graph)
+        unit_forward(
+            Unit((i,), "autograd"),
+            models,
+            call,
+            model_params,
+            build_graph,
+            False,
+            None,
+            check_leaves,
+        )
         for i in unit.models
     ]
     outs = [run.outs[0] for run in runs]
@@ -1422,9 +1444,11 @@ def stacked_forward(
     call: CallArgs,
     params: Sequence[ModelParams],
     build_graph: bool,
+    check_leaves: bool = False,
 ) -> UnitRun:
     """Run identical models as one batched forward over their stacked parameters; see NOTE
-    [ Engines ]."""
+    [ Engines ]. With ``check_leaves``, raise where the forward reads a tensor that requires
+    grad which the models do not own (NOTE [ Tensors a module does not own ])."""
     model = models[0]
     assert isinstance(model, nn.Module)
     n = len(models)
@@ -1445,6 +1469,9 @@ def stacked_forward(
     # The stacked parameters, not the originals: one gradient per name, which ``unbind`` cuts
     # into each model's, instead of n_models x names captured gradients.
     wrt = [*inputs.values(), *trainable.values()]
+    if check_leaves:  # the models' own: the stacked tensors and what they were stacked from
+        own = [*trainable.values(), *(t for mp in params for t in mp.tensors)]
+        check_own_leaves(models[0], roots, own, inputs.values(), call)
     n_args = len(inputs)
 
     def pullback(

@@ -43,6 +43,7 @@ from ._engines import (
     INTERNAL_LEAVES,
     LEAF_SPEC,
     CallArgs,
+    ForeignLeaves,
     GraphPullback,
     ModelParams,
     SinglePullback,
@@ -174,10 +175,12 @@ class SumPlan:
             )
         if unit is not None and unit.engine == "stacked":
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
-            hint += "; engine='autograd' runs each model on its own"
+            if not isinstance(exc, ForeignLeaves):  # which no engine runs
+                hint += "; engine='autograd' runs each model on its own"
+        kind = "ParsumError" if isinstance(exc, ParsumError) else type(exc).__name__
         err = ParsumError(
             f"{self.where}: model {i} ({model_kind(model)}){who} raised "
-            f"{type(exc).__name__} in {phase}: {exc}{hint}"
+            f"{kind} in {phase}: {exc}{hint}"
         )
         err.__cause__ = exc
         return err

@@ -20,7 +20,17 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, Probe, TwoHeads, clone_models, doubling_hook, param_grads, plain_sum
+from tests.zoo import (
+    IN,
+    OUT,
+    Probe,
+    TwoHeads,
+    clone_models,
+    doubling_hook,
+    mlp,
+    param_grads,
+    plain_sum,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -467,6 +477,60 @@ def test_a_module_reading_tensors_it_does_not_own_is_named(kind, n_jobs, path):
     assert all(p.grad is None for m in models for p in m.parameters())
     with torch.no_grad():  # nothing to differentiate, nothing lost: no error
         parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, **kwargs)
+
+
+class _ScalesByAGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.lin(x) * _GLOBAL_SCALE
+
+
+class _BranchesAndScalesByAGlobal(_ScalesByAGlobal):
+    def forward(self, x):  # .item() of a parameter: vmap cannot run it, the group runs one by one
+        return self.lin(x) * (_GLOBAL_SCALE if self.lin.bias.sum().item() > -1e9 else 1.0)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize(
+    ("kind", "engine"),
+    [
+        (_ScalesByAGlobal, "auto"),
+        (_ScalesByAGlobal, "stacked"),
+        (_BranchesAndScalesByAGlobal, "auto"),  # engine="stacked" would raise vmap's error
+    ],
+)
+def test_identical_modules_reading_a_tensor_they_do_not_own_are_named(kind, engine, n_jobs):
+    # Stacked beside another model (through ParallelSum), the global's gradient was lost,
+    # silently; now named as for one model. Alone, as one group in the caller's graph, its
+    # gradient is the plain loop's.
+    torch.manual_seed(0)
+    x = torch.randn(4, IN)
+    group = [kind() for _ in range(8)]  # enough for auto to stack them
+    models = [*group, mlp([5])]
+    before = [t.clone() for m in models for t in m.state_dict().values()]
+    match = (
+        rf"model 0 \({kind.__name__}\), stacked with models \[1, 2, .*, 7\].* raised ParsumError"
+    )
+    with pytest.raises(parsum.ParsumError, match=match + r" in forward: .* not its parameters"):
+        parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, (t for m in models for t in m.state_dict().values()))
+    )
+    assert all(p.grad is None for m in models for p in m.parameters())
+    assert _GLOBAL_SCALE.grad is None
+    if kind is _ScalesByAGlobal:
+        try:
+            parsum.sum_models(group, x, n_jobs=n_jobs, engine=engine).pow(2).sum().backward()
+            ours = _GLOBAL_SCALE.grad.clone()
+            _GLOBAL_SCALE.grad = None
+            sum(m(x) for m in group).pow(2).sum().backward()
+            torch.testing.assert_close(ours, _GLOBAL_SCALE.grad)
+        finally:
+            _GLOBAL_SCALE.grad = None
 
 
 def test_a_module_is_looked_through_once(monkeypatch):
