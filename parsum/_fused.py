@@ -46,8 +46,9 @@
 # On the CPU, PyTorch's default (foreach=None) steps SGD, Adam and AdamW one tensor at a time
 # from Python: about ten kernel calls an Adam tensor, each giving the GIL up and taking it back
 # in a worker whose neighbours' pullbacks want it too. Their foreach implementation makes the
-# same kernel calls on each tensor from C++, with the same bits (tested against the loop on
-# every optimizer setting that changes the arithmetic), so a step left to that default runs
+# same kernel calls on each tensor from C++, with the same bits in float32 and float64 (tested
+# against the loop on every optimizer setting that changes the arithmetic; float16 and
+# bfloat16 steps differ there, and keep the loop), so a step left to that default runs
 # with foreach=True, for that step alone (the optimizer's settings are set back after it),
 # where its tensors hold at most MERGED_STEP_ELEMENTS elements: foreach makes its temporaries
 # for all the tensors at once, and a fused step's memory is kept to about a model's gradients.
@@ -411,6 +412,7 @@ def _needs_closure(opt: torch.optim.Optimizer) -> bool:
 # Whose foreach step gives the bits of its loop over the tensors (NOTE [ Steps over tensors in
 # one call ]); a subclass may step otherwise.
 _SAME_BITS_IN_ONE_CALL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_SAME_BITS_DTYPES = (torch.float32, torch.float64)  # float16 and bfloat16 steps differ
 
 
 def _loops_over_tensors(opt: torch.optim.Optimizer, params: Sequence[Tensor]) -> list[dict]:
@@ -427,12 +429,16 @@ def _loops_over_tensors(opt: torch.optim.Optimizer, params: Sequence[Tensor]) ->
             or group.get("differentiable")
         ):
             return []
+        # A tensor setting (lr=torch.tensor(0.01)) takes other kernels or is refused there.
+        for key, value in group.items():
+            if key != "params" and _holds_a_tensor(value):
+                return []
     elements = 0
     for p in params:
         grad = p.grad
         if (
             p.device.type != "cpu"
-            or not p.is_floating_point()
+            or p.dtype not in _SAME_BITS_DTYPES
             or (grad is not None and grad.is_sparse)
         ):
             return []
@@ -442,6 +448,13 @@ def _loops_over_tensors(opt: torch.optim.Optimizer, params: Sequence[Tensor]) ->
     for group in groups:
         group["foreach"] = True
     return groups
+
+
+def _holds_a_tensor(value: Any) -> bool:
+    """Whether a setting is a tensor or a tuple holding one (``betas``)."""
+    if isinstance(value, tuple):
+        return any(map(_holds_a_tensor, value))
+    return isinstance(value, Tensor)
 
 
 def _loop_again(groups: list[dict]) -> None:
