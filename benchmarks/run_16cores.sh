@@ -37,14 +37,13 @@
 #                                           # where a step on 2-16 workers goes: serial, chunks
 #                                           # slowed by each other, idle (bench_places.py)
 #   bash benchmarks/run_16cores.sh next     # one call for a session with 15 minutes of the
-#                                           # machine (about 8.5 minutes): the CUDA smoke test
+#                                           # machine (at most 9 minutes): the CUDA smoke test
 #                                           # and tests, medium MLPs at batch 64 (Sequentials
 #                                           # and classes of their own) and tiny ones over 1-16
-#                                           # workers and processes (the default's worker
-#                                           # count; batch 256, run on 2026-11-27, left out), the
-#                                           # exchange between 2-16 processes, where a CUDA
-#                                           # step's host time goes (captured beside the
-#                                           # default), the main example
+#                                           # workers and processes with StepInBackward's rows,
+#                                           # the CUDA table of four workloads, the exchange
+#                                           # between 2-16 processes, the main example
+#   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
 #   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
@@ -171,11 +170,23 @@ join)
         > "$out/join-16cores.txt" 2>&1
     ;;
 next)
+    cuda_checks 100
+    # StepInBackward ran at 0.50-0.52x the plain loop with Adam there on 2026-11-30, before
+    # its steps over the tensors in one call: its rows again, beside the workers that pay.
+    speedup 200 speedup-16cores --workloads \
+        heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
+        --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
+    speedup 120 speedup-cuda --device cuda --jobs 1,4 --rounds 6 --workloads \
+        heterogeneous-medium:64,heterogeneous-tiny,identical-tiny,cnn-ensemble
+    exchange 90 100  # 2026-11-30: 70 s ran only the 2 processes (each start imports torch)
+    example 40
+    ;;
+last-run)  # what `next` ran on 2026-11-30 (334 s)
     cuda_checks 110
     speedup 230 speedup-16cores --workloads \
         heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
         --jobs 1,2,4,8,16 --procs 1,2,4,8,16 --rounds 5
-    exchange 120 100  # 2026-11-30: 70 s ran only the 2 processes (each start imports torch)
+    exchange 70 100
     (cd benchmarks && timeout 30 python profile_step.py --device cuda \
         --workload heterogeneous-medium --steps 10) > "$out/profile-cuda.txt" 2>&1
     example 40
