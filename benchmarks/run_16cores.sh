@@ -40,7 +40,8 @@
 #                                           # machine (at most 9 minutes): the CUDA smoke test
 #                                           # and tests, medium MLPs at batch 64 (Sequentials
 #                                           # and classes of their own) and tiny ones over 1-16
-#                                           # workers and processes with StepInBackward's rows,
+#                                           # workers and processes with StepInBackward's rows
+#                                           # and its parts apart (bench_steps.py),
 #                                           # the CUDA table of four workloads, the exchange
 #                                           # between 2-16 processes, the main example
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
@@ -170,15 +171,17 @@ join)
         > "$out/join-16cores.txt" 2>&1
     ;;
 next)
-    cuda_checks 100
+    cuda_checks 80
     # StepInBackward ran at 0.50-0.52x the plain loop with Adam there on 2026-11-30, before
-    # its steps over the tensors in one call: its rows again, beside the workers that pay.
-    speedup 200 speedup-16cores --workloads \
+    # its steps over the tensors in one call: its rows again, beside the workers that pay,
+    # then its parts apart (ParallelSum, the steps in one call or looped; ~40 s).
+    speedup 190 speedup-16cores --workloads \
         heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
         --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
-    speedup 120 speedup-cuda --device cuda --jobs 1,4 --rounds 6 --workloads \
+    (cd benchmarks && timeout 80 python bench_steps.py --rounds 8) > "$out/steps-16cores.txt" 2>&1
+    speedup 110 speedup-cuda --device cuda --jobs 1,4 --rounds 6 --workloads \
         heterogeneous-medium:64,heterogeneous-tiny,identical-tiny,cnn-ensemble
-    exchange 90 100  # 2026-11-30: 70 s ran only the 2 processes (each start imports torch)
+    exchange 80 100  # 2026-11-30: 70 s ran only the 2 processes (each start imports torch)
     example 40
     ;;
 last-run)  # what `next` ran on 2026-11-30 (334 s)

@@ -122,6 +122,16 @@ def test_bench_speedup_replots_saved_results(tmp_path):
         "benchmarks/bench_speedup.py", "--replot", str(saved), "--png", str(tmp_path / "p.png")
     )
     assert "wrote" in out and (tmp_path / "p.png").stat().st_size > 0
+    assert "heterogeneous-medium: 16 MLPs" in out and "parsum default against: faster plain" in out
+
+
+def test_bench_steps():
+    out = run(
+        "benchmarks/bench_steps.py", "--rounds", "1", "--workloads", "heterogeneous-medium:16"
+    )
+    for method in ("plain+adam", "parsum+adam", "ParallelSum+adam", "sib", "sib loop"):
+        assert f"{method:>18} " in out
+    assert "plain+adam / this" in out
 
 
 def test_bench_chunks(tmp_path):
