@@ -24,7 +24,10 @@ class SumOfModels(nn.Module):
     moves with ``.to()``, switches every member with ``.train()`` / ``.eval()``, and prints
     them; it fits where a module is expected (a LightningModule's attribute; wrapped in
     DistributedDataParallel, tested). Under ``torch.compile`` the sum is a graph break: the
-    code around it compiles, the sum runs as ``sum_models`` does.
+    code around it compiles, the sum runs as ``sum_models`` does. ``torch.export`` of a module
+    holding it exports the members' operations and their sum; ``torch.fx.symbolic_trace``
+    needs it kept a leaf module (a ``Tracer`` whose ``is_leaf_module`` says so: tested);
+    ``torch.jit.script`` cannot compile it (its forward takes any arguments).
 
     >>> import torch, parsum
     >>> ensemble = parsum.SumOfModels([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)],

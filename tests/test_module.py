@@ -184,3 +184,43 @@ def test_torch_compile_around_it_leaves_the_sum_eager():
     torch.testing.assert_close(compiled(x), loss(x))
     compiled(x).backward()
     assert all(p.grad is not None for p in ensemble.parameters())
+
+
+class _Encoded(nn.Module):
+    """A model that holds an ensemble after a layer of its own."""
+
+    def __init__(self, weights):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode = nn.Linear(IN, IN)
+        self.ensemble = parsum.SumOfModels(
+            [m for m in zoo() if type(m) is nn.Sequential], weights=weights
+        )
+
+    def forward(self, x):
+        return self.ensemble(torch.tanh(self.encode(x)))
+
+
+@pytest.mark.parametrize("weights", [None, [0.5, 0.25, 2.0, 1.0, -1.0, 3.0]])
+def test_torch_export_of_a_module_holding_it(weights):
+    # The exported program holds the members' operations and their sum: the same values.
+    model = _Encoded(weights)
+    program = torch.export.export(model, (torch.randn(4, IN),))
+    x = torch.randn(4, IN)
+    torch.testing.assert_close(program.module()(x), model(x))
+
+
+def test_torch_fx_traces_a_module_holding_it_as_a_leaf():
+    # symbolic_trace runs forward on proxies, which the sum cannot take: a tracer that keeps
+    # SumOfModels a leaf module, as torch.nn's layers are, traces the rest.
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, parsum.SumOfModels) or super().is_leaf_module(m, name)
+
+    model = _Encoded(None)
+    traced = torch.fx.GraphModule(model, Tracer().trace(model))
+    assert any(n.op == "call_module" and n.target == "ensemble" for n in traced.graph.nodes)
+    x = torch.randn(4, IN, requires_grad=True)
+    torch.testing.assert_close(traced(x), model(x))
+    traced(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
