@@ -152,6 +152,8 @@ def sum_models(
     engine = _config.check_engine(engine, _WHERE)
     if engine == "auto":
         engine = settings.engine or "auto"
+    if engine == "auto" and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
+        engine = "autograd"  # NOTE [ Saved-tensor hooks ] in _pool: nothing stacked
     chunk_size = _config.check_chunk_size(chunk_size, _WHERE) or settings.chunk_size
     n_workers = _config.resolve_n_jobs(n_jobs, _WHERE)
     weight_list, weight_tensor = _check_weights(weights, len(models))

@@ -137,7 +137,14 @@
 # (``sum_models`` sets one worker): they are not written for threads, and non-reentrant
 # checkpointing around ``sum_models`` matches the tensors it recomputes to those saved by the
 # order they were saved in, which threads would shuffle (measured: its metadata check failed
-# with 2 workers; tensors of one shape could be swapped without a word).
+# with 2 workers; tensors of one shape could be swapped without a word). Nor does ``auto``
+# stack identical models there (``sum_models`` plans them as engine "autograd"): the stacked
+# forward refuses graphs that may recompute (NOTE [ Checkpoints under vmap ] in _engines) only
+# after it ran, and the tensors that failed attempt saved counted in the checkpoint's forward,
+# so that its recomputation, which ran the models one by one, saved fewer and raised
+# CheckpointError (4 identical MLPs in checkpoint(..., use_reentrant=False) around the call:
+# every backward failed, found by trying it); and the failure marked the models as ones vmap
+# cannot run, for good, which cost later calls outside the checkpoint their stacking.
 #
 # NOTE [ Modes stay in the calling thread ]
 # Torch function modes (``TorchFunctionMode``) and dispatch modes (``TorchDispatchMode``:

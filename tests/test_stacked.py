@@ -243,6 +243,37 @@ def test_checkpointed_models_run_one_by_one(n_jobs):
     assert all(m.inner[0].weight.grad is not None for m in stacked)
 
 
+@pytest.mark.parametrize("storage", [False, True])
+@pytest.mark.parametrize("hooks", ["checkpoint", "save_on_cpu"])
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_identical_models_under_saved_tensor_hooks_around_the_call(n_jobs, hooks, storage):
+    # NOTE [ Saved-tensor hooks ] in _pool: stacked by auto inside a non-reentrant checkpoint
+    # around the call, the failed batched attempt's tensors counted in the checkpoint's
+    # forward, and every backward raised CheckpointError; the models were also marked as ones
+    # vmap cannot run, for good.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(8)]
+    ref = copy.deepcopy(models)
+    stack = parsum.stack_(models) if storage else None
+    x, x_ref = (torch.randn(5, IN, requires_grad=True) for _ in range(2))
+    with torch.no_grad():
+        x_ref.copy_(x)
+
+    def around(f, t):
+        if hooks == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(f, t, use_reentrant=False)
+        with torch.autograd.graph.save_on_cpu():
+            return f(t)
+
+    around(lambda t: parsum.sum_models(models, t, n_jobs=n_jobs), x).pow(2).sum().backward()
+    around(lambda t: sum(m(t) for m in ref), x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+    assert not any(m in _engines.VMAP_FAILED for m in models)  # stacked outside the hooks
+    assert stack is None or stack._broken is None
+
+
 class TwoLeaves(nn.Module):
     def __init__(self) -> None:
         super().__init__()
