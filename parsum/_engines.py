@@ -678,11 +678,22 @@ def pull_back_together(
 
 def foreign_leaves(roots: Iterable[GradientEdge | None], own: Sequence[Tensor]) -> list[Tensor]:
     """The tensors that require grad which a graph reaches from ``roots`` besides ``own``
-    (leaves: an AccumulateGrad node holds its tensor), each once."""
+    (leaves: an AccumulateGrad node holds its tensor), each once. The graph behind an own
+    tensor that is not a leaf (a parameter swapped in by ``functional_call``, computed from
+    others: MAML's fast weights) is not looked through: its gradient goes on from there."""
     own_ids = {id(t) for t in own}
+    # Own tensors computed from others, by the edge that reaches them; the nodes kept alive,
+    # so that their ids stay theirs.
+    own_edges: dict[tuple[int, int], Any] = {
+        (id(t.grad_fn), t.output_nr): t.grad_fn for t in own if t.grad_fn is not None
+    }
     found: dict[int, Tensor] = {}
     seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
-    stack: list[Any] = [edge.node for edge in roots if edge is not None]
+    stack: list[Any] = [
+        edge.node
+        for edge in roots
+        if edge is not None and (id(edge.node), edge.output_nr) not in own_edges
+    ]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -693,7 +704,11 @@ def foreign_leaves(roots: Iterable[GradientEdge | None], own: Sequence[Tensor]) 
             if id(leaf) not in own_ids:
                 found.setdefault(id(leaf), leaf)
             continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        stack.extend(
+            next_node
+            for next_node, nr in node.next_functions
+            if (id(next_node), nr) not in own_edges
+        )
     return list(found.values())
 
 
@@ -744,6 +759,11 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
 # one: beside other models, through ParallelSum, such a tensor lost its gradient, silently. A
 # call whose models all run as one group in the caller's graph (NOTE [ One group in the
 # caller's graph ] in _stack) gives it the plain loop's gradient and is not looked through.
+# A parameter that is not a leaf (``functional_call`` with fast weights, ``p - lr * g`` in a MAML
+# step) is the module's own, and the graph behind it is not looked through: its gradient is
+# returned for it and goes on from there to the tensors it was computed from. The first version
+# of this check looked through it and refused every such call (a regression, found by trying a
+# MAML step, which had worked).
 
 
 class ForeignLeaves(ParsumError):
