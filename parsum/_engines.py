@@ -359,6 +359,11 @@ class ModelParams:
                     if b is None or id(b) in seen_tensors:
                         continue
                     seen_tensors.add(id(b))
+                    if b.requires_grad and b.is_leaf:  # trained as a tensor attribute is
+                        names.append(prefix + name)
+                        tensors.append(b)
+                        info.loose.append(prefix + name)
+                        continue
                     buffers.append(b)
                     state_names.append(prefix + name)
                     state.append(b)

@@ -296,14 +296,29 @@ class _Tempered(nn.Module):
         return self.lin(x) / self.temperature
 
 
+class _BufferTempered(_Tempered):
+    """The same tensor registered as a buffer that requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        del self.temperature
+        self.register_buffer("temperature", torch.ones(1, requires_grad=True))
+
+
+@pytest.mark.parametrize("kind", [_Tempered, _BufferTempered])
 @pytest.mark.parametrize("engine", ["auto", "autograd", "stacked"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_a_tensor_attribute_that_requires_grad_gets_its_gradient(engine, n_jobs):
-    # It got a .grad in the plain loop and None through parsum.
+def test_a_tensor_attribute_that_requires_grad_gets_its_gradient(engine, n_jobs, kind):
+    # It got a .grad in the plain loop and None through parsum; as a buffer, the check for
+    # tensors a module does not own refused it, saying it was not the module's.
     torch.manual_seed(0)
-    models = [_Tempered() for _ in range(8)]
+    models = [kind() for _ in range(8)]
     shared = torch.full((1,), 2.0, requires_grad=True)
-    models[3].temperature = models[5].temperature = shared  # one tensor, two models
+    for i in (3, 5):  # one tensor, two models
+        if kind is _BufferTempered:
+            models[i].register_buffer("temperature", shared)
+        else:
+            models[i].temperature = shared
     ref = clone_models(models)
     x = torch.randn(4, IN)
     parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs).pow(2).sum().backward()
@@ -399,8 +414,13 @@ def test_a_tensor_put_in_a_list_between_calls_gets_its_gradient(change):
             r"\['scales\[0\]', \"shifts\['out'\]\[0\]\"\]",
             r"scales\[0\].*register them as",
         ),
+        (
+            _BufferTempered,
+            r"models\[0\] \(_BufferTempered\) holds tensor attr.*\['temperature'\]",
+            r"\['temperature'\].*register them as",
+        ),
     ],
-    ids=["attribute", "in a list and a dict"],
+    ids=["attribute", "in a list and a dict", "a buffer"],
 )
 def test_tensors_not_parameters_are_refused_where_they_would_lose_their_gradients(
     kind, vjp_match, sib_match
