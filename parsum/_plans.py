@@ -59,11 +59,11 @@ from ._engines import (
     Unit,
     _may_hold_loose_tensors,
     direct_program,
+    holds_tensors,
     method_module,
     module_hooks,
     module_of,
     own_calls,
-    tensors_held,
 )
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
@@ -301,7 +301,7 @@ class Walk:
                     custom.attributes.append((owner, key, _Held(value)))
                     if isinstance(value, Tensor):
                         tensors.append(value)
-                    elif isinstance(value, CONTAINERS) and tensors_held(key, value):
+                    elif isinstance(value, CONTAINERS) and holds_tensors(value):
                         # Held by identity, a list would hide the tensors put in it since
                         # (or set to require grad): such models are planned on every call.
                         return False

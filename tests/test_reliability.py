@@ -382,6 +382,49 @@ def test_tensors_held_in_lists_and_dicts_get_their_gradients(path, n_jobs):
     assert models[0].scales[0] is held[0]  # the user's tensor, never the alias of a hook
 
 
+class _Bank(nn.Module):
+    """A memory bank: many tensors in a list and a dict, two of them trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.bank = [torch.randn(OUT) for _ in range(1000)]
+        self.bank[3] = torch.randn(OUT, requires_grad=True)
+        self.bank[700] = torch.randn(OUT, requires_grad=True)
+        self.keyed = {f"k{i}": torch.randn(OUT) for i in range(500)}
+        self.keyed["k7"].requires_grad_()
+
+    def forward(self, x):
+        return self.lin(x) * self.bank[3] + self.bank[700] - self.keyed["k7"] + self.bank[5]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_trained_tensors_among_many_in_containers(n_jobs):
+    # Containers of tensors alone are filtered in C (tensors_held): the trained ones are
+    # found, in order, by their paths.
+    torch.manual_seed(0)
+    models = [_Bank(), nn.Linear(IN, OUT), _Bank()]
+    ref = clone_models(models)
+    x = torch.randn(4, IN)
+    for _ in range(2):
+        for m in models + ref:
+            m.zero_grad()
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+        for m, r in ((models[0], ref[0]), (models[2], ref[2])):
+            for a, b in (
+                (m.bank[3], r.bank[3]),
+                (m.bank[700], r.bank[700]),
+                (m.keyed["k7"], r.keyed["k7"]),
+            ):
+                torch.testing.assert_close(a.grad, b.grad)
+            assert m.bank[5].grad is None
+    with pytest.raises(
+        parsum.ParsumError, match=r"\['bank\[3\]', 'bank\[700\]', \"keyed\['k7'\]\"\]"
+    ):
+        parsum.sum_models(models, x, engine="vjp")
+
+
 @pytest.mark.parametrize("change", ["element replaced", "element set to require grad"])
 def test_a_tensor_put_in_a_list_between_calls_gets_its_gradient(change):
     torch.manual_seed(0)
