@@ -456,7 +456,7 @@ def tensors_held(name: str, value: Any, trainable: bool = False) -> list[tuple[s
             if all(issubclass(kind, Tensor) for kind in kinds):  # tensors alone: in C
                 pairs: Iterable[tuple[Any, Tensor]] = zip(keys, values)
                 if trainable:
-                    pairs = itertools.compress(pairs, map(_REQUIRES_GRAD, values))
+                    pairs = itertools.compress(pairs, map(_requires_grad, values))
                 found.extend((f"{path}[{k!r}]", t) for k, t in pairs)
                 continue
             stack.extend(reversed([(f"{path}[{k!r}]", v) for k, v in zip(keys, values)]))
@@ -464,7 +464,7 @@ def tensors_held(name: str, value: Any, trainable: bool = False) -> list[tuple[s
 
 
 _HOLDING = (Tensor, *CONTAINERS)
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def holds_tensors(value: Any) -> bool:
@@ -1053,9 +1053,7 @@ def _one_by_one(
             call,
             model_params,
             build_graph,
-            False,
-            None,
-            check_leaves,
+            check_leaves=check_leaves,
         )
         for i in unit.models
     ]

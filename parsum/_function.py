@@ -74,12 +74,11 @@ from ._random import (
 )
 from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
 from ._summation import (
-    WIDE,
     ChunkPartials,
     CompensatedAccumulator,
-    sum_dtype,
     sums_at_once,
     weigh_models,
+    wide_sum_over_models,
 )
 
 if TYPE_CHECKING:
@@ -462,8 +461,7 @@ def run_forward(
                 for acc, v in zip(
                     accs, _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                 ):
-                    wide = WIDE.get(v.dtype, sum_dtype(v.dtype))
-                    acc.add_wide(v.sum(0, dtype=wide), v.dtype)
+                    acc.add_wide(wide_sum_over_models(v), v.dtype)
                 continue
             for i, out in zip(unit.models, run.outs):
                 leaves, sig = _signature(plan, i, out)

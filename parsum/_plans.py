@@ -58,6 +58,7 @@ from ._engines import (
     ModelParams,
     Unit,
     _may_hold_loose_tensors,
+    _requires_grad,
     direct_program,
     holds_tensors,
     method_module,
@@ -66,7 +67,7 @@ from ._engines import (
     own_calls,
 )
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
-from ._stack import _data_ptr, _handle_count, _requires_grad, _tensor_hooks
+from ._stack import _data_ptr, _handle_count, _tensor_hooks
 
 MAX_PLANS = 8
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)

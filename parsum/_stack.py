@@ -118,6 +118,7 @@ from ._engines import (
     CallArgs,
     ModelParams,
     Step,
+    _requires_grad,
     batched_forward,
     module_of,
     program_of,
@@ -138,7 +139,7 @@ from ._grads import (
 from ._grouping import Batch, structure_key
 from ._pool import autocast_states
 from ._sparse import has_user_post_hooks, post_accumulate_hooks
-from ._summation import WIDE, sum_dtype, weigh_models
+from ._summation import sum_dtype, weigh_models, wide_sum_over_models
 
 _WHERE = "stack_"
 
@@ -148,7 +149,6 @@ _stack_of: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictiona
 _wanted: weakref.WeakSet[Stack] = weakref.WeakSet()
 
 _data_ptr = Tensor.data_ptr
-_requires_grad = operator.attrgetter("requires_grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _grad_of = operator.attrgetter("grad")
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -1033,8 +1033,8 @@ def _sum_over_models(
     for leaf in leaves:
         if w is not None:
             leaf = weigh_models(leaf, w)
-        total = sum_dtype(leaf.dtype)  # booleans counted, as the plain sum counts them
-        summed.append(leaf.sum(0, dtype=WIDE.get(leaf.dtype, total)).to(total))
+        # Booleans counted, as the plain sum counts them.
+        summed.append(wide_sum_over_models(leaf).to(sum_dtype(leaf.dtype)))
     return summed
 
 

@@ -64,6 +64,12 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int64 if dtype == torch.bool else dtype
 
 
+def wide_sum_over_models(values: Tensor) -> Tensor:
+    """Models' values along dim 0 summed in the wide dtype where theirs has one, else in the
+    plain sum's dtype; not rounded back."""
+    return values.sum(0, dtype=WIDE.get(values.dtype, sum_dtype(values.dtype)))
+
+
 # Accumulation dtype of the dtypes that have a wider one (NOTE [ Compensated summation ]).
 WIDE = {
     torch.float32: torch.float64,
@@ -97,10 +103,11 @@ class CompensatedAccumulator:
     def add(self, x: Tensor) -> None:
         s = self._sum
         if s is None:
-            if x.dtype == torch.bool:  # counted, as the plain sum counts them
-                self._sum, self._owned, self._dtype = x.to(torch.int64), True, torch.int64
+            dtype = sum_dtype(x.dtype)
+            if dtype != x.dtype:  # booleans counted, as the plain sum counts them
+                self._sum, self._owned, self._dtype = x.to(dtype), True, dtype
             else:
-                self._sum, self._owned, self._dtype = x, False, x.dtype
+                self._sum, self._owned, self._dtype = x, False, dtype
             return
         assert self._dtype is not None
         wide = WIDE.get(self._dtype)
