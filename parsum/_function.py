@@ -999,7 +999,17 @@ def _graph_pullback(plan: SumPlan, u: int, pullback: UnitPullback | None) -> Gra
     return pullback.inner
 
 
-Batched = dict[int, tuple[list[Tensor | None], list[Tensor | None]]]
+@dataclass
+class BatchFailure:
+    """A unit's share in an engine call over several that failed: the call's error, and the
+    model found to reach a graph freed before the call, if the error is such a graph's
+    (NOTE [ Graphs freed before the call ])."""
+
+    error: Exception
+    culprit: int | None
+
+
+Batched = dict[int, tuple[list[Tensor | None], list[Tensor | None]] | BatchFailure]
 
 
 def _pull_back_batched(
@@ -1009,17 +1019,21 @@ def _pull_back_batched(
     grad_outputs: Sequence[Tensor],
     weight_tensor: Tensor | None,
     direct: Sequence[bool],
+    keep_graph: bool,
     failures: list[BaseException] | None = None,
 ) -> Batched:
     """(argument grads, parameter grads) of the ``units`` that can share an engine call, by
     unit (NOTE [ One engine call per chunk ] in ``_engines``): one call for the models whose
     parameters all go straight into ``.grad`` (``direct``, NOTE [ Accumulating in the
-    pullback ]; their parameter grads come back as None), one for the others. The calls keep
-    the graphs: a unit missing from the result (its call failed) is pulled back on its own,
-    which names the first model that fails. What a failed call accumulated is set back to
-    None, or, with ``failures`` (pullbacks joined later, whose ``.grad`` only the caller's
-    thread may write: NOTE [ Pullbacks joined later ]), left for the caller to undo, and the
-    failure recorded there."""
+    pullback ]; their parameter grads come back as None), one for the others. The units'
+    forwards ran on one thread, in order. The calls free the graphs as they go, unless
+    ``keep_graph``: a graph a model keeps beyond the call (a state carried to the next call)
+    must not be pulled back again by the next (NOTE [ Graphs freed before the call ]). A unit
+    whose call failed gets a ``BatchFailure`` and is pulled back on its own, which names the
+    first model that fails (NOTE [ Engine calls of the caller's graph ] in _inline). What a
+    failed call accumulated is set back to None, or, with ``failures`` (pullbacks joined
+    later, whose ``.grad`` only the caller's thread may write: NOTE [ Pullbacks joined
+    later ]), left for the caller to undo, and the failure recorded there."""
     together: Batched = {}
     groups: dict[bool, list[tuple[int, GraphPullback, Sequence[Tensor]]]] = {True: [], False: []}
     for u in units:
@@ -1036,9 +1050,17 @@ def _pull_back_batched(
             continue
         items = [(graph, cotangents) for _, graph, cotangents in members]
         try:
-            results = pull_back_together(items, retain_graph=True, accumulate=accumulate)
+            results = pull_back_together(items, retain_graph=keep_graph, accumulate=accumulate)
             together.update(zip([u for u, _, _ in members], results))
         except Exception as exc:  # the failing model is found one at a time, by the caller
+            culprit = None
+            if freed_by_the_failed_call(exc):
+                nodes = [[e.node for e in graph.roots if e is not None] for _, graph, _ in members]
+                found = reaching_a_graph_freed_before(nodes)
+                if found is not None:
+                    culprit = plan.units[members[found][0]].models[0]
+            for u, _, _ in members:
+                together[u] = BatchFailure(exc, culprit)
             if failures is not None and accumulate:
                 failures.append(exc)
                 continue
@@ -1071,15 +1093,16 @@ def _pull_back_chunk(
     if together is None:
         shared = [u for u in units if u not in alone]
         together = _pull_back_batched(
-            plan, shared, pullbacks, grad_outputs, weight_tensor, direct, failures
+            plan, shared, pullbacks, grad_outputs, weight_tensor, direct, keep_graph, failures
         )
     for u in units:
         unit = plan.units[u]
         pullback = pullbacks[u]
         if not keep_graph:
             pullbacks[u] = None
-        if u in together:
-            arg_grads, param_grads = together.pop(u)
+        done = together.pop(u, None)
+        if isinstance(done, tuple):
+            arg_grads, param_grads = done
             yield unit, arg_grads, [param_grads]
             continue
         assert pullback is not None
@@ -1087,7 +1110,12 @@ def _pull_back_chunk(
         try:
             arg_grads, model_grads = pullback(grad_outputs, weights, keep_graph)
         except Exception as exc:
-            raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
+            if done is None or not freed_by_the_failed_call(exc):
+                raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
+            # Its graph freed by the failed call (models ran from the last to the first:
+            # this one failed in it), or before the call by the culprit's own backward.
+            i = unit.models[0] if done.culprit is None else done.culprit
+            raise plan.model_error(i, "backward", done.error) from done.error
         del pullback
         yield unit, arg_grads, model_grads
 
@@ -1135,6 +1163,78 @@ def freed_by_the_failed_call(exc: Exception) -> bool:
     return isinstance(exc, FreedGraphError) or (
         isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
     )
+
+
+# NOTE [ Graphs freed before the call ]
+# A model that carries a state across calls without detaching it (an RNN's hidden state, a
+# running estimate) reaches, in its graph, nodes made by an earlier call whose backward freed
+# them: the next backward fails with autograd's "backward through the graph a second time".
+# Such a node is older than every node of the call, so the engine, which runs the ready node of
+# highest sequence number first, reaches it after every model's own nodes ran and freed theirs:
+# pulled back alone, every model then fails with that error, and the first in model order was
+# named whatever model carried the state (three models, the third carrying it: "model 0
+# (Sequential)"). The node that failed is not in the error. But the models of one engine call
+# ran forward on one thread in model order, and a thread numbers its nodes in creation order:
+# the nodes model i made are numbered above the last output node of the model before it, so a
+# node numbered at or below that one, and freed, was made before model i ran, and model i is the
+# one that reaches it. The first model of the call has no such bound: it is named by the rule
+# above when no later model is found (a state made on another thread, numbered by that thread,
+# is not found either).
+# ParallelSum's engine calls over several models (NOTE [ One engine call per chunk ] in
+# _engines) kept the graphs, for the failing model to be found by pulling each back again, and
+# dropped them after: a graph that the model's state kept alive kept its saved tensors, so each
+# backward went on through every call before it (after 21 calls a gradient 22 times the first),
+# where the plain loop raises. They free the graphs as they go, as the caller's graph does, and
+# a model pulled back again after a failed call is named as there (``_pull_back_chunk``).
+
+
+def reaching_a_graph_freed_before(output_nodes: Sequence[Sequence[Any]]) -> int | None:
+    """Of models whose forwards ran on one thread in this order (each given by its output
+    leaves' nodes), the first after the first whose graph reaches a node with freed saved
+    tensors made before that model ran (NOTE [ Graphs freed before the call ])."""
+    bound: int | None = None
+    for i, nodes in enumerate(output_nodes):
+        if bound is not None and _reaches_freed_below(nodes, bound):
+            return i
+        numbers = [n._sequence_nr() for n in nodes if not _is_leaf_node(n)]
+        if numbers:
+            bound = max(numbers)
+    return None
+
+
+def _is_leaf_node(node: Any) -> bool:
+    """An AccumulateGrad node (it holds its tensor), numbered above every other node."""
+    return isinstance(getattr(node, "variable", None), Tensor)
+
+
+def _reaches_freed_below(nodes: Sequence[Any], bound: int) -> bool:
+    """Whether a node numbered at or below ``bound`` whose saved tensors were freed is
+    reachable from ``nodes``."""
+    seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if not _is_leaf_node(node) and node._sequence_nr() <= bound and _saved_freed(node):
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def _saved_freed(node: Any) -> bool:
+    """Whether ``node``'s saved tensors were freed by a backward."""
+    names = [a for a in dir(node) if a.startswith("_saved_")]
+    if hasattr(type(node), "saved_tensors"):  # a custom Function's node
+        names.append("saved_tensors")
+    for name in names:
+        try:
+            getattr(node, name)
+        except RuntimeError as exc:
+            if freed_by_the_failed_call(exc):
+                return True
+    return False
 
 
 def raise_first_failing_model(
@@ -1428,6 +1528,7 @@ class _Backward:
                 grad_outputs,
                 self.weight_tensor,
                 self.direct,
+                self.keep_graph,
             )
         arg_accs: dict[int, GradSum] = {}
         shared_accs: dict[int, GradSum] = {}
@@ -1498,8 +1599,11 @@ class _Backward:
                 # stepping in the backward (32 models with 128 MiB of gradients at n_jobs=1:
                 # a peak of 140 MiB, more than without StepInBackward, against 20 chunk by
                 # chunk), or FlatGrad slots (compensated: 405 -> 285 MiB, 1.5% slower).
+                # The forwards ran on one thread too, in model order, which a failure's
+                # search relies on (_pull_back_batched).
                 self.one_call = (
                     _pool.threads_for(len(plan.chunks), workers) <= 1
+                    and _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
                     and self.sib is None
                     and self.flat is None
                 )

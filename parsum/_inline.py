@@ -122,11 +122,13 @@ from ._function import (
     _on_device_thread,
     _once_differentiable,
     direct_apply,
+    freed_by_the_failed_call,
     freed_graph_error,
     join_input,
     may_join_later,
     model_weight_grad,
     raise_first_failing_model,
+    reaching_a_graph_freed_before,
     reports_failures,
     run_forward,
     stack_weight_grads,
@@ -552,7 +554,16 @@ def _raise_first_failure(
 ) -> None:
     """Pull each model back alone, in order, and raise naming the first that fails: with its
     own error, or ``original`` where the failed call freed part of its graph (NOTE [ Engine
-    calls of the caller's graph ])."""
+    calls of the caller's graph ]); or, where ``original`` is itself a freed graph's error,
+    the model whose graph reaches one freed before the call (NOTE [ Graphs freed before the
+    call ])."""
+    if freed_by_the_failed_call(original):
+        culprit = reaching_a_graph_freed_before([[e.node for e, _ in m] for m in edges])
+        if culprit is not None:
+            try:
+                raise plan.model_error(culprit, "backward", original)
+            finally:
+                original = None  # type: ignore[assignment]  # no cycle through this frame
     attempts = []
     for i, model_edges in enumerate(edges):
         wrt = [*plan.model_params[i].tensors, *(aliases[i] if aliases is not None else ())]

@@ -192,6 +192,72 @@ def test_failed_backward_changes_no_grad_and_names_the_model(
     assert all(g is not None for g in param_grads(models))
 
 
+class CarriesState(nn.Module):
+    """An RNN-like model that keeps its last output, undetached, for the next call: the
+    second backward reaches the first call's graph, which the first backward freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.state = None
+
+    def forward(self, x):
+        out = self.layer(x) if self.state is None else self.layer(x) + self.state
+        self.state = out
+        return out
+
+
+# NOTE [ Graphs freed before the call ]: every model's own nodes run before the freed ones, and
+# pulled back alone each then fails; the model that carries the state is named (the first
+# model was, wherever the carrier stood).
+@pytest.mark.parametrize("position", [0, 2, 4])
+@pytest.mark.parametrize("n_jobs", [1, 3])
+@pytest.mark.parametrize("callers_graph", [True, False])
+def test_a_state_carried_across_calls_names_its_model(position, n_jobs, callers_graph, monkeypatch):
+    monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: callers_graph)
+    models: list[nn.Module] = [mlp([3 + i]) for i in range(4)]
+    models.insert(position, CarriesState())
+    x = torch.randn(2, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()
+    before = [g.clone() for g in param_grads(models)]
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    assert in_callers_graph(y) == callers_graph
+    with pytest.raises(parsum.ParsumError, match=rf"model {position} \(CarriesState\)") as e:
+        y.sum().backward()
+    assert "second time" in str(e.value.__cause__)  # autograd's own error, chained
+    for g, b in zip(param_grads(models), before):
+        assert torch.equal(g, b)
+
+
+def test_a_state_carried_under_step_in_backward_fails_as_in_the_plain_loop():
+    """Through ParallelSum, whose engine calls over several models kept the graphs, the
+    carried state's graph outlived every backward: each step pulled back through all the
+    steps before it (the gradient of step 21 was 22 times that of step 1), where the plain
+    loop raises on the second."""
+    models = [mlp([3]), CarriesState(), mlp([4])]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    x = torch.randn(2, IN)
+    parsum.sum_models(models, x, step_in_backward=sib).sum().backward()
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(CarriesState\).*second time"):
+        parsum.sum_models(models, x, step_in_backward=sib).sum().backward()
+
+
+@pytest.mark.parametrize("n_jobs", [1, 3])
+@pytest.mark.parametrize("callers_graph", [True, False])
+def test_a_state_carried_with_retained_graphs_gets_the_plain_loops_gradients(
+    n_jobs, callers_graph, monkeypatch
+):
+    monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: callers_graph)
+    models: list[nn.Module] = [mlp([3]), CarriesState(), mlp([4])]
+    reference = clone_models(models)
+    x = torch.randn(2, IN)
+    for _ in range(3):  # backpropagation through every call so far
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward(retain_graph=True)
+        plain_sum(reference, x).pow(2).sum().backward(retain_graph=True)
+    for g, r in zip(param_grads(models), param_grads(reference)):
+        torch.testing.assert_close(g, r)
+
+
 class _Nested(nn.Module):
     """A model that sums models of its own with parsum, one of which may fail in backward."""
 
