@@ -866,8 +866,17 @@ def vjp_forward(
     def function(arg_tensors: list[Tensor], param_tensors: dict[str, Tensor]) -> Any:
         args, kwargs = call.build(model_arguments(dict(zip(positions, arg_tensors))))
         if isinstance(model, nn.Module):
-            shadow = shadow_module(model)  # NOTE [ Shadow modules ]
-            return torch.func.functional_call(shadow, param_tensors, args, kwargs)
+            shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
+            shadow = shadow_module(model, None, shadowed)  # NOTE [ Shadow modules ]
+            out = torch.func.functional_call(shadow, param_tensors, args, kwargs)
+            assigned = _assigned_in_forward(shadowed.values())
+            if assigned:  # NOTE [ Attributes assigned in forward ]
+                raise RuntimeError(
+                    f"the model assigns {', '.join(assigned)} in forward; engine='vjp' runs "
+                    "pure models only (the assignment would go to a copy): use "
+                    "engine='autograd' or 'auto'"
+                )
+            return out
         return model(*args, **kwargs)
 
     # Checking, a graph outside the transform is recorded (of the ops on tensors that require
@@ -1427,13 +1436,20 @@ def batched_forward(
                 "autocast does not reach every operation under vmap (a Linear with its bias "
                 "ran in float32): the models run one by one"
             )
-        base = shadow_module(model)
+        shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
+        base = shadow_module(model, None, shadowed)
 
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
             return torch.func.functional_call(base, (p, s), args, kwargs)
 
         chunk = _models_per_chunk(trainable, args, kwargs)
         out = torch.vmap(one, randomness="different", chunk_size=chunk)(trainable, state)
+        assigned = _assigned_in_forward(shadowed.values())
+        if assigned:  # NOTE [ Attributes assigned in forward ]
+            raise RuntimeError(
+                f"the models assign {', '.join(assigned)} in forward, which one batched "
+                "forward cannot do for each model"
+            )
     leaves, spec = flatten_output(out)
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
@@ -1448,6 +1464,34 @@ def batched_forward(
             )
         _NO_RECOMPUTE.add(model)
     return leaves, spec
+
+
+# NOTE [ Attributes assigned in forward ]
+# A forward that assigns an attribute (``self.state = out.detach()``, a hidden state carried to
+# the next call; ``self.calls += 1``) assigns it on the shadow a batched forward runs (NOTE
+# [ Shadow modules ]), once for all the models and, under vmap, as a batched tensor that is dead
+# once vmap returns: the modules kept their old values, and 8 identical models carrying a state
+# summed to other outputs than the plain loop's from the second call on, silently. Buffers are
+# stacked state, given back model by model; any other attribute whose value is no longer the
+# module's after the batched forward makes it fail, so that the models run one by one (and
+# auto stacks them no more), assigning as in the plain loop. A container mutated in place
+# (``self.history.append(out)``) is not seen. Engine "vjp", which runs a shadow too, raises.
+
+
+def _assigned_in_forward(pairs: Iterable[tuple[nn.Module, nn.Module]]) -> list[str]:
+    """The attributes a forward assigned on shadows, as ``Class.name``."""
+    found = []
+    for module, shadow in pairs:
+        mine = vars(module)
+        compiled = isinstance(module, COMPILED_MODULES)
+        for name, value in vars(shadow).items():
+            if name in ("_parameters", "_buffers", "_modules", "_compiled_call_impl") or (
+                compiled and name in ("forward", "_forward")  # NOTE [ Compiled modules ]
+            ):
+                continue  # the shadow's own
+            if mine.get(name, _MISSING) is not value:
+                found.append(f"{type(module).__name__}.{name}")
+    return found
 
 
 class AutocastUnderVmap(RuntimeError):

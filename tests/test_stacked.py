@@ -243,6 +243,86 @@ def test_checkpointed_models_run_one_by_one(n_jobs):
     assert all(m.inner[0].weight.grad is not None for m in stacked)
 
 
+class KeepsState(nn.Module):
+    """Keeps a detached state for the next call, and counts its calls, in attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.state = None
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.layer(x) if self.state is None else self.layer(x) + 0.5 * self.state
+        self.state = out.detach()
+        return out
+
+
+class HoldsOne(nn.Module):
+    """A model whose submodule assigns its attributes in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = KeepsState()
+        self.head = nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+# NOTE [ Attributes assigned in forward ]: stacked, the attributes went to the batched
+# forward's shadow, the modules kept their first values, and from the second call on the sum
+# was not the plain loop's, silently (16 of these cases failed).
+@pytest.mark.parametrize("make", [KeepsState, HoldsOne])
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "no grad"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
+    torch.manual_seed(0)
+    models = [make() for _ in range(8)]
+    ref = copy.deepcopy(models)
+    others = [mlp([5])] if how == "beside another" else []
+    others_ref = copy.deepcopy(others)
+    if how == "stack_":
+        parsum.stack_(models)
+    x = torch.randn(2, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stack_ says it gives up its batched forward
+        for _ in range(3):
+            if how == "no grad":
+                with torch.no_grad():
+                    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+                    r = plain_sum(ref, x)
+            else:
+                y = parsum.sum_models(models + others, x, n_jobs=n_jobs)
+                r = plain_sum(ref + others_ref, x)
+                y.pow(2).sum().backward()
+                r.pow(2).sum().backward()
+            torch.testing.assert_close(y, r)
+    for m, m_ref in zip(models, ref):
+        inner, inner_ref = (m, m_ref) if make is KeepsState else (m.inner, m_ref.inner)
+        assert inner.calls == inner_ref.calls == 3
+        torch.testing.assert_close(inner.state, inner_ref.state)
+    if how != "no grad":
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b)
+
+
+def test_engine_stacked_names_the_attributes_a_forward_assigns():
+    models = [KeepsState() for _ in range(4)]
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(KeepsState\).*KeepsState\.state"):
+        parsum.sum_models(models, torch.randn(2, IN), engine="stacked")
+    assert all(m.state is None and m.calls == 0 for m in models)  # nothing assigned
+
+
+def test_engine_vjp_refuses_a_forward_that_assigns_attributes():
+    # It ran the forward on a copy, the state never reached the model: silently other sums.
+    models = [KeepsState(), mlp([4])]
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(KeepsState\).*KeepsState\.state.*vjp"):
+        parsum.sum_models(models, torch.randn(2, IN), engine="vjp").sum().backward()
+    assert models[0].state is None and models[0].calls == 0
+
+
 @pytest.mark.parametrize("storage", [False, True])
 @pytest.mark.parametrize("hooks", ["checkpoint", "save_on_cpu"])
 @pytest.mark.parametrize("n_jobs", [1, 2, None])
