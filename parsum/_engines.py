@@ -1476,6 +1476,10 @@ def batched_forward(
 # module's after the batched forward makes it fail, so that the models run one by one (and
 # auto stacks them no more), assigning as in the plain loop. A container mutated in place
 # (``self.history.append(out)``) is not seen. Engine "vjp", which runs a shadow too, raises.
+# A forward that changes a parameter in place (a max-norm constraint, ``weight.div_(norm)``
+# under no_grad) changed the stacked copies alike, and the models' own parameters never: a
+# stacked tensor whose version moved fails the same way. (``stack_`` storage is the models'
+# own: there the change reaches them.)
 
 
 def _assigned_in_forward(pairs: Iterable[tuple[nn.Module, nn.Module]]) -> list[str]:
@@ -1492,6 +1496,29 @@ def _assigned_in_forward(pairs: Iterable[tuple[nn.Module, nn.Module]]) -> list[s
             if mine.get(name, _MISSING) is not value:
                 found.append(f"{type(module).__name__}.{name}")
     return found
+
+
+def forward_on_copies(
+    model: nn.Module,
+    trainable: dict[str, Tensor],
+    state: dict[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[Tensor], pytree.TreeSpec]:
+    """``batched_forward`` over ``stacked_tensors``' copies, which it must not change in place:
+    the models' own tensors would not change (NOTE [ Attributes assigned in forward ])."""
+    # An inference tensor keeps no version (torch.inference_mode(): no forward of it to check).
+    versions = [None if t.is_inference() else t._version for t in trainable.values()]
+    leaves, spec = batched_forward(model, program_of(model), trainable, state, args, kwargs)
+    changed = [
+        n for (n, t), v in zip(trainable.items(), versions) if v is not None and t._version != v
+    ]
+    if changed:
+        raise RuntimeError(
+            f"the models change {', '.join(changed)} in place in forward, which one batched "
+            "forward does to stacked copies, not to each model's own"
+        )
+    return leaves, spec
 
 
 class AutocastUnderVmap(RuntimeError):
@@ -1559,7 +1586,7 @@ def stacked_forward(
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in positions}
         args, kwargs = call.build(inputs)
         trainable, state = stacked_tensors(params)
-        leaves, spec = batched_forward(model, program_of(model), trainable, state, args, kwargs)
+        leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
     if spec == LEAF_SPEC:  # the usual case: one unbind for every model's view
         outs: list[Any] = list(leaves[0].unbind(0))
     else:

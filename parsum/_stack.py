@@ -120,6 +120,7 @@ from ._engines import (
     Step,
     _requires_grad,
     batched_forward,
+    forward_on_copies,
     module_of,
     program_of,
     runs_as_program,
@@ -1049,7 +1050,7 @@ def group_in_callers_graph(
     graph (NOTE [ One group in the caller's graph ])."""
     trainable, state = stacked_tensors(model_params)
     args, kwargs = call.build()
-    leaves, spec = batched_forward(models[0], program_of(models[0]), trainable, state, args, kwargs)
+    leaves, spec = forward_on_copies(models[0], trainable, state, args, kwargs)
     summed = _sum_over_models(leaves, weights, weight_tensor)
     return pytree.tree_unflatten(summed, spec)
 

@@ -315,6 +315,67 @@ def test_engine_stacked_names_the_attributes_a_forward_assigns():
     assert all(m.state is None and m.calls == 0 for m in models)  # nothing assigned
 
 
+class MaxNorm(nn.Module):
+    """A max-norm constraint applied in forward: the weight's rows renormalized in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        with torch.no_grad():
+            self.layer.weight.mul_(3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.layer.weight.div_(self.layer.weight.norm(dim=1, keepdim=True).clamp(min=0.5))
+        return self.layer(x)
+
+
+# Stacked by auto, the constraint renormalized the stacked copies, never the models' weights:
+# other weights, gradients and sums than the plain loop's, silently.
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_that_change_their_parameters_in_forward(how, n_jobs):
+    torch.manual_seed(0)
+    models = [MaxNorm() for _ in range(8)]
+    ref = copy.deepcopy(models)
+    others = [mlp([5])] if how == "beside another" else []
+    others_ref = copy.deepcopy(others)
+    if how == "stack_":
+        parsum.stack_(models)  # the models' own storage: changed in place as theirs
+    x = torch.randn(2, IN)
+    for _ in range(2):
+        y = parsum.sum_models(models + others, x, n_jobs=n_jobs)
+        r = plain_sum(ref + others_ref, x)
+        y.pow(2).sum().backward()
+        r.pow(2).sum().backward()
+        torch.testing.assert_close(y, r)
+    for m, m_ref in zip(models, ref):
+        torch.testing.assert_close(m.layer.weight, m_ref.layer.weight)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(MaxNorm\).*layer\.weight in place"):
+        parsum.sum_models([MaxNorm() for _ in range(4)], x, engine="stacked")
+
+
+def test_identical_models_stay_stacked_under_inference_mode():
+    # Inference tensors keep no version to check: the batched forward must not fail for it.
+    models = [KeepsNothing() for _ in range(10)]
+    x = torch.randn(2, IN)
+    with torch.inference_mode():
+        y = parsum.sum_models(models, x)
+        torch.testing.assert_close(y, plain_sum(models, x))
+    assert not any(m in _engines.VMAP_FAILED for m in models)
+
+
+class KeepsNothing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
 def test_engine_vjp_refuses_a_forward_that_assigns_attributes():
     # It ran the forward on a copy, the state never reached the model: silently other sums.
     models = [KeepsState(), mlp([4])]
