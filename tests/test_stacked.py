@@ -271,13 +271,10 @@ class HoldsOne(nn.Module):
         return self.head(self.inner(x))
 
 
-# NOTE [ Attributes assigned in forward ]: stacked, the attributes went to the batched
-# forward's shadow, the modules kept their first values, and from the second call on the sum
-# was not the plain loop's, silently (16 of these cases failed).
-@pytest.mark.parametrize("make", [KeepsState, HoldsOne])
-@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "no grad"])
-@pytest.mark.parametrize("n_jobs", [1, 2])
-def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
+def eight_and_copies(make, how):
+    """8 identical models and a copy for the plain loop; with ``how == "beside another"`` a
+    model of another architecture to pass beside them (and its copy), with ``"stack_"`` the
+    eight in stacked storage."""
     torch.manual_seed(0)
     models = [make() for _ in range(8)]
     ref = copy.deepcopy(models)
@@ -285,6 +282,26 @@ def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
     others_ref = copy.deepcopy(others)
     if how == "stack_":
         parsum.stack_(models)
+    return models, ref, others, others_ref
+
+
+def step_both(models, ref, x, n_jobs):
+    """A step of parsum over ``models`` and one of the plain loop over ``ref``: the same sums."""
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    r = plain_sum(ref, x)
+    y.pow(2).sum().backward()
+    r.pow(2).sum().backward()
+    torch.testing.assert_close(y, r)
+
+
+# NOTE [ Attributes assigned in forward ]: stacked, the attributes went to the batched
+# forward's shadow, the modules kept their first values, and from the second call on the sum
+# was not the plain loop's, silently (16 of these cases failed).
+@pytest.mark.parametrize("make", [KeepsState, HoldsOne])
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "no grad"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
+    models, ref, others, others_ref = eight_and_copies(make, how)
     x = torch.randn(2, IN)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # stack_ says it gives up its batched forward
@@ -293,12 +310,9 @@ def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
                 with torch.no_grad():
                     y = parsum.sum_models(models, x, n_jobs=n_jobs)
                     r = plain_sum(ref, x)
+                torch.testing.assert_close(y, r)
             else:
-                y = parsum.sum_models(models + others, x, n_jobs=n_jobs)
-                r = plain_sum(ref + others_ref, x)
-                y.pow(2).sum().backward()
-                r.pow(2).sum().backward()
-            torch.testing.assert_close(y, r)
+                step_both(models + others, ref + others_ref, x, n_jobs)
     for m, m_ref in zip(models, ref):
         inner, inner_ref = (m, m_ref) if make is KeepsState else (m.inner, m_ref.inner)
         assert inner.calls == inner_ref.calls == 3
@@ -335,20 +349,11 @@ class MaxNorm(nn.Module):
 @pytest.mark.parametrize("how", ["auto", "beside another", "stack_"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_identical_models_that_change_their_parameters_in_forward(how, n_jobs):
-    torch.manual_seed(0)
-    models = [MaxNorm() for _ in range(8)]
-    ref = copy.deepcopy(models)
-    others = [mlp([5])] if how == "beside another" else []
-    others_ref = copy.deepcopy(others)
-    if how == "stack_":
-        parsum.stack_(models)  # the models' own storage: changed in place as theirs
+    # In stack_ storage the stacked tensors are the models' own: changed in place as theirs.
+    models, ref, others, others_ref = eight_and_copies(MaxNorm, how)
     x = torch.randn(2, IN)
     for _ in range(2):
-        y = parsum.sum_models(models + others, x, n_jobs=n_jobs)
-        r = plain_sum(ref + others_ref, x)
-        y.pow(2).sum().backward()
-        r.pow(2).sum().backward()
-        torch.testing.assert_close(y, r)
+        step_both(models + others, ref + others_ref, x, n_jobs)
     for m, m_ref in zip(models, ref):
         torch.testing.assert_close(m.layer.weight, m_ref.layer.weight)
     for a, b in zip(param_grads(models), param_grads(ref)):
