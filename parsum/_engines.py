@@ -30,7 +30,7 @@ import itertools
 import operator
 import types
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -184,24 +184,31 @@ def write_back(pairs: Iterable[tuple[nn.Module, nn.Module]], placed: Iterable[Te
     it; the tensors ``placed`` in the shadows instead of parameters are not written back."""
     ours = {id(t) for t in placed}
     for module, shadow in pairs:
-        mine, theirs = vars(module), vars(shadow)
-        compiled = isinstance(module, COMPILED_MODULES)
-        for name, value in theirs.items():
-            if name == "_compiled_call_impl" or (compiled and name in ("forward", "_forward")):
-                continue  # NOTE [ Compiled modules ]
-            if name == "_buffers":
-                buffers = mine["_buffers"]
-                for key, b in value.items():
-                    if buffers.get(key, _MISSING) is not b:
-                        buffers[key] = b
-            elif (
-                name not in ("_parameters", "_modules")
-                and id(value) not in ours
-                and mine.get(name, _MISSING) is not value
-            ):
+        mine = vars(module)
+        buffers = mine["_buffers"]
+        for key, b in vars(shadow)["_buffers"].items():
+            if buffers.get(key, _MISSING) is not b:
+                buffers[key] = b
+        for name, value in assignments(module, shadow):
+            if id(value) not in ours:
                 mine[name] = value
 
 
+def assignments(module: nn.Module, shadow: nn.Module) -> list[tuple[str, Any]]:
+    """The attributes other than its parameter, buffer and submodule dicts whose values a
+    forward left on ``shadow`` other than ``module``'s, by name."""
+    mine = vars(module)
+    compiled = isinstance(module, COMPILED_MODULES)
+    return [
+        (name, value)
+        for name, value in vars(shadow).items()
+        if name not in _SHADOWS_OWN
+        and not (compiled and name in ("forward", "_forward"))  # NOTE [ Compiled modules ]
+        and mine.get(name, _MISSING) is not value
+    ]
+
+
+_SHADOWS_OWN = frozenset(("_parameters", "_buffers", "_modules", "_compiled_call_impl"))
 _MISSING = object()
 
 
@@ -727,28 +734,39 @@ def foreign_leaves(roots: Iterable[GradientEdge | None], own: Sequence[Tensor]) 
         (id(t.grad_fn), t.output_nr): t.grad_fn for t in own if t.grad_fn is not None
     }
     found: dict[int, Tensor] = {}
+    for node in graph_nodes(roots, own_edges):
+        leaf = leaf_of(node)
+        if leaf is not None and id(leaf) not in own_ids:
+            found.setdefault(id(leaf), leaf)
+    return list(found.values())
+
+
+def graph_nodes(
+    roots: Iterable[GradientEdge | None], skip: Container[tuple[int, int]] = ()
+) -> Iterator[Any]:
+    """Every node of the graph behind ``roots``, once, not through an edge in ``skip`` (by its
+    node's id and input number)."""
     seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
     stack: list[Any] = [
         edge.node
         for edge in roots
-        if edge is not None and (id(edge.node), edge.output_nr) not in own_edges
+        if edge is not None and (id(edge.node), edge.output_nr) not in skip
     ]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        leaf = getattr(node, "variable", None)
-        if isinstance(leaf, Tensor):
-            if id(leaf) not in own_ids:
-                found.setdefault(id(leaf), leaf)
-            continue
+        yield node
         stack.extend(
-            next_node
-            for next_node, nr in node.next_functions
-            if (id(next_node), nr) not in own_edges
+            next_node for next_node, nr in node.next_functions if (id(next_node), nr) not in skip
         )
-    return list(found.values())
+
+
+def leaf_of(node: Any) -> Tensor | None:
+    """The tensor of an AccumulateGrad node (numbered above every other node), else None."""
+    leaf = getattr(node, "variable", None)
+    return leaf if isinstance(leaf, Tensor) else None
 
 
 def _check_no_captured_leaves(roots: Sequence[GradientEdge | None], own: list[Tensor]) -> None:
@@ -1484,18 +1502,11 @@ def batched_forward(
 
 def _assigned_in_forward(pairs: Iterable[tuple[nn.Module, nn.Module]]) -> list[str]:
     """The attributes a forward assigned on shadows, as ``Class.name``."""
-    found = []
-    for module, shadow in pairs:
-        mine = vars(module)
-        compiled = isinstance(module, COMPILED_MODULES)
-        for name, value in vars(shadow).items():
-            if name in ("_parameters", "_buffers", "_modules", "_compiled_call_impl") or (
-                compiled and name in ("forward", "_forward")  # NOTE [ Compiled modules ]
-            ):
-                continue  # the shadow's own
-            if mine.get(name, _MISSING) is not value:
-                found.append(f"{type(module).__name__}.{name}")
-    return found
+    return [
+        f"{type(module).__name__}.{name}"
+        for module, shadow in pairs
+        for name, _ in assignments(module, shadow)
+    ]
 
 
 def forward_on_copies(

@@ -54,6 +54,8 @@ from ._engines import (
     check_own_leaves,
     check_weight_dtype,
     direct_calls_allowed,
+    graph_nodes,
+    leaf_of,
     model_arguments,
     model_kind,
     output_edges,
@@ -1055,8 +1057,8 @@ def _pull_back_batched(
         except Exception as exc:  # the failing model is found one at a time, by the caller
             culprit = None
             if freed_by_the_failed_call(exc):
-                nodes = [[e.node for e in graph.roots if e is not None] for _, graph, _ in members]
-                found = reaching_a_graph_freed_before(nodes)
+                edges = [[e for e in graph.roots if e is not None] for _, graph, _ in members]
+                found = reaching_a_graph_freed_before(edges)
                 if found is not None:
                     culprit = plan.units[members[found][0]].models[0]
             for u, _, _ in members:
@@ -1188,39 +1190,23 @@ def freed_by_the_failed_call(exc: Exception) -> bool:
 # a model pulled back again after a failed call is named as there (``_pull_back_chunk``).
 
 
-def reaching_a_graph_freed_before(output_nodes: Sequence[Sequence[Any]]) -> int | None:
+def reaching_a_graph_freed_before(
+    output_edges: Sequence[Sequence[GradientEdge]],
+) -> int | None:
     """Of models whose forwards ran on one thread in this order (each given by its output
-    leaves' nodes), the first after the first whose graph reaches a node with freed saved
+    leaves' edges), the first after the first whose graph reaches a node with freed saved
     tensors made before that model ran (NOTE [ Graphs freed before the call ])."""
     bound: int | None = None
-    for i, nodes in enumerate(output_nodes):
-        if bound is not None and _reaches_freed_below(nodes, bound):
+    for i, edges in enumerate(output_edges):
+        if bound is not None and any(
+            leaf_of(node) is None and node._sequence_nr() <= bound and _saved_freed(node)
+            for node in graph_nodes(edges)
+        ):
             return i
-        numbers = [n._sequence_nr() for n in nodes if not _is_leaf_node(n)]
+        numbers = [e.node._sequence_nr() for e in edges if leaf_of(e.node) is None]
         if numbers:
             bound = max(numbers)
     return None
-
-
-def _is_leaf_node(node: Any) -> bool:
-    """An AccumulateGrad node (it holds its tensor), numbered above every other node."""
-    return isinstance(getattr(node, "variable", None), Tensor)
-
-
-def _reaches_freed_below(nodes: Sequence[Any], bound: int) -> bool:
-    """Whether a node numbered at or below ``bound`` whose saved tensors were freed is
-    reachable from ``nodes``."""
-    seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if not _is_leaf_node(node) and node._sequence_nr() <= bound and _saved_freed(node):
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
 
 
 def _saved_freed(node: Any) -> bool:

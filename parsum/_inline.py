@@ -558,7 +558,7 @@ def _raise_first_failure(
     the model whose graph reaches one freed before the call (NOTE [ Graphs freed before the
     call ])."""
     if freed_by_the_failed_call(original):
-        culprit = reaching_a_graph_freed_before([[e.node for e, _ in m] for m in edges])
+        culprit = reaching_a_graph_freed_before([[e for e, _ in m] for m in edges])
         if culprit is not None:
             try:
                 raise plan.model_error(culprit, "backward", original)
