@@ -23,7 +23,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -113,13 +115,16 @@ def shadow_module(
     module: nn.Module,
     replace: dict[int, Tensor] | None = None,
     memo: dict[int, tuple[nn.Module, nn.Module]] | None = None,
+    watched: list[Watched] | None = None,
 ) -> nn.Module:
     """A copy of ``module``'s tree whose parameter, buffer and submodule dicts are its own
     (NOTE [ Shadow modules ]); a submodule reached twice is shadowed once. ``replace`` maps
     ``id(parameter)`` to the tensor the shadow holds instead, wherever the parameter is (in a
     list, tuple or dict attribute too: the shadow then holds a copy of the container, which is
     added to ``replace`` so that ``write_back`` leaves it). ``memo`` collects (module, shadow)
-    pairs by id."""
+    pairs by id. With ``watched``, the shadows of modules of classes outside torch.nn hold
+    copies of their mutable attributes, each listed there (NOTE [ Attributes assigned in
+    forward ])."""
     if isinstance(module, torch.jit.ScriptModule):  # functional_call refuses it, with a message
         return module
     memo = {} if memo is None else memo
@@ -129,8 +134,8 @@ def shadow_module(
     # Not the class's own __new__: torch.fx's GraphModule makes a class for every instance
     # there, which lacks the instance's generated forward (the shadow of a traced or exported
     # model raised "missing the required forward function").
-    copy = object.__new__(module.__class__)
-    memo[id(module)] = (module, copy)
+    shadow = object.__new__(module.__class__)
+    memo[id(module)] = (module, shadow)
     state = dict(vars(module))
     own = state["_parameters"]
     state["_parameters"] = (
@@ -144,9 +149,15 @@ def shadow_module(
                 rebuilt = _replaced(value, replace)
                 if rebuilt is not value:  # the shadow's own: write_back leaves it
                     state[name] = replace[id(rebuilt)] = rebuilt
+    if watched is not None and _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
+        for name in state.keys() - MODULE_INTERNALS:
+            kept = _kept_for_shadow(state[name])
+            if kept is not None:
+                watched.append(Watched(f"{type(module).__name__}.{name}", state[name], kept))
+                state[name] = kept
     state["_buffers"] = dict(state["_buffers"])
     state["_modules"] = {
-        name: None if child is None else shadow_module(child, replace, memo)
+        name: None if child is None else shadow_module(child, replace, memo, watched)
         for name, child in state["_modules"].items()
     }
     if isinstance(module, COMPILED_MODULES):  # NOTE [ Compiled modules ]
@@ -154,8 +165,72 @@ def shadow_module(
         state.pop("_forward", None)
     if state.get("_compiled_call_impl") is not None:  # compiled in place: the same
         state["_compiled_call_impl"] = None
-    object.__setattr__(copy, "__dict__", state)
-    return copy
+    object.__setattr__(shadow, "__dict__", state)
+    return shadow
+
+
+class Watched(NamedTuple):
+    """A module's mutable attribute, ``value``, and the copy of it its shadow holds, ``kept``,
+    which a batched forward must leave as it was."""
+
+    name: str  # Class.attribute
+    value: Any
+    kept: Any
+
+
+# Copied as they are: their subclasses too (OrderedDict, defaultdict, a deque's maxlen).
+_MUTABLE_CONTAINERS = (list, dict, set, collections.deque)
+
+
+def _kept_for_shadow(value: Any) -> Any:
+    """The copy a shadow holds of a module's attribute, to see a batched forward change it: a
+    shallow copy of a list, dict, set or deque, or of an instance of a plain Python class (its
+    ``__dict__``), a clone of a tensor that needs no gradient (one that does is the model's
+    own, ``ModelParams.loose``); None for anything else (values, modules, functions)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            return None
+        with torch.inference_mode(False):  # an inference tensor keeps no version to check
+            return value.clone()
+    try:
+        if isinstance(value, _MUTABLE_CONTAINERS):
+            return copy.copy(value)
+        if _plain_class(type(value)):  # type: ignore[arg-type]
+            kept = object.__new__(type(value))
+            vars(kept).update(vars(value))
+            return kept
+    except Exception:  # a container subclass that cannot be copied: shared, unwatched
+        return None
+    return None
+
+
+@functools.cache
+def _plain_class(cls: type) -> bool:
+    """Whether instances of ``cls`` are plain Python objects, their state all in their
+    ``__dict__``: a class written in Python, made by ``object.__new__``, without slots."""
+    return (
+        cls.__new__ is object.__new__
+        and cls.__module__ != "builtins"
+        and cls.__dictoffset__ != 0
+        and not any("__slots__" in vars(k) for k in cls.__mro__)
+        and not issubclass(cls, (nn.Module, BaseException))
+    )
+
+
+def _changed(watched: Watched) -> bool:
+    """Whether a forward changed the shadow's copy in ``watched``: it no longer holds what the
+    original does (the same objects, by identity), or, a tensor, it was written in place."""
+    value, kept = watched.value, watched.kept
+    if isinstance(value, Tensor):
+        return kept._version != 0
+    if isinstance(value, set):
+        return len(kept) != len(value) or not all(map(value.__contains__, list(kept)))
+    if not isinstance(value, (list, collections.deque)):
+        value, kept = (value, kept) if isinstance(value, dict) else (vars(value), vars(kept))
+        return len(kept) != len(value) or any(
+            kept.get(k, _MISSING) is not v for k, v in list(value.items())
+        )
+    return len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value)))
 
 
 def _replaced(value: Any, replace: dict[int, Any], seen: frozenset[int] = frozenset()) -> Any:
@@ -885,14 +960,15 @@ def vjp_forward(
         args, kwargs = call.build(model_arguments(dict(zip(positions, arg_tensors))))
         if isinstance(model, nn.Module):
             shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
-            shadow = shadow_module(model, None, shadowed)  # NOTE [ Shadow modules ]
+            watched: list[Watched] = []
+            shadow = shadow_module(model, None, shadowed, watched)  # NOTE [ Shadow modules ]
             out = torch.func.functional_call(shadow, param_tensors, args, kwargs)
-            assigned = _assigned_in_forward(shadowed.values())
+            assigned = _changed_in_forward(shadowed.values(), watched)
             if assigned:  # NOTE [ Attributes assigned in forward ]
                 raise RuntimeError(
-                    f"the model assigns {', '.join(assigned)} in forward; engine='vjp' runs "
-                    "pure models only (the assignment would go to a copy): use "
-                    "engine='autograd' or 'auto'"
+                    f"the model assigns or changes {', '.join(assigned)} in forward; "
+                    "engine='vjp' runs pure models only (the change would go to a copy): "
+                    "use engine='autograd' or 'auto'"
                 )
             return out
         return model(*args, **kwargs)
@@ -1455,18 +1531,19 @@ def batched_forward(
                 "ran in float32): the models run one by one"
             )
         shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
-        base = shadow_module(model, None, shadowed)
+        watched: list[Watched] = []
+        base = shadow_module(model, None, shadowed, watched)
 
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
             return torch.func.functional_call(base, (p, s), args, kwargs)
 
         chunk = _models_per_chunk(trainable, args, kwargs)
         out = torch.vmap(one, randomness="different", chunk_size=chunk)(trainable, state)
-        assigned = _assigned_in_forward(shadowed.values())
+        assigned = _changed_in_forward(shadowed.values(), watched)
         if assigned:  # NOTE [ Attributes assigned in forward ]
             raise RuntimeError(
-                f"the models assign {', '.join(assigned)} in forward, which one batched "
-                "forward cannot do for each model"
+                f"the models assign or change {', '.join(assigned)} in forward, which one "
+                "batched forward cannot do for each model"
             )
     leaves, spec = flatten_output(out)
     for leaf in leaves:
@@ -1492,21 +1569,36 @@ def batched_forward(
 # summed to other outputs than the plain loop's from the second call on, silently. Buffers are
 # stacked state, given back model by model; any other attribute whose value is no longer the
 # module's after the batched forward makes it fail, so that the models run one by one (and
-# auto stacks them no more), assigning as in the plain loop. A container mutated in place
-# (``self.history.append(out)``) is not seen. Engine "vjp", which runs a shadow too, raises.
+# auto stacks them no more), assigning as in the plain loop. Engine "vjp", which runs a shadow
+# too, raises. An object the models write into in forward is the same for all of them where
+# they are stacked (a module's other objects differ by identity, ``structure_key``): a log
+# they share (``self.log.append(out.detach())``) got one dead batched tensor a call instead of
+# one tensor per model, a shared counter (``self.tally.calls += 1``, ``self.stats["n"] += 1``,
+# a plain tensor ``add_``) went up once. So the shadow of a module of a class outside torch.nn
+# holds shallow copies of its lists, dicts, sets, deques and plain Python objects and clones
+# of its tensors that need no gradient (``_kept_for_shadow``), and a batched forward that
+# changed a copy (the same objects by identity no longer in it, a clone written) fails as an
+# assignment does: the user's objects never see the batched forward. About 4 us a call for a
+# module with two such attributes. One level deep: ``self.tally.log.append(...)`` is not seen.
 # A forward that changes a parameter in place (a max-norm constraint, ``weight.div_(norm)``
 # under no_grad) changed the stacked copies alike, and the models' own parameters never: a
 # stacked tensor whose version moved fails the same way. (``stack_`` storage is the models'
 # own: there the change reaches them.)
 
 
-def _assigned_in_forward(pairs: Iterable[tuple[nn.Module, nn.Module]]) -> list[str]:
-    """The attributes a forward assigned on shadows, as ``Class.name``."""
-    return [
+def _changed_in_forward(
+    pairs: Iterable[tuple[nn.Module, nn.Module]], watched: Sequence[Watched]
+) -> list[str]:
+    """The attributes a forward assigned on shadows or changed in place (``watched``), as
+    ``Class.name``."""
+    copies = {id(w.kept) for w in watched}
+    assigned = [
         f"{type(module).__name__}.{name}"
         for module, shadow in pairs
-        for name, _ in assignments(module, shadow)
+        for name, value in assignments(module, shadow)
+        if id(value) not in copies
     ]
+    return assigned + [w.name for w in watched if _changed(w)]
 
 
 def forward_on_copies(

@@ -1,6 +1,7 @@
 """engine="stacked" and the stacked groups of engine="auto": which models are grouped, and
 that a grouped call gives what the plain PyTorch expression gives."""
 
+import collections
 import copy
 import io
 import threading
@@ -294,6 +295,21 @@ def step_both(models, ref, x, n_jobs):
     torch.testing.assert_close(y, r)
 
 
+def three_calls_of_both(models, ref, others, others_ref, how, n_jobs):
+    """Three calls of parsum and of the plain loop (``eight_and_copies``' models), each a step
+    (``step_both``) or, with ``how == "no grad"``, a sum without gradients: the same sums."""
+    x = torch.randn(2, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stack_ says it gives up its batched forward
+        for _ in range(3):
+            if how == "no grad":
+                with torch.no_grad():
+                    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+                    torch.testing.assert_close(y, plain_sum(ref, x))
+            else:
+                step_both(models + others, ref + others_ref, x, n_jobs)
+
+
 # NOTE [ Attributes assigned in forward ]: stacked, the attributes went to the batched
 # forward's shadow, the modules kept their first values, and from the second call on the sum
 # was not the plain loop's, silently (16 of these cases failed).
@@ -302,17 +318,7 @@ def step_both(models, ref, x, n_jobs):
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_identical_models_that_assign_attributes_in_forward(make, how, n_jobs):
     models, ref, others, others_ref = eight_and_copies(make, how)
-    x = torch.randn(2, IN)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # stack_ says it gives up its batched forward
-        for _ in range(3):
-            if how == "no grad":
-                with torch.no_grad():
-                    y = parsum.sum_models(models, x, n_jobs=n_jobs)
-                    r = plain_sum(ref, x)
-                torch.testing.assert_close(y, r)
-            else:
-                step_both(models + others, ref + others_ref, x, n_jobs)
+    three_calls_of_both(models, ref, others, others_ref, how, n_jobs)
     for m, m_ref in zip(models, ref):
         inner, inner_ref = (m, m_ref) if make is KeepsState else (m.inner, m_ref.inner)
         assert inner.calls == inner_ref.calls == 3
@@ -387,6 +393,101 @@ def test_engine_vjp_refuses_a_forward_that_assigns_attributes():
     with pytest.raises(parsum.ParsumError, match=r"model 0 \(KeepsState\).*KeepsState\.state.*vjp"):
         parsum.sum_models(models, torch.randn(2, IN), engine="vjp").sum().backward()
     assert models[0].state is None and models[0].calls == 0
+
+
+class Tally:
+    """A plain object of the user's."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+SHARED = {
+    "list": list,
+    "deque": collections.deque,
+    "dict": dict,
+    "set": set,
+    "object": Tally,
+    "tensor": lambda: torch.zeros(()),
+}
+
+
+class WritesShared(nn.Module):
+    """Writes, in forward, into an object it shares with its twins (what it is: ``kind``)."""
+
+    def __init__(self, kind: str, shared) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.kind, self.shared = kind, shared
+
+    def forward(self, x):
+        out = self.layer(x)
+        if self.kind in ("list", "deque"):
+            self.shared.append(out.detach().sum())
+        elif self.kind == "dict":
+            self.shared["calls"] = self.shared.get("calls", 0) + 1
+        elif self.kind == "set":
+            self.shared.add(len(self.shared))
+        elif self.kind == "object":
+            self.shared.calls += 1
+        else:
+            self.shared.add_(1)
+        return out
+
+
+def what_was_written(shared):
+    """What the forwards wrote into ``shared``, comparable across runs (a log's entries as
+    plain floats, in order of value: forwards on threads may log in any order)."""
+    if isinstance(shared, (list, collections.deque)):
+        assert all(type(v) is torch.Tensor and not v.requires_grad for v in shared)
+        return sorted(round(float(v), 4) for v in shared)
+    if isinstance(shared, Tally):
+        return shared.calls
+    if isinstance(shared, torch.Tensor):
+        return float(shared)
+    return shared
+
+
+# NOTE [ Attributes assigned in forward ] in _engines: identical models sharing a log, a dict,
+# an object of the user's or a tensor they write into in forward were stacked by auto (the
+# shared object is the same for all of them), and the batched forward wrote once for all,
+# into a log a dead BatchedTensor: silently not the plain loop's (all 48 cases failed).
+@pytest.mark.parametrize("kind", list(SHARED))
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "no grad"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_that_write_into_a_shared_object_in_forward(kind, how, n_jobs):
+    shared = SHARED[kind]()
+    models, ref, others, others_ref = eight_and_copies(lambda: WritesShared(kind, shared), how)
+    assert ref[0].shared is ref[7].shared is not shared  # the copies share their own
+    three_calls_of_both(models, ref, others, others_ref, how, n_jobs)
+    assert what_was_written(shared) == what_was_written(ref[0].shared)
+
+
+@pytest.mark.parametrize("kind", list(SHARED))
+def test_identical_models_that_only_read_a_shared_object_stay_stacked(kind):
+    shared = SHARED[kind]()
+    models = [KeepsNothing() for _ in range(8)]
+    for m in models:
+        m.shared = shared
+    in_storage = [KeepsNothing() for _ in range(8)]
+    for m in in_storage:
+        m.shared = shared
+    stack = parsum.stack_(in_storage)
+    x = torch.randn(2, IN)
+    for group in (models, in_storage):
+        parsum.sum_models(group, x).sum().backward()
+        torch.testing.assert_close(parsum.sum_models(group, x), plain_sum(group, x))
+    assert not any(m in _engines.VMAP_FAILED for m in models)
+    assert stack._broken is None
+
+
+@pytest.mark.parametrize("engine", ["stacked", "vjp"])
+def test_engines_stacked_and_vjp_name_a_shared_object_a_forward_writes_into(engine):
+    log: list = []
+    models = [WritesShared("list", log) for _ in range(4)]
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(WritesShared\).*WritesShared\.shared"):
+        parsum.sum_models(models, torch.randn(2, IN), engine=engine)
+    assert log == []  # nothing written by the failed call
 
 
 @pytest.mark.parametrize("storage", [False, True])
