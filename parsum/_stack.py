@@ -180,7 +180,10 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
     Anything that changes a model after this (a parameter replaced, ``m.to(dtype)``,
     ``requires_grad_(False)`` on one model, ``m.train()`` on one, a hook) is noticed on the
     next call: models still identical are stacked again, others run one by one, with a
-    warning. ``stack.unstack_()`` gives every model its own storage back.
+    warning. ``stack_`` over the same models again returns their stack, stacked again into
+    the same tensors (an optimizer over ``stack.parameters()`` keeps stepping the models);
+    over some of a stack's models it raises. ``stack.unstack_()`` gives every model its own
+    storage back.
 
     Args:
         models: at least two ``nn.Module``s of one architecture: the same module types in the
@@ -196,7 +199,33 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
             the first one and why.
     """
     found = check_model_sequence(models, _WHERE, (nn.ModuleList,))
+    # NOTE [ Stacking stacked models ]
+    again = stack_for(found)
+    if again is not None:
+        again._stack_again()
+        return again
+    for i, model in enumerate(found):
+        other = _stack_of.get(model) if isinstance(model, nn.Module) else None  # else refused
+        if other is not None and other._broken is None:
+            raise ParsumError(
+                f"{_WHERE}: models[{i}] ({type(model).__name__}) is in a stack of "
+                f"{len(other)} models already, which would lose it (an optimizer over its "
+                "parameters() would no longer step it): call that stack's unstack_() first, "
+                "or stack_ exactly its models"
+            )
     return Stack(found)
+
+
+# NOTE [ Stacking stacked models ]
+# ``stack_`` over models already stacked had made a new stack, with new stacked tensors: an
+# optimizer made over the first stack's ``parameters()`` then stepped tensors no model viewed
+# any more, and the models stopped training, silently (the first stack was no longer any
+# model's, so nothing found it to warn). The warning of a stack that gives up says to call
+# ``stack_`` again, which then broke the user's optimizer the same way. So ``stack_`` over
+# exactly a stack's models, in its order, is that stack, stacked again into the same tensors
+# where it gave up or its models changed (raising where they are no longer identical), and
+# ``stack_`` over some of another stack's models (or in another order) raises, unless that
+# stack gave up running as one (it warned then that its optimizer gets nothing).
 
 
 class _Kept(NamedTuple):
@@ -596,6 +625,19 @@ class Stack(Sequence[nn.Module]):
             self._place(infos)
             self._slots_checked = False  # looked at by _check, until they fit
         return None
+
+    def _stack_again(self) -> None:
+        """``stack_`` over this stack's models (NOTE [ Stacking stacked models ]): their storage
+        checked, and where the stack gave up or they changed, stacked again into the same
+        tensors; ParsumError where they are no longer identical, leaving the stack as it was."""
+        with self._lock:
+            if self._broken is None and self._check() is None:
+                return
+            infos = _check_identical(list(self.models))
+            self._broken = None
+            self._warned.clear()
+            self._place(infos)
+            self._slots_checked = False
 
     def _check_slots(self) -> None:
         """Refuse a FlatGrad made before the models were cast or moved, whose slots no longer

@@ -668,6 +668,56 @@ def test_a_flatgrad_made_before_the_stacked_models_are_cast_is_named_until_repla
     )
 
 
+# NOTE [ Stacking stacked models ]: stack_ over stacked models made a new stack, and an
+# optimizer over the first one's parameters() stepped tensors no model viewed any more: the
+# models stopped training, silently (these 3 cases failed, and stack_ over some of a stack's
+# models raised nothing).
+@pytest.mark.parametrize("before", ["as it is", "given up", "cast"])
+def test_stack_again_is_the_same_stack_and_keeps_its_optimizer_training(before):
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.Adam(stack.parameters(), lr=0.01)
+    plain_opt = torch.optim.Adam(unique_params(plain), lr=0.01)
+    x = torch.randn(8, IN)
+    for step in range(4):
+        opt.zero_grad()
+        plain_opt.zero_grad()
+        if step == 2:
+            if before == "given up":
+                with pytest.warns(UserWarning, match="stack_ is called again"):
+                    stack.give_up("the test said so")
+            elif before == "cast":
+                for ms in (models, plain):
+                    ms[3].double()
+                    ms[3].float()  # each parameter in storage of its own
+            assert parsum.stack_(models) is stack
+            assert runs_stacked(parsum.sum_models(models, x))
+        _train_step_like_plain(models, plain, opt, plain_opt, x)
+    assert_params_close(models, plain)
+    assert models[3][0].weight.data_ptr() == stack.values["0.weight"][3].data_ptr()
+
+
+def test_stack_over_some_of_a_stacks_models_raises_and_changes_nothing():
+    models, _, stack = stacked_and_plain()
+    values = dict(stack.values)
+    for some in (models[:4], models[::-1], [*models, mlp([8])]):
+        with pytest.raises(
+            parsum.ParsumError, match=r"models\[0\] \(Sequential\) is in a stack of 10"
+        ):
+            parsum.stack_(some)
+    assert all(stack.values[k] is v for k, v in values.items())
+    assert runs_stacked(parsum.sum_models(models, torch.randn(8, IN)))
+    stack.unstack_()  # then they may be stacked otherwise
+    assert len(parsum.stack_(models[:4])) == 4
+
+
+def test_stack_again_over_models_no_longer_identical_raises_and_changes_nothing():
+    models, _, stack = stacked_and_plain()
+    models[2].double()
+    with pytest.raises(parsum.ParsumError, match=r"models\[2\] \(Sequential\) differs"):
+        parsum.stack_(models)
+    assert stack.values["0.weight"].dtype == torch.float32
+
+
 def test_unstack_gives_each_model_its_storage_back():
     models, plain, stack = stacked_and_plain()
     stack.unstack_()
