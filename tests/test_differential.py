@@ -2,10 +2,10 @@
 identical, so that they stack, also in ``stack_`` storage; repeated; tied; with buffers,
 dropout, composite parameters, an EmbeddingBag), weights, argument gradients, gradients
 already there, FlatGrads, terms of the loss outside the sum, ``autograd.grad``, retained
-graphs, steps in the backward, models changed between calls, and models that fail in forward
-or backward. Every call's outputs and gradients must be the plain loop's (within rounding),
-the same bits for every n_jobs and beside calls in other threads, and a failed call must
-change nothing.
+graphs, steps in the backward, models changed between calls, models that keep state in
+forward, and models that fail in forward or backward. Every call's outputs and gradients, and
+the state kept, must be the plain loop's (within rounding), the same bits for every n_jobs and
+beside calls in other threads, and a failed call must change nothing.
 ``python -m tests.test_differential FIRST COUNT [BUDGET]`` plays more cases than the suite (on a
 thread budget of 3, or BUDGET)."""
 
@@ -182,6 +182,64 @@ class Failing(nn.Module):
         if self.armed and self.where == "backward":
             return pytree.tree_map(_RaiseInBackward.apply, y)
         return y
+
+
+class Stateful(nn.Module):
+    """Counts its calls and carries a detached state to the next one, which its output reads
+    (an RNN's hidden state, by feature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.calls, self.state = 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.layer(x)
+        if self.state is not None:
+            out = out + 0.5 * self.state
+        self.state = out.detach().mean(0)
+        return out
+
+
+class Tally:
+    """What models that log write into: their outputs' sums and a count."""
+
+    def __init__(self) -> None:
+        self.log: list[Tensor] = []
+        self.calls = 0
+
+
+class Logs(nn.Module):
+    """Writes into a ``Tally`` it shares with other models, in forward."""
+
+    def __init__(self, tally: Tally) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.tally, self.log = tally, tally.log
+
+    def forward(self, x):
+        out = torch.tanh(self.layer(x))
+        self.log.append(out.detach().sum())
+        self.tally.calls += 1
+        return out
+
+
+def kept_state(models: list[nn.Module]) -> list[Tensor | None]:
+    """What ``Stateful`` and ``Logs`` models kept: each one's calls and state, each tally's
+    count and log (in order of value: forwards on threads log in any order)."""
+    found: list[Tensor | None] = []
+    tallies: dict[int, Tally] = {}
+    for m in models:
+        if isinstance(m, Stateful):
+            found += [torch.tensor(m.calls), m.state]
+        elif isinstance(m, Logs):
+            tallies.setdefault(id(m.tally), m.tally)
+    for tally in tallies.values():
+        assert all(type(t) is Tensor for t in tally.log)  # no tensor of a transform's
+        log = torch.stack(tally.log).sort().values if tally.log else None
+        found += [torch.tensor(tally.calls), log]
+    return found
 
 
 class ModelMaker:
@@ -378,6 +436,23 @@ class Case:
             and case.engine != "vjp"  # which runs modules only
             and rng.random() < 0.15
         )
+        # Models that keep state in forward, identical (auto would stack them): not under
+        # engines that refuse them, nor with a failing model (which of the forwards ran before
+        # it failed differs), nor with keyword arguments or beside outputs of another shape.
+        if (
+            case.engine in ("auto", "autograd")
+            and case.failing_step is None
+            and not case.scale
+            and "tree" not in case.kinds
+            and rng.random() < 0.2
+        ):
+            kind = rng.choice(["stateful", "logs"])
+            tally = Tally()
+            for _ in range(rng.choice([2, 3, 8])):
+                made = Stateful() if kind == "stateful" else Logs(tally)
+                case.models.append(made.to(case.dtype))
+                case.kinds.append(kind)
+                case.weight_values.append(rng.uniform(-1, 2))
         return case
 
     def _models(self) -> list[nn.Module]:
@@ -429,6 +504,7 @@ class Case:
             and not self.plain_differs
             and not self.draws
             and self.how != "autograd.grad"
+            and not {"stateful", "logs"} & set(self.kinds)  # kept state compared whole
         )
 
     @property
@@ -558,6 +634,7 @@ class Case:
             "x.grad": None if leaf.grad is None else leaf.grad.clone(),
             "weights.grad": getattr(weights, "grad", None),
             "scale.grad": None if scale.grad is None else scale.grad.clone(),
+            "kept state": kept_state(models),
         }
 
     def _leaf(self, init: torch.Generator) -> torch.Tensor:
