@@ -1486,14 +1486,19 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
     """Identical models' tensors stacked along dim 0, by name: the trainable ones (recorded
     in the graph where grad mode is on) and the others (never)."""
     first = params[0]
-    trainable = {
-        name: torch.stack([mp.tensors[t] for mp in params]) for t, name in enumerate(first.names)
-    }
-    with torch.no_grad():
-        state = {
-            name: torch.stack([mp.state[t] for mp in params])
-            for t, name in enumerate(first.state_names)
-        }
+    # Never inference tensors, which keep no version for ``forward_on_copies`` to check.
+    inference = torch.is_inference_mode_enabled()
+    with torch.inference_mode(False) if inference else contextlib.nullcontext():
+        with torch.no_grad() if inference else contextlib.nullcontext():
+            trainable = {
+                name: torch.stack([mp.tensors[t] for mp in params])
+                for t, name in enumerate(first.names)
+            }
+        with torch.no_grad():
+            state = {
+                name: torch.stack([mp.state[t] for mp in params])
+                for t, name in enumerate(first.state_names)
+            }
     return trainable, state
 
 
@@ -1582,8 +1587,11 @@ def batched_forward(
 # module with two such attributes. One level deep: ``self.tally.log.append(...)`` is not seen.
 # A forward that changes a parameter in place (a max-norm constraint, ``weight.div_(norm)``
 # under no_grad) changed the stacked copies alike, and the models' own parameters never: a
-# stacked tensor whose version moved fails the same way. (``stack_`` storage is the models'
-# own: there the change reaches them.)
+# stacked tensor whose version moved fails the same way. So does a buffer changed in place in
+# forward (a count, ``self.n += 1``, in eval mode, where buffers are stacked too: the copies
+# counted, the models' buffers stayed 0), also under inference_mode, whose tensors keep no
+# version: the copies are made outside it (``stacked_tensors``). (``stack_`` storage is the
+# models' own: there the change reaches them.)
 
 
 def _changed_in_forward(
@@ -1610,12 +1618,10 @@ def forward_on_copies(
 ) -> tuple[list[Tensor], pytree.TreeSpec]:
     """``batched_forward`` over ``stacked_tensors``' copies, which it must not change in place:
     the models' own tensors would not change (NOTE [ Attributes assigned in forward ])."""
-    # An inference tensor keeps no version (torch.inference_mode(): no forward of it to check).
-    versions = [None if t.is_inference() else t._version for t in trainable.values()]
+    copies = {**trainable, **state}
+    versions = [t._version for t in copies.values()]
     leaves, spec = batched_forward(model, program_of(model), trainable, state, args, kwargs)
-    changed = [
-        n for (n, t), v in zip(trainable.items(), versions) if v is not None and t._version != v
-    ]
+    changed = [n for (n, t), v in zip(copies.items(), versions) if t._version != v]
     if changed:
         raise RuntimeError(
             f"the models change {', '.join(changed)} in place in forward, which one batched "

@@ -297,13 +297,15 @@ def step_both(models, ref, x, n_jobs):
 
 def three_calls_of_both(models, ref, others, others_ref, how, n_jobs):
     """Three calls of parsum and of the plain loop (``eight_and_copies``' models), each a step
-    (``step_both``) or, with ``how == "no grad"``, a sum without gradients: the same sums."""
+    (``step_both``) or, with ``how`` "no grad" or "inference mode", a sum without gradients:
+    the same sums."""
     x = torch.randn(2, IN)
+    no_grad = {"no grad": torch.no_grad, "inference mode": torch.inference_mode}.get(how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # stack_ says it gives up its batched forward
         for _ in range(3):
-            if how == "no grad":
-                with torch.no_grad():
+            if no_grad is not None:
+                with no_grad():
                     y = parsum.sum_models(models, x, n_jobs=n_jobs)
                     torch.testing.assert_close(y, plain_sum(ref, x))
             else:
@@ -352,20 +354,45 @@ class MaxNorm(nn.Module):
 
 # Stacked by auto, the constraint renormalized the stacked copies, never the models' weights:
 # other weights, gradients and sums than the plain loop's, silently.
-@pytest.mark.parametrize("how", ["auto", "beside another", "stack_"])
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "inference mode"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_identical_models_that_change_their_parameters_in_forward(how, n_jobs):
     # In stack_ storage the stacked tensors are the models' own: changed in place as theirs.
     models, ref, others, others_ref = eight_and_copies(MaxNorm, how)
-    x = torch.randn(2, IN)
-    for _ in range(2):
-        step_both(models + others, ref + others_ref, x, n_jobs)
+    three_calls_of_both(models, ref, others, others_ref, how, n_jobs)
     for m, m_ref in zip(models, ref):
         torch.testing.assert_close(m.layer.weight, m_ref.layer.weight)
-    for a, b in zip(param_grads(models), param_grads(ref)):
-        torch.testing.assert_close(a, b)
+    if how != "inference mode":
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b)
     with pytest.raises(parsum.ParsumError, match=r"model 0 \(MaxNorm\).*layer\.weight in place"):
-        parsum.sum_models([MaxNorm() for _ in range(4)], x, engine="stacked")
+        parsum.sum_models([MaxNorm() for _ in range(4)], torch.randn(2, IN), engine="stacked")
+
+
+class CountsInBuffer(nn.Module):
+    """Counts its calls in a buffer, in place, and scales its output by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.layer(x) * (1 + 0.1 * self.count)
+
+
+# In eval mode buffers are stacked too: the stacked copies counted and the models' buffers
+# stayed 0, silently (also under inference_mode, whose copies kept no version to check).
+@pytest.mark.parametrize("how", ["auto", "beside another", "stack_", "no grad", "inference mode"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_in_eval_mode_that_change_a_buffer_in_forward(how, n_jobs):
+    models, ref, others, others_ref = eight_and_copies(lambda: CountsInBuffer().eval(), how)
+    three_calls_of_both(models, ref, others, others_ref, how, n_jobs)
+    assert [float(m.count) for m in models] == [3.0] * 8
+    if "grad" not in how and how != "inference mode":
+        for a, b in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(a, b)
 
 
 def test_identical_models_stay_stacked_under_inference_mode():
