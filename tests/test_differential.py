@@ -202,6 +202,21 @@ class Stateful(nn.Module):
         return out
 
 
+class CountsInBuffer(nn.Module):
+    """Counts its calls in a buffer, in place (made in eval mode: stacked with its buffers),
+    and scales its output by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.register_buffer("count", torch.zeros(()))
+        self.eval()
+
+    def forward(self, x):
+        self.count += 1
+        return self.layer(x) * (1 + 0.1 * self.count)
+
+
 class Tally:
     """What models that log write into: their outputs' sums and a count."""
 
@@ -446,10 +461,12 @@ class Case:
             and "tree" not in case.kinds
             and rng.random() < 0.2
         ):
-            kind = rng.choice(["stateful", "logs"])
+            kind = rng.choice(["stateful", "logs", "counts in buffer"])
             tally = Tally()
             for _ in range(rng.choice([2, 3, 8])):
-                made = Stateful() if kind == "stateful" else Logs(tally)
+                made = {"stateful": Stateful, "counts in buffer": CountsInBuffer}.get(
+                    kind, lambda: Logs(tally)
+                )()
                 case.models.append(made.to(case.dtype))
                 case.kinds.append(kind)
                 case.weight_values.append(rng.uniform(-1, 2))
@@ -504,7 +521,7 @@ class Case:
             and not self.plain_differs
             and not self.draws
             and self.how != "autograd.grad"
-            and not {"stateful", "logs"} & set(self.kinds)  # kept state compared whole
+            and not {"stateful", "logs", "counts in buffer"} & set(self.kinds)  # kept state
         )
 
     @property
