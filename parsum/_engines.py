@@ -1538,6 +1538,7 @@ def batched_forward(
         shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
         watched: list[Watched] = []
         base = shadow_module(model, None, shadowed, watched)
+        args, kwargs, clones = _arguments_of_its_own(args, kwargs)
 
         def one(p: dict[str, Tensor], s: dict[str, Tensor]) -> Any:
             return torch.func.functional_call(base, (p, s), args, kwargs)
@@ -1549,6 +1550,11 @@ def batched_forward(
             raise RuntimeError(
                 f"the models assign or change {', '.join(assigned)} in forward, which one "
                 "batched forward cannot do for each model"
+            )
+        if any(c._version for c in clones):
+            raise RuntimeError(
+                "the models modify an argument in place in forward, which one batched forward "
+                "does once for all of them"
             )
     leaves, spec = flatten_output(out)
     for leaf in leaves:
@@ -1591,7 +1597,37 @@ def batched_forward(
 # forward (a count, ``self.n += 1``, in eval mode, where buffers are stacked too: the copies
 # counted, the models' buffers stayed 0), also under inference_mode, whose tensors keep no
 # version: the copies are made outside it (``stacked_tensors``). (``stack_`` storage is the
-# models' own: there the change reaches them.)
+# models' own: there the change reaches them.) And a forward that modifies its argument in place
+# (``x.mul_(2)``): the plain loop's models each read what those before them left, the batched
+# forward modified it once, silently (the same outputs for every model, and another ``x`` after
+# the call); vmap's forward reads clones of the arguments (``_arguments_of_its_own``), and a
+# clone modified makes it fail, leaving the caller's as it was (NOTE [ Arguments modified in
+# place ] in _function then runs the models in order).
+
+
+def _arguments_of_its_own(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Tensor]]:
+    """The call's arguments with clones of their tensors (autograd's, where they need a
+    gradient), and the clones, for a batched forward that must not modify the caller's in
+    place (NOTE [ Attributes assigned in forward ]); not inference tensors, which keep no
+    version to check."""
+    clones: list[Tensor] = []
+    inference = torch.is_inference_mode_enabled()
+
+    def own(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if inference:
+            with torch.inference_mode(False), torch.no_grad():
+                clone = value.clone()
+        else:
+            clone = value.clone()
+        clones.append(clone)
+        return clone
+
+    args, kwargs = pytree.tree_map(own, (args, kwargs))
+    return args, kwargs, clones
 
 
 def _changed_in_forward(

@@ -2,6 +2,7 @@
 that a grouped call gives what the plain PyTorch expression gives."""
 
 import collections
+import contextlib
 import copy
 import io
 import threading
@@ -393,6 +394,40 @@ def test_identical_models_in_eval_mode_that_change_a_buffer_in_forward(how, n_jo
     if "grad" not in how and how != "inference mode":
         for a, b in zip(param_grads(models), param_grads(ref)):
             torch.testing.assert_close(a, b)
+
+
+class DoublesItsArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.layer(x)
+
+
+# Stacked, the batched forward doubled the argument once where the plain loop's models each
+# doubled what those before them left: other outputs, and another argument after the call,
+# silently (a backward then raises in both, as autograd's saved argument was modified). On
+# several threads, run one by one, the call whose forwards run on the threads depends on their
+# timing, with a warning, and the next run in model order (NOTE [ Arguments modified in place ]
+# in parsum._function).
+@pytest.mark.parametrize("how", ["auto", "stack_", "no grad", "inference mode"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_that_modify_their_argument_in_place(how, n_jobs):
+    models, ref, _, _ = eight_and_copies(DoublesItsArgument, how)
+    no_grad = {"no grad": torch.no_grad, "inference mode": torch.inference_mode}.get(how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the forwards in order from now on; stack_ gives up
+        for call in range(3):
+            x = torch.randn(2, IN)
+            x_ref = x.clone()
+            with no_grad() if no_grad is not None else contextlib.nullcontext():
+                y = parsum.sum_models(models, x, n_jobs=n_jobs)
+                r = plain_sum(ref, x_ref)
+            if n_jobs == 1 or call == 2:
+                torch.testing.assert_close(y, r)
+                torch.testing.assert_close(x, x_ref)
 
 
 def test_identical_models_stay_stacked_under_inference_mode():
