@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 from ._errors import ParsumError
 from ._pool import autocast_states
 from ._random import draws_now, may_recompute
-from ._sparse import GradSum, add_grad, has_user_hooks
+from ._sparse import GradSum, add_grad, has_user_hooks, has_user_post_hooks
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
 # failing again on every call (a model vmap cannot run once rarely runs later).
@@ -675,12 +675,15 @@ def autograd_forward(
             model = rebind(model, shadow_module(module, aliases, shadowed))
             wrt_params = [aliases.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
-        args, kwargs = call.build(model_arguments(inputs))
+        read = model_arguments(inputs)
+        args, kwargs = call.build(read)
         out = (  # NOTE [ Direct programs ]
             run_direct(program, args[0])
             if program is not None and not hooked
             else model(*args, **kwargs)
         )
+        if read:
+            check_argument_hooks(read.values())
         if hooked:
             write_back(shadowed.values(), aliases.values())
     finally:
@@ -1407,6 +1410,37 @@ def direct_calls_allowed(call: CallArgs) -> bool:
 # the alias, behind it, still gets the gradient, the same values.
 
 
+# NOTE [ Hooks on an argument ]
+# Each model reads an argument that needs a gradient through an alias of its own, so that its
+# gradients are summed in a fixed order. A hook that a model's forward registers on its argument
+# (``x.register_hook(...)``) then sees that model's share of the argument's gradient, where the
+# plain loop's hooks on ``x`` each see the whole (and a hook that changes the gradient, a
+# clip, changes the share): 4 models logging the gradient's norm logged 1.25-2.29 where the plain
+# loop logged 3.76 four times, silently. Such a forward fails, naming the model; a hook
+# registered on the argument before the call sees the whole, as in the plain loop. (An argument
+# that needs no gradient takes no hook.) Not looked for under a global module hook, which may
+# hook every module's inputs itself (``ModuleTracker``, ``FlopCounterMode``).
+
+
+class ArgumentHooked(RuntimeError):
+    """A forward registered a hook on its argument (NOTE [ Hooks on an argument ])."""
+
+
+def check_argument_hooks(read: Iterable[Tensor]) -> None:
+    """Refuse a forward that registered a hook of the user's on the argument aliases it
+    ``read`` (NOTE [ Hooks on an argument ]): not take_rows' own on a table, nor those of a
+    global module hook (a ModuleTracker's on every module's inputs)."""
+    if any(GLOBAL_HOOKS):
+        return
+    if any(has_user_hooks(t) or has_user_post_hooks(t) for t in read):
+        raise ArgumentHooked(
+            "it registers a hook on its argument in forward, which parsum gives each model as "
+            "an alias of its own: the hook would see this model's share of the argument's "
+            "gradient, not the whole that the plain loop's hooks see; register it on the "
+            "argument before the call"
+        )
+
+
 def model_arguments(aliases: dict[int, Tensor]) -> dict[int, Tensor]:
     """What a model reads for its argument aliases (NOTE [ Aliases behind a view ])."""
     if not any(GLOBAL_HOOKS):
@@ -1551,6 +1585,7 @@ def batched_forward(
                 f"the models assign or change {', '.join(assigned)} in forward, which one "
                 "batched forward cannot do for each model"
             )
+        check_argument_hooks(clones)  # NOTE [ Hooks on an argument ]
         if any(c._version for c in clones):
             raise RuntimeError(
                 "the models modify an argument in place in forward, which one batched forward "

@@ -42,6 +42,7 @@ from . import _pool
 from ._engines import (
     INTERNAL_LEAVES,
     LEAF_SPEC,
+    ArgumentHooked,
     CallArgs,
     ForeignLeaves,
     GraphPullback,
@@ -51,6 +52,7 @@ from ._engines import (
     UnitPullback,
     UnitRun,
     _edge,
+    check_argument_hooks,
     check_own_leaves,
     check_weight_dtype,
     direct_calls_allowed,
@@ -176,7 +178,7 @@ class SumPlan:
             )
         if unit is not None and unit.engine == "stacked":
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
-            if not isinstance(exc, ForeignLeaves):  # which no engine runs
+            if not isinstance(exc, (ForeignLeaves, ArgumentHooked)):  # which no engine runs
                 hint += "; engine='autograd' runs each model on its own"
         kind = "ParsumError" if isinstance(exc, ParsumError) else type(exc).__name__
         err = ParsumError(
@@ -413,12 +415,15 @@ def run_forward(
                     else:  # aliases of its own, for its own argument gradients
                         mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
                         aliases[i] = list(mine.values())  # type: ignore[index]
-                        args, kwargs = call.build(model_arguments(mine))
+                        read = model_arguments(mine)
+                        args, kwargs = call.build(read)
                     program = programs[i] if programs is not None else None
                     if program is not None:
                         run = UnitRun([run_direct(program, args[0])], None)
                     else:
                         run = UnitRun([models[i](*args, **kwargs)], None)
+                        if shared_args is None and read:
+                            check_argument_hooks(read.values())
                         if check_leaves:
                             check_own_leaves(
                                 models[i],

@@ -689,10 +689,12 @@ def test_outputs_go_with_their_chunks_sum(n_jobs):
     assert all(ref() is None for ref in outputs)
 
 
-def test_argument_gradients_are_summed_chunk_by_chunk():
+def test_argument_gradients_are_summed_chunk_by_chunk(monkeypatch):
     # NOTE [ Argument gradients chunk by chunk ]: a model's gradient for an argument lives
     # until its chunk is summed, not to the end of the backward (32 heads reading a 4096 x 512
-    # batch had peaked 300 MiB above the plain loop).
+    # batch had peaked 300 MiB above the plain loop). The models watch their aliases with
+    # hooks, which a user's models may not register (NOTE [ Hooks on an argument ]).
+    monkeypatch.setattr(parsum._function, "check_argument_hooks", lambda *args: None)
     aliases = []
     alive = []
 
@@ -714,6 +716,54 @@ def test_argument_gradients_are_summed_chunk_by_chunk():
     x_ref = x.detach().clone().requires_grad_()
     plain_sum(ref, x_ref).pow(2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+class HooksItsArgument(nn.Module):
+    """Registers a hook on its argument in forward, logging the gradient's norm there."""
+
+    def __init__(self, width, log):
+        super().__init__()
+        self.lin, self.head, self.log = nn.Linear(IN, width), nn.Linear(width, OUT), log
+
+    def forward(self, x):
+        if x.requires_grad:  # as hooks for saliency are registered: not under no_grad
+            x.register_hook(lambda g: self.log.append(g.norm()))
+        return self.head(torch.tanh(self.lin(x)))
+
+
+# NOTE [ Hooks on an argument ] in parsum._engines: such a hook saw its model's share of the
+# argument's gradient where the plain loop's hooks see the whole, silently.
+@pytest.mark.parametrize("identical", [False, True])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("leaf", [True, False])
+def test_a_hook_a_forward_registers_on_its_argument_is_refused(leaf, n_jobs, identical):
+    log = []
+    models = [HooksItsArgument(5 if identical else 3 + i, log) for i in range(8)]  # 8 stack
+    x0 = torch.randn(4, IN, requires_grad=True)
+    x = x0 if leaf else x0 * 2
+    with pytest.raises(
+        parsum.ParsumError, match=r"model 0 \(HooksItsArgument\).*hook on its argument"
+    ):
+        parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()
+    assert x0.grad is None and all(g is None for g in param_grads(models)) and not log
+    assert not x._backward_hooks  # the failed call's hooks were on aliases or are gone
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_hook_on_the_argument_before_the_call_sees_the_whole_gradient(n_jobs):
+    models = [
+        nn.Sequential(nn.Linear(IN, 3 + i), nn.Tanh(), nn.Linear(3 + i, OUT)) for i in range(4)
+    ]
+    ref = clone_models(models)
+    seen, seen_ref = [], []
+    x = torch.randn(4, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    x.register_hook(lambda g: seen.append(g.clone()))
+    x_ref.register_hook(lambda g: seen_ref.append(g.clone()))
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    plain_sum(ref, x_ref).pow(2).sum().backward()
+    assert len(seen) == len(seen_ref) == 1
+    torch.testing.assert_close(seen[0], seen_ref[0])
 
 
 class _Spy(torch.autograd.Function):
