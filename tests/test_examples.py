@@ -12,12 +12,12 @@ from tests.test_distributed import free_port
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run(script: str, *args: str) -> str:
+def run(script: str, *args: str, timeout: float = 100) -> str:
     done = subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=timeout,
         cwd=ROOT / pathlib.Path(script).parent,
     )
     assert done.returncode == 0, done.stderr
@@ -147,9 +147,13 @@ def test_bench_overhead(tmp_path):
     assert "parsum autograd" in out and "of the step" in out
 
 
+@pytest.mark.timeout(360)
 def test_bench_allocator(tmp_path):
     args = ["--processes", "1", "--steps", "3", "--batch", "8"]
-    out = run("benchmarks/bench_allocator.py", *args, "--json", str(tmp_path / "alloc.json"))
+    # 33 s alone on a 2-vCPU machine, over 100 s beside another pytest worker's heavy tests
+    out = run(
+        "benchmarks/bench_allocator.py", *args, "--json", str(tmp_path / "alloc.json"), timeout=300
+    )
     assert out.count("parsum against the plain loop alone") == 2 and "thresholds fixed" in out
     assert (tmp_path / "alloc.json").exists()
 
