@@ -838,12 +838,21 @@ class Stack(Sequence[nn.Module]):
 
     def _forget_gradients(self) -> None:
         """No stacked ``.grad`` while the models run one by one: an optimizer over
-        ``parameters()`` must not step them with a gradient of an earlier call."""
-        self._given.clear()
+        ``parameters()`` must not step them with a gradient of an earlier call. A FlatGrad
+        block given as a name's stacked ``.grad`` that such an optimizer set to None is
+        zeroed first: the models' ``.grad``, its views, still held the zeroed step's
+        gradients, which the next backward added to (NOTE [ One buffer for a stack ])."""
         for name in self._trainable:
             stacked = self.values.get(name)
-            if stacked is not None:
-                stacked.grad = None
+            if stacked is None:
+                continue
+            if stacked.grad is None and name in self._given:
+                block = self._flat_block(name)
+                params = self._params[name]
+                if block is not None and all(map(operator.is_, map(_grad_of, params), block.views)):
+                    block.zero_()
+            stacked.grad = None
+        self._given.clear()
 
 
 def _write_flat(params: list[Tensor], grad: Tensor) -> None:

@@ -672,9 +672,13 @@ def test_a_flatgrad_made_before_the_stacked_models_are_cast_is_named_until_repla
 # optimizer over the first one's parameters() stepped tensors no model viewed any more: the
 # models stopped training, silently (these 3 cases failed, and stack_ over some of a stack's
 # models raised nothing).
+# With a FlatGrad over the stack, a stack that gave up after its optimizer zeroed the gradients
+# forgot that they were zeroed: the next backward added to the zeroed step's (failed before).
+@pytest.mark.parametrize("flat", [False, True], ids=["own buffers", "FlatGrad(stack)"])
 @pytest.mark.parametrize("before", ["as it is", "given up", "cast"])
-def test_stack_again_is_the_same_stack_and_keeps_its_optimizer_training(before):
+def test_stack_again_is_the_same_stack_and_keeps_its_optimizer_training(before, flat):
     models, plain, stack = stacked_and_plain()
+    flat_grad = parsum.FlatGrad(stack) if flat else None
     opt = torch.optim.Adam(stack.parameters(), lr=0.01)
     plain_opt = torch.optim.Adam(unique_params(plain), lr=0.01)
     x = torch.randn(8, IN)
@@ -689,11 +693,30 @@ def test_stack_again_is_the_same_stack_and_keeps_its_optimizer_training(before):
                 for ms in (models, plain):
                     ms[3].double()
                     ms[3].float()  # each parameter in storage of its own
+                if flat:  # its slots no longer fit: a FlatGrad made again (NOTE [ Stale slots ])
+                    flat_grad = parsum.FlatGrad(stack)
             assert parsum.stack_(models) is stack
             assert runs_stacked(parsum.sum_models(models, x))
-        _train_step_like_plain(models, plain, opt, plain_opt, x)
+        _train_step_like_plain(models, plain, opt, plain_opt, x, flat=flat)
+        if flat_grad is not None:
+            held = torch.cat([p.grad.flatten() for m in models for p in m.parameters()])
+            torch.testing.assert_close(flat_grad.flat.sort().values, held.sort().values)
     assert_params_close(models, plain)
     assert models[3][0].weight.data_ptr() == stack.values["0.weight"][3].data_ptr()
+
+
+def test_a_stack_that_gives_up_after_its_optimizer_zeroed_a_flatgrad_keeps_them_zeroed():
+    models, plain, stack = stacked_and_plain()
+    parsum.FlatGrad(stack)
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1)
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    opt.zero_grad()  # the stacked .grad None: every model's gradient zeroed
+    with pytest.warns(UserWarning, match="one by one"):
+        stack.give_up("the test said so")
+    parsum.sum_models(models, x).pow(2).mean().backward()  # one by one, into the views
+    plain_sum(plain, x).pow(2).mean().backward()
+    assert_grads_close(models, plain, atol=1e-6)
 
 
 def test_stack_over_some_of_a_stacks_models_raises_and_changes_nothing():
