@@ -190,7 +190,7 @@ def _kept_for_shadow(value: Any) -> Any:
     if isinstance(value, Tensor):
         if value.requires_grad:
             return None
-        with torch.inference_mode(False):  # an inference tensor keeps no version to check
+        with _versioned_tensors():
             return value.clone()
     try:
         if isinstance(value, _MUTABLE_CONTAINERS):
@@ -202,6 +202,18 @@ def _kept_for_shadow(value: Any) -> Any:
     except Exception:  # a container subclass that cannot be copied: shared, unwatched
         return None
     return None
+
+
+@contextlib.contextmanager
+def _versioned_tensors() -> Iterator[None]:
+    """Tensors made here are not inference tensors, which keep no version for a check of
+    in-place changes (NOTE [ Attributes assigned in forward ]): under inference_mode, made
+    outside it, without a graph."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 @functools.cache
@@ -225,12 +237,13 @@ def _changed(watched: Watched) -> bool:
         return kept._version != 0
     if isinstance(value, set):
         return len(kept) != len(value) or not all(map(value.__contains__, list(kept)))
-    if not isinstance(value, (list, collections.deque)):
-        value, kept = (value, kept) if isinstance(value, dict) else (vars(value), vars(kept))
-        return len(kept) != len(value) or any(
-            kept.get(k, _MISSING) is not v for k, v in list(value.items())
-        )
-    return len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value)))
+    if isinstance(value, (list, collections.deque)):
+        return len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value)))
+    if not isinstance(value, dict):  # a plain object: its attributes
+        value, kept = vars(value), vars(kept)
+    return len(kept) != len(value) or any(
+        kept.get(k, _MISSING) is not v for k, v in list(value.items())
+    )
 
 
 def _replaced(value: Any, replace: dict[int, Any], seen: frozenset[int] = frozenset()) -> Any:
@@ -1520,14 +1533,11 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
     """Identical models' tensors stacked along dim 0, by name: the trainable ones (recorded
     in the graph where grad mode is on) and the others (never)."""
     first = params[0]
-    # Never inference tensors, which keep no version for ``forward_on_copies`` to check.
-    inference = torch.is_inference_mode_enabled()
-    with torch.inference_mode(False) if inference else contextlib.nullcontext():
-        with torch.no_grad() if inference else contextlib.nullcontext():
-            trainable = {
-                name: torch.stack([mp.tensors[t] for mp in params])
-                for t, name in enumerate(first.names)
-            }
+    with _versioned_tensors():  # for ``forward_on_copies`` to check
+        trainable = {
+            name: torch.stack([mp.tensors[t] for mp in params])
+            for t, name in enumerate(first.names)
+        }
         with torch.no_grad():
             state = {
                 name: torch.stack([mp.state[t] for mp in params])
@@ -1648,15 +1658,11 @@ def _arguments_of_its_own(
     place (NOTE [ Attributes assigned in forward ]); not inference tensors, which keep no
     version to check."""
     clones: list[Tensor] = []
-    inference = torch.is_inference_mode_enabled()
 
     def own(value: Any) -> Any:
         if not isinstance(value, Tensor):
             return value
-        if inference:
-            with torch.inference_mode(False), torch.no_grad():
-                clone = value.clone()
-        else:
+        with _versioned_tensors():
             clone = value.clone()
         clones.append(clone)
         return clone
