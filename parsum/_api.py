@@ -52,7 +52,13 @@ from ._grouping import (
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
-from ._random import draws_only_dropout, has_drawing_layers, idle_dropout, noise_key
+from ._random import (
+    draws_only_dropout,
+    has_drawing_layers,
+    held_generators,
+    idle_dropout,
+    noise_key,
+)
 from ._sparse import has_user_hooks
 from ._stack import (
     TOO_LARGE,
@@ -298,6 +304,8 @@ def _general_sum(
         walk.forward_in_order
         or walk.modifies_args  # NOTE [ Arguments modified in place ] in _function
         or (walk.draws_random is not False and not predraw)
+        # NOTE [ Generators the models hold ] in _random: one passed to every model
+        or (call.spec is not None and any(isinstance(v, torch.Generator) for v in call.leaves))
     )
     plan = SumPlan(
         models=models,
@@ -642,12 +650,14 @@ def _collect_params(
 def _forward_in_order(model_params: list[ModelParams]) -> bool:
     """Whether the forwards must run one after the other, in model order: when two model
     entries share a buffer, its updates (BatchNorm statistics) must happen in the plain loop's
-    order. (Engines "vjp" and "stacked" swap tensors in shadows of the modules, never in the
-    modules themselves, so entries that share a module may run at once: NOTE [ Shadow modules ].)
-    """
-    buffer_owner: dict[int, int] = {}
+    order, and when they hold one ``torch.Generator``, its draws (NOTE [ Generators the models
+    hold ] in _random). (Engines "vjp" and "stacked" swap tensors in shadows of the modules,
+    never in the modules themselves, so entries that share a module may run at once: NOTE
+    [ Shadow modules ].)"""
+    owner: dict[int, int] = {}
     for i, mp in enumerate(model_params):
-        for b in mp.buffers:
-            if buffer_owner.setdefault(id(b), i) != i:
+        shared = [*mp.buffers, *(g for m in mp.modules for g in held_generators(m))]
+        for t in shared:
+            if owner.setdefault(id(t), i) != i:
                 return True
     return False

@@ -32,6 +32,17 @@
 # plain loop; each inside a module of the user's (in model order) 0.85x and 0.85x, 0.95x and
 # 0.98x the plain loop (benchmarks/results/dropout-2cores.txt).
 #
+# NOTE [ Generators the models hold ]
+# A model may draw from a ``torch.Generator`` of its own (noise seeded for reproducibility,
+# ``torch.randn(shape, generator=self.generator)``), which the global generators' states do not
+# show. One held by two models is drawn from in the order their forwards run: on the threads,
+# in the threads' order (6 MLPs adding noise from one generator, at n_jobs=2: outputs 0.35 off
+# the plain loop's from the second call on, silently). Models that hold one generator between
+# them, as an attribute of one of their modules, run their forwards in model order
+# (``_forward_in_order`` in _api), as models sharing a buffer do, and so do models passed one
+# as an argument; a generator of each model's own is drawn from in its model's order on any
+# thread. One the models reach otherwise (a global, a closure) is not seen (docs/limits.md).
+#
 # NOTE [ Dropout drawn beforehand ]
 # On the CPU, F.dropout(x, p) in training mode is ``x * noise``, ``noise`` being
 # ``torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)`` (torch's composite dropout; the fused
@@ -95,6 +106,12 @@ def generator_states() -> list[bytes]:
         with contextlib.suppress(RuntimeError):
             states.extend(g.get_state().numpy().tobytes() for g in torch.cuda.default_generators)
     return states
+
+
+def held_generators(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module`` holds as attributes (NOTE [ Generators the
+    models hold ])."""
+    return [v for v in vars(module).values() if isinstance(v, torch.Generator)]
 
 
 def draws_now(module: nn.Module) -> bool:

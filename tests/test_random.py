@@ -546,3 +546,92 @@ def test_dropout_of_p_0_draws_nothing_until_its_p_changes(monkeypatch):
         for seed in range(3, 5):
             assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(plain, x, seed))
     assert workers[3:] == []  # in model order on the budget's threads: no forward job
+
+
+class OwnNoise(nn.Module):
+    """Adds noise drawn from a ``torch.Generator`` it holds (seeded for reproducibility, as
+    users write): one shared by the ensemble, or each model's own. Sleeps (the GIL released)
+    so that two threads run forwards at once."""
+
+    def __init__(self, width, generator, sleep=0.002):
+        super().__init__()
+        self.lin = nn.Linear(8, width)
+        self.out = nn.Linear(width, 4)
+        self.generator, self.sleep = generator, sleep
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        time.sleep(self.sleep)
+        return self.out(h + 0.1 * torch.randn(h.shape, generator=self.generator))
+
+
+def own_noise_models(shared, identical=False):
+    torch.manual_seed(0)
+    one = torch.Generator().manual_seed(5)
+    gens = [one if shared else torch.Generator().manual_seed(5 + i) for i in range(6)]
+    return [OwnNoise(16 if identical else 16 + i, g) for i, g in enumerate(gens)]
+
+
+def generator_steps(models, x, n_jobs, calls=3):
+    """Three calls' outputs and gradients, and the generators' states after them."""
+    runs = []
+    for _ in range(calls):
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        if n_jobs == "plain":
+            y = sum(m(x) for m in models)
+        else:
+            y = parsum.sum_models(models, x, **({} if n_jobs is None else {"n_jobs": n_jobs}))
+        y.pow(2).sum().backward()
+        runs.append((y.detach(), grads(models)))
+    states = [m.generator.get_state() for m in models]
+    return runs, states
+
+
+@pytest.mark.parametrize("identical", [False, True], ids=["distinct", "identical"])
+@pytest.mark.parametrize("n_jobs", [1, 2, 3, None])
+def test_a_generator_the_models_share_is_drawn_from_in_model_order(n_jobs, identical):
+    """Models that draw from one ``torch.Generator`` of their own (not the global one, whose
+    state the first call compares) take its numbers in the plain loop's order on every call:
+    on the threads, they took them in the threads' order from the second call on, silently."""
+    x = torch.randn(16, 8)
+    want, want_states = generator_steps(own_noise_models(True, identical), x, "plain")
+    got, states = generator_steps(own_noise_models(True, identical), x, n_jobs)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    assert all(torch.equal(s, t) for s, t in zip(states, want_states))
+
+
+def test_models_with_generators_of_their_own_keep_their_forwards_on_the_threads(monkeypatch):
+    workers = forward_workers_of(monkeypatch)
+    x = torch.randn(16, 8)
+    want, want_states = generator_steps(own_noise_models(False), x, "plain")
+    got, states = generator_steps(own_noise_models(False), x, 2)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    assert all(torch.equal(s, t) for s, t in zip(states, want_states))
+    assert workers == [1, 2, 2]  # the first call learns that the global generator is unused
+
+
+class NoiseFrom(OwnNoise):
+    """Draws from the generator the call passes."""
+
+    def forward(self, x, generator):
+        h = torch.tanh(self.lin(x))
+        time.sleep(self.sleep)
+        return self.out(h + 0.1 * torch.randn(h.shape, generator=generator))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_a_generator_passed_to_every_model_is_drawn_from_in_model_order(n_jobs):
+    torch.manual_seed(0)
+    models = [NoiseFrom(16 + i, None) for i in range(6)]
+    plain = copy.deepcopy(models)
+    x = torch.randn(16, 8)
+    gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+    kw = {} if n_jobs is None else {"n_jobs": n_jobs}
+    for _ in range(3):
+        got = parsum.sum_models(models, x, generator=gens[0], **kw)
+        want = sum(m(x, generator=gens[1]) for m in plain)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gens[0].get_state(), gens[1].get_state())
