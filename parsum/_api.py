@@ -303,6 +303,8 @@ def _general_sum(
     in_model_order = (
         walk.forward_in_order
         or walk.modifies_args  # NOTE [ Arguments modified in place ] in _function
+        # NOTE [ State the models share ] in _engines: the first call learns
+        or (walk.writes_shared is not False and bool(walk.shared_state))
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
         or (call.spec is not None and any(isinstance(v, torch.Generator) for v in call.leaves))

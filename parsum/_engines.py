@@ -1650,6 +1650,84 @@ def batched_forward(
 # place ] in _function then runs the models in order).
 
 
+# NOTE [ State the models share ]
+# Models whose forwards write into an object they share (a log, ``self.log.append(h)``; a
+# counter, ``self.tally.calls += 1``; running statistics in a plain tensor, ``self.stats.add_``;
+# a module that two entries share assigning its own attributes) write in model order in the
+# plain loop, and on the threads in the threads' order: 8 MLPs appending to a shared log at
+# n_jobs=2 logged in another order than the plain loop's from the second call on, and their
+# statistics took other bits (two threads adding into one tensor at once could lose an update).
+# A kept walk lists what its models share (``shared_state``: a list, dict, set, deque, plain
+# Python object or tensor that needs no gradient held by modules of classes outside torch.nn
+# of two or more entries, and a module two entries hold), runs its first call's forwards in
+# model order, and looks after them for a write into any of these (``wrote_shared``: the same
+# objects by identity no longer in it, a tensor's version moved); where one was written, the
+# walk's calls run their forwards in model order, as models sharing a buffer do. A walk made
+# again for the same models keeps what the last one learned. Not seen: a write only on later
+# calls, one two levels deep (``self.tally.log.append``), globals (docs/limits.md).
+
+
+def shared_state(model_params: Sequence[ModelParams]) -> list[Any]:
+    """What modules of two or more entries hold in common that a forward may write into
+    (NOTE [ State the models share ]): modules, and their mutable attributes, by identity."""
+    owner: dict[int, int] = {}
+    shared: dict[int, Any] = {}
+    for i, mp in enumerate(model_params):
+        for module in mp.modules:
+            held = [module]
+            if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
+                held.extend(
+                    value
+                    for key, value in vars(module).items()
+                    if key not in MODULE_INTERNALS and _writable(value)
+                )
+            for value in held:
+                if owner.setdefault(id(value), i) != i:
+                    shared[id(value)] = value
+    return list(shared.values())
+
+
+def _writable(value: Any) -> bool:
+    """Whether a forward may write into ``value`` in place (NOTE [ State the models share ])."""
+    if isinstance(value, Tensor):
+        return not value.requires_grad
+    return isinstance(value, _MUTABLE_CONTAINERS) or _plain_class(type(value))  # type: ignore[arg-type]
+
+
+def shared_snapshot(objects: Sequence[Any]) -> list[Any]:
+    """What ``objects`` (``shared_state``) hold now: a tensor's version, a shallow copy of a
+    container or of an object's attributes."""
+    return [
+        t._version
+        if isinstance(t, Tensor)
+        else dict(vars(t))
+        if isinstance(t, nn.Module) or not isinstance(t, _MUTABLE_CONTAINERS)
+        else copy.copy(t)
+        for t in objects
+    ]
+
+
+def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
+    """Whether a forward wrote into one of ``objects`` since ``snapshot``."""
+    for value, kept in zip(objects, snapshot):
+        if isinstance(value, Tensor):
+            if value._version != kept:
+                return True
+        elif isinstance(value, set):
+            if len(kept) != len(value) or not all(map(value.__contains__, list(kept))):
+                return True
+        elif isinstance(value, (list, collections.deque)):
+            if len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value))):
+                return True
+        else:
+            now = value if isinstance(value, dict) else vars(value)
+            if len(kept) != len(now) or any(
+                kept.get(k, _MISSING) is not v for k, v in list(now.items())
+            ):
+                return True
+    return False
+
+
 def _arguments_of_its_own(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[Tensor]]:

@@ -63,7 +63,9 @@ from ._engines import (
     output_edges,
     pull_back_together,
     run_direct,
+    shared_snapshot,
     unit_forward,
+    wrote_shared,
 )
 from ._errors import ParsumError
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
@@ -511,6 +513,9 @@ def run_forward(
     in_order = bool(walk.draws_random and not walk.predraws)
     # NOTE [ Arguments modified in place ]
     versions = argument_versions(call) if parallel and not in_order else None
+    # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order
+    shared = walk.shared_state if walk.kept and walk.writes_shared is None else []
+    shared_before = shared_snapshot(shared) if shared else None
     snapshot = _BufferSnapshot(plan.model_params)
     try:
         if in_order:  # NOTE [ Random numbers in forwards ]
@@ -540,6 +545,8 @@ def run_forward(
         raise
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
+    if shared_before is not None:
+        walk.writes_shared = wrote_shared(shared, shared_before)
     if versions is not None and argument_versions(call) != versions:
         _note_modified_arguments(plan)
     if records is not None:

@@ -65,6 +65,7 @@ from ._engines import (
     module_hooks,
     module_of,
     own_calls,
+    shared_state,
 )
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _tensor_hooks
@@ -122,6 +123,10 @@ class Walk:
         # Whether a call saw an argument modified in place while the forwards ran on several
         # threads (NOTE [ Arguments modified in place ] in _function).
         self.modifies_args = False
+        # What modules of several models share, and whether a forward was seen to write into
+        # it (NOTE [ State the models share ] in _engines): set when the walk is kept.
+        self.shared_state: list[Any] = []
+        self.writes_shared: bool | None = None
         self.kept = False  # by keep_walk, for the next calls
         # Whether a call looked through the models' graphs (NOTE [ Tensors a module does not
         # own ] in _engines).
@@ -419,6 +424,7 @@ def keep_walk(
     if not walk._record(modules):
         return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
+    walk.shared_state = shared_state(model_params)
     last = _plans.get(key)
     if last is not None and last.over(models) and last._training == walk._training:
         # The same models in the same modes, changed otherwise (a module's own attribute, a
@@ -428,6 +434,7 @@ def keep_walk(
         # attribute may have turned checkpointing on.
         walk.draws_random = last.draws_random
         walk.modifies_args = last.modifies_args
+        walk.writes_shared = last.writes_shared
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
     if all(isinstance(m, nn.Module) for m in models):

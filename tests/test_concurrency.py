@@ -5,6 +5,7 @@ Every test here runs under a short timeout: a deadlock fails fast instead of han
 
 import contextlib
 import contextvars
+import copy
 import functools
 import gc
 import multiprocessing
@@ -1011,6 +1012,115 @@ def test_arguments_left_alone_keep_the_forwards_on_the_threads(cores):
             with torch.no_grad():
                 parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     assert any(name.startswith("parsum-worker") for name in seen[4:])
+
+
+class Tally:
+    """A plain object of the user's, shared by the models."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+class SharesState(nn.Module):
+    """Writes, in forward, into something the models share (``kind``), sleeping first so that
+    the threads' forwards overlap; records which thread ran it in ``seen``."""
+
+    def __init__(self, width, kind, shared, seen):
+        super().__init__()
+        self.body = mlp([width])
+        self.kind, self.record = kind, seen.append  # a function: not state it writes into
+        if kind == "module":  # a module that several entries hold, assigning its attribute
+            self.counter = shared
+        else:
+            self.shared = shared
+
+    def forward(self, x):
+        self.record(threading.current_thread().name)
+        time.sleep(0.002)
+        y = self.body(x)
+        if self.kind == "log":
+            self.shared.append(y.shape[1] * 0 + self.body[0].out_features)
+        elif self.kind == "dict":
+            self.shared[len(self.shared)] = self.body[0].out_features
+        elif self.kind == "object":
+            self.shared.calls = self.shared.calls * 10 + self.body[0].out_features % 10
+        elif self.kind == "tensor":
+            self.shared.mul_(1.5).add_(y.detach().mean(0)[:2])
+        elif self.kind == "module":
+            self.counter.calls = self.counter.calls * 10 + self.body[0].out_features % 10
+        elif self.kind == "read":  # reads it only: the forwards stay on the threads
+            y = y * self.shared.calls
+        return y
+
+
+class CountingModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 1
+
+
+def shares_state(kind, seen):
+    shared = {
+        "log": [],
+        "dict": {},
+        "object": Tally(),
+        "read": Tally(),
+        "tensor": torch.zeros(2),
+        "module": CountingModule(),
+    }[kind]
+    if kind == "read":
+        shared.calls = 2
+    torch.manual_seed(0)
+    return [SharesState(8 + i, kind, shared, seen) for i in range(6)]
+
+
+def shared_of(model):
+    state = model.counter if model.kind == "module" else model.shared
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    return copy.copy(vars(state) if isinstance(state, (Tally, nn.Module)) else state)
+
+
+@pytest.mark.parametrize("kind", ["log", "dict", "object", "tensor", "module"])
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind, route):
+    # NOTE [ State the models share ] in parsum._engines: on the threads they wrote in the
+    # threads' order from the second call on; the first call learns that they write.
+    cores(2)
+    seen: list[str] = []
+    models = shares_state(kind, seen)
+    ref = clone_models(models)
+    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
+        models[0].body[0].bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+            y.sum().backward()
+            y_ref = plain_sum(ref, x)
+            y_ref.sum().backward()
+            torch.testing.assert_close(y, y_ref)
+            if kind == "tensor":
+                assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
+            else:
+                assert shared_of(models[0]) == shared_of(ref[0])
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
+def test_models_that_only_read_state_they_share_keep_the_forwards_on_the_threads(cores):
+    cores(2)
+    seen: list[str] = []
+    models = shares_state("read", seen)
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+    for call in range(3):
+        torch.testing.assert_close(
+            parsum.sum_models(models, x, n_jobs=2, chunk_size=1), plain_sum(ref, x)
+        )
+        workers = [name for name in seen if name.startswith("parsum-worker")]
+        assert bool(workers) == (call > 0)  # the first call learns, in model order
+        seen.clear()
 
 
 def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
