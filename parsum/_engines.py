@@ -1657,9 +1657,10 @@ def batched_forward(
 # plain loop, and on the threads in the threads' order: 8 MLPs appending to a shared log at
 # n_jobs=2 logged in another order than the plain loop's from the second call on, and their
 # statistics took other bits (two threads adding into one tensor at once could lose an update).
-# A kept walk lists what its models share (``shared_state``: a list, dict, set, deque, plain
+# A kept walk names what its models share (``shared_state``: a list, dict, set, deque, plain
 # Python object or tensor that needs no gradient held by modules of classes outside torch.nn
-# of two or more entries, and a module two entries hold), runs its first call's forwards in
+# of two or more entries, and a module two entries hold; by module and attribute, never held,
+# since such an object may hold the models), runs its first call's forwards in
 # model order, and looks after them for a write into any of these (``wrote_shared``: the same
 # objects by identity no longer in it, a tensor's version moved); where one was written, the
 # walk's calls run their forwards in model order, as models sharing a buffer do. A walk made
@@ -1667,23 +1668,24 @@ def batched_forward(
 # calls, one two levels deep (``self.tally.log.append``), globals (docs/limits.md).
 
 
-def shared_state(model_params: Sequence[ModelParams]) -> list[Any]:
+def shared_state(model_params: Sequence[ModelParams]) -> list[tuple[nn.Module, str | None]]:
     """What modules of two or more entries hold in common that a forward may write into
-    (NOTE [ State the models share ]): modules, and their mutable attributes, by identity."""
+    (NOTE [ State the models share ]): a module (with None) or a module's attribute (with its
+    name), each object once. Named, never held: a walk keeps them for the models' life."""
     owner: dict[int, int] = {}
-    shared: dict[int, Any] = {}
+    shared: dict[int, tuple[nn.Module, str | None]] = {}
     for i, mp in enumerate(model_params):
         for module in mp.modules:
-            held = [module]
+            held: list[tuple[Any, nn.Module, str | None]] = [(module, module, None)]
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 held.extend(
-                    value
+                    (value, module, key)
                     for key, value in vars(module).items()
                     if key not in MODULE_INTERNALS and _writable(value)
                 )
-            for value in held:
+            for value, holder, key in held:
                 if owner.setdefault(id(value), i) != i:
-                    shared[id(value)] = value
+                    shared.setdefault(id(value), (holder, key))
     return list(shared.values())
 
 

@@ -514,7 +514,8 @@ def run_forward(
     # NOTE [ Arguments modified in place ]
     versions = argument_versions(call) if parallel and not in_order else None
     # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order
-    shared = walk.shared_state if walk.kept and walk.writes_shared is None else []
+    learn = walk.kept and walk.writes_shared is None and walk.shared_state
+    shared = walk.shared_objects() if learn else []
     shared_before = shared_snapshot(shared) if shared else None
     snapshot = _BufferSnapshot(plan.model_params)
     try:

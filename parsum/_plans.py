@@ -123,9 +123,10 @@ class Walk:
         # Whether a call saw an argument modified in place while the forwards ran on several
         # threads (NOTE [ Arguments modified in place ] in _function).
         self.modifies_args = False
-        # What modules of several models share, and whether a forward was seen to write into
-        # it (NOTE [ State the models share ] in _engines): set when the walk is kept.
-        self.shared_state: list[Any] = []
+        # What modules of several models share, by position among the walk's modules and
+        # attribute (None: the module), and whether a forward was seen to write into it (NOTE
+        # [ State the models share ] in _engines): set when the walk is kept.
+        self.shared_state: list[tuple[int, str | None]] = []
         self.writes_shared: bool | None = None
         self.kept = False  # by keep_walk, for the next calls
         # Whether a call looked through the models' graphs (NOTE [ Tensors a module does not
@@ -204,6 +205,16 @@ class Walk:
         return self.hookless_params() or all(
             p._backward_hooks is None or not has_user_hooks(p) for p in self.params
         )
+
+    def shared_objects(self) -> list[Any]:
+        """What its models share (``shared_state``), found through its modules; none where a
+        module is gone."""
+        modules = [ref() for ref in self._module_refs]
+        if None in modules:
+            return []
+        return [
+            modules[k] if key is None else vars(modules[k]).get(key) for k, key in self.shared_state
+        ]
 
     def grew(self) -> bool:
         """Whether a module's parameter, buffer or submodule dict changed in size since the
@@ -424,7 +435,8 @@ def keep_walk(
     if not walk._record(modules):
         return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
-    walk.shared_state = shared_state(model_params)
+    position = {id(module): k for k, module in enumerate(modules)}
+    walk.shared_state = [(position[id(m)], key) for m, key in shared_state(model_params)]
     last = _plans.get(key)
     if last is not None and last.over(models) and last._training == walk._training:
         # The same models in the same modes, changed otherwise (a module's own attribute, a

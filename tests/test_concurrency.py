@@ -1123,6 +1123,37 @@ def test_models_that_only_read_state_they_share_keep_the_forwards_on_the_threads
         seen.clear()
 
 
+class Context:
+    """What the models share that holds them all: the plan must not hold it."""
+
+    def __init__(self):
+        self.models, self.log = [], []
+
+
+class Registered(nn.Module):
+    def __init__(self, width, context):
+        super().__init__()
+        self.body = mlp([width])
+        self.context = context
+
+    def forward(self, x):
+        self.context.log.append(x.shape[0])
+        return self.body(x)
+
+
+def test_state_the_models_share_that_holds_them_lets_them_go(cores):
+    cores(2)
+    context = Context()
+    context.models.extend(Registered(8 + i, context) for i in range(4))
+    for _ in range(3):
+        parsum.sum_models(context.models, torch.randn(5, IN), n_jobs=2).sum().backward()
+    assert context.log == [5] * 12
+    gone = weakref.ref(context.models[0])
+    del context
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
     # Ctrl-C in a notebook: a KeyboardInterrupt raised in the calling thread at any point of a
     # call (checks, forwards on the threads, the ordered sum, the pullbacks) must leave the pool,
