@@ -1663,9 +1663,11 @@ def batched_forward(
 # since such an object may hold the models), runs its first call's forwards in
 # model order, and looks after them for a write into any of these (``wrote_shared``: the same
 # objects by identity no longer in it, a tensor's version moved); where one was written, the
-# walk's calls run their forwards in model order, as models sharing a buffer do. A walk made
-# again for the same models keeps what the last one learned. Not seen: a write only on later
-# calls, one two levels deep (``self.tally.log.append``), globals (docs/limits.md).
+# walk's calls run their forwards in model order, as models sharing a buffer do. Calls whose
+# forwards run on the threads look too: a write that starts later (a log every tenth call)
+# makes that call warn that its writes came in the threads' order, and the next calls run in
+# model order. A walk made again for the same models keeps what the last one learned. Not
+# seen: a write two levels deep (``self.tally.log.append``), globals (docs/limits.md).
 
 
 def shared_state(model_params: Sequence[ModelParams]) -> list[tuple[nn.Module, str | None]]:

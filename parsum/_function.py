@@ -513,9 +513,10 @@ def run_forward(
     in_order = bool(walk.draws_random and not walk.predraws)
     # NOTE [ Arguments modified in place ]
     versions = argument_versions(call) if parallel and not in_order else None
-    # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order
-    learn = walk.kept and walk.writes_shared is None and walk.shared_state
-    shared = walk.shared_objects() if learn else []
+    # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order,
+    # looked for again where the forwards run on the threads
+    look = walk.kept and walk.shared_state and (walk.writes_shared is None or parallel)
+    shared = walk.shared_objects() if look else []
     shared_before = shared_snapshot(shared) if shared else None
     snapshot = _BufferSnapshot(plan.model_params)
     try:
@@ -547,7 +548,10 @@ def run_forward(
     assert signatures[0] is not None
     plan.out_spec = signatures[0][0]
     if shared_before is not None:
-        walk.writes_shared = wrote_shared(shared, shared_before)
+        wrote = wrote_shared(shared, shared_before)
+        if wrote and walk.writes_shared is False:
+            _note_shared_writes(plan)
+        walk.writes_shared = wrote or bool(walk.writes_shared)
     if versions is not None and argument_versions(call) != versions:
         _note_modified_arguments(plan)
     if records is not None:
@@ -598,6 +602,19 @@ def _note_modified_arguments(plan: SumPlan) -> None:
         walk.kept,
     )
     walk.modifies_args = walk.kept
+
+
+def _note_shared_writes(plan: SumPlan) -> None:
+    """A forward on the threads wrote into state the models share: warn, and run the next
+    forwards of the walk in model order (NOTE [ State the models share ] in _engines)."""
+    warn_thread_timing(
+        plan.where,
+        "a model wrote into state that several models hold (a list, dict, set, object, tensor "
+        "or module) while the forwards ran on several threads, so in the threads' order",
+        "State the models share",
+        "_engines",
+        True,
+    )
 
 
 def _note_random_draws(

@@ -1123,6 +1123,48 @@ def test_models_that_only_read_state_they_share_keep_the_forwards_on_the_threads
         seen.clear()
 
 
+class LogsLater(nn.Module):
+    """Appends to the log it shares from its third call on."""
+
+    def __init__(self, width, log, seen):
+        super().__init__()
+        self.body = mlp([width])
+        self.log, self.record, self.calls = log, seen.append, 0
+
+    def forward(self, x):
+        self.record(threading.current_thread().name)
+        time.sleep(0.002)
+        self.calls += 1
+        if self.calls >= 3:
+            self.log.append(self.body[0].out_features)
+        return self.body(x)
+
+
+def test_models_that_start_writing_shared_state_on_the_threads_warn_then_run_in_model_order(
+    cores,
+):
+    cores(2)
+    seen: list[str] = []
+    models = [LogsLater(8 + i, [], seen) for i in range(6)]
+    log = models[0].log = []
+    for m in models:
+        m.log = log
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # learns, in model order: no write
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # on the threads
+    with pytest.warns(RuntimeWarning, match="state that several models hold") as warned:
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    assert warned[0].filename == __file__  # the caller's line
+    assert sorted(log) == list(range(8, 14))  # the threads' order, every write there
+    log.clear()
+    seen.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert log == list(range(8, 14))  # model order
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
 class Context:
     """What the models share that holds them all: the plan must not hold it."""
 
