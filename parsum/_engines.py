@@ -1700,15 +1700,26 @@ def _writable(value: Any) -> bool:
 
 def shared_snapshot(objects: Sequence[Any]) -> list[Any]:
     """What ``objects`` (``shared_state``) hold now: a tensor's version, a shallow copy of a
-    container or of an object's attributes."""
-    return [
-        t._version
-        if isinstance(t, Tensor)
-        else dict(vars(t))
-        if isinstance(t, nn.Module) or not isinstance(t, _MUTABLE_CONTAINERS)
-        else copy.copy(t)
-        for t in objects
-    ]
+    container (as the builtin it derives from: no method of a subclass of the user's runs) or
+    of an object's attributes."""
+    return list(map(_held_now, objects))
+
+
+def _held_now(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value._version
+    if isinstance(value, list):
+        return list.copy(value)
+    if isinstance(value, dict):
+        return dict.copy(value)
+    if isinstance(value, set):
+        return set.copy(value)
+    if isinstance(value, collections.deque):
+        return [*_deque_items(value)]
+    return dict(vars(value))
+
+
+_deque_items = collections.deque.__iter__
 
 
 def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
@@ -1717,16 +1728,21 @@ def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
         if isinstance(value, Tensor):
             if value._version != kept:
                 return True
-        elif isinstance(value, set):
-            if len(kept) != len(value) or not all(map(value.__contains__, list(kept))):
+        elif isinstance(value, collections.deque):
+            items = [*_deque_items(value)]
+            if len(kept) != len(items) or not all(map(operator.is_, kept, items)):
                 return True
-        elif isinstance(value, (list, collections.deque)):
-            if len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value))):
+        elif isinstance(value, set):
+            if kept != set.copy(value):
+                return True
+        elif isinstance(value, list):
+            items = list.copy(value)
+            if len(kept) != len(items) or not all(map(operator.is_, kept, items)):
                 return True
         else:
-            now = value if isinstance(value, dict) else vars(value)
+            now = dict.copy(value) if isinstance(value, dict) else vars(value)
             if len(kept) != len(now) or any(
-                kept.get(k, _MISSING) is not v for k, v in list(now.items())
+                kept.get(k, _MISSING) is not v for k, v in list(dict.items(now))
             ):
                 return True
     return False

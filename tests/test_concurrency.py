@@ -1041,7 +1041,9 @@ class SharesState(nn.Module):
         if self.kind == "log":
             self.shared.append(y.shape[1] * 0 + self.body[0].out_features)
         elif self.kind == "dict":
-            self.shared[len(self.shared)] = self.body[0].out_features
+            self.shared[dict.__len__(self.shared)] = self.body[0].out_features
+        elif self.kind == "set":
+            self.shared.add(self.body[0].out_features)
         elif self.kind == "object":
             self.shared.calls = self.shared.calls * 10 + self.body[0].out_features % 10
         elif self.kind == "tensor":
@@ -1163,6 +1165,41 @@ def test_models_that_start_writing_shared_state_on_the_threads_warn_then_run_in_
         parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
     assert log == list(range(8, 14))  # model order
     assert not any(name.startswith("parsum-worker") for name in seen)
+
+
+class GuardedLog(list):
+    """A log of the user's that cannot be copied, whose own copy must not run either: looking
+    at it must neither fail the call nor run its methods."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("not copyable")
+
+    def copy(self):
+        raise AssertionError("parsum called a method of the user's container")
+
+
+@pytest.mark.parametrize("kind", ["list", "set", "dict"])
+def test_shared_state_of_a_class_of_the_users_is_looked_at_without_its_methods(cores, kind):
+    cores(2)
+    seen: list[str] = []
+    log: Any = {
+        "list": GuardedLog,
+        "set": type("GuardedSet", (set,), {"__iter__": boom}),
+        "dict": type("GuardedDict", (dict,), {"items": boom, "__iter__": boom}),
+    }[kind]()
+    models = shares_state("log", seen)
+    for m in models:
+        m.shared = log
+        m.kind = {"list": "log", "set": "set", "dict": "dict"}[kind]
+    x = torch.randn(5, IN)
+    for _ in range(3):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert len(log) == (6 if kind == "set" else 18)
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
+def boom(self, *args):
+    raise AssertionError("parsum called a method of the user's container")
 
 
 class Context:
