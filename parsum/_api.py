@@ -53,6 +53,7 @@ from ._grouping import (
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
 from ._random import (
+    GENERATORS,
     draws_only_dropout,
     has_drawing_layers,
     held_generators,
@@ -307,7 +308,7 @@ def _general_sum(
         or (walk.writes_shared is not False and bool(walk.shared_state))
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
-        or (call.spec is not None and any(isinstance(v, torch.Generator) for v in call.leaves))
+        or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))
     )
     plan = SumPlan(
         models=models,

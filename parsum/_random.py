@@ -35,7 +35,8 @@
 # NOTE [ Generators the models hold ]
 # A model may draw from a ``torch.Generator`` of its own (noise seeded for reproducibility,
 # ``torch.randn(shape, generator=self.generator)``), which the global generators' states do not
-# show. One held by two models is drawn from in the order their forwards run: on the threads,
+# show; or from a ``random.Random`` or a NumPy ``Generator`` or ``RandomState`` (augmentation in
+# a forward). One held by two models is drawn from in the order their forwards run: on the threads,
 # in the threads' order (6 MLPs adding noise from one generator, at n_jobs=2: outputs 0.35 off
 # the plain loop's from the second call on, silently). Models that hold one generator between
 # them, as an attribute of one of their modules, run their forwards in model order
@@ -81,12 +82,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import sys
 import threading
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -108,10 +111,15 @@ def generator_states() -> list[bytes]:
     return states
 
 
-def held_generators(module: nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects ``module`` holds as attributes (NOTE [ Generators the
-    models hold ])."""
-    return [v for v in vars(module).values() if isinstance(v, torch.Generator)]
+# Generators a model may hold: torch's, Python's and NumPy's (NOTE [ Generators the models
+# hold ]).
+GENERATORS = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
+
+
+def held_generators(module: nn.Module) -> list[Any]:
+    """The generators ``module`` holds as attributes: ``torch.Generator``, ``random.Random``,
+    NumPy's ``Generator`` and ``RandomState`` (NOTE [ Generators the models hold ])."""
+    return [v for v in vars(module).values() if isinstance(v, GENERATORS)]
 
 
 def draws_now(module: nn.Module) -> bool:

@@ -4,10 +4,12 @@ NOTE [ Random numbers replayed in backward ] in parsum._random)."""
 
 import copy
 import functools
+import random
 import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -613,6 +615,41 @@ def test_models_with_generators_of_their_own_keep_their_forwards_on_the_threads(
         assert_close(a, b)
     assert all(torch.equal(s, t) for s, t in zip(states, want_states))
     assert workers == [1, 2, 2]  # the first call learns that the global generator is unused
+
+
+class OtherNoise(OwnNoise):
+    """Adds noise drawn from a Python or NumPy generator it holds (augmentation in forward)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        time.sleep(self.sleep)
+        g = self.generator
+        if isinstance(g, random.Random):
+            noise = [g.gauss(0.0, 1.0) for _ in range(h.shape[1])]
+        elif isinstance(g, np.random.Generator):
+            noise = g.normal(size=h.shape[1]).tolist()
+        else:
+            noise = g.normal(size=h.shape[1]).tolist()  # a RandomState
+        return self.out(h + 0.1 * torch.tensor(noise))
+
+
+@pytest.mark.parametrize("kind", ["random.Random", "numpy.Generator", "numpy.RandomState"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_python_or_numpy_generator_the_models_share_is_drawn_from_in_model_order(n_jobs, kind):
+    def make():
+        one = {
+            "random.Random": lambda: random.Random(5),
+            "numpy.Generator": lambda: np.random.default_rng(5),
+            "numpy.RandomState": lambda: np.random.RandomState(5),
+        }[kind]()
+        torch.manual_seed(0)
+        return [OtherNoise(16 + i, one) for i in range(6)]
+
+    x = torch.randn(16, 8)
+    models, plain = make(), make()
+    for _ in range(3):
+        got = parsum.sum_models(models, x, n_jobs=n_jobs)
+        torch.testing.assert_close(got, sum(m(x) for m in plain), rtol=1e-5, atol=1e-5)
 
 
 class NoiseFrom(OwnNoise):
