@@ -1653,49 +1653,125 @@ def batched_forward(
 # NOTE [ State the models share ]
 # Models whose forwards write into an object they share (a log, ``self.log.append(h)``; a
 # counter, ``self.tally.calls += 1``; running statistics in a plain tensor, ``self.stats.add_``;
-# a module that two entries share assigning its own attributes) write in model order in the
-# plain loop, and on the threads in the threads' order: 8 MLPs appending to a shared log at
-# n_jobs=2 logged in another order than the plain loop's from the second call on, and their
-# statistics took other bits (two threads adding into one tensor at once could lose an update).
-# A kept walk names what its models share (``shared_state``: a list, dict, set, deque, plain
-# Python object or tensor that needs no gradient held by modules of classes outside torch.nn
-# of two or more entries, and a module two entries hold; by module and attribute, never held,
-# since such an object may hold the models), runs its first call's forwards in
-# model order, and looks after them for a write into any of these (``wrote_shared``: the same
-# objects by identity no longer in it, a tensor's version moved); where one was written, the
-# walk's calls run their forwards in model order, as models sharing a buffer do. Calls whose
-# forwards run on the threads look too: a write that starts later (a log every tenth call)
-# makes that call warn that its writes came in the threads' order, and the next calls run in
-# model order. A walk made again for the same models keeps what the last one learned. Not
-# seen: a write two levels deep (``self.tally.log.append``), globals (docs/limits.md).
+# a module that two entries share assigning its own attributes; features a forward hook
+# collects, ``features.append(out)``) write in model order in the plain loop, and on the
+# threads in the threads' order: 8 MLPs appending to a shared log at n_jobs=2 logged in
+# another order than the plain loop's from the second call on, 6 models' hook-collected
+# features came reversed (the costliest claimed first), and statistics took other bits (two
+# threads adding into one tensor at once could lose an update). A kept walk lists what its
+# models share (``shared_state``): a list, dict, set, deque, plain Python object or tensor that
+# needs no gradient held by modules of classes outside torch.nn of two or more entries, a
+# module two entries hold, and what the forward hooks and pre-hooks of two entries' modules
+# or the forwards of their classes reach besides their arguments (``_reached``: a closure's
+# cells, defaults, a partial's arguments, a bound method's object and what it holds, the
+# globals the code names). Attributes are named by module, never held, and what is reached
+# otherwise is kept only where it holds no module: such an object may hold the models, and a
+# walk lives as long as they do. The walk runs its first call's forwards in model order and
+# looks after them for a write into any of these (``wrote_shared``: the same objects by
+# identity no longer in it, a tensor's version moved; a container of more than ``_LONG``
+# items by its length); where one was written, the walk's calls run their forwards in model
+# order, as models sharing a buffer do. Calls whose forwards run on the threads look too: a
+# write that starts later (a log every tenth call) makes that call warn that its writes came
+# in the threads' order, and the next calls run in model order. A walk made again for the
+# same models keeps what the last one learned. Not seen: a write two levels deep
+# (``self.tally.log.append``), through functions a forward calls, by backward hooks (which
+# run in the pullbacks, on the threads) (docs/limits.md).
 
 
-def shared_state(model_params: Sequence[ModelParams]) -> list[tuple[nn.Module, str | None]]:
-    """What modules of two or more entries hold in common that a forward may write into
-    (NOTE [ State the models share ]): a module (with None) or a module's attribute (with its
-    name), each object once. Named, never held: a walk keeps them for the models' life."""
+class SharedState(NamedTuple):
+    """What modules of two or more entries hold or reach in common that a forward may write
+    into (NOTE [ State the models share ]), each object once."""
+
+    # A module (with None) or a module's attribute (with its name): named, never held, since
+    # such an object may hold the models and a walk lives as long as they do.
+    named: list[tuple[nn.Module, str | None]]
+    # What their forward hooks and forwards reach otherwise (a closure's list, a global dict),
+    # none that holds a module.
+    reached: list[Any]
+
+
+def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
+    """What modules of two or more entries hold or reach in common that a forward may write
+    into (NOTE [ State the models share ])."""
     owner: dict[int, int] = {}
-    shared: dict[int, tuple[nn.Module, str | None]] = {}
+    named: dict[int, tuple[nn.Module, str | None]] = {}
+    reached: dict[int, Any] = {}
     for i, mp in enumerate(model_params):
         for module in mp.modules:
             held: list[tuple[Any, nn.Module, str | None]] = [(module, module, None)]
+            functions = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 held.extend(
                     (value, module, key)
                     for key, value in vars(module).items()
                     if key not in MODULE_INTERNALS and _writable(value)
                 )
+                functions.append(type(module).forward)
             for value, holder, key in held:
                 if owner.setdefault(id(value), i) != i:
-                    shared.setdefault(id(value), (holder, key))
-    return list(shared.values())
+                    named.setdefault(id(value), (holder, key))
+            for value in (v for fn in functions for v in _reached(fn)):
+                if owner.setdefault(id(value), i) != i and id(value) not in named:
+                    reached[id(value)] = value
+    return SharedState(list(named.values()), list(reached.values()))
 
 
-def _writable(value: Any) -> bool:
-    """Whether a forward may write into ``value`` in place (NOTE [ State the models share ])."""
+def _reached(fn: Any) -> list[Any]:
+    """What a hook or a forward reaches besides its arguments and module, one level deep, that
+    it may write into: a partial's arguments, a bound method's object, a function's closure,
+    defaults and the globals its code names (``feats.append(out)`` in a forward hook), and
+    what such an object of the user's holds; not what holds a module."""
+    found: list[Any] = []
+    if isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    if inspect.ismethod(fn):
+        found.append(fn.__self__)
+        fn = fn.__func__
+    if isinstance(fn, types.FunctionType):
+        for cell in fn.__closure__ or ():
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                found.append(cell.cell_contents)
+        found += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        names = fn.__globals__
+        found += [names[name] for name in fn.__code__.co_names if name in names]
+    else:
+        found.append(fn)  # a callable object of the user's
+    # An object of the user's, and what it holds (a collector's ``self.features``)
+    found += [v for obj in found if _plain_object(obj) for v in list(vars(obj).values())]
+    return [v for v in found if _writable(v) and not _holds_modules(v)]
+
+
+def _plain_object(value: Any) -> bool:
+    return not isinstance(value, _MUTABLE_CONTAINERS) and _plain_class(type(value))  # type: ignore[arg-type]
+
+
+def _holds_modules(value: Any) -> bool:
+    """Whether ``value`` (``_writable``) holds a module, looked at one level deep."""
     if isinstance(value, Tensor):
-        return not value.requires_grad
-    return isinstance(value, _MUTABLE_CONTAINERS) or _plain_class(type(value))  # type: ignore[arg-type]
+        return False
+    items = _items(value) if isinstance(value, _MUTABLE_CONTAINERS) else list(vars(value).values())
+    return any(isinstance(v, nn.Module) for v in items[:_LONG])
+
+
+def _items(container: Any) -> list[Any]:
+    """A container's items (a dict's values), read as the builtin it derives from: no method
+    of a subclass of the user's runs."""
+    if isinstance(container, dict):
+        return list(dict.values(container))
+    if isinstance(container, set):
+        return list(set.copy(container))
+    if isinstance(container, collections.deque):
+        return [*_deque_items(container)]
+    return list.copy(container)
+
+
+def _length(container: Any) -> int:
+    """A container's length, as the builtin it derives from."""
+    for base in _MUTABLE_CONTAINERS:
+        if isinstance(container, base):
+            return base.__len__(container)  # type: ignore[arg-type]
+    return len(container)
 
 
 def shared_snapshot(objects: Sequence[Any]) -> list[Any]:
@@ -1705,9 +1781,27 @@ def shared_snapshot(objects: Sequence[Any]) -> list[Any]:
     return list(map(_held_now, objects))
 
 
+def _writable(value: Any) -> bool:
+    """Whether a forward may write into ``value`` in place (NOTE [ State the models share ])."""
+    if isinstance(value, Tensor):
+        return not value.requires_grad
+    return isinstance(value, _MUTABLE_CONTAINERS) or _plain_class(type(value))  # type: ignore[arg-type]
+
+
+# Containers longer than this are looked at by their length alone (a vocabulary a forward
+# reads): copying them on every call on the threads would cost more than the forwards.
+_LONG = 1000
+
+
+class _Length(NamedTuple):
+    n: int
+
+
 def _held_now(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value._version
+    if isinstance(value, _MUTABLE_CONTAINERS) and _length(value) > _LONG:
+        return _Length(_length(value))
     if isinstance(value, list):
         return list.copy(value)
     if isinstance(value, dict):
@@ -1727,6 +1821,9 @@ def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
     for value, kept in zip(objects, snapshot):
         if isinstance(value, Tensor):
             if value._version != kept:
+                return True
+        elif isinstance(kept, _Length):
+            if _length(value) != kept.n:
                 return True
         elif isinstance(value, collections.deque):
             items = [*_deque_items(value)]

@@ -515,7 +515,7 @@ def run_forward(
     versions = argument_versions(call) if parallel and not in_order else None
     # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order,
     # looked for again where the forwards run on the threads
-    look = walk.kept and walk.shared_state and (walk.writes_shared is None or parallel)
+    look = walk.kept and walk.shares_state() and (walk.writes_shared is None or parallel)
     shared = walk.shared_objects() if look else []
     shared_before = shared_snapshot(shared) if shared else None
     snapshot = _BufferSnapshot(plan.model_params)

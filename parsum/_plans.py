@@ -127,6 +127,7 @@ class Walk:
         # attribute (None: the module), and whether a forward was seen to write into it (NOTE
         # [ State the models share ] in _engines): set when the walk is kept.
         self.shared_state: list[tuple[int, str | None]] = []
+        self.shared_reached: list[Any] = []  # what hooks and forwards reach otherwise
         self.writes_shared: bool | None = None
         self.kept = False  # by keep_walk, for the next calls
         # Whether a call looked through the models' graphs (NOTE [ Tensors a module does not
@@ -206,15 +207,21 @@ class Walk:
             p._backward_hooks is None or not has_user_hooks(p) for p in self.params
         )
 
+    def shares_state(self) -> bool:
+        """Whether its models share state a forward may write into (NOTE [ State the models
+        share ] in _engines)."""
+        return bool(self.shared_state or self.shared_reached)
+
     def shared_objects(self) -> list[Any]:
-        """What its models share (``shared_state``), found through its modules; none where a
-        module is gone."""
+        """What its models share (``shared_state``, found through its modules, and
+        ``shared_reached``); none where a module is gone."""
         modules = [ref() for ref in self._module_refs]
         if None in modules:
             return []
-        return [
+        named = [
             modules[k] if key is None else vars(modules[k]).get(key) for k, key in self.shared_state
         ]
+        return [*named, *self.shared_reached]
 
     def grew(self) -> bool:
         """Whether a module's parameter, buffer or submodule dict changed in size since the
@@ -436,7 +443,9 @@ def keep_walk(
         return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
     position = {id(module): k for k, module in enumerate(modules)}
-    walk.shared_state = [(position[id(m)], key) for m, key in shared_state(model_params)]
+    shared = shared_state(model_params)
+    walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
+    walk.shared_reached = shared.reached
     last = _plans.get(key)
     if last is not None and last.over(models) and last._training == walk._training:
         # The same models in the same modes, changed otherwise (a module's own attribute, a

@@ -1202,6 +1202,120 @@ def boom(self, *args):
     raise AssertionError("parsum called a method of the user's container")
 
 
+FEATURES: list[int] = []  # what a forward hook or a forward collects, as a global
+
+
+class Sleeps(nn.Module):
+    def __init__(self, width, seen):
+        super().__init__()
+        self.lin, self.out = nn.Linear(IN, width), nn.Linear(width, OUT)
+        self.record = seen.append
+
+    def forward(self, x):
+        self.record(threading.current_thread().name)
+        time.sleep(0.002)
+        return self.out(torch.tanh(self.lin(x)))
+
+
+class AppendsToAGlobal(Sleeps):
+    def forward(self, x):
+        FEATURES.append(self.lin.out_features)
+        return super().forward(x)
+
+
+class Collector:
+    def __init__(self):
+        self.features = []
+
+    def hook(self, module, inputs, output):
+        self.features.append(output.shape[1])
+
+
+def collecting(models, how):
+    """Forward hooks that collect each model's features, ``how`` users write them; the list
+    they fill."""
+    features: list[int] = []
+    collector = Collector()
+    for m in models:
+        if how == "closure":
+            m.lin.register_forward_hook(lambda mod, inp, out: features.append(out.shape[1]))
+        elif how == "global":
+            m.lin.register_forward_hook(lambda mod, inp, out: FEATURES.append(out.shape[1]))
+        elif how == "partial":
+            m.lin.register_forward_hook(functools.partial(_store, features))
+        elif how == "method":
+            m.lin.register_forward_hook(collector.hook)
+        elif how == "pre-hook":
+            m.lin.register_forward_pre_hook(lambda mod, inp: features.append(mod.out_features))
+    if how == "method":
+        return collector.features
+    return FEATURES if how in ("global", "forward") else features
+
+
+def _store(features, module, inputs, output):
+    features.append(output.shape[1])
+
+
+@pytest.mark.parametrize("how", ["closure", "global", "partial", "method", "pre-hook", "forward"])
+def test_features_collected_in_forward_come_in_model_order(cores, how):
+    # NOTE [ State the models share ] in parsum._engines: what forward hooks and forwards reach
+    # besides their modules (a closure's list, a global); on the threads the features came in
+    # the threads' order from the second call on.
+    cores(2)
+    seen: list[str] = []
+    FEATURES.clear()
+    kind = AppendsToAGlobal if how == "forward" else Sleeps
+    models = [kind(8 + i, seen) for i in range(6)]
+    features = collecting(models, how)
+    x = torch.randn(5, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            features.clear()
+            parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+            assert features == list(range(8, 14))
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
+def test_hooks_that_write_nothing_shared_keep_the_forwards_on_the_threads(cores):
+    cores(2)
+    seen: list[str] = []
+    models = [Sleeps(8 + i, seen) for i in range(6)]
+    scale = {"factor": 2.0}  # read by every hook, written by none
+    for m in models:
+        m.lin.register_forward_hook(lambda mod, inp, out: out * scale["factor"])
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+    for call in range(3):
+        torch.testing.assert_close(
+            parsum.sum_models(models, x, n_jobs=2, chunk_size=1), plain_sum(ref, x)
+        )
+        assert any(name.startswith("parsum-worker") for name in seen) == (call > 0)
+        seen.clear()
+
+
+def _hooked_models_dropped():
+    """Models whose hook finds its model's index in the list of models, run and dropped; a
+    weak reference to one."""
+    seen: list[str] = []
+    models = [Sleeps(8 + i, seen) for i in range(4)]
+    order: list[int] = []
+    for m in models:
+        m.register_forward_hook(lambda mod, inp, out: order.append(models.index(mod)))
+    for _ in range(3):
+        order.clear()
+        parsum.sum_models(models, torch.randn(5, IN), n_jobs=2).sum().backward()
+    assert order == [0, 1, 2, 3]
+    return weakref.ref(models[0])
+
+
+def test_hooks_that_reach_the_models_let_them_go(cores):
+    cores(2)
+    gone = _hooked_models_dropped()
+    gc.collect()
+    assert gone() is None
+
+
 class Context:
     """What the models share that holds them all: the plan must not hold it."""
 
