@@ -305,7 +305,8 @@ def _general_sum(
         walk.forward_in_order
         or walk.modifies_args  # NOTE [ Arguments modified in place ] in _function
         # NOTE [ State the models share ] in _engines: the first call learns
-        or (walk.writes_shared is not False and walk.shares_state())
+        or walk.writes_shared
+        or (walk.writes_shared is None and walk.shares_state())
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
         or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))

@@ -1673,9 +1673,12 @@ def batched_forward(
 # order, as models sharing a buffer do. Calls whose forwards run on the threads look too: a
 # write that starts later (a log every tenth call) makes that call warn that its writes came
 # in the threads' order, and the next calls run in model order. A walk made again for the
-# same models keeps what the last one learned. Not seen: a write two levels deep
-# (``self.tally.log.append``), through functions a forward calls, by backward hooks (which
-# run in the pullbacks, on the threads) (docs/limits.md).
+# same models keeps what the last one learned. Global forward hooks (``register_module_forward_
+# hook``: features collected for every model, ModuleTracker's parents) run for every model:
+# what they reach is looked at on every call while any is registered (``global_hooks_reach``),
+# as the walk's own. Not seen: a write two levels deep (``self.tally.log.append``), through
+# functions a forward calls, by backward hooks (which run in the pullbacks, on the threads)
+# (docs/limits.md).
 
 
 class SharedState(NamedTuple):
@@ -1714,6 +1717,24 @@ def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
                 if owner.setdefault(id(value), i) != i and id(value) not in named:
                     reached[id(value)] = value
     return SharedState(list(named.values()), list(reached.values()))
+
+
+# The global forward hooks and pre-hooks (``register_module_forward_hook``), which run for every
+# model's modules.
+_GLOBAL_FORWARD_HOOKS = tuple(
+    getattr(module_globals, name)
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+    if hasattr(module_globals, name)
+)
+
+
+def global_hooks_reach() -> list[Any]:
+    """What the global forward hooks and pre-hooks reach that they may write into (NOTE
+    [ State the models share ]): state every model shares; none where there are none."""
+    if not any(_GLOBAL_FORWARD_HOOKS):
+        return []
+    hooks = [hook for hooks in _GLOBAL_FORWARD_HOOKS for hook in list(hooks.values())]
+    return [v for hook in hooks for v in _reached(hook)]
 
 
 def _reached(fn: Any) -> list[Any]:

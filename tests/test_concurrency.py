@@ -1277,6 +1277,44 @@ def test_features_collected_in_forward_come_in_model_order(cores, how):
     assert not any(name.startswith("parsum-worker") for name in seen)
 
 
+@pytest.mark.parametrize("registered", ["before", "later"])
+def test_features_a_global_hook_collects_come_in_model_order(cores, registered):
+    from torch.nn.modules.module import register_module_forward_hook
+
+    cores(2)
+    seen: list[str] = []
+    models = [Sleeps(8 + i, seen) for i in range(6)]
+    features: list[int] = []
+
+    def collect(module, inputs, output):
+        if module in hooked:
+            features.append(output.shape[1])
+
+    hooked = [m.lin for m in models]
+    x = torch.randn(5, IN)
+    handle = None
+    try:
+        if registered == "before":
+            handle = register_module_forward_hook(collect)
+        else:  # plans learned without it, their forwards on the threads since
+            for _ in range(2):
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+            handle = register_module_forward_hook(collect)
+            with pytest.warns(RuntimeWarning, match="state that several models hold"):
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                features.clear()
+                seen.clear()
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+                assert features == list(range(8, 14))
+                assert not any(name.startswith("parsum-worker") for name in seen)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def test_hooks_that_write_nothing_shared_keep_the_forwards_on_the_threads(cores):
     cores(2)
     seen: list[str] = []
