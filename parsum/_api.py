@@ -21,6 +21,7 @@ from ._engines import (
     ModelParams,
     Unit,
     direct_calls_allowed,
+    global_hooks_reach_state,
     model_kind,
     module_of,
     runs_as_program,
@@ -307,6 +308,7 @@ def _general_sum(
         # NOTE [ State the models share ] in _engines: the first call learns
         or walk.writes_shared
         or (walk.writes_shared is None and walk.shares_state())
+        or global_hooks_reach_state()
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
         or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))

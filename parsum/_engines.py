@@ -1675,10 +1675,11 @@ def batched_forward(
 # in the threads' order, and the next calls run in model order. A walk made again for the
 # same models keeps what the last one learned. Global forward hooks (``register_module_forward_
 # hook``: features collected for every model, ModuleTracker's parents) run for every model:
-# what they reach is looked at on every call while any is registered (``global_hooks_reach``),
-# as the walk's own. Not seen: a write two levels deep (``self.tally.log.append``), through
-# functions a forward calls, by backward hooks (which run in the pullbacks, on the threads)
-# (docs/limits.md).
+# while one that reaches such state is registered, the forwards run in model order, without
+# learning (``global_hooks_reach_state``): a profiler used for a few steps must not keep a
+# plan in model order after it is gone. Not seen: a write two levels deep
+# (``self.tally.log.append``), through functions a forward calls, by backward hooks (which
+# run in the pullbacks, on the threads) (docs/limits.md).
 
 
 class SharedState(NamedTuple):
@@ -1728,13 +1729,13 @@ _GLOBAL_FORWARD_HOOKS = tuple(
 )
 
 
-def global_hooks_reach() -> list[Any]:
-    """What the global forward hooks and pre-hooks reach that they may write into (NOTE
-    [ State the models share ]): state every model shares; none where there are none."""
+def global_hooks_reach_state() -> bool:
+    """Whether a global forward hook or pre-hook reaches something it may write into (NOTE
+    [ State the models share ]): state every model shares."""
     if not any(_GLOBAL_FORWARD_HOOKS):
-        return []
+        return False
     hooks = [hook for hooks in _GLOBAL_FORWARD_HOOKS for hook in list(hooks.values())]
-    return [v for hook in hooks for v in _reached(hook)]
+    return any(_reached(hook) for hook in hooks)
 
 
 def _reached(fn: Any) -> list[Any]:

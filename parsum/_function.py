@@ -56,7 +56,6 @@ from ._engines import (
     check_own_leaves,
     check_weight_dtype,
     direct_calls_allowed,
-    global_hooks_reach,
     graph_nodes,
     leaf_of,
     model_arguments,
@@ -516,9 +515,8 @@ def run_forward(
     versions = argument_versions(call) if parallel and not in_order else None
     # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order,
     # looked for again where the forwards run on the threads
-    reach = global_hooks_reach() if walk.kept else []
-    look = walk.kept and (walk.shares_state() or reach) and (walk.writes_shared is None or parallel)
-    shared = [*walk.shared_objects(), *reach] if look else []
+    look = walk.kept and walk.shares_state() and (walk.writes_shared is None or parallel)
+    shared = walk.shared_objects() if look else []
     shared_before = shared_snapshot(shared) if shared else None
     snapshot = _BufferSnapshot(plan.model_params)
     try:
