@@ -656,10 +656,10 @@ def _collect_params(
 def _forward_in_order(model_params: list[ModelParams]) -> bool:
     """Whether the forwards must run one after the other, in model order: when two model
     entries share a buffer, its updates (BatchNorm statistics) must happen in the plain loop's
-    order, and when they hold one ``torch.Generator``, its draws (NOTE [ Generators the models
-    hold ] in _random). (Engines "vjp" and "stacked" swap tensors in shadows of the modules,
-    never in the modules themselves, so entries that share a module may run at once: NOTE
-    [ Shadow modules ].)"""
+    order, and when they hold one generator (torch's, Python's or NumPy's), its draws (NOTE
+    [ Generators the models hold ] in _random). (Engines "vjp" and "stacked" swap tensors in
+    shadows of the modules, never in the modules themselves, so entries that share a module
+    may run at once: NOTE [ Shadow modules ].)"""
     owner: dict[int, int] = {}
     for i, mp in enumerate(model_params):
         shared = [*mp.buffers, *(g for m in mp.modules for g in held_generators(m))]

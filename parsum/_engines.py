@@ -235,15 +235,34 @@ def _changed(watched: Watched) -> bool:
     value, kept = watched.value, watched.kept
     if isinstance(value, Tensor):
         return kept._version != 0
+    return not _same_contents(_contents(kept), _contents(value))
+
+
+def _contents(value: Any) -> Any:
+    """What a container or an object holds, read as the builtin it derives from (no method of
+    a subclass of the user's runs): a list of a list's or deque's items, a set's, a dict's, or
+    an object's attributes as a dict."""
+    if isinstance(value, list):
+        return list.copy(value)
+    if isinstance(value, dict):
+        return dict.copy(value)
     if isinstance(value, set):
-        return len(kept) != len(value) or not all(map(value.__contains__, list(kept)))
-    if isinstance(value, (list, collections.deque)):
-        return len(kept) != len(value) or not all(map(operator.is_, list(kept), list(value)))
-    if not isinstance(value, dict):  # a plain object: its attributes
-        value, kept = vars(value), vars(kept)
-    return len(kept) != len(value) or any(
-        kept.get(k, _MISSING) is not v for k, v in list(value.items())
-    )
+        return set.copy(value)
+    if isinstance(value, collections.deque):
+        return [*_deque_items(value)]
+    return dict(vars(value))
+
+
+def _same_contents(a: Any, b: Any) -> bool:
+    """Whether two ``_contents`` hold the same objects (by identity; a set's by equality)."""
+    if isinstance(a, set):
+        return a == b
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(operator.is_, a, b))
+    return len(a) == len(b) and all(b.get(k, _MISSING) is v for k, v in a.items())
+
+
+_deque_items = collections.deque.__iter__
 
 
 def _replaced(value: Any, replace: dict[int, Any], seen: frozenset[int] = frozenset()) -> Any:
@@ -1772,20 +1791,9 @@ def _holds_modules(value: Any) -> bool:
     """Whether ``value`` (``_writable``) holds a module, looked at one level deep."""
     if isinstance(value, Tensor):
         return False
-    items = _items(value) if isinstance(value, _MUTABLE_CONTAINERS) else list(vars(value).values())
+    held = _contents(value)
+    items = list(held.values() if isinstance(held, dict) else held)
     return any(isinstance(v, nn.Module) for v in items[:_LONG])
-
-
-def _items(container: Any) -> list[Any]:
-    """A container's items (a dict's values), read as the builtin it derives from: no method
-    of a subclass of the user's runs."""
-    if isinstance(container, dict):
-        return list(dict.values(container))
-    if isinstance(container, set):
-        return list(set.copy(container))
-    if isinstance(container, collections.deque):
-        return [*_deque_items(container)]
-    return list.copy(container)
 
 
 def _length(container: Any) -> int:
@@ -1824,18 +1832,7 @@ def _held_now(value: Any) -> Any:
         return value._version
     if isinstance(value, _MUTABLE_CONTAINERS) and _length(value) > _LONG:
         return _Length(_length(value))
-    if isinstance(value, list):
-        return list.copy(value)
-    if isinstance(value, dict):
-        return dict.copy(value)
-    if isinstance(value, set):
-        return set.copy(value)
-    if isinstance(value, collections.deque):
-        return [*_deque_items(value)]
-    return dict(vars(value))
-
-
-_deque_items = collections.deque.__iter__
+    return _contents(value)
 
 
 def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
@@ -1847,23 +1844,8 @@ def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
         elif isinstance(kept, _Length):
             if _length(value) != kept.n:
                 return True
-        elif isinstance(value, collections.deque):
-            items = [*_deque_items(value)]
-            if len(kept) != len(items) or not all(map(operator.is_, kept, items)):
-                return True
-        elif isinstance(value, set):
-            if kept != set.copy(value):
-                return True
-        elif isinstance(value, list):
-            items = list.copy(value)
-            if len(kept) != len(items) or not all(map(operator.is_, kept, items)):
-                return True
-        else:
-            now = dict.copy(value) if isinstance(value, dict) else vars(value)
-            if len(kept) != len(now) or any(
-                kept.get(k, _MISSING) is not v for k, v in list(dict.items(now))
-            ):
-                return True
+        elif not _same_contents(kept, _contents(value)):
+            return True
     return False
 
 
