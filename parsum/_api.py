@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from . import _config, _pool
 from ._engines import (
     COMPILED_MODULES,
+    GLOBAL_HOOKS,
     CallArgs,
     ModelParams,
     Unit,
@@ -313,6 +314,14 @@ def _general_sum(
         # NOTE [ Generators the models hold ] in _random: one passed to every model
         or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))
     )
+    # NOTE [ Pullbacks that write shared state ] in _function: the first backward learns
+    looks_at_pullbacks = walk.kept and walk.shares_state() and not walk.pullbacks_write_shared
+    ordered_pullbacks = (
+        bool(walk.pullbacks_write_shared)
+        or (walk.pullbacks_write_shared is None and looks_at_pullbacks)
+        # a global forward hook too: it may register tensor hooks (ModuleTracker's)
+        or global_hooks_reach_state(GLOBAL_HOOKS)
+    )
     plan = SumPlan(
         models=models,
         call=call,
@@ -335,6 +344,8 @@ def _general_sum(
         step_in_backward=step_in_backward,
         step_index=step_index,
         walk=walk,
+        ordered_pullbacks=ordered_pullbacks,
+        looks_at_pullbacks=looks_at_pullbacks,
     )
     differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
     build_graph = torch.is_grad_enabled() and (

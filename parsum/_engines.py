@@ -1404,15 +1404,18 @@ def _direct_steps(
 
 # A module's hooks that a call runs, and every module's (NOTE [ Direct programs ]; stacking).
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-GLOBAL_HOOKS = tuple(
-    getattr(module_globals, name)
-    for name in (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
-    )
-    if hasattr(module_globals, name)
+
+
+def _global_hooks(*names: str) -> tuple[dict[int, Any], ...]:
+    """torch's dicts of global module hooks of these names (those this torch has)."""
+    return tuple(getattr(module_globals, name) for name in names if hasattr(module_globals, name))
+
+
+# Global module hooks (``register_module_forward_hook`` and the like), which run for every model.
+GLOBAL_FORWARD_HOOKS = _global_hooks("_global_forward_hooks", "_global_forward_pre_hooks")
+GLOBAL_HOOKS = (
+    *GLOBAL_FORWARD_HOOKS,
+    *_global_hooks("_global_backward_hooks", "_global_backward_pre_hooks"),
 )
 module_hooks = operator.attrgetter(*HOOK_DICTS)
 
@@ -1696,9 +1699,10 @@ def batched_forward(
 # hook``: features collected for every model, ModuleTracker's parents) run for every model:
 # while one that reaches such state is registered, the forwards run in model order, without
 # learning (``global_hooks_reach_state``): a profiler used for a few steps must not keep a
-# plan in model order after it is gone. Not seen: a write two levels deep
-# (``self.tally.log.append``), through functions a forward calls, by backward hooks (which
-# run in the pullbacks, on the threads) (docs/limits.md).
+# plan in model order after it is gone. What the modules' backward hooks and pre-hooks reach
+# counts too: a write in the pullbacks is learned by the first backward (NOTE [ Pullbacks that
+# write shared state ] in _function). Not seen: a write two levels deep
+# (``self.tally.log.append``), through functions a forward or hook calls (docs/limits.md).
 
 
 class SharedState(NamedTuple):
@@ -1714,15 +1718,20 @@ class SharedState(NamedTuple):
 
 
 def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
-    """What modules of two or more entries hold or reach in common that a forward may write
-    into (NOTE [ State the models share ])."""
+    """What modules of two or more entries hold or reach in common that a forward or a
+    backward hook may write into (NOTE [ State the models share ])."""
     owner: dict[int, int] = {}
     named: dict[int, tuple[nn.Module, str | None]] = {}
     reached: dict[int, Any] = {}
     for i, mp in enumerate(model_params):
         for module in mp.modules:
             held: list[tuple[Any, nn.Module, str | None]] = [(module, module, None)]
-            functions = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+            functions = [
+                *module._forward_hooks.values(),
+                *module._forward_pre_hooks.values(),
+                *module._backward_hooks.values(),  # NOTE [ Pullbacks that write shared state ]
+                *module._backward_pre_hooks.values(),
+            ]
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 held.extend(
                     (value, module, key)
@@ -1739,22 +1748,14 @@ def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
     return SharedState(list(named.values()), list(reached.values()))
 
 
-# The global forward hooks and pre-hooks (``register_module_forward_hook``), which run for every
-# model's modules.
-_GLOBAL_FORWARD_HOOKS = tuple(
-    getattr(module_globals, name)
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
-    if hasattr(module_globals, name)
-)
-
-
-def global_hooks_reach_state() -> bool:
-    """Whether a global forward hook or pre-hook reaches something it may write into (NOTE
-    [ State the models share ]): state every model shares."""
-    if not any(_GLOBAL_FORWARD_HOOKS):
+def global_hooks_reach_state(hooks: tuple[dict[int, Any], ...] = GLOBAL_FORWARD_HOOKS) -> bool:
+    """Whether one of these global hooks (the forward ones by default) reaches something it
+    may write into (NOTE [ State the models share ]): state every model shares."""
+    if not any(hooks):
         return False
-    hooks = [hook for hooks in _GLOBAL_FORWARD_HOOKS for hook in list(hooks.values())]
-    return any(_reached(hook) for hook in hooks)
+    return any(
+        _reached(hook) for hooks_of_a_kind in hooks for hook in list(hooks_of_a_kind.values())
+    )
 
 
 def _reached(fn: Any) -> list[Any]:

@@ -128,6 +128,10 @@ class SumPlan:
             model's position in it.
         walk: the walk over the models the plan came from (NOTE [ Reused plans ] in _plans).
         one_thread_backward: whether the pullbacks must run on one thread, set by forward.
+        ordered_pullbacks: whether the pullbacks run on the calling thread, the last model's
+            first, as the plain loop's backward runs them; ``looks_at_pullbacks``: whether the
+            backward looks for a write into what the models share (NOTE [ Pullbacks that write
+            shared state ]).
     """
 
     models: list[Callable[..., Any]]
@@ -153,6 +157,8 @@ class SumPlan:
     # Set by the forward: its models drew random numbers that a pullback may draw again
     # (NOTE [ Random numbers replayed in backward ] in _random).
     one_thread_backward: bool = False
+    ordered_pullbacks: bool = False
+    looks_at_pullbacks: bool = False
     # NOTE [ Dropout drawn beforehand ] in _random: the call's noise_key where its draws can
     # be made beforehand, and whether they are (else the forward records their shapes).
     noise_key: Hashable | None = None
@@ -617,6 +623,64 @@ def _note_shared_writes(plan: SumPlan) -> None:
     )
 
 
+# NOTE [ Pullbacks that write shared state ]
+# Backward hooks that log into something the models share (a full backward hook on each model
+# appending its gradient's norm to one list; a tensor hook a forward registers, writing into a
+# dict the models hold) run in the pullbacks: in the plain loop's backward one model after the
+# other, the last model first (the engine runs the nodes of highest sequence number first, and
+# a thread numbers them in creation order), and on the threads in the threads' order: 6 MLPs
+# whose full backward hooks appended their index to one list at n_jobs=2 logged 5 4 3 1 2 0 in
+# one call of three, where the plain loop logs 5 4 3 2 1 0. What the modules' backward hooks
+# and pre-hooks reach counts among what the models share (``shared_state`` in _engines, NOTE
+# [ State the models share ] there), and a kept walk learns from its first backward whether
+# the pullbacks write into it, as its first forward learns whether the forwards do: that
+# backward pulls the models back on the calling thread from the last chunk to the first
+# (``run_last_first``; each chunk's models ran on one thread in model order, so one engine
+# call a chunk pulls them back from the last, and one call pulls back every chunk where the
+# forwards ran on one thread), its sums still added in chunk order (the same bits), and looks
+# for a write after it (``pullback_snapshot``, ``learn_pullback_writes``). Where one was
+# written, every backward of the walk runs so; otherwise on the threads, looking again after
+# each (a write that starts later warns and switches). A global module hook that reaches such
+# state orders the pullbacks while it is registered: a backward hook, or a forward hook, which
+# may register tensor hooks (ModuleTracker's, which FlopCounterMode uses, write its parents).
+# Pullbacks joined later (NOTE [ Pullbacks joined later ]) are not taken where the backward
+# orders them, and looked at when they are joined.
+
+
+def pullback_snapshot(plan: SumPlan, on_threads: bool) -> tuple[list[Any], list[Any]] | None:
+    """What the models share and what it holds, before a backward that learns whether its
+    pullbacks write into it or would run ``on_threads`` (NOTE [ Pullbacks that write shared
+    state ]); None where it does not look."""
+    walk = plan.walk
+    if not plan.looks_at_pullbacks or not (walk.pullbacks_write_shared is None or on_threads):
+        return None
+    objects = walk.shared_objects()
+    return (objects, shared_snapshot(objects)) if objects else None
+
+
+def learn_pullback_writes(plan: SumPlan, looked: tuple[list[Any], list[Any]] | None) -> None:
+    """After a backward that succeeded: whether its pullbacks wrote into what the models share,
+    learned by the walk; a write on the threads warns (NOTE [ Pullbacks that write shared
+    state ])."""
+    if looked is None:
+        return
+    wrote = wrote_shared(*looked)
+    walk = plan.walk
+    if wrote and not plan.ordered_pullbacks:
+        warn_thread_timing(
+            plan.where,
+            "a backward hook wrote into state that several models hold (a list, dict, set, "
+            "object, tensor or module) while the models were pulled back on several threads, "
+            "so in the threads' order",
+            "Pullbacks that write shared state",
+            "_function",
+            True,
+            then="the next backward passes with these models pull them back on one thread, "
+            "the last model first, as the plain loop does",
+        )
+    walk.pullbacks_write_shared = wrote or bool(walk.pullbacks_write_shared)
+
+
 def _note_random_draws(
     plan: SumPlan, states: list[bytes] | None, nodes: list[Any] | None, missed: bool
 ) -> None:
@@ -910,6 +974,7 @@ def may_join_later(plan: SumPlan, differentiable: Sequence[Tensor]) -> bool:
     parameters or more; and no process group, unless the call is parsum.distributed's own."""
     return (
         bool(plan.params)
+        and not plan.ordered_pullbacks  # NOTE [ Pullbacks that write shared state ]
         and not any(t.requires_grad for t in differentiable)
         and len(plan.params) >= JOIN_LATER_PARAMS
         and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
@@ -1606,6 +1671,10 @@ class _Backward:
                 # NOTE [ Random numbers replayed in backward ] in _random
                 one_thread = plan.one_thread_backward or _on_device_thread(self.grad_outputs)
                 workers = 1 if one_thread else plan.n_workers
+                # NOTE [ Pullbacks that write shared state ]
+                looked = pullback_snapshot(plan, _pool.threads_for(len(plan.chunks), workers) > 1)
+                if plan.ordered_pullbacks:
+                    workers = 1
                 # One thread runs every chunk: one engine call for all of them, made by the
                 # first chunk (under the tasks' intra-op threads). Each call inside a backward
                 # measured about 80 us here: 16 medium MLPs at one thread took 11.4 ms a step
@@ -1616,7 +1685,7 @@ class _Backward:
                 # a peak of 140 MiB, more than without StepInBackward, against 20 chunk by
                 # chunk), or FlatGrad slots (compensated: 405 -> 285 MiB, 1.5% slower).
                 # The forwards ran on one thread too, in model order, which a failure's
-                # search relies on (_pull_back_batched).
+                # search relies on (_pull_back_batched), as it does on the chunks' order.
                 self.one_call = (
                     _pool.threads_for(len(plan.chunks), workers) <= 1
                     and _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
@@ -1630,24 +1699,19 @@ class _Backward:
                 # [ Argument gradients chunk by chunk ] in _inline).
                 ordered = plan.step_in_backward is None and not self.ctx.call.grad_positions
                 order = plan.claim_order if ordered else None
+                job_args = (self.chunk, len(plan.chunks), workers, self.consume, order)
                 if plan.join is not None and self.returns_none():
                     # NOTE [ Pullbacks joined later ]
                     self.to_store, self.failures = [], []
-                    job = _pool.start_ordered(
-                        self.chunk,
-                        len(plan.chunks),
-                        workers,
-                        self.consume,
-                        order,
-                        plan.callers_last,
-                    )
+                    job = _pool.start_ordered(*job_args, plan.callers_last)
                     if job is not None:
-                        plan.join.finish = functools.partial(self.join, job)
+                        plan.join.finish = functools.partial(self.join, job, looked)
                         return
                     self.to_store = self.failures = None
-                _pool.run_ordered(
-                    self.chunk, len(plan.chunks), workers, self.consume, order, plan.callers_last
-                )
+                if plan.ordered_pullbacks and not self.one_call:  # one call: in that order
+                    _pool.run_last_first(self.chunk, len(plan.chunks), self.consume)
+                else:
+                    _pool.run_ordered(*job_args, plan.callers_last)
                 # NOTE [ Spinning intra-op threads ] in _pool
                 with _pool.as_one_task(len(plan.chunks)):
                     for slot, acc in self.shared_totals.items():
@@ -1665,6 +1729,7 @@ class _Backward:
             raise
         if flat is not None:
             flat.commit()
+        learn_pullback_writes(plan, looked)
 
     def undo(self) -> None:
         """After a failure: what the pullbacks wrote, undone; the failure announced."""
@@ -1688,10 +1753,11 @@ class _Backward:
             and not self.ctx.weight_needs_grad
         )
 
-    def join(self, job: Any) -> None:
+    def join(self, job: Any, looked: tuple[list[Any], list[Any]] | None) -> None:
         """The caller's part of the pullbacks handed to helpers, then the wait, then the
         gradients they gave to store; on a failure, undo and raise (NOTE [ Pullbacks joined
-        later ])."""
+        later ]); then whether they wrote what the models share (``looked``: NOTE
+        [ Pullbacks that write shared state ])."""
         to_store = self.to_store
         assert to_store is not None
         try:
@@ -1710,6 +1776,7 @@ class _Backward:
             # Set already by the engine (a gradient from outside the sum, whose nodes ran
             # before this one): added, as the engine would have added it to the stored one.
             p.grad = g if p.grad is None else p.grad + g
+        learn_pullback_writes(self.plan, looked)
 
     def gradients(self) -> tuple[Tensor | None, ...]:
         """One gradient per input of ``ParallelSum.forward``: None for the plan, the

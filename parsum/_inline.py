@@ -125,8 +125,10 @@ from ._function import (
     freed_by_the_failed_call,
     freed_graph_error,
     join_input,
+    learn_pullback_writes,
     may_join_later,
     model_weight_grad,
+    pullback_snapshot,
     raise_first_failing_model,
     reaching_a_graph_freed_before,
     reports_failures,
@@ -398,6 +400,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     vmapped_captured: dict[int, Sequence[Tensor | None]] = {}
     one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs) or vmapped
     workers = 1 if one_thread else plan.n_workers
+    # NOTE [ Pullbacks that write shared state ] in _function
+    looked = pullback_snapshot(plan, _pool.threads_for(n_chunks, workers) > 1)
     pending = state.pending
     joined = (None,) if pending is not None else ()  # the join node's gradient
 
@@ -452,11 +456,14 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                         raise_failure(failure)
                     finally:
                         failure = None
+                learn_pullback_writes(plan, looked)
 
             pending.finish = finish
             return (None, None, None, *weight_part, *param_grads, *joined)
     try:
-        if _pool.threads_for(n_chunks, workers) <= 1:
+        if plan.ordered_pullbacks and not (state.in_order and aliases is None):
+            _pool.run_last_first(pull_back_one, n_chunks, add_in_order)
+        elif plan.ordered_pullbacks or _pool.threads_for(n_chunks, workers) <= 1:
             with _pool.as_one_task(n_chunks):  # the chunks' threads
                 if state.in_order and aliases is None:
                     pull_back_chunks(0, range(n_chunks))
@@ -480,6 +487,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             raise_failure(error)
         finally:
             error = edges = None
+    learn_pullback_writes(plan, looked)
     arg_grads: list[Tensor | None] = [None] * n_args
     if aliases is not None:
         if vmapped:

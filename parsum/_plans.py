@@ -129,6 +129,9 @@ class Walk:
         self.shared_state: list[tuple[int, str | None]] = []
         self.shared_reached: list[Any] = []  # what hooks and forwards reach otherwise
         self.writes_shared: bool | None = None
+        # Whether a pullback (a backward hook) was seen to write into it: NOTE [ Pullbacks
+        # that write shared state ] in _function.
+        self.pullbacks_write_shared: bool | None = None
         self.kept = False  # by keep_walk, for the next calls
         # Whether a call looked through the models' graphs (NOTE [ Tensors a module does not
         # own ] in _engines).
@@ -456,6 +459,7 @@ def keep_walk(
         walk.draws_random = last.draws_random
         walk.modifies_args = last.modifies_args
         walk.writes_shared = last.writes_shared
+        walk.pullbacks_write_shared = last.pullbacks_write_shared
     # Dropped when any model goes: its id could then name another model.
     forget = _Forget(key, walk)
     if all(isinstance(m, nn.Module) for m in models):

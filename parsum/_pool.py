@@ -604,6 +604,20 @@ def run_ordered(
             _work_and_wait(job)
 
 
+def run_last_first(
+    task: Callable[[int], Any], n_tasks: int, consume: Callable[[int, Any], None]
+) -> None:
+    """Run ``task(k)`` in this thread for k = n_tasks - 1, ..., 0, then ``consume(k, result)``
+    for k = 0, 1, ...: the plain loop's backward order, with ``run_ordered``'s sums (NOTE
+    [ Pullbacks that write shared state ] in _function). A task that raises stops it."""
+    with as_one_task(n_tasks):
+        results = [task(k) for k in reversed(range(n_tasks))]
+        results.reverse()
+        for k, result in enumerate(results):
+            results[k] = None  # each result goes as it is consumed
+            consume(k, result)
+
+
 def release_callers_team() -> None:
     """End this thread's OpenMP team, if OpenMP is libgomp (NOTE [ The caller's OpenMP
     team ]); its next parallel op starts a new one."""

@@ -265,15 +265,17 @@ def warn_drawn_on_threads(where: str, kept: bool) -> None:
     )
 
 
-def warn_thread_timing(where: str, what: str, note: str, module: str, kept: bool) -> None:
-    """Warn, at the caller's line, that ``what`` happened while a call's forwards ran on
-    several threads, and what the next calls do about it (``kept``: the walk is remembered);
-    ``note`` names the NOTE in parsum's ``module`` that says more."""
-    then = (
-        "the next calls with these models run their forwards in model order"
-        if kept
-        else "pass the models as nn.Modules, whose calls are remembered, or use n_jobs=1"
-    )
+def warn_thread_timing(
+    where: str, what: str, note: str, module: str, kept: bool, then: str | None = None
+) -> None:
+    """Warn, at the caller's line, that ``what`` happened while a call's forwards (or
+    pullbacks) ran on several threads, and what the next calls do about it (``kept``: the walk
+    is remembered; ``then``: what they do, where not their forwards in model order); ``note``
+    names the NOTE in parsum's ``module`` that says more."""
+    if not kept:
+        then = "pass the models as nn.Modules, whose calls are remembered, or use n_jobs=1"
+    elif then is None:
+        then = "the next calls with these models run their forwards in model order"
     warnings.warn(
         f"{where}: {what}; {then} (NOTE [ {note} ] in parsum.{module})",
         RuntimeWarning,

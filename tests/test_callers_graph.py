@@ -443,13 +443,13 @@ class _SlowBackward(torch.autograd.Function):
     """Identity whose backward notes its thread and sleeps (releasing the GIL)."""
 
     @staticmethod
-    def forward(ctx, x, seen):
-        ctx.seen = seen
+    def forward(ctx, x, record):
+        ctx.record = record
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        ctx.seen.append(threading.current_thread().name)
+        ctx.record(threading.current_thread().name)
         time.sleep(0.05)
         return g, None
 
@@ -458,10 +458,12 @@ class _Slow(nn.Module):
     def __init__(self, seen):
         super().__init__()
         self.lin = nn.Linear(IN, 3)
-        self.seen = seen
+        # A function: a list the models held would be state their pullbacks write into,
+        # which they then pull back in order (NOTE [ Pullbacks that write shared state ]).
+        self.record = seen.append
 
     def forward(self, x):
-        return _SlowBackward.apply(self.lin(x), self.seen)
+        return _SlowBackward.apply(self.lin(x), self.record)
 
 
 def test_several_threads_pull_back_on_several_threads(cores):
@@ -470,7 +472,7 @@ def test_several_threads_pull_back_on_several_threads(cores):
     models = [_Slow(seen) for _ in range(4)]
     ref = clone_models(models)
     for m in ref:
-        m.seen = []
+        m.record = [].append
     x = torch.randn(2, IN)
     y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
     assert in_callers_graph(y)

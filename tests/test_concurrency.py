@@ -1333,6 +1333,279 @@ def test_hooks_that_write_nothing_shared_keep_the_forwards_on_the_threads(cores)
         seen.clear()
 
 
+def on_a_worker(seen):
+    return any(name.startswith("parsum-worker") for name in seen)
+
+
+class HooksInForward(Sleeps):
+    """Registers, in forward, a tensor hook on its hidden features that appends its width to
+    the log the models hold (``self.log``), sleeping first."""
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if h.requires_grad:
+            width = self.lin.out_features
+
+            def log_width(grad):
+                time.sleep(0.002)
+                self.log.append(width)
+
+            h.register_hook(log_width)
+        return self.out(h)
+
+
+def logging_pullbacks(how, seen, log, threads):
+    """6 models whose pullbacks log their width into ``log`` and their thread into ``threads``,
+    as ``how`` users write it: a full backward hook or pre-hook, a tensor hook in forward."""
+    torch.manual_seed(0)
+    models = [(HooksInForward if how == "tensor" else Sleeps)(8 + i, seen) for i in range(6)]
+    record = threads.append  # a function: not state the hooks write into
+
+    def logging(width):
+        def hook(module, *grads):
+            record(current_name())
+            time.sleep(0.002)
+            log.append(width)
+
+        return hook
+
+    for m in models:
+        if how == "full":
+            m.register_full_backward_hook(logging(m.lin.out_features))
+        elif how == "pre":
+            m.register_full_backward_pre_hook(logging(m.lin.out_features))
+        else:
+            m.log = log
+            m.lin.register_forward_hook(lambda mod, inp, out: record(current_name()))
+    return models
+
+
+def current_name():
+    return threading.current_thread().name
+
+
+@pytest.mark.parametrize("how", ["full", "pre", "tensor"])
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x needs no gradient
+def test_backward_hooks_that_write_shared_state_run_in_the_plain_loops_order(
+    cores, how, route, needs_grad
+):
+    # NOTE [ Pullbacks that write shared state ] in parsum._function: on the threads the hooks
+    # logged in the threads' order (5 4 3 1 2 0 where the plain loop logs 5 4 3 2 1 0).
+    cores(2)
+    seen: list[str] = []
+    log: list[int] = []
+    threads: list[str] = []
+    models = logging_pullbacks(how, seen, log, threads)
+    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
+        models[0].out.bias.register_hook(lambda g: g * 1)
+    ref_log: list[int] = []
+    ref = logging_pullbacks(how, [], ref_log, [])
+    if route == "ParallelSum":
+        ref[0].out.bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN, requires_grad=needs_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "Full backward hook is firing")
+        for call in range(4):
+            log.clear()
+            threads.clear()
+            x.grad = None
+            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+            (y * y).sum().backward()
+            grad = x.grad
+            ref_log.clear()
+            x.grad = None
+            (plain_sum(ref, x).pow(2)).sum().backward()
+            assert log == ref_log == list(range(13, 7, -1)), call
+            if needs_grad:
+                torch.testing.assert_close(grad, x.grad)
+            assert not on_a_worker(threads[len(models) :] if how == "tensor" else threads)
+            for m, r in zip(models, ref):
+                torch.testing.assert_close(m.lin.weight.grad, r.lin.weight.grad)
+    # The same bits at one thread, where the pullbacks ran in order anyway
+    again = logging_pullbacks(how, [], [], [])
+    if route == "ParallelSum":
+        again[0].out.bias.register_hook(lambda g: g * 1)
+    for _ in range(4):
+        x.grad = None
+        parsum.sum_models(again, x, n_jobs=1, chunk_size=1).pow(2).sum().backward()
+    if needs_grad:
+        assert torch.equal(x.grad, grad)
+    for m, r in zip(models, again):
+        assert torch.equal(m.lin.weight.grad, r.lin.weight.grad)
+
+
+def test_backward_hooks_that_write_nothing_shared_keep_the_pullbacks_on_the_threads(cores):
+    cores(2)
+    seen: list[str] = []
+    threads: list[str] = []
+    record = threads.append
+    models = [Sleeps(8 + i, seen) for i in range(6)]
+    scale = {"factor": 2.0}  # read by every hook, written by none
+    for m in models:
+        m.lin.register_full_backward_hook(
+            lambda mod, gi, go: (
+                (record(current_name()), time.sleep(0.002)) and (gi[0] * scale["factor"],)
+            )
+        )
+    ref = clone_models(models)
+    x = torch.randn(5, IN, requires_grad=True)
+    for call in range(3):
+        threads.clear()
+        x.grad = None
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+        grad = x.grad
+        x.grad = None
+        plain_sum(ref, x).sum().backward()
+        torch.testing.assert_close(grad, x.grad)
+        assert on_a_worker(threads) == (call > 0)  # the first backward learns, in order
+
+
+@pytest.mark.parametrize("joined", [False, True])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x needs no gradient
+def test_pullbacks_that_start_writing_shared_state_warn_then_run_in_order(
+    cores, monkeypatch, joined
+):
+    cores(2)
+    started = []
+    if joined:  # NOTE [ Pullbacks joined later ] in parsum._function: looked at when joined
+        monkeypatch.setattr(parsum._function, "JOIN_LATER_PARAMS", 1)
+        start_ordered = _pool.start_ordered
+
+        def spy(*args):
+            job = start_ordered(*args)
+            started.append(job is not None)
+            return job
+
+        monkeypatch.setattr(_pool, "start_ordered", spy)
+    seen: list[str] = []
+    threads: list[str] = []
+    record = threads.append
+    models = [Sleeps(8 + i, seen) for i in range(6)]
+    log: list[int] = []
+    calls = {"n": 0}
+
+    def logs_later(w):
+        def hook(mod, gi, go):
+            record(current_name())
+            time.sleep(0.002)
+            if calls["n"] >= 3:
+                log.append(w)
+
+        return hook
+
+    for m in models:
+        m.register_full_backward_hook(logs_later(m.lin.out_features))
+    x = torch.randn(5, IN, requires_grad=not joined)
+    for calls["n"] in range(3):  # learns in order (no write), then on the threads
+        for m in models:
+            m.zero_grad()  # .grad None: the backward joined later may write it
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    threads.clear()
+    calls["n"] = 3
+    for m in models:
+        m.zero_grad()
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    with pytest.warns(RuntimeWarning, match="a backward hook wrote into state") as warned:
+        y.sum().backward()
+    (ours,) = [w for w in warned if w.category is RuntimeWarning]
+    assert ours.filename == __file__  # the caller's line
+    assert on_a_worker(threads)
+    assert sorted(log) == list(range(8, 14))
+    assert started == ([True, True, True] if joined else [])  # calls 2 to 4 joined later
+    log.clear()
+    threads.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "Full backward hook is firing")
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert log == list(range(13, 7, -1))
+    assert not on_a_worker(threads)
+
+
+class FailsInBackward(Sleeps):
+    def forward(self, x):
+        return _Failing.apply(super().forward(x))
+
+
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x needs no gradient
+def test_pullbacks_in_order_name_a_failing_model_and_change_no_grad(cores, route, needs_grad):
+    cores(2)
+    log: list[int] = []
+    threads: list[str] = []
+    models = logging_pullbacks("full", [], log, threads)
+    if route == "ParallelSum":
+        models[0].out.bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN, requires_grad=needs_grad)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()  # learns: in order
+    failing = FailsInBackward(99, [])
+    failing.register_full_backward_hook(lambda mod, gi, go: log.append(99))
+    models.insert(2, failing)  # another plan, which learns again
+    others = [p for m in models if m is not failing for p in m.parameters()]
+    before = [p.grad.clone() for p in others]
+    x_grad = x.grad.clone() if needs_grad else None
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(FailsInBackward\) raised ValueError"):
+        y.sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(others, before))
+    assert all(p.grad is None for p in failing.parameters())
+    if needs_grad:
+        assert torch.equal(x.grad, x_grad)
+
+
+@pytest.mark.parametrize("kind", ["full", "pre"])
+def test_a_global_backward_hook_orders_the_pullbacks_while_it_is_registered(cores, kind):
+    from torch.nn.modules.module import (
+        register_module_full_backward_hook,
+        register_module_full_backward_pre_hook,
+    )
+
+    cores(2)
+    seen: list[str] = []
+    threads: list[str] = []
+    record = threads.append
+    models = [Sleeps(8 + i, seen) for i in range(6)]
+    hooked = {id(m.lin): m.lin.out_features for m in models}
+    log: list[int] = []
+
+    def collect(module, *grads):
+        if id(module) in hooked:
+            record(current_name())
+            time.sleep(0.002)
+            log.append(hooked[id(module)])
+
+    x = torch.randn(5, IN, requires_grad=True)
+    for _ in range(2):  # plans learned without it, their pullbacks on the threads since
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    register = (
+        register_module_full_backward_hook
+        if kind == "full"
+        else register_module_full_backward_pre_hook
+    )
+    handle = register(collect)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                log.clear()
+                threads.clear()
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+                assert log == list(range(13, 7, -1))
+                assert not on_a_worker(threads)
+    finally:
+        handle.remove()
+    for m in models:  # the hook gone, back on the threads
+        m.lin.register_full_backward_hook(lambda mod, gi, go: record(current_name()))
+    threads.clear()
+    for _ in range(2):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    assert on_a_worker(threads)
+
+
 def _hooked_models_dropped():
     """Models whose hook finds its model's index in the list of models, run and dropped; a
     weak reference to one."""
