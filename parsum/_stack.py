@@ -356,17 +356,35 @@ class Stack(Sequence[nn.Module]):
         return self._program
 
     def __len__(self) -> int:
-        return len(self._refs)
+        return len(self._held_models())
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self.models)
+        return iter(self._held_models())
 
     def __getitem__(self, k: Any) -> Any:
-        return self.models[k]
+        return self._held_models()[k]
+
+    def _held_models(self) -> tuple[nn.Module, ...]:
+        """The models, for the sequence they make; a stack whose models are gone raises: seen
+        as empty, an EMA copy made with ``copy.deepcopy(stack)`` alone (whose copied models
+        nothing holds) had a length of its models and no model to loop over."""
+        found = self.models
+        if not found:
+            raise ParsumError(
+                "Stack: its models are gone (a stack holds its models weakly, and nothing "
+                "else held them: copy.deepcopy of a stack alone copies models that nothing "
+                "holds); copy the models with it, copy.deepcopy((models, stack)), or stack_ "
+                "the copied models"
+            )
+        return found
 
     def __repr__(self) -> str:
-        kind = type(self.models[0]).__name__
-        return f"Stack({len(self.models)} x {kind}, {len(self.values)} stacked tensors)"
+        found = self.models
+        if not found:
+            return f"Stack(models gone, {len(self.values)} stacked tensors)"
+        return (
+            f"Stack({len(found)} x {type(found[0]).__name__}, {len(self.values)} stacked tensors)"
+        )
 
     # -- storage -------------------------------------------------------------------------
     def _place(self, infos: list[ModelParams]) -> None:

@@ -1115,6 +1115,26 @@ def test_a_copied_or_loaded_stack_trains_its_copied_models(flat):
     assert_same_grads(twin_models, ref)
 
 
+def test_a_stack_whose_models_are_gone_raises_instead_of_looking_empty():
+    # A stack holds its models weakly: copy.deepcopy(stack) alone copies models that nothing
+    # holds. That copy had the length of its models but no model to loop over, so an EMA loop
+    # over zip(ema, stack) did nothing, silently.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(4)]
+    stack = parsum.stack_(models)
+    ema = copy.deepcopy(stack)
+    for use in (len, list, lambda s: s[0], lambda s: list(zip(s, stack))):
+        with pytest.raises(parsum.ParsumError, match=r"its models are gone.*copy\.deepcopy"):
+            use(ema)
+    with pytest.raises(parsum.ParsumError, match="its models are gone"):
+        parsum.sum_models(ema, torch.randn(5, IN))
+    assert "models gone" in repr(ema)
+    ema_models, ema = copy.deepcopy((models, stack))  # with its models: a working copy
+    assert len(ema) == 4 and list(ema) == ema_models
+    x = torch.randn(5, IN)
+    torch.testing.assert_close(parsum.sum_models(ema, x), parsum.sum_models(stack, x))
+
+
 def test_a_copied_stack_zeroes_a_frozen_layers_flatgrad_block_with_its_optimizer():
     # NOTE [ Gradients across a restack ]: a frozen name's block, kept as its stacked .grad,
     # was found when the stack was made again, before a copy's FlatGrad existed; the copy then
