@@ -1691,7 +1691,9 @@ def batched_forward(
 # walk lives as long as they do. The walk runs its first call's forwards in model order and
 # looks after them for a write into any of these (``wrote_shared``: the same objects by
 # identity no longer in it, a tensor's version moved; a container of more than ``_LONG``
-# items by its length); where one was written, the walk's calls run their forwards in model
+# items by its length; and the same for its first ``_INNER`` items that can be written into,
+# a log two levels deep, ``self.tally.log.append``, but not a module's own dicts, which a
+# plan's check sees); where one was written, the walk's calls run their forwards in model
 # order, as models sharing a buffer do. Calls whose forwards run on the threads look too: a
 # write that starts later (a log every tenth call) makes that call warn that its writes came
 # in the threads' order, and the next calls run in model order. A walk made again for the
@@ -1701,8 +1703,8 @@ def batched_forward(
 # learning (``global_hooks_reach_state``): a profiler used for a few steps must not keep a
 # plan in model order after it is gone. What the modules' backward hooks and pre-hooks reach
 # counts too: a write in the pullbacks is learned by the first backward (NOTE [ Pullbacks that
-# write shared state ] in _function). Not seen: a write two levels deep
-# (``self.tally.log.append``), through functions a forward or hook calls (docs/limits.md).
+# write shared state ] in _function). Not seen: a write three levels deep, into an item
+# beyond the first ``_INNER``, through functions a forward or hook calls (docs/limits.md).
 
 
 class SharedState(NamedTuple):
@@ -1808,7 +1810,7 @@ def _length(container: Any) -> int:
 def shared_snapshot(objects: Sequence[Any]) -> list[Any]:
     """What ``objects`` (``shared_state``) hold now: a tensor's version, a shallow copy of a
     container (as the builtin it derives from: no method of a subclass of the user's runs) or
-    of an object's attributes."""
+    of an object's attributes, with the same of their first items (``_INNER``)."""
     return list(map(_held_now, objects))
 
 
@@ -1828,26 +1830,53 @@ class _Length(NamedTuple):
     n: int
 
 
-def _held_now(value: Any) -> Any:
+# The items of a shared container or object looked at one level further (``self.tally.log``,
+# ``self.stats["seen"]``): the first ones that can be written into, each container among them
+# by its contents up to this length, by its length beyond.
+_INNER = 64
+
+
+class _Contents(NamedTuple):
+    """What a container or object holds, and what its first items that can be written into
+    hold (each with its ``_held_now``)."""
+
+    contents: Any
+    inner: list[tuple[Any, Any]]
+
+
+def _held_now(value: Any, long: int = _LONG, inner: bool = True) -> Any:
     if isinstance(value, Tensor):
         return value._version
-    if isinstance(value, _MUTABLE_CONTAINERS) and _length(value) > _LONG:
+    if isinstance(value, _MUTABLE_CONTAINERS) and _length(value) > long:
         return _Length(_length(value))
-    return _contents(value)
+    contents = _contents(value)
+    if not inner or isinstance(value, nn.Module):  # its dicts: what a plan's check sees
+        return contents
+    items = contents.values() if isinstance(contents, dict) else contents
+    held = [
+        (item, _held_now(item, _INNER, False))
+        for item in itertools.islice(items, _INNER)
+        if _writable(item)
+    ]
+    return _Contents(contents, held) if held else contents
+
+
+def _written_since(value: Any, kept: Any) -> bool:
+    if isinstance(value, Tensor):
+        return bool(value._version != kept)
+    if isinstance(kept, _Length):
+        return _length(value) != kept.n
+    if isinstance(kept, _Contents):
+        return not _same_contents(kept.contents, _contents(value)) or any(
+            _written_since(item, held) for item, held in kept.inner
+        )
+    return not _same_contents(kept, _contents(value))
 
 
 def wrote_shared(objects: Sequence[Any], snapshot: Sequence[Any]) -> bool:
-    """Whether a forward wrote into one of ``objects`` since ``snapshot``."""
-    for value, kept in zip(objects, snapshot):
-        if isinstance(value, Tensor):
-            if value._version != kept:
-                return True
-        elif isinstance(kept, _Length):
-            if _length(value) != kept.n:
-                return True
-        elif not _same_contents(kept, _contents(value)):
-            return True
-    return False
+    """Whether a forward or pullback wrote into one of ``objects`` since ``snapshot``, or into
+    one of their first items."""
+    return any(map(_written_since, objects, snapshot))
 
 
 def _arguments_of_its_own(

@@ -1050,6 +1050,10 @@ class SharesState(nn.Module):
             self.shared.mul_(1.5).add_(y.detach().mean(0)[:2])
         elif self.kind == "module":
             self.counter.calls = self.counter.calls * 10 + self.body[0].out_features % 10
+        elif self.kind == "object-log":  # two levels deep: self.shared.log
+            self.shared.log.append(self.body[0].out_features)
+        elif self.kind == "dict-log":
+            self.shared["seen"].append(self.body[0].out_features)
         elif self.kind == "read":  # reads it only: the forwards stay on the threads
             y = y * self.shared.calls
         return y
@@ -1069,7 +1073,11 @@ def shares_state(kind, seen):
         "read": Tally(),
         "tensor": torch.zeros(2),
         "module": CountingModule(),
+        "object-log": Tally(),
+        "dict-log": {"seen": []},
     }[kind]
+    if kind == "object-log":
+        shared.log = []
     if kind == "read":
         shared.calls = 2
     torch.manual_seed(0)
@@ -1083,7 +1091,9 @@ def shared_of(model):
     return copy.copy(vars(state) if isinstance(state, (Tally, nn.Module)) else state)
 
 
-@pytest.mark.parametrize("kind", ["log", "dict", "object", "tensor", "module"])
+@pytest.mark.parametrize(
+    "kind", ["log", "dict", "object", "tensor", "module", "object-log", "dict-log"]
+)
 @pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
 def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind, route):
     # NOTE [ State the models share ] in parsum._engines: on the threads they wrote in the
@@ -1339,7 +1349,10 @@ def on_a_worker(seen):
 
 class HooksInForward(Sleeps):
     """Registers, in forward, a tensor hook on its hidden features that appends its width to
-    the log the models hold (``self.log``), sleeping first."""
+    the log the models hold (``self.log``, or two levels deep ``self.book.log``), sleeping
+    first."""
+
+    book = None
 
     def forward(self, x):
         h = torch.tanh(self.lin(x))
@@ -1348,7 +1361,7 @@ class HooksInForward(Sleeps):
 
             def log_width(grad):
                 time.sleep(0.002)
-                self.log.append(width)
+                (self.log if self.book is None else self.book.log).append(width)
 
             h.register_hook(log_width)
         return self.out(h)
@@ -1358,7 +1371,10 @@ def logging_pullbacks(how, seen, log, threads):
     """6 models whose pullbacks log their width into ``log`` and their thread into ``threads``,
     as ``how`` users write it: a full backward hook or pre-hook, a tensor hook in forward."""
     torch.manual_seed(0)
-    models = [(HooksInForward if how == "tensor" else Sleeps)(8 + i, seen) for i in range(6)]
+    tensor_hooks = how in ("tensor", "tensor-nested")
+    models = [(HooksInForward if tensor_hooks else Sleeps)(8 + i, seen) for i in range(6)]
+    book = Tally()
+    book.log = log
     record = threads.append  # a function: not state the hooks write into
 
     def logging(width):
@@ -1375,7 +1391,10 @@ def logging_pullbacks(how, seen, log, threads):
         elif how == "pre":
             m.register_full_backward_pre_hook(logging(m.lin.out_features))
         else:
-            m.log = log
+            if how == "tensor":
+                m.log = log
+            else:
+                m.book = book
             m.lin.register_forward_hook(lambda mod, inp, out: record(current_name()))
     return models
 
@@ -1384,7 +1403,7 @@ def current_name():
     return threading.current_thread().name
 
 
-@pytest.mark.parametrize("how", ["full", "pre", "tensor"])
+@pytest.mark.parametrize("how", ["full", "pre", "tensor", "tensor-nested"])
 @pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
 @pytest.mark.parametrize("needs_grad", [False, True])
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x needs no gradient
@@ -1421,7 +1440,7 @@ def test_backward_hooks_that_write_shared_state_run_in_the_plain_loops_order(
             assert log == ref_log == list(range(13, 7, -1)), call
             if needs_grad:
                 torch.testing.assert_close(grad, x.grad)
-            assert not on_a_worker(threads[len(models) :] if how == "tensor" else threads)
+            assert not on_a_worker(threads[len(models) :] if how.startswith("tensor") else threads)
             for m, r in zip(models, ref):
                 torch.testing.assert_close(m.lin.weight.grad, r.lin.weight.grad)
     # The same bits at one thread, where the pullbacks ran in order anyway
