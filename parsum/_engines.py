@@ -645,6 +645,8 @@ def pull_back(
     the checks and conversions of ``autograd.grad``'s Python wrapper (about 10 us a call here,
     a tenth of a tiny model's pullback) are skipped where the engine can be called directly.
     """
+    if len(outputs) == 1:  # NOTE [ One root edge ]
+        outputs, cotangents = _with_a_root_pad(outputs, cotangents)
     if _run_engine is None or has_torch_function([*cotangents, *inputs]):
         if accumulate:
             torch.autograd.backward(  # no inputs: every leaf, as the engine call does
@@ -663,6 +665,34 @@ def pull_back(
         True,
         accumulate_grad=accumulate,
     )
+
+
+# NOTE [ One root edge ]
+# An engine call with one root edge makes that edge's node the graph task's root, which the
+# engine then leaves out of the nodes it counts in the graph: ``_will_engine_execute_node``
+# answers False for it while the call runs. ``torch.autograd.graph.register_multi_grad_hook``
+# (mode "all") counts with it the tensors whose gradients will come, and so called its hook
+# twice in one backward where a model's output was among its tensors and the model was pulled
+# back alone (once for each tensor), where the plain loop, whose root is the loss, calls it
+# once. Such a call gets a second root: an edge to an empty leaf of parsum's own, with an empty
+# gradient, so that the engine roots it in a GraphRoot, as the plain loop's backward is. Where
+# the call accumulates into every leaf, that leaf's AccumulateGrad runs (adding nothing); else
+# the engine skips it.
+_ROOT_PADS: dict[torch.device, tuple[GradientEdge, Tensor]] = {}
+
+
+def _with_a_root_pad(
+    outputs: Sequence[GradientEdge], cotangents: Sequence[Tensor]
+) -> tuple[Sequence[GradientEdge], Sequence[Tensor]]:
+    device = cotangents[0].device
+    pad = _ROOT_PADS.get(device)
+    if pad is None:
+        leaf = torch.empty(0, device=device, requires_grad=True)
+        INTERNAL_LEAVES.append(leaf)
+        pad = _ROOT_PADS.setdefault(
+            device, (get_gradient_edge(leaf), torch.empty(0, device=device))
+        )
+    return (*outputs, pad[0]), (*cotangents, pad[1])
 
 
 def plain_forward(

@@ -857,3 +857,44 @@ def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error():
         jacobian(lambda t: parsum.sum_models(models, t), x, vectorize=True)
     got = jacobian(lambda t: parsum.sum_models(models, t, engine="autograd"), x, vectorize=True)
     torch.testing.assert_close(got, jacobian(lambda t: plain_sum(models, t), x))
+
+
+class MultiGradHooked(nn.Module):
+    """Registers, in forward, a multi-grad hook over its hidden features and its output that
+    counts its calls: the plain loop calls it once a backward."""
+
+    def __init__(self, width, calls):
+        super().__init__()
+        self.lin, self.out = nn.Linear(IN, width), nn.Linear(width, OUT)
+        self.count = calls.append  # a function: not state the models share
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        y = self.out(h)
+        if y.requires_grad:
+            torch.autograd.graph.register_multi_grad_hook((h, y), lambda grads: self.count(1))
+        return y
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+def test_a_multi_grad_hook_over_a_models_output_runs_once(n_jobs, chunk_size, needs_grad, route):
+    # NOTE [ One root edge ] in parsum._engines: a model pulled back alone was the engine
+    # call's only root, which the engine leaves out of its graph's nodes, so the hook, which
+    # counts the tensors whose gradients will come, ran twice.
+    calls: list[int] = []
+    models = [MultiGradHooked(4 + 3 * i, calls) for i in range(4)]
+    if route == "ParallelSum":
+        models[0].out.bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN, requires_grad=needs_grad)
+    for _ in range(2):
+        calls.clear()
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=chunk_size)
+        assert in_callers_graph(y) == (route == "callers-graph")
+        y.pow(2).sum().backward()
+        assert len(calls) == len(models)
+    calls.clear()
+    plain_sum(models, x).pow(2).sum().backward()
+    assert len(calls) == len(models)
