@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from . import _config, _pool
 from ._engines import (
     COMPILED_MODULES,
-    GLOBAL_HOOKS,
+    GLOBAL_BACKWARD_HOOKS,
     CallArgs,
     ModelParams,
     Unit,
@@ -303,13 +303,15 @@ def _general_sum(
     if walk.predraws and _draws_beforehand(walk, units, call, tensors):
         drawn_key = noise_key(tensors[0])
     predraw = drawn_key is not None and drawn_key in walk.noise_shapes
+    # NOTE [ State the models share ] in _engines: while registered, in model order
+    global_hooks_reach = global_hooks_reach_state()
     in_model_order = (
         walk.forward_in_order
         or walk.modifies_args  # NOTE [ Arguments modified in place ] in _function
         # NOTE [ State the models share ] in _engines: the first call learns
         or walk.writes_shared
         or (walk.writes_shared is None and walk.shares_state())
-        or global_hooks_reach_state()
+        or global_hooks_reach
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
         or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))
@@ -320,7 +322,8 @@ def _general_sum(
         bool(walk.pullbacks_write_shared)
         or (walk.pullbacks_write_shared is None and looks_at_pullbacks)
         # a global forward hook too: it may register tensor hooks (ModuleTracker's)
-        or global_hooks_reach_state(GLOBAL_HOOKS)
+        or global_hooks_reach
+        or global_hooks_reach_state(GLOBAL_BACKWARD_HOOKS)
     )
     plan = SumPlan(
         models=models,

@@ -1443,10 +1443,8 @@ def _global_hooks(*names: str) -> tuple[dict[int, Any], ...]:
 
 # Global module hooks (``register_module_forward_hook`` and the like), which run for every model.
 GLOBAL_FORWARD_HOOKS = _global_hooks("_global_forward_hooks", "_global_forward_pre_hooks")
-GLOBAL_HOOKS = (
-    *GLOBAL_FORWARD_HOOKS,
-    *_global_hooks("_global_backward_hooks", "_global_backward_pre_hooks"),
-)
+GLOBAL_BACKWARD_HOOKS = _global_hooks("_global_backward_hooks", "_global_backward_pre_hooks")
+GLOBAL_HOOKS = (*GLOBAL_FORWARD_HOOKS, *GLOBAL_BACKWARD_HOOKS)
 module_hooks = operator.attrgetter(*HOOK_DICTS)
 
 

@@ -402,6 +402,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     workers = 1 if one_thread else plan.n_workers
     # NOTE [ Pullbacks that write shared state ] in _function
     looked = pullback_snapshot(plan, _pool.threads_for(n_chunks, workers) > 1)
+    if plan.ordered_pullbacks:
+        workers = 1
     pending = state.pending
     joined = (None,) if pending is not None else ()  # the join node's gradient
 
@@ -463,7 +465,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     try:
         if plan.ordered_pullbacks and not (state.in_order and aliases is None):
             _pool.run_last_first(pull_back_one, n_chunks, add_in_order)
-        elif plan.ordered_pullbacks or _pool.threads_for(n_chunks, workers) <= 1:
+        elif _pool.threads_for(n_chunks, workers) <= 1:
             with _pool.as_one_task(n_chunks):  # the chunks' threads
                 if state.in_order and aliases is None:
                     pull_back_chunks(0, range(n_chunks))
