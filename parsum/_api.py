@@ -53,13 +53,21 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
-from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
+from ._plans import (
+    Derived,
+    Walk,
+    keep_walk,
+    known_walk,
+    remember_derived,
+    stripped,
+)
 from ._random import (
-    GENERATORS,
+    all_quiet,
     draws_only_dropout,
     has_drawing_layers,
     held_generators,
     idle_dropout,
+    is_generator,
     noise_key,
 )
 from ._sparse import has_user_hooks
@@ -253,7 +261,9 @@ def _general_sum(
         # the last walk over these models learned (their p may have changed from 0).
         if has_drawing_layers(modules):
             walk.draws_random = True
-        elif walk.draws_random is None and not kept:
+        elif walk.draws_random is None and (
+            not kept or all_quiet(models, walk.model_modes)  # NOTE [ Models seen not to draw ]
+        ):
             walk.draws_random = False
         # NOTE [ Dropout drawn beforehand ] in _random
         walk.predraws = kept and None not in walk.programs and draws_only_dropout(modules)
@@ -314,7 +324,7 @@ def _general_sum(
         or global_hooks_reach
         or (walk.draws_random is not False and not predraw)
         # NOTE [ Generators the models hold ] in _random: one passed to every model
-        or (call.spec is not None and any(isinstance(v, GENERATORS) for v in call.leaves))
+        or (call.spec is not None and any(map(is_generator, call.leaves)))
     )
     # NOTE [ Pullbacks that write shared state ] in _function: the first backward learns
     looks_at_pullbacks = walk.kept and walk.shares_state() and not walk.pullbacks_write_shared

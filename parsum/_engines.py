@@ -1753,28 +1753,32 @@ def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
     owner: dict[int, int] = {}
     named: dict[int, tuple[nn.Module, str | None]] = {}
     reached: dict[int, Any] = {}
+    reach_of: dict[int, list[Any]] = {}  # by function: many models run one class's forward
     for i, mp in enumerate(model_params):
         for module in mp.modules:
-            held: list[tuple[Any, nn.Module, str | None]] = [(module, module, None)]
-            functions = [
-                *module._forward_hooks.values(),
-                *module._forward_pre_hooks.values(),
-                *module._backward_hooks.values(),  # NOTE [ Pullbacks that write shared state ]
-                *module._backward_pre_hooks.values(),
-            ]
-            if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
-                held.extend(
-                    (value, module, key)
-                    for key, value in vars(module).items()
-                    if key not in MODULE_INTERNALS and _writable(value)
-                )
+            if owner.setdefault(id(module), i) != i:
+                named.setdefault(id(module), (module, None))
+            hooks = module_hooks(module)  # NOTE [ Pullbacks that write shared state ]
+            own_class = _may_hold_loose_tensors(type(module))  # type: ignore[arg-type]
+            if not own_class and not any(hooks):
+                continue  # a torch.nn layer without hooks reaches nothing more
+            functions = [fn for hooks_of_a_kind in hooks for fn in hooks_of_a_kind.values()]
+            if own_class:
+                for key, value in vars(module).items():
+                    if (
+                        key not in MODULE_INTERNALS
+                        and _writable(value)
+                        and owner.setdefault(id(value), i) != i
+                    ):
+                        named.setdefault(id(value), (module, key))
                 functions.append(type(module).forward)
-            for value, holder, key in held:
-                if owner.setdefault(id(value), i) != i:
-                    named.setdefault(id(value), (holder, key))
-            for value in (v for fn in functions for v in _reached(fn)):
-                if owner.setdefault(id(value), i) != i and id(value) not in named:
-                    reached[id(value)] = value
+            for fn in functions:
+                found = reach_of.get(id(fn))
+                if found is None:
+                    found = reach_of[id(fn)] = _reached(fn)
+                for value in found:
+                    if owner.setdefault(id(value), i) != i and id(value) not in named:
+                        reached[id(value)] = value
     return SharedState(list(named.values()), list(reached.values()))
 
 

@@ -46,6 +46,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from itertools import chain, repeat
 from typing import Any, NamedTuple, cast
 
 from torch import Tensor, nn
@@ -172,6 +173,9 @@ class Walk:
         self.programs: list[DirectProgram | None] = []
         self._hookless_at: int | None = None  # the handle count of the last hookless_params
         self._calls: list[bool] = []
+        # Each model's modules' training flags, made when the walk is kept (NOTE [ Models
+        # seen not to draw ] in _random).
+        self.model_modes: list[tuple[bool, ...]] = []
 
     def hookless_params(self) -> bool:
         """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
@@ -263,7 +267,7 @@ class Walk:
         if handles != self._handles:
             # A hook was registered somewhere since (a model's forward may register tensor
             # hooks on every call): the walk holds while its modules have the hooks it saw.
-            if list(map(_hook_ids, modules)) != self._hook_ids:  # type: ignore[arg-type]
+            if _hook_ids(modules) != self._hook_ids:  # type: ignore[arg-type]
                 return False
             self._handles = handles
         return True
@@ -302,22 +306,15 @@ class Walk:
         twice: a tensor subclass among their tensors, tensors in a list, tuple or dict held by
         a module, or a TorchScript module, whose dicts are views of C++ state (``holds`` reads
         plain dicts only)."""
-        dicts = list(map(_dicts_of, modules))  # each module's three dicts, a tuple
-        if any(type(inner) is not dict for inners in dicts for inner in inners):
+        # Built by C-level iteration: a set of models not seen before (members drawn at
+        # random each step) records on every call.
+        sized = list(chain.from_iterable(map(_dicts_of, modules)))  # three dicts a module
+        if not set(map(type, sized)) <= {dict}:
             return False
-        refs = []
-        sized: list[dict] = []
-        entries: list[tuple[dict, str, Any]] = []
-        tensors: list[Tensor] = []
+        values = list(chain.from_iterable(map(dict.values, sized)))
+        tensors = [v for v in values if isinstance(v, Tensor)]
         custom = _Watched([], [], [])
-        for position, (module, inners) in enumerate(zip(modules, dicts)):
-            refs.append(weakref.ref(module))
-            for inner in inners:
-                sized.append(inner)
-                for key, value in inner.items():
-                    entries.append((inner, key, value))
-                    if isinstance(value, Tensor):
-                        tensors.append(value)
+        for position, module in enumerate(modules):
             if _may_hold_loose_tensors(type(module)):  # type: ignore[arg-type]
                 attributes = vars(module)
                 owner = len(custom.at)
@@ -335,27 +332,27 @@ class Walk:
         if any(type(t) not in _PLAIN_TENSORS for t in tensors):
             return False
         self._handles = _handle_count()
-        self._hook_ids = list(map(_hook_ids, modules))
-        self._module_refs = refs
+        self._hook_ids = _hook_ids(modules)
+        self._module_refs = list(map(weakref.ref, modules))
         self._custom = custom
         self._sized = sized
         self._types = list(map(type, modules))
         self._training = list(map(_training, modules))
         self._calls = own_calls(modules)
         self._sizes = list(map(len, sized))
-        self._entry_dicts = [e[0] for e in entries]
-        self._entry_keys = [e[1] for e in entries]
-        self._entry_values = [e[2] for e in entries]
+        self._entry_dicts = list(chain.from_iterable(map(repeat, sized, self._sizes)))
+        self._entry_keys = list(chain.from_iterable(sized))
+        self._entry_values = values
         self._tensors = tensors
         self._requires = list(map(_requires_grad, tensors))
         self._ptrs = list(map(_data_ptr, tensors))
         return True
 
 
-def _hook_ids(module: nn.Module) -> tuple[int, ...]:
-    """The handle ids of a module's hooks (unique: a hook replaced by another shows)."""
-    forward, forward_pre, backward, backward_pre = module_hooks(module)
-    return (*forward, *forward_pre, *backward, *backward_pre)
+def _hook_ids(modules: Sequence[nn.Module]) -> list[tuple[int, ...]]:
+    """Each module's hook handle ids (unique: a hook replaced by another shows), its forward,
+    forward pre-, backward and backward pre-hooks', in that order."""
+    return list(map(tuple, map(chain.from_iterable, map(module_hooks, modules))))
 
 
 _MISSING = object()  # no such attribute
@@ -445,6 +442,7 @@ def keep_walk(
     if not walk._record(modules):
         return False
     walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
+    walk.model_modes = [tuple(map(_training, mp.modules)) for mp in model_params]
     position = {id(module): k for k, module in enumerate(modules)}
     shared = shared_state(model_params)
     walk.shared_state = [(position[id(m)], key) for m, key in shared.named]

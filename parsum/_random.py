@@ -44,6 +44,18 @@
 # as an argument; a generator of each model's own is drawn from in its model's order on any
 # thread. One the models reach otherwise (a global, a closure) is not seen (docs/limits.md).
 #
+# NOTE [ Models seen not to draw ]
+# A set of models not seen before (members drawn at random each step, experts picked per
+# batch) makes a new walk, and a new kept walk ran its first call's forwards in model order to
+# learn whether they draw (NOTE [ Random numbers in forwards ]): such a sum ran its
+# forwards in model order on every call, on any number of cores. A kept walk's call whose
+# forwards drew nothing therefore marks each of its models quiet, with its modules' training
+# flags; a new walk over models all marked quiet, in the flags they have now, starts as not
+# drawing, as a walk made again for the same models starts from what the last one learned: its
+# forwards run on the threads and stay watched, and a draw there warns, orders the walk's next
+# calls and unmarks its models. A model is marked by its id and held weakly (a dead one
+# matches nothing); at most MAX_QUIET are kept.
+#
 # NOTE [ Dropout drawn beforehand ]
 # On the CPU, F.dropout(x, p) in training mode is ``x * noise``, ``noise`` being
 # ``torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)`` (torch's composite dropout; the fused
@@ -81,11 +93,13 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -116,10 +130,32 @@ def generator_states() -> list[bytes]:
 GENERATORS = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
 
 
+# The types seen that are not GENERATORS: ``isinstance(v, torch.Generator)`` runs a metaclass's
+# Python ``__instancecheck__`` since torch 2.13 (about 1 µs a value), and a module's attributes
+# are mostly the same few types (dicts, bools, sets), which a C-level set test skips.
+_OTHER_TYPES: set[type] = set()
+
+
+def is_generator(value: Any) -> bool:
+    """Whether ``value`` is one of GENERATORS (NOTE [ Generators the models hold ])."""
+    cls = type(value)
+    if cls in _OTHER_TYPES:
+        return False
+    if issubclass(cls, GENERATORS):
+        return True
+    if len(_OTHER_TYPES) > 4096:  # classes made on the fly: keep it bounded
+        _OTHER_TYPES.clear()
+    _OTHER_TYPES.add(cls)
+    return False
+
+
 def held_generators(module: nn.Module) -> list[Any]:
     """The generators ``module`` holds as attributes: ``torch.Generator``, ``random.Random``,
     NumPy's ``Generator`` and ``RandomState`` (NOTE [ Generators the models hold ])."""
-    return [v for v in vars(module).values() if isinstance(v, GENERATORS)]
+    values = vars(module).values()
+    if _OTHER_TYPES.issuperset(map(type, values)):
+        return []
+    return [v for v in values if is_generator(v)]
 
 
 def draws_now(module: nn.Module) -> bool:
@@ -294,3 +330,51 @@ def callers_level() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
+
+
+MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ])
+_quiet: dict[Hashable, tuple[weakref.ref[Any], tuple[bool, ...]]] = {}
+
+
+def _quiet_key(model: Any) -> tuple[Hashable, Any] | None:
+    """A model's key among the quiet ones and what holds it: a module by its id, a bound
+    method of one by its module's and its function's ids; None for other callables."""
+    if isinstance(model, nn.Module):
+        return id(model), model
+    if inspect.ismethod(model) and isinstance(model.__self__, nn.Module):
+        return (id(model.__self__), id(model.__func__)), model.__self__
+    return None
+
+
+def mark_quiet(models: Sequence[Any], modes: Sequence[tuple[bool, ...]]) -> None:
+    """Mark models quiet: their forwards drew nothing in these training flags of their modules
+    (NOTE [ Models seen not to draw ])."""
+    if len(_quiet) + len(models) > MAX_QUIET:
+        _quiet.clear()
+    for model, model_modes in zip(models, modes):
+        found = _quiet_key(model)
+        if found is not None:
+            _quiet[found[0]] = (weakref.ref(found[1]), model_modes)
+
+
+def unmark_quiet(models: Sequence[Any]) -> None:
+    """Forget that these models were quiet: one of them drew."""
+    for model in models:
+        found = _quiet_key(model)
+        if found is not None:
+            _quiet.pop(found[0], None)
+
+
+def all_quiet(models: Sequence[Any], modes: Sequence[tuple[bool, ...]]) -> bool:
+    """Whether every model is marked quiet in the training flags its modules have now (NOTE
+    [ Models seen not to draw ])."""
+    if not _quiet or len(models) != len(modes):
+        return False
+    for model, model_modes in zip(models, modes):
+        found = _quiet_key(model)
+        if found is None:
+            return False
+        marked = _quiet.get(found[0])
+        if marked is None or marked[0]() is not found[1] or marked[1] != model_modes:
+            return False
+    return True
