@@ -10,10 +10,13 @@ forward, backward and, with ``--adam``, one ``torch.optim.Adam`` step on the cal
 or with ``--sib`` a ``StepInBackward`` of Adam. ``--step grad-x`` times the forward and the
 loss's gradient in the argument alone (``torch.autograd.grad(loss, x)``: adversarial examples,
 saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
-``create_graph=True``, then the backward of the loss plus a penalty on it).
+``create_graph=True``, then the backward of the loss plus a penalty on it). ``--members 0.75``
+sums a new random draw of that share of the models every step (members dropped at random,
+experts picked per batch: a set of models not seen before, most steps), the same draws for
+every method.
 
     python benchmarks/bench_against.py --rev HEAD~3 [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|penalty]
+        [--step train|grad-x|penalty] [--members 0.75]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -25,6 +28,7 @@ import functools
 import importlib
 import io
 import pathlib
+import random
 import subprocess
 import sys
 import tarfile
@@ -85,6 +89,26 @@ def step_of(
     return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
 
 
+class Members:
+    """A step over a new random draw of ``share`` of the models each call, in model order; the
+    list the step was made with is refilled in place (seeded: every method draws alike)."""
+
+    def __init__(self, models: list[torch.nn.Module], share: float) -> None:
+        self.all = list(models)
+        self.drawn = models
+        self.k = max(1, round(share * len(models)))
+        self.rng = random.Random(0)
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        def drawn_step() -> None:
+            self.drawn[:] = [
+                self.all[i] for i in sorted(self.rng.sample(range(len(self.all)), self.k))
+            ]
+            step()
+
+        return drawn_step
+
+
 def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:
     return sum(m(x) for m in models)  # type: ignore[return-value]
 
@@ -112,6 +136,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--settle-ms", type=float, default=20.0)
     parser.add_argument(
+        "--members", type=float, default=None, help="the share of the models drawn each step"
+    )
+    parser.add_argument(
         "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
     )
     args = parser.parse_args()
@@ -121,12 +148,16 @@ def main() -> None:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
             f"checkout against {args.rev}; medians of {args.rounds} interleaved rounds"
+            + ("" if args.members is None else f"; {args.members} of the models drawn a step")
         )
         for w in workloads_of(args.workloads):
-            methods = {
-                label: step_of(pkg, copy.deepcopy(w.models), w.x, args)
-                for label, pkg in ((plain, None), ("this", parsum), (args.rev, base))
-            }
+            methods = {}
+            for label, pkg in ((plain, None), ("this", parsum), (args.rev, base)):
+                models = copy.deepcopy(w.models)
+                step = step_of(pkg, models, w.x, args)
+                if args.members is not None:
+                    step = Members(models, args.members).around(step)
+                methods[label] = step
             seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
             shown = ", ".join(
                 f"{label} {t * 1e3:.2f} ms ({seconds[plain] / t:.3f}x {plain})"

@@ -74,7 +74,9 @@ from ._random import (
     Turns,
     draw_noise,
     generator_states,
+    mark_quiet,
     may_recompute,
+    unmark_quiet,
     warn_drawn_on_threads,
     warn_thread_timing,
 )
@@ -694,10 +696,16 @@ def _note_random_draws(
             walk.predraws = False
         drew = True
     elif states is not None:
-        if walk.draws_random is False and drew:
+        known = walk.draws_random
+        if known is False and drew:
             warn_drawn_on_threads(plan.where, walk.kept)
-        if not walk.draws_random:
+        if not known:
             walk.draws_random = drew
+        # NOTE [ Models seen not to draw ] in _random: once a walk, when it learns
+        if drew and not known:
+            unmark_quiet(plan.models)
+        elif not drew and known is None and walk.kept:
+            mark_quiet(plan.models, walk.model_modes)
     if not drew:
         return
     if walk.recomputes is None and nodes is not None:

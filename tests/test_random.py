@@ -4,10 +4,12 @@ NOTE [ Random numbers replayed in backward ] in parsum._random)."""
 
 import copy
 import functools
+import gc
 import random
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -173,6 +175,90 @@ def test_a_model_that_starts_drawing_on_the_threads_warns_then_runs_in_model_ord
             outs.append(parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1))
         assert seen == {threading.get_ident()}
     assert torch.equal(*outs)
+
+
+# NOTE [ Models seen not to draw ]: members drawn at random each step make a new walk every call.
+
+
+@pytest.mark.parametrize("as_methods", [False, True])
+def test_a_new_set_of_models_seen_not_to_draw_runs_its_forwards_on_the_threads(as_methods):
+    seen: set[int] = set()
+    models = [Slow(seen) for _ in range(8)]
+    calls = [m.forward for m in models] if as_methods else models
+    x = torch.randn(4, 8)
+    parsum.sum_models(calls, x, n_jobs=2, chunk_size=1)  # learns, in model order
+    assert seen == {threading.get_ident()}
+    seen.clear()
+    members = calls[1:7]  # a set not seen before, of models seen not to draw
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = parsum.sum_models(members, x, n_jobs=2, chunk_size=1)
+        y.sum().backward()
+    assert len(seen) == 2
+    torch.testing.assert_close(y, sum(m(x) for m in members))
+    assert torch.equal(y, parsum.sum_models(members, x, n_jobs=1, chunk_size=1))
+
+
+def test_a_new_set_with_a_model_not_seen_before_learns_in_model_order():
+    seen: set[int] = set()
+    models = [Slow(seen) for _ in range(8)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models[:6], x, n_jobs=2, chunk_size=1)
+    seen.clear()
+    parsum.sum_models(models[2:], x, n_jobs=2, chunk_size=1)  # models 6 and 7 are new
+    assert seen == {threading.get_ident()}
+
+
+def test_models_seen_not_to_draw_in_training_learn_again_in_eval_mode():
+    seen: set[int] = set()
+    models = [Slow(seen) for _ in range(6)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    for m in models:
+        m.eval()
+    seen.clear()
+    parsum.sum_models(models[:5], x, n_jobs=2, chunk_size=1)
+    assert seen == {threading.get_ident()}
+
+
+def test_a_model_seen_not_to_draw_that_draws_in_a_new_set_warns_and_learns_again():
+    seen: set[int] = set()
+    models = [Slow(seen, draw_from=2) for _ in range(6)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # their first calls draw nothing
+    with pytest.warns(RuntimeWarning, match="not reproducible") as warned:
+        parsum.sum_models(models[:5], x, n_jobs=2, chunk_size=1)  # on the threads; they draw
+    assert warned[0].filename == __file__
+    # No longer marked: another new set learns in model order, and draws the numbers of
+    # n_jobs=1, without a warning.
+    seen.clear()
+    outs = []
+    for n_jobs in (2, 1):
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outs.append(parsum.sum_models(models[1:], x, n_jobs=n_jobs, chunk_size=1))
+    assert seen == {threading.get_ident()}
+    assert torch.equal(*outs)
+
+
+def test_quiet_marks_hold_no_model_and_stay_bounded(monkeypatch):
+    monkeypatch.setattr(_random, "MAX_QUIET", 4)
+    monkeypatch.setattr(_random, "_quiet", {})
+    models = [nn.Linear(2, 2) for _ in range(3)]
+    modes = [(True,)] * 3
+    _random.mark_quiet(models, modes)
+    assert _random.all_quiet(models, modes)
+    assert not _random.all_quiet(models, [(False,)] * 3)
+    _random.mark_quiet([nn.Linear(2, 2) for _ in range(3)], modes)  # 6 > 4: cleared first
+    assert len(_random._quiet) == 3 and not _random.all_quiet(models, modes)
+    gone = nn.Linear(2, 2)
+    ref = weakref.ref(gone)
+    _random.mark_quiet([gone], [(True,)])
+    del gone
+    gc.collect()
+    assert ref() is None  # the mark did not keep it alive
+    assert not _random.all_quiet([print], [()])  # not a module or a module's method
 
 
 class Checkpointed(nn.Module):
