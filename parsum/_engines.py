@@ -409,6 +409,7 @@ class ModelParams:
         loose: the names of plain tensor attributes that require grad and are leaves
             (``self.temperature = torch.ones(1, requires_grad=True)``): not parameters, but
             the plain loop gives them a ``.grad``, so they are among ``tensors`` too.
+        estimated: the model's estimated cost by batch shape, once computed.
     """
 
     names: list[str]
@@ -420,6 +421,9 @@ class ModelParams:
     state: list[Tensor] = field(default_factory=list)
     uninitialized: str | None = None
     loose: list[str] = field(default_factory=list)
+    # The estimated cost by batch shape (``estimated_cost`` in _grouping): a call's planning
+    # reads it several times.
+    estimated: dict[Any, int] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, model: Callable[..., Any]) -> ModelParams:

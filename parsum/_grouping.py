@@ -494,8 +494,12 @@ def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
 
 def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     """A model's cost in parameter-rows, from shapes alone (NOTE [ Chunks ])."""
-    tensors = [*mp.tensors, *mp.state]
-    return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
+    cost = mp.estimated.get(batch)
+    if cost is None:
+        tensors = [*mp.tensors, *mp.state]
+        cost = MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
+        mp.estimated[batch] = cost
+    return cost
 
 
 def chunks_of(
