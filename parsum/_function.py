@@ -359,7 +359,16 @@ def run_forward(
         else:
             records = [[] for _ in programs]
             programs = [p if p is None else p._replace(record=r) for p, r in zip(programs, records)]
-    watch = walk.draws_random is None or (parallel and turns is None)
+    # A kept walk is watched unless it saw them draw and they run in model order: one that
+    # starts from what it did not see (NOTE [ Models seen not to draw ]) may meet a first draw
+    # on any path, and a model whose graph recomputes must then be pulled back on one thread.
+    # (A walk made for one call is not: torch.export traces calls that plan anew, and its
+    # tracing refuses to read a generator's state.)
+    watch = (
+        walk.draws_random is None
+        or (walk.draws_random is False and walk.kept)
+        or (parallel and turns is None)
+    )
     # NOTE [ Tensors a module does not own ] in _engines: once for a kept walk.
     check_leaves = not walk.leaves_checked and (build_graph or roots is not None)
     states = generator_states() if watch else None
@@ -567,7 +576,7 @@ def run_forward(
             walk.noise_shapes.pop(next(iter(walk.noise_shapes)))
         walk.noise_shapes[plan.noise_key] = records
     if states is not None or walk.draws_random:
-        _note_random_draws(plan, states, nodes, bool(misses))
+        _note_random_draws(plan, states, nodes, bool(misses), parallel and not in_order)
     # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
     # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
@@ -684,10 +693,15 @@ def learn_pullback_writes(plan: SumPlan, looked: tuple[list[Any], list[Any]] | N
 
 
 def _note_random_draws(
-    plan: SumPlan, states: list[bytes] | None, nodes: list[Any] | None, missed: bool
+    plan: SumPlan,
+    states: list[bytes] | None,
+    nodes: list[Any] | None,
+    missed: bool,
+    on_threads: bool,
 ) -> None:
     """Learn from a forward whether the models draw random numbers, and whether the call's
-    pullbacks must then run on one thread (NOTE [ Random numbers in forwards ] in _random)."""
+    pullbacks must then run on one thread (NOTE [ Random numbers in forwards ] in _random);
+    ``on_threads``: whether the forwards ran on several threads."""
     walk = plan.walk
     drew = bool(walk.draws_random) if states is None else generator_states() != states
     if plan.predraw:  # NOTE [ Dropout drawn beforehand ]: a layer's noise missed, it drew
@@ -697,7 +711,7 @@ def _note_random_draws(
         drew = True
     elif states is not None:
         known = walk.draws_random
-        if known is False and drew:
+        if known is False and drew and on_threads:
             warn_drawn_on_threads(plan.where, walk.kept)
         if not known:
             walk.draws_random = drew

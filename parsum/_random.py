@@ -21,11 +21,15 @@
 # - otherwise a walk kept for the next calls runs its first call's forwards in model order and
 #   compares the generators' states before and after (about 2 us each); a walk made for one
 #   call (models that are not all modules) runs them on the threads;
-# - forwards that ran on the threads are compared too: where they drew after all (a model that
-#   draws only sometimes, or another thread of the program drawing meanwhile), the call warns
-#   that its numbers depended on the threads' timing, and the walk's next calls run in model
-#   order. A walk made again for the same models in the same modes (a module's own attribute
-#   changed) keeps what the last one learned.
+# - later forwards are compared too, unless the walk saw them draw and they run in model order:
+#   where they drew after all (a model that draws only sometimes, one whose attribute turned its
+#   noise on, or another thread of the program drawing meanwhile), the walk's next calls run in
+#   model order, the call's pullbacks on one thread where a graph may recompute, and a call
+#   whose forwards ran on the threads warns that its numbers depended on the threads' timing.
+#   A walk made again for the same models in the same modes (a module's own attribute changed)
+#   keeps what the last one learned. (Forwards in model order for another reason, state the
+#   models share, were not compared once a walk had seen no draw: checkpointed models that
+#   then drew were pulled back on the threads, with other masks than their forwards'.)
 # Measured on 2 threads in one process against the forwards on the threads (which drew other
 # numbers at each n_jobs), 16 MLPs of widths 128-512 with dropout after each hidden layer:
 # as nn.Sequential (drawn beforehand) 0.97x and 0.98x at batch 64 and 256, 1.09x and 1.14x the

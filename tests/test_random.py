@@ -242,6 +242,62 @@ def test_a_model_seen_not_to_draw_that_draws_in_a_new_set_warns_and_learns_again
     assert torch.equal(*outs)
 
 
+def test_a_first_draw_in_model_order_is_learned_without_a_warning():
+    """Models seen not to draw that draw in a new set whose forwards run in model order (here
+    at n_jobs=1): the walk learns it there, so the set's next call runs in model order on any
+    n_jobs, with the plain loop's numbers and no warning."""
+    seen: set[int] = set()
+    models = [Slow(seen, draw_from=2) for _ in range(6)]
+    x = torch.randn(4, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # drew nothing: marked quiet
+    members = models[:5]
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n_jobs in (1, 2):
+            seen.clear()
+            torch.manual_seed(5)
+            outs.append(parsum.sum_models(members, x, n_jobs=n_jobs, chunk_size=1))
+            assert seen == {threading.get_ident()}
+    torch.manual_seed(5)
+    assert torch.equal(outs[1], parsum.sum_models(members, x, n_jobs=1, chunk_size=1))
+
+
+class LoggedNoise(nn.Module):
+    """Logs into a list the models share (which runs the forwards in model order) and adds
+    noise in a checkpointed block once ``noisy`` is set."""
+
+    def __init__(self, log, width):
+        super().__init__()
+        self.log, self.noisy = log, False
+        self.lin, self.out = nn.Linear(8, width), nn.Linear(width, 4)
+
+    def block(self, x):
+        h = torch.tanh(self.lin(x))
+        return F.dropout(h, 0.5, training=True) if self.noisy else h
+
+    def forward(self, x):
+        self.log.append(len(self.log))
+        return self.out(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_checkpointed_models_that_start_drawing_in_model_order_recompute_the_masks():
+    """Forwards in model order (they write a shared log) were not watched for draws once a walk
+    had seen none: models that then draw, and recompute in backward, were pulled back on the
+    threads, each recomputation setting the global generator under the other's."""
+    models = [LoggedNoise([], 16 + i) for i in range(8)]
+    log = models[0].log
+    for m in models:
+        m.log = log
+    twins = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    step(models, x, 0, n_jobs=2, chunk_size=1)  # learns: no draws, writes the log
+    for m in (*models, *twins):
+        m.noisy = True  # a new walk over the same models, which starts from what they did
+    for seed in range(3):
+        assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(twins, x, seed))
+
+
 def test_quiet_marks_hold_no_model_and_stay_bounded(monkeypatch):
     monkeypatch.setattr(_random, "MAX_QUIET", 4)
     monkeypatch.setattr(_random, "_quiet", {})
