@@ -128,7 +128,12 @@ def _penalty_step(total: Callable[..., Any], models: list, x: torch.Tensor, n_jo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rev", required=True, help="the git revision to compare against")
+    parser.add_argument(
+        "--rev",
+        required=True,
+        help="the git revision to compare against; none: this checkout against the plain loop "
+        "alone (a machine without git)",
+    )
     parser.add_argument("--adam", action="store_true", help="an Adam step after each call")
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
     parser.add_argument("--n-jobs", type=int, default=None)
@@ -143,7 +148,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = import_revision(args.rev, pathlib.Path(tmp))
+        base = None if args.rev == "none" else import_revision(args.rev, pathlib.Path(tmp))
         plain = "plain+adam" if args.adam or args.sib else "plain"
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
@@ -152,7 +157,10 @@ def main() -> None:
         )
         for w in workloads_of(args.workloads):
             methods = {}
-            for label, pkg in ((plain, None), ("this", parsum), (args.rev, base)):
+            packages = [(plain, None), ("this", parsum)] + (
+                [] if base is None else [(args.rev, base)]
+            )
+            for label, pkg in packages:
                 models = copy.deepcopy(w.models)
                 step = step_of(pkg, models, w.x, args)
                 if args.members is not None:
@@ -163,10 +171,12 @@ def main() -> None:
                 f"{label} {t * 1e3:.2f} ms ({seconds[plain] / t:.3f}x {plain})"
                 for label, t in seconds.items()
             )
-            print(
-                f"{w.description}: {shown}; this / {args.rev} "
-                f"{seconds[args.rev] / seconds['this']:.3f}x"
+            against = (
+                ""
+                if base is None
+                else (f"; this / {args.rev} {seconds[args.rev] / seconds['this']:.3f}x")
             )
+            print(f"{w.description}: {shown}{against}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@
 #                                           # between 2-16 processes, the main example
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
+#   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
+#                                           # step against the plain loop, at the default and
+#                                           # n_jobs 1 (bench_against.py --rev none, ~2 min)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
 #   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
 #                                           # its cores, pinned (bench_intra_op.py, ~3 min)
@@ -200,6 +203,17 @@ first)
     team 110
     speedup 170 speedup-16cores-medium-adam --workloads heterogeneous-medium --jobs 1,4,8,16 \
         --rounds 8
+    ;;
+members)
+    # 2026-11-30 (2 cores): a new set ran its forwards in model order before the quiet marks
+    # (NOTE [ Models seen not to draw ]); on 16 cores the threads they now run on count more.
+    for jobs in default 1; do
+        flag=$([ "$jobs" = default ] && echo "" || echo "--n-jobs $jobs")
+        # shellcheck disable=SC2086
+        (cd benchmarks && timeout 70 python bench_against.py --rev none --members 0.75 \
+            --rounds 10 $flag --workloads distinct-medium:64,heterogeneous-medium:64,distinct-tiny) \
+            > "$out/members-16cores-$jobs.txt" 2>&1
+    done
     ;;
 twocores)
     # Two of its cores alone (the development machine's 2 vCPUs share theirs): the small-kernel
