@@ -359,15 +359,19 @@ def run_forward(
         else:
             records = [[] for _ in programs]
             programs = [p if p is None else p._replace(record=r) for p, r in zip(programs, records)]
-    # A kept walk is watched unless it saw them draw and they run in model order: one that
-    # starts from what it did not see (NOTE [ Models seen not to draw ]) may meet a first draw
-    # on any path, and a model whose graph recomputes must then be pulled back on one thread.
-    # (A walk made for one call is not: torch.export traces calls that plan anew, and its
-    # tracing refuses to read a generator's state.)
+    # Forwards in model order of a kept walk that saw no draw are watched where the pullbacks
+    # may run on several threads: one that starts from what it did not see (NOTE [ Models seen
+    # not to draw ]) may meet a first draw there, and a model whose graph recomputes must then
+    # be pulled back on one thread. (A walk made for one call is not: torch.export traces calls
+    # that plan anew, and its tracing refuses to read a generator's state.)
     watch = (
         walk.draws_random is None
-        or (walk.draws_random is False and walk.kept)
         or (parallel and turns is None)
+        or (
+            walk.draws_random is False
+            and walk.kept
+            and _pool.threads_for(len(plan.chunks), plan.n_workers) > 1
+        )
     )
     # NOTE [ Tensors a module does not own ] in _engines: once for a kept walk.
     check_leaves = not walk.leaves_checked and (build_graph or roots is not None)

@@ -21,7 +21,8 @@
 # - otherwise a walk kept for the next calls runs its first call's forwards in model order and
 #   compares the generators' states before and after (about 2 us each); a walk made for one
 #   call (models that are not all modules) runs them on the threads;
-# - later forwards are compared too, unless the walk saw them draw and they run in model order:
+# - later forwards are compared too, unless the walk saw them draw and runs them in model
+#   order, or they and their pullbacks run on one thread (nothing then depends on a thread):
 #   where they drew after all (a model that draws only sometimes, one whose attribute turned its
 #   noise on, or another thread of the program drawing meanwhile), the walk's next calls run in
 #   model order, the call's pullbacks on one thread where a graph may recompute, and a call

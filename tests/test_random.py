@@ -242,27 +242,6 @@ def test_a_model_seen_not_to_draw_that_draws_in_a_new_set_warns_and_learns_again
     assert torch.equal(*outs)
 
 
-def test_a_first_draw_in_model_order_is_learned_without_a_warning():
-    """Models seen not to draw that draw in a new set whose forwards run in model order (here
-    at n_jobs=1): the walk learns it there, so the set's next call runs in model order on any
-    n_jobs, with the plain loop's numbers and no warning."""
-    seen: set[int] = set()
-    models = [Slow(seen, draw_from=2) for _ in range(6)]
-    x = torch.randn(4, 8)
-    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # drew nothing: marked quiet
-    members = models[:5]
-    outs = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for n_jobs in (1, 2):
-            seen.clear()
-            torch.manual_seed(5)
-            outs.append(parsum.sum_models(members, x, n_jobs=n_jobs, chunk_size=1))
-            assert seen == {threading.get_ident()}
-    torch.manual_seed(5)
-    assert torch.equal(outs[1], parsum.sum_models(members, x, n_jobs=1, chunk_size=1))
-
-
 class LoggedNoise(nn.Module):
     """Logs into a list the models share (which runs the forwards in model order) and adds
     noise in a checkpointed block once ``noisy`` is set."""
@@ -296,6 +275,26 @@ def test_checkpointed_models_that_start_drawing_in_model_order_recompute_the_mas
         m.noisy = True  # a new walk over the same models, which starts from what they did
     for seed in range(3):
         assert_close(step(models, x, seed, n_jobs=2, chunk_size=1), plain_step(twins, x, seed))
+
+
+def test_a_first_draw_in_model_order_is_learned_without_a_warning():
+    """Forwards in model order (a log the models share) whose pullbacks run on the threads are
+    watched: models seen not to draw that start drawing are learned there, without a warning,
+    with the numbers of n_jobs=1."""
+    models = [LoggedNoise([], 16 + i) for i in range(6)]
+    for m in models:
+        m.log = models[0].log
+    x = torch.randn(8, 8)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1)  # no draws; writes the log
+    for m in models:
+        m.noisy = True
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n_jobs in (2, 2, 1):
+            torch.manual_seed(5)
+            outs.append(parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=1))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
 
 def test_quiet_marks_hold_no_model_and_stay_bounded(monkeypatch):
