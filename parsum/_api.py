@@ -53,16 +53,8 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
-from ._plans import (
-    Derived,
-    Walk,
-    keep_walk,
-    known_walk,
-    remember_derived,
-    stripped,
-)
+from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
 from ._random import (
-    all_quiet,
     draws_only_dropout,
     has_drawing_layers,
     held_generators,
@@ -262,7 +254,7 @@ def _general_sum(
         if has_drawing_layers(modules):
             walk.draws_random = True
         elif walk.draws_random is None and (
-            not kept or all_quiet(models, walk.model_modes)  # NOTE [ Models seen not to draw ]
+            not kept or walk.all_quiet(models)  # NOTE [ Models seen not to draw ] in _random
         ):
             walk.draws_random = False
         # NOTE [ Dropout drawn beforehand ] in _random

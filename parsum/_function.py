@@ -74,9 +74,7 @@ from ._random import (
     Turns,
     draw_noise,
     generator_states,
-    mark_quiet,
     may_recompute,
-    unmark_quiet,
     warn_drawn_on_threads,
     warn_thread_timing,
 )
@@ -721,9 +719,9 @@ def _note_random_draws(
             walk.draws_random = drew
         # NOTE [ Models seen not to draw ] in _random: once a walk, when it learns
         if drew and not known:
-            unmark_quiet(plan.models)
-        elif not drew and known is None and walk.kept:
-            mark_quiet(plan.models, walk.model_modes)
+            walk.unmark_quiet(plan.models)
+        elif not drew and known is None:
+            walk.mark_quiet(plan.models)
     if not drew:
         return
     if walk.recomputes is None and nodes is not None:

@@ -72,6 +72,7 @@ from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled
 from ._stack import _data_ptr, _handle_count, _tensor_hooks
 
 MAX_PLANS = 8
+MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ] in _random)
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)
 
 _PLAIN_TENSORS = (Tensor, Parameter)
@@ -218,6 +219,33 @@ class Walk:
         """Whether its models share state a forward may write into (NOTE [ State the models
         share ] in _engines)."""
         return bool(self.shared_state or self.shared_reached)
+
+    def mark_quiet(self, models: Sequence[Callable[..., Any]]) -> None:
+        """Mark this kept walk's models quiet, by their keys, held weakly as the walk holds
+        them, in their modules' training flags (NOTE [ Models seen not to draw ] in _random)."""
+        if not self.kept:
+            return
+        if len(_quiet) + len(models) > MAX_QUIET:
+            _quiet.clear()
+        for model, ref, modes in zip(models, self._model_refs, self.model_modes):
+            _quiet[_model_key(model)] = (ref, modes)
+
+    def all_quiet(self, models: Sequence[Callable[..., Any]]) -> bool:
+        """Whether every model of this kept walk is marked quiet in the training flags its
+        modules have now (NOTE [ Models seen not to draw ] in _random)."""
+        if not _quiet or not self.kept:
+            return False
+        for model, ref, modes in zip(models, self._model_refs, self.model_modes):
+            marked = _quiet.get(_model_key(model))
+            if marked is None or marked[0]() is not ref() or marked[1] != modes:
+                return False
+        return True
+
+    @staticmethod
+    def unmark_quiet(models: Sequence[Callable[..., Any]]) -> None:
+        """Forget that these models were quiet: one of them drew."""
+        for model in models:
+            _quiet.pop(_model_key(model), None)
 
     def shared_objects(self) -> list[Any]:
         """What its models share (``shared_state``, found through its modules, and
@@ -380,6 +408,9 @@ class _Held:
 
 
 _plans: OrderedDict[tuple[Hashable, ...], Walk] = OrderedDict()
+# Models whose forwards a kept walk saw drawing nothing, by ``_model_key``: a weak reference to
+# the model (or the method's module) and its modules' training flags.
+_quiet: dict[Hashable, tuple[weakref.ref[Any], tuple[bool, ...]]] = {}
 # Reentrant: a model collected while a thread holds it (the collector runs on any allocation)
 # calls _Forget, which takes it again in the same thread.
 _lock = threading.RLock()
@@ -398,19 +429,25 @@ def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:
     return walk if walk.holds() else None
 
 
+def _model_key(model: Any) -> Hashable | None:
+    """A model's part of a walk's key: a module by its id, a bound method of one by its
+    module's and its function's; None for another callable."""
+    if isinstance(model, nn.Module):
+        return id(model)
+    if method_module(model) is not None:
+        return (id(model.__self__), id(model.__func__))
+    return None
+
+
 def _walk_key(models: Sequence[Callable[..., Any]]) -> tuple[Hashable, ...] | None:
-    """The key a walk over these models is kept under: a module by its id, a bound method of
-    one by its module's and its function's; None where another callable is among them (no
-    walk is kept for it)."""
-    key: list[Hashable] = []
-    m: Any
+    """The key a walk over these models is kept under (each model's ``_model_key``); None where
+    another callable is among them (no walk is kept for it)."""
+    key = []
     for m in models:
-        if isinstance(m, nn.Module):
-            key.append(id(m))
-        elif method_module(m) is not None:
-            key.append((id(m.__self__), id(m.__func__)))
-        else:
+        k = _model_key(m)
+        if k is None:
             return None
+        key.append(k)
     return tuple(key)
 
 

@@ -58,8 +58,9 @@
 # flags; a new walk over models all marked quiet, in the flags they have now, starts as not
 # drawing, as a walk made again for the same models starts from what the last one learned: its
 # forwards run on the threads and stay watched, and a draw there warns, orders the walk's next
-# calls and unmarks its models. A model is marked by its id and held weakly (a dead one
-# matches nothing); at most MAX_QUIET are kept.
+# calls and unmarks its models. A model is marked by its part of a walk's key and held weakly,
+# as the walk holds it (a dead one matches nothing); at most MAX_QUIET are kept
+# (``Walk.mark_quiet`` in _plans).
 #
 # NOTE [ Dropout drawn beforehand ]
 # On the CPU, F.dropout(x, p) in training mode is ``x * noise``, ``noise`` being
@@ -98,13 +99,11 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import random
 import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -335,51 +334,3 @@ def callers_level() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
-
-
-MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ])
-_quiet: dict[Hashable, tuple[weakref.ref[Any], tuple[bool, ...]]] = {}
-
-
-def _quiet_key(model: Any) -> tuple[Hashable, Any] | None:
-    """A model's key among the quiet ones and what holds it: a module by its id, a bound
-    method of one by its module's and its function's ids; None for other callables."""
-    if isinstance(model, nn.Module):
-        return id(model), model
-    if inspect.ismethod(model) and isinstance(model.__self__, nn.Module):
-        return (id(model.__self__), id(model.__func__)), model.__self__
-    return None
-
-
-def mark_quiet(models: Sequence[Any], modes: Sequence[tuple[bool, ...]]) -> None:
-    """Mark models quiet: their forwards drew nothing in these training flags of their modules
-    (NOTE [ Models seen not to draw ])."""
-    if len(_quiet) + len(models) > MAX_QUIET:
-        _quiet.clear()
-    for model, model_modes in zip(models, modes):
-        found = _quiet_key(model)
-        if found is not None:
-            _quiet[found[0]] = (weakref.ref(found[1]), model_modes)
-
-
-def unmark_quiet(models: Sequence[Any]) -> None:
-    """Forget that these models were quiet: one of them drew."""
-    for model in models:
-        found = _quiet_key(model)
-        if found is not None:
-            _quiet.pop(found[0], None)
-
-
-def all_quiet(models: Sequence[Any], modes: Sequence[tuple[bool, ...]]) -> bool:
-    """Whether every model is marked quiet in the training flags its modules have now (NOTE
-    [ Models seen not to draw ])."""
-    if not _quiet or len(models) != len(modes):
-        return False
-    for model, model_modes in zip(models, modes):
-        found = _quiet_key(model)
-        if found is None:
-            return False
-        marked = _quiet.get(found[0])
-        if marked is None or marked[0]() is not found[1] or marked[1] != model_modes:
-            return False
-    return True

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import parsum
-from parsum import _random
+from parsum import _plans, _random
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -297,23 +297,31 @@ def test_a_first_draw_in_model_order_is_learned_without_a_warning():
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
 
+def kept_walk(models):
+    """The walk a call on ``models`` keeps; the call marks them quiet (they draw nothing)."""
+    parsum.sum_models(models, torch.randn(2, 2), n_jobs=1)
+    return _plans.known_walk(models)
+
+
 def test_quiet_marks_hold_no_model_and_stay_bounded(monkeypatch):
-    monkeypatch.setattr(_random, "MAX_QUIET", 4)
-    monkeypatch.setattr(_random, "_quiet", {})
+    monkeypatch.setattr(_plans, "MAX_QUIET", 4)
+    monkeypatch.setattr(_plans, "_quiet", {})
     models = [nn.Linear(2, 2) for _ in range(3)]
-    modes = [(True,)] * 3
-    _random.mark_quiet(models, modes)
-    assert _random.all_quiet(models, modes)
-    assert not _random.all_quiet(models, [(False,)] * 3)
-    _random.mark_quiet([nn.Linear(2, 2) for _ in range(3)], modes)  # 6 > 4: cleared first
-    assert len(_random._quiet) == 3 and not _random.all_quiet(models, modes)
+    walk = kept_walk(models)
+    assert walk.all_quiet(models)
+    modes, walk.model_modes = walk.model_modes, [(False,)] * 3
+    assert not walk.all_quiet(models)  # training flags other than those marked
+    walk.model_modes = modes
+    kept_walk([nn.Linear(2, 2) for _ in range(3)])  # 6 > 4: cleared first
+    assert len(_plans._quiet) == 3 and not walk.all_quiet(models)
     gone = nn.Linear(2, 2)
     ref = weakref.ref(gone)
-    _random.mark_quiet([gone], [(True,)])
+    kept_walk([gone])
     del gone
     gc.collect()
     assert ref() is None  # the mark did not keep it alive
-    assert not _random.all_quiet([print], [()])  # not a module or a module's method
+    # A walk for one call (a callable that is not a module or a module's method): never quiet
+    assert not _plans.Walk([], [], [], [], False).all_quiet([print])
 
 
 class Checkpointed(nn.Module):
