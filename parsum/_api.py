@@ -53,7 +53,15 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
-from ._plans import Derived, Walk, keep_walk, known_walk, remember_derived, stripped
+from ._plans import (
+    Derived,
+    Walk,
+    keep_walk,
+    known_walk,
+    models_found,
+    remember_derived,
+    stripped,
+)
 from ._random import (
     draws_only_dropout,
     has_drawing_layers,
@@ -241,13 +249,15 @@ def _general_sum(
     walk = known_walk(models)  # NOTE [ Reused plans ] in _plans
     found = None  # this call's walk, modules included
     if walk is None:
-        found = [ModelParams.of(m) for m in models]
+        # NOTE [ Models planned one by one ] in _plans
+        found, joined = models_found(models)
         _check_initialized(models, found)
         params, slots, shared = _collect_params(found)
         # NOTE [ Stale slots ] in _grads
         check_slots(models, [mp.names for mp in found], [mp.tensors for mp in found])
-        walk = Walk(stripped(found), params, slots, shared, _forward_in_order(found))
-        kept = keep_walk(models, found, walk)
+        findings = joined.model_params if joined is not None else stripped(found)
+        walk = Walk(findings, params, slots, shared, _forward_in_order(found))
+        kept = keep_walk(models, found, walk, joined)
         modules = [m for mp in found for m in mp.modules]
         # NOTE [ Random numbers in forwards ] in _random: layers that draw say so, whatever
         # the last walk over these models learned (their p may have changed from 0).

@@ -425,6 +425,15 @@ class ModelParams:
     # reads it several times.
     estimated: dict[Any, int] = field(default_factory=dict, repr=False, compare=False)
 
+    def with_modules(self, modules: list[nn.Module]) -> ModelParams:
+        """The same findings with ``modules`` (a kept walk holds them weakly), ``estimated``
+        shared: a shallow copy, without dataclasses.replace's checks (a set of models new
+        every call copies each model's)."""
+        copy = object.__new__(ModelParams)
+        copy.__dict__.update(self.__dict__)
+        copy.modules = modules
+        return copy
+
     @classmethod
     def of(cls, model: Callable[..., Any]) -> ModelParams:
         # One walk over ``_modules``, ``_parameters`` and ``_buffers`` instead of the generator

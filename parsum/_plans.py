@@ -39,7 +39,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import operator
 import threading
@@ -73,6 +72,7 @@ from ._stack import _data_ptr, _handle_count, _tensor_hooks
 
 MAX_PLANS = 8
 MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ] in _random)
+MAX_MODEL_WALKS = 4096  # walks kept one per model (NOTE [ Models planned one by one ])
 MAX_DERIVED = 4  # units and chunks kept per walk (batch shapes, engines, chunk limits)
 
 _PLAIN_TENSORS = (Tensor, Parameter)
@@ -177,6 +177,9 @@ class Walk:
         # Each model's modules' training flags, made when the walk is kept (NOTE [ Models
         # seen not to draw ] in _random).
         self.model_modes: list[tuple[bool, ...]] = []
+        # Each model's count of modules, for a record joined from models' own walks (NOTE
+        # [ Models planned one by one ]).
+        self.module_counts: list[int] = []
 
     def hookless_params(self) -> bool:
         """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
@@ -376,6 +379,25 @@ class Walk:
         self._ptrs = list(map(_data_ptr, tensors))
         return True
 
+    def _take_record(self, other: Walk) -> None:
+        """Take ``other``'s record (what ``holds`` compares) as this walk's own."""
+        for name in _RECORD_FIELDS:
+            setattr(self, name, getattr(other, name))
+
+
+# What ``Walk._record`` sets and ``holds`` compares.
+_RECORD_FIELDS = (
+    "_handles", "_hook_ids", "_module_refs", "_custom", "_sized", "_types", "_training",
+    "_calls", "_sizes", "_entry_dicts", "_entry_keys", "_entry_values", "_tensors",
+    "_requires", "_ptrs",
+)  # fmt: skip
+# The record's lists with an entry per module, or per entry of a module's dicts, or per tensor:
+# a walk over several models' modules records them one model after the other.
+_CONCATENATED = (
+    "_hook_ids", "_module_refs", "_sized", "_types", "_training", "_calls", "_sizes",
+    "_entry_dicts", "_entry_keys", "_entry_values", "_tensors", "_requires", "_ptrs",
+)  # fmt: skip
+
 
 def _hook_ids(modules: Sequence[nn.Module]) -> list[tuple[int, ...]]:
     """Each module's hook handle ids (unique: a hook replaced by another shows), its forward,
@@ -460,26 +482,37 @@ def _reads_tables(params: Sequence[Tensor]) -> bool:
 
 
 def keep_walk(
-    models: Sequence[Callable[..., Any]], model_params: list[ModelParams], walk: Walk
+    models: Sequence[Callable[..., Any]],
+    model_params: list[ModelParams],
+    walk: Walk,
+    joined: Walk | None = None,
 ) -> bool:
     """Keep ``walk`` (just made from ``model_params``, modules included) for the next call;
-    whether it was kept."""
+    whether it was kept. ``joined``: the record joined from the models' own walks, where
+    ``models_found`` found them holding (NOTE [ Models planned one by one ])."""
     key = _walk_key(models)
     if key is None or _reads_tables(walk.params):
         return False
     if any(mp.uninitialized is not None for mp in model_params):
         return False
-    seen: set[int] = set()
-    modules = []
-    for mp in model_params:
-        for module in mp.modules:
-            if id(module) not in seen:
-                seen.add(id(module))
-                modules.append(module)
-    if not walk._record(modules):
-        return False
-    walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
-    walk.model_modes = [tuple(map(_training, mp.modules)) for mp in model_params]
+    if joined is None:
+        joined = _walked_one_by_one(models, model_params)
+    if joined is not None:
+        walk._take_record(joined)
+        walk.programs, walk.model_modes = joined.programs, joined.model_modes
+        modules = [module for mp in model_params for module in mp.modules]
+    else:
+        seen: set[int] = set()
+        modules = []
+        for mp in model_params:
+            for module in mp.modules:
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    modules.append(module)
+        if not walk._record(modules):
+            return False
+        walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
+        walk.model_modes = [tuple(map(_training, mp.modules)) for mp in model_params]
     position = {id(module): k for k, module in enumerate(modules)}
     shared = shared_state(model_params)
     walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
@@ -496,7 +529,7 @@ def keep_walk(
         walk.writes_shared = last.writes_shared
         walk.pullbacks_write_shared = last.pullbacks_write_shared
     # Dropped when any model goes: its id could then name another model.
-    forget = _Forget(key, walk)
+    forget = _Forget(_plans, key, walk)
     if all(isinstance(m, nn.Module) for m in models):
         walk._model_refs = [weakref.ref(m, forget) for m in models]
     else:  # a method by its module, weakly, and its function
@@ -516,21 +549,129 @@ def keep_walk(
 
 def stripped(model_params: list[ModelParams]) -> list[ModelParams]:
     """The walk's findings without the modules, which a kept walk holds weakly."""
-    return [dataclasses.replace(mp, modules=[]) for mp in model_params]
+    return [mp.with_modules([]) for mp in model_params]
+
+
+# NOTE [ Models planned one by one ]
+# A set of models not seen together before (members drawn at random each step) was planned
+# from nothing on every call: ``ModelParams.of`` of every model, the record the reuse check
+# reads, each model's direct program. Each of these is the model's own, and holds while the
+# record of the model's modules does. So a kept walk's models also keep a walk each
+# (``_model_walks``, by the model's id, the model held weakly as a kept walk holds it, at most
+# MAX_MODEL_WALKS), and a new set of modules whose walks all exist, share no module and hold
+# is planned from them: their findings reused, its record the concatenation of theirs (the
+# very lists a walk over the set's modules records, in that order: ``_CONCATENATED``),
+# checked once for all of them by ``holds``. Anything else is walked as before, and its
+# models' walks made anew. What a set learns (shared state, random draws, stacked groups) is
+# still learned per set.
+
+_model_walks: dict[int, Walk] = {}
+
+
+def models_found(
+    models: Sequence[Callable[..., Any]],
+) -> tuple[list[ModelParams], Walk | None]:
+    """Each model's ``ModelParams``, modules included, and the record joined from the models'
+    own walks where they hold (NOTE [ Models planned one by one ]); else each model walked
+    anew, and None."""
+    joined = _joined_walks(models)
+    if joined is None:
+        return [ModelParams.of(m) for m in models], None
+    # Alive: the record holds.
+    modules = cast(list[nn.Module], [ref() for ref in joined._module_refs])
+    found = []
+    start = 0
+    for mp, count in zip(joined.model_params, joined.module_counts):
+        found.append(mp.with_modules(modules[start : start + count]))
+        start += count
+    return found, joined
+
+
+def _joined_walks(models: Sequence[Callable[..., Any]]) -> Walk | None:
+    """The models' own walks joined, where each has one and together they hold."""
+    if not _model_walks:
+        return None
+    walks = list(map(_model_walks.get, map(id, models)))
+    if None in walks:
+        return None
+    found = cast(list[Walk], walks)
+    if not all(map(_is, [w._model_refs[0]() for w in found], models)):
+        return None
+    joined = _join(found)
+    modules = [ref() for ref in joined._module_refs]
+    if None in modules or len(set(map(id, modules))) != len(modules):
+        return None  # a module in two models, or one model twice: walked as a set
+    return joined if joined.holds() else None
+
+
+def _walked_one_by_one(
+    models: Sequence[Callable[..., Any]], model_params: list[ModelParams]
+) -> Walk | None:
+    """A new walk for each model, kept, and their records joined; None where a model is not a
+    module, a module is in two models, or a model's modules cannot be recorded."""
+    if not all(isinstance(m, nn.Module) for m in models):
+        return None
+    modules = [module for mp in model_params for module in mp.modules]
+    if len(set(map(id, modules))) != len(modules):
+        return None
+    walks = []
+    for model, mp in zip(models, model_params):
+        own = Walk([mp.with_modules([])], [], [], [], False)
+        if not own._record(mp.modules):
+            return None
+        own.programs = [direct_program(model, mp)]
+        own.model_modes = [tuple(map(_training, mp.modules))]
+        walks.append(own)
+    with _lock:
+        if len(_model_walks) + len(walks) > MAX_MODEL_WALKS:
+            _model_walks.clear()
+        for model, own in zip(models, walks):
+            own._model_refs = [weakref.ref(model, _Forget(_model_walks, id(model), own))]
+            _model_walks[id(model)] = own
+    return _join(walks)
+
+
+def _join(walks: list[Walk]) -> Walk:
+    """One walk whose record and per-model findings are those of ``walks``, one after the
+    other (NOTE [ Models planned one by one ])."""
+    joined = Walk([w.model_params[0] for w in walks], [], [], [], False)
+    for name in _CONCATENATED:
+        setattr(joined, name, list(chain.from_iterable(map(operator.attrgetter(name), walks))))
+    custom = _Watched([], [], [])
+    offset = 0
+    for w in walks:
+        own = w._custom
+        if own.at:
+            owners = len(custom.at)
+            custom.at.extend(k + offset for k in own.at)
+            custom.sizes.extend(own.sizes)
+            custom.attributes.extend((owners + k, key, held) for k, key, held in own.attributes)
+        offset += len(w._module_refs)
+    joined._custom = custom
+    handles = {w._handles for w in walks}
+    # Recorded at different counts: ``holds`` then compares the hook ids themselves.
+    joined._handles = handles.pop() if len(handles) == 1 else -1
+    joined.programs = [w.programs[0] for w in walks]
+    joined.model_modes = [w.model_modes[0] for w in walks]
+    joined.module_counts = [len(w._module_refs) for w in walks]
+    return joined
 
 
 class _Forget:
-    __slots__ = ("key", "walk")
+    """Drops ``walk`` from ``registry`` when a model it holds is collected."""
 
-    def __init__(self, key: tuple[Hashable, ...], walk: Walk) -> None:
+    __slots__ = ("key", "registry", "walk")
+
+    def __init__(self, registry: dict[Any, Walk], key: Hashable, walk: Walk) -> None:
+        self.registry = registry
         self.key = key
         self.walk = weakref.ref(walk)
 
     def __call__(self, _: object) -> None:
         walk = self.walk()
         with _lock:
-            if walk is not None and _plans.get(self.key) is walk:
-                del _plans[self.key]
+            if walk is not None and self.registry.get(self.key) is walk:
+                del self.registry[self.key]
 
 
 def remember_derived(

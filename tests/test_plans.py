@@ -95,6 +95,10 @@ def test_a_change_between_calls_is_noticed(change, n_jobs, through):
     y_ref = plain_sum(ref, x) if through == "modules" else sum(m.forward(x) for m in ref)
     y_ref.pow(2).mean().backward()
     torch.testing.assert_close(y, y_ref)
+    assert_changed_grads_match(models, ref, change)
+
+
+def assert_changed_grads_match(models, ref, change):
     grads, ref_grads = param_grads(models), param_grads(ref)
     assert [g is None for g in grads] == [g is None for g in ref_grads]
     for a, b in zip(grads, ref_grads):
@@ -397,3 +401,143 @@ def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))
     assert len(tried) == 1  # auto stacked them once, then planned them one by one
+
+
+# NOTE [ Models planned one by one ] in _plans: a set of models not seen together before is
+# planned from the models' own walks where they all hold.
+
+
+def fresh_set(models: list[nn.Module]) -> list[nn.Module]:
+    """The same models in another order: a set no walk is kept for."""
+    return models[::-1]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_new_set_of_known_models_notices_a_change(change, n_jobs):
+    models = models_under_test()
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+    assert known_walk(fresh_set(models)) is None
+    assert _plans.models_found(fresh_set(models))[1] is not None  # would be joined
+    ref = clone_models(models)
+    for ms in (models, ref):
+        CHANGES[change](ms)
+        for m in ms:
+            m.zero_grad(set_to_none=True)
+    assert _plans.models_found(fresh_set(models))[1] is None
+    y = parsum.sum_models(fresh_set(models), x, n_jobs=n_jobs)
+    y.pow(2).mean().backward()
+    y_ref = plain_sum(fresh_set(ref), x)
+    y_ref.pow(2).mean().backward()
+    torch.testing.assert_close(y, y_ref)
+    assert_changed_grads_match(models, ref, change)
+
+
+def test_a_record_joined_from_models_is_the_walk_over_their_modules():
+    models = models_under_test()
+    parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
+    others = fresh_set(models)
+    found, joined = _plans.models_found(others)
+    assert joined is not None
+    walked = [parsum._engines.ModelParams.of(m) for m in others]
+    assert [mp.names for mp in found] == [mp.names for mp in walked]
+    assert all(
+        list(map(id, a.tensors)) == list(map(id, b.tensors))
+        and list(map(id, a.modules)) == list(map(id, b.modules))
+        for a, b in zip(found, walked)
+    )
+    direct = _plans.Walk([], [], [], [], False)
+    assert direct._record([m for mp in walked for m in mp.modules])
+    for name in _plans._CONCATENATED:
+        ours, theirs = getattr(joined, name), getattr(direct, name)
+        if name == "_module_refs":
+            ours, theirs = [r() for r in ours], [r() for r in theirs]
+        assert list(map(id, ours)) == list(map(id, theirs)) or ours == theirs, name
+    custom = [(k, key, held.get()) for k, key, held in joined._custom.attributes]
+    expected = [(k, key, held.get()) for k, key, held in direct._custom.attributes]
+    assert joined._custom.at == direct._custom.at and joined._custom.sizes == direct._custom.sizes
+    assert len(custom) == len(expected) and all(
+        a[:2] == b[:2] and a[2] is b[2] for a, b in zip(custom, expected)
+    )
+    programs = [parsum._engines.direct_program(m, mp) for m, mp in zip(others, walked)]
+    assert [p is None for p in joined.programs] == [p is None for p in programs]
+    assert any(p is not None for p in programs)  # the Sequentials run as their layers
+    assert joined.model_modes == [tuple(m.training for m in mp.modules) for mp in walked]
+
+
+@pytest.mark.parametrize("kind", ["a module in two models", "a model twice"])
+def test_models_sharing_modules_are_walked_as_a_set(kind):
+    torch.manual_seed(0)
+    shared = nn.Linear(IN, 8)
+    models = [nn.Sequential(shared, nn.Tanh(), nn.Linear(8, OUT)) for _ in range(3)]
+    if kind == "a model twice":
+        models = [mlp([8]), mlp([6])]
+        models = [models[0], models[1], models[0]]
+    x = torch.randn(4, IN)
+    for model in models:  # each model's own walk exists
+        parsum.sum_models([model], x).sum().backward()
+    assert all(id(m) in _plans._model_walks for m in models)
+    ref = clone_models(models)  # shares as the models do
+    for ms in (models, ref):
+        for m in ms:
+            m.zero_grad(set_to_none=True)
+    assert _plans.models_found(models)[1] is None
+    y = parsum.sum_models(models, x, n_jobs=2)
+    y.pow(2).sum().backward()
+    y_ref = plain_sum(ref, x)
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_models_own_walks_keep_no_model_alive():
+    models = [mlp([8]) for _ in range(3)]
+    parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
+    assert all(id(m) in _plans._model_walks for m in models)
+    keys = list(map(id, models))
+    refs = [weakref.ref(m) for m in models]
+    weights = weakref.ref(next(models[0].parameters()))
+    del models
+    gc.collect()
+    assert all(r() is None for r in refs) and weights() is None
+    assert all(k not in _plans._model_walks for k in keys)
+
+
+def test_at_most_max_model_walks_are_kept(monkeypatch):
+    monkeypatch.setattr(_plans, "MAX_MODEL_WALKS", 5)
+    models = [mlp([4]) for _ in range(8)]
+    for start in range(0, 8, 2):
+        parsum.sum_models(models[start : start + 2], torch.randn(2, IN)).sum().backward()
+        assert len(_plans._model_walks) <= 5
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_members_drawn_each_step_train_as_the_plain_loop(n_jobs):
+    """Every call a new set, mostly planned from the models' own walks: the same training as
+    the plain loop's, step after step."""
+    models = [*zoo(seed=4), Scaled()]
+    ref = clone_models(models)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.05)
+    opt_ref = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.05)
+    generator = torch.Generator().manual_seed(0)
+    joined = 0
+    for _ in range(12):
+        picked = torch.randperm(len(models), generator=generator)[:5].sort().values.tolist()
+        x = torch.randn(6, IN, generator=generator)
+        joined += _plans.models_found([models[i] for i in picked])[1] is not None
+        for ms, o in ((models, opt), (ref, opt_ref)):
+            o.zero_grad(set_to_none=True)
+            members = [ms[i] for i in picked]
+            y = (
+                parsum.sum_models(members, x, n_jobs=n_jobs)
+                if ms is models
+                else plain_sum(members, x)
+            )
+            y.pow(2).mean().backward()
+            o.step()
+    assert joined > 0
+    for a, b in zip(models, ref):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
