@@ -4,6 +4,7 @@ bits are those of a fresh plan, and a kept plan keeps no model alive."""
 import copy
 import functools
 import gc
+import threading
 import weakref
 
 import pytest
@@ -541,3 +542,42 @@ def test_members_drawn_each_step_train_as_the_plain_loop(n_jobs):
     for a, b in zip(models, ref):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_threads_drawing_sets_of_shared_models_get_the_bits_of_one_thread(n_jobs):
+    """Four threads each summing new random sets of the same models (their walks made, joined
+    and replaced concurrently): every result has the bits one thread computes."""
+    torch.manual_seed(3)
+    models = [mlp([4 + i % 5]) for i in range(12)]
+    x = torch.randn(5, IN, requires_grad=True)
+    generator = torch.Generator().manual_seed(1)
+    draws = [torch.randperm(12, generator=generator)[:7].tolist() for _ in range(48)]
+
+    def result(draw):
+        y = parsum.sum_models([models[i] for i in draw], x, n_jobs=n_jobs)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x)  # no .grad written: threads share models
+        return y.detach(), g
+
+    expected = [result(draw) for draw in draws]
+    _plans._model_walks.clear()
+    _plans._plans.clear()
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    errors = []
+
+    def work(first):
+        try:
+            for k in range(first, len(draws), 4):
+                got[k] = result(draws[k])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert len(got) == len(draws)
+    for k, (y, g) in enumerate(expected):
+        assert torch.equal(got[k][0], y) and torch.equal(got[k][1], g)
