@@ -413,12 +413,20 @@ def fresh_set(models: list[nn.Module]) -> list[nn.Module]:
     return models[::-1]
 
 
+def walk_one_by_one(models: list[nn.Module], x: torch.Tensor, n_jobs: int | None = None) -> None:
+    """Give the models walks of their own: a set of models a kept walk holds is walked one by
+    one (the models in a second order; ``fresh_set`` is a third)."""
+    for members in (models, models[1:] + models[:1]):
+        parsum.sum_models(members, x, n_jobs=n_jobs).pow(2).mean().backward()
+    assert all(id(m) in _plans._model_walks for m in models)
+
+
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_new_set_of_known_models_notices_a_change(change, n_jobs):
     models = models_under_test()
     x = torch.randn(5, IN)
-    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+    walk_one_by_one(models, x, n_jobs)
     assert known_walk(fresh_set(models)) is None
     assert _plans.models_found(fresh_set(models))[1] is not None  # would be joined
     ref = clone_models(models)
@@ -437,7 +445,7 @@ def test_a_new_set_of_known_models_notices_a_change(change, n_jobs):
 
 def test_a_record_joined_from_models_is_the_walk_over_their_modules():
     models = models_under_test()
-    parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
+    walk_one_by_one(models, torch.randn(3, IN))
     others = fresh_set(models)
     found, joined = _plans.models_found(others)
     assert joined is not None
@@ -477,8 +485,7 @@ def test_models_sharing_modules_are_walked_as_a_set(kind):
         models = [models[0], models[1], models[0]]
     x = torch.randn(4, IN)
     for model in models:  # each model's own walk exists
-        parsum.sum_models([model], x).sum().backward()
-    assert all(id(m) in _plans._model_walks for m in models)
+        walk_one_by_one([model, mlp([5])], x)
     ref = clone_models(models)  # shares as the models do
     for ms in (models, ref):
         for m in ms:
@@ -495,8 +502,7 @@ def test_models_sharing_modules_are_walked_as_a_set(kind):
 
 def test_models_own_walks_keep_no_model_alive():
     models = [mlp([8]) for _ in range(3)]
-    parsum.sum_models(models, torch.randn(3, IN)).sum().backward()
-    assert all(id(m) in _plans._model_walks for m in models)
+    walk_one_by_one(models, torch.randn(3, IN))
     keys = list(map(id, models))
     refs = [weakref.ref(m) for m in models]
     weights = weakref.ref(next(models[0].parameters()))
@@ -510,8 +516,16 @@ def test_at_most_max_model_walks_are_kept(monkeypatch):
     monkeypatch.setattr(_plans, "MAX_MODEL_WALKS", 5)
     models = [mlp([4]) for _ in range(8)]
     for start in range(0, 8, 2):
-        parsum.sum_models(models[start : start + 2], torch.randn(2, IN)).sum().backward()
+        walk_one_by_one(models[start : start + 2], torch.randn(2, IN))
         assert len(_plans._model_walks) <= 5
+
+
+def test_models_new_on_every_call_get_no_walks_of_their_own():
+    x = torch.randn(3, IN)
+    for _ in range(3):
+        models = [mlp([6]) for _ in range(4)]  # copies made each step, say
+        parsum.sum_models(models, x).sum().backward()
+        assert all(id(m) not in _plans._model_walks for m in models)
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2])
