@@ -577,11 +577,10 @@ def models_found(
     """Each model's ``ModelParams``, modules included, and the record joined from the models'
     own walks where they hold (NOTE [ Models planned one by one ]); else each model walked
     anew, and None."""
-    joined = _joined_walks(models)
-    if joined is None:
+    held = _joined_walks(models)
+    if held is None:
         return [ModelParams.of(m) for m in models], None
-    # Alive: the record holds.
-    modules = cast(list[nn.Module], [ref() for ref in joined._module_refs])
+    joined, modules = held
     found = []
     start = 0
     for mp, count in zip(joined.model_params, joined.module_counts):
@@ -590,8 +589,11 @@ def models_found(
     return found, joined
 
 
-def _joined_walks(models: Sequence[Callable[..., Any]]) -> Walk | None:
-    """The models' own walks joined, where each has one and together they hold."""
+def _joined_walks(
+    models: Sequence[Callable[..., Any]],
+) -> tuple[Walk, list[nn.Module]] | None:
+    """The models' own walks joined, and the modules they record, where each model has one
+    and together they hold."""
     if not _model_walks:
         return None
     walks = list(map(_model_walks.get, map(id, models)))
@@ -601,10 +603,18 @@ def _joined_walks(models: Sequence[Callable[..., Any]]) -> Walk | None:
     if not all(map(_is, [w._model_refs[0]() for w in found], models)):
         return None
     joined = _join(found)
-    modules = [ref() for ref in joined._module_refs]
-    if None in modules or len(set(map(id, modules))) != len(modules):
+    refs = [ref() for ref in joined._module_refs]
+    if None in refs:
+        return None
+    modules = cast(list[nn.Module], refs)
+    if not _distinct(modules):
         return None  # a module in two models, or one model twice: walked as a set
-    return joined if joined.holds() else None
+    return (joined, modules) if joined.holds() else None
+
+
+def _distinct(modules: list[nn.Module]) -> bool:
+    """Whether no module is in the list twice (NOTE [ Models planned one by one ])."""
+    return len(set(map(id, modules))) == len(modules)
 
 
 def _seen_in_kept_walks(models: Sequence[Callable[..., Any]]) -> bool:
@@ -624,8 +634,7 @@ def _walked_one_by_one(
     module, a module is in two models, or a model's modules cannot be recorded."""
     if not all(isinstance(m, nn.Module) for m in models):
         return None
-    modules = [module for mp in model_params for module in mp.modules]
-    if len(set(map(id, modules))) != len(modules):
+    if not _distinct([module for mp in model_params for module in mp.modules]):
         return None
     walks = []
     for model, mp in zip(models, model_params):
