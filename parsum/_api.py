@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -46,6 +46,7 @@ from ._grouping import (
     auto_min_group,
     chunks_of,
     costliest_first,
+    estimate,
     intra_op_only,
     plan_units,
     small_last_chunk,
@@ -286,8 +287,11 @@ def _general_sum(
     key = (engine, batch, chunk_size, chosen, budget, on_device, stepping, vmap_failure_count())
     derived = walk.derived.get(key)
     if derived is None:
+        # Keys kept by the models' own walks only where their records were just checked
+        # (NOTE [ Structure keys kept by models' own walks ] in _plans).
+        key_of = _keys_of(walk, found) if found is not None else None
         found = found or [ModelParams.of(m) for m in models]
-        units = plan_units(models, found, engine, batch, chunk_size, budget)
+        units = plan_units(models, found, engine, batch, chunk_size, budget, key_of)
         chunks = chunks_of(units, found, batch, chunk_size)
         order = costliest_first(units, chunks, found, batch)
         claim_order: tuple[int, ...] | None = order
@@ -390,6 +394,15 @@ def _general_sum(
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
     assert plan.out_spec is not None
     return pytree.tree_unflatten(leaves, plan.out_spec)
+
+
+def _keys_of(walk: Walk, found: list[ModelParams]) -> Callable[[int], Hashable | None] | None:
+    """Each model's structure key as its own walk keeps it, for a set planned from the models'
+    own walks (NOTE [ Structure keys kept by models' own walks ] in _plans); else None."""
+    parts = walk.parts
+    if not parts:
+        return None
+    return lambda i: parts[i].own_structure_key(found[i])
 
 
 def _draws_beforehand(walk: Walk, units: list[Unit], call: CallArgs, tensors: list[Tensor]) -> bool:
@@ -688,8 +701,12 @@ def _forward_in_order(model_params: list[ModelParams]) -> bool:
     may run at once: NOTE [ Shadow modules ].)"""
     owner: dict[int, int] = {}
     for i, mp in enumerate(model_params):
-        shared = [*mp.buffers, *(g for m in mp.modules for g in held_generators(m))]
-        for t in shared:
-            if owner.setdefault(id(t), i) != i:
+        for held in estimate(mp, "held", functools.partial(_held_ids, mp)):
+            if owner.setdefault(held, i) != i:
                 return True
     return False
+
+
+def _held_ids(mp: ModelParams) -> list[int]:
+    """The ids of a model's buffers and of the generators its modules hold."""
+    return [id(t) for t in (*mp.buffers, *(g for m in mp.modules for g in held_generators(m)))]

@@ -409,7 +409,8 @@ class ModelParams:
         loose: the names of plain tensor attributes that require grad and are leaves
             (``self.temperature = torch.ones(1, requires_grad=True)``): not parameters, but
             the plain loop gives them a ``.grad``, so they are among ``tensors`` too.
-        estimated: the model's estimated cost by batch shape, once computed.
+        estimated: what the planning estimated for the model (its cost by batch shape, ...),
+            once computed (``_grouping.estimate``).
     """
 
     names: list[str]
@@ -421,9 +422,9 @@ class ModelParams:
     state: list[Tensor] = field(default_factory=list)
     uninitialized: str | None = None
     loose: list[str] = field(default_factory=list)
-    # The estimated cost by batch shape (``estimated_cost`` in _grouping): a call's planning
-    # reads it several times.
-    estimated: dict[Any, int] = field(default_factory=dict, repr=False, compare=False)
+    # What the planning estimated (``estimate`` in _grouping): a call's planning reads the
+    # cost several times, and a set planned from its models' own walks reuses their findings.
+    estimated: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def with_modules(self, modules: list[nn.Module]) -> ModelParams:
         """The same findings with ``modules`` (a kept walk holds them weakly), ``estimated``

@@ -157,10 +157,11 @@ whether threads pay.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -234,6 +235,7 @@ LOOPED_UNDER_VMAP: tuple[type[nn.Module], ...] = (nn.EmbeddingBag,)
 
 # Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
+MAX_ESTIMATES = 64  # what a model's findings keep (``estimate``)
 MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
 # A chunk left to the caller at the end of a job (NOTE [ The caller's last chunk ] in _pool):
 # at most a model whose kernels weigh half its overhead, about 0.4 ms forward and backward.
@@ -276,9 +278,11 @@ def plan_units(
     batch: Batch,
     chunk_size: int | None,
     budget: int | None = None,
+    key_of: Callable[[int], Hashable | None] | None = None,
 ) -> list[Unit]:
     """The units of a call, in the order of their first model, ``auto``'s groups sized for
-    ``budget`` threads (default: this thread's, ``_config.thread_budget``)."""
+    ``budget`` threads (default: this thread's, ``_config.thread_budget``); ``key_of(i)``:
+    model i's ``structure_key`` where it is known already."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
     auto = engine == "auto"
@@ -302,7 +306,7 @@ def plan_units(
         if len(members) < min_models:
             continue
         for i in members:
-            key = structure_key(model_params[i])
+            key = structure_key(model_params[i]) if key_of is None else key_of(i)
             if key is not None:
                 groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
@@ -345,13 +349,24 @@ def _group_param_rows(budget: int) -> int:
 
 def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None) -> bool:
     """Whether engine="auto" stacks this model (NOTE [ Stacked groups ], NOTE [ Batched groups
-    once features first ], NOTE [ Layers vmap loops over ])."""
+    once features first ], NOTE [ Layers vmap loops over ]); kept by its findings unless a
+    take_rows table was read (its rows are not the findings')."""
+    if budget is None:
+        budget = thread_budget()
+    if any_sampled():
+        return _small_enough_now(model, mp, batch, budget)
+    return cast(
+        bool,
+        estimate(mp, ("small", batch, budget), lambda: _small_enough_now(model, mp, batch, budget)),
+    )
+
+
+def _small_enough_now(model: Any, mp: ModelParams, batch: Batch, budget: int) -> bool:
+    """``_small_enough``, found now."""
     if any(isinstance(m, LOOPED_UNDER_VMAP) for m in mp.modules):
         return False
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
-    if budget is None:
-        budget = thread_budget()
     max_params, max_rows = AUTO_STACK_MAX_PARAMS, _group_param_rows(budget)
     if budget in AUTO_STACK_BATCHED_LIMITS and _batched(model):
         max_params, max_rows = AUTO_STACK_BATCHED_LIMITS[budget]
@@ -399,7 +414,13 @@ def _kernel_share(
 ) -> float:
     """C / O: the models' kernel work over their Python overhead, as estimated from shapes (a
     take_rows table's rows as ``_param_rows`` counts them with ``last_call``)."""
-    kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
+    if any_sampled():
+        kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
+    else:  # the rows of the trainable parameters alone, kept by the findings
+        kernels = sum(
+            estimate(mp, ("rows", batch), functools.partial(_param_rows, mp, batch))
+            for mp in model_params
+        )
     overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
     return kernels / overhead if overhead else math.inf
 
@@ -492,14 +513,27 @@ def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
     return chunks
 
 
+def estimate(mp: ModelParams, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``make()``, kept by the model's findings under ``key`` (at most MAX_ESTIMATES: batch
+    shapes may vary call by call). Findings live as long as the walk that made them, which
+    sets planned from their models' own walks reuse (NOTE [ Structure keys kept by models'
+    own walks ] in _plans)."""
+    found = mp.estimated.get(key)
+    if found is None:
+        if len(mp.estimated) >= MAX_ESTIMATES:
+            mp.estimated.clear()
+        found = mp.estimated[key] = make()
+    return found
+
+
 def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     """A model's cost in parameter-rows, from shapes alone (NOTE [ Chunks ])."""
-    cost = mp.estimated.get(batch)
-    if cost is None:
+
+    def cost() -> int:
         tensors = [*mp.tensors, *mp.state]
-        cost = MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
-        mp.estimated[batch] = cost
-    return cost
+        return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
+
+    return cast(int, estimate(mp, batch, cost))
 
 
 def chunks_of(

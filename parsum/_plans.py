@@ -67,6 +67,7 @@ from ._engines import (
     own_calls,
     shared_state,
 )
+from ._grouping import structure_key
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _tensor_hooks
 
@@ -180,6 +181,13 @@ class Walk:
         # Each model's count of modules, for a record joined from models' own walks (NOTE
         # [ Models planned one by one ]).
         self.module_counts: list[int] = []
+        # A walk planned from its models' own walks: those walks, one a model, and whether
+        # each watched its model's settings when they were joined (NOTE [ Structure keys
+        # kept by models' own walks ]).
+        self.parts: list[Walk] = []
+        self.settings_watched: list[bool] = []
+        # A model's own walk: its model's structure key (_grouping.structure_key) once asked.
+        self.structure: Hashable | None = _UNASKED
 
     def hookless_params(self) -> bool:
         """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
@@ -303,6 +311,19 @@ class Walk:
             self._handles = handles
         return True
 
+    def own_structure_key(self, model_params: ModelParams) -> Hashable | None:
+        """This model's own walk's ``structure_key`` of its model (``model_params``, modules
+        included), kept; settings watched from then on where it can be stacked (NOTE
+        [ Structure keys kept by models' own walks ])."""
+        key = self.structure
+        if key is _UNASKED:
+            key = structure_key(model_params)
+            # The watch first: a join that sees the key sees the watch (``_join``).
+            if key is not None and not self._watch_settings(list(model_params.modules)):
+                return key
+            self.structure = key
+        return key
+
     def _watch_settings(self, modules: list[nn.Module]) -> bool:
         """Check from now on every attribute of ``modules`` as those of classes outside
         torch.nn are checked: a stacked group depends on its modules' settings (a
@@ -406,6 +427,7 @@ def _hook_ids(modules: Sequence[nn.Module]) -> list[tuple[int, ...]]:
 
 
 _MISSING = object()  # no such attribute
+_UNASKED = object()  # a structure key not asked for yet
 _GONE = object()  # a value held weakly and collected: no attribute holds it
 
 
@@ -500,6 +522,7 @@ def keep_walk(
     if joined is not None:
         walk._take_record(joined)
         walk.programs, walk.model_modes = joined.programs, joined.model_modes
+        walk.parts, walk.settings_watched = joined.parts, joined.settings_watched
         modules = [module for mp in model_params for module in mp.modules]
     else:
         seen: set[int] = set()
@@ -569,6 +592,22 @@ def stripped(model_params: list[ModelParams]) -> list[ModelParams]:
 # is still learned per set.
 
 _model_walks: dict[int, Walk] = {}
+
+# NOTE [ Structure keys kept by models' own walks ]
+# Identical models drawn at random were grouped for stacking anew for every set: each model's
+# ``structure_key`` (its modules' types, settings and hooks, its tensors' shapes) cost 17% of
+# a step of 48 of 64 tiny MLPs, and the watch of the stacked modules' settings that a set's
+# plan then starts (``_watch_settings``: a ``negative_slope`` changed on one model must split
+# its group) 8%, for every set. The key is the model's own, and holds while its record does
+# and its settings are what they were: a model's own walk keeps it, and watches its modules'
+# settings from then on (``Walk.own_structure_key``), so a set joined from such walks groups
+# its models from their keys, and its record, the concatenation of theirs, already watches
+# their settings: its plan watches only the modules of stacked models whose walks did not
+# when it was joined (``settings_watched``). A key of None (hooks, a compiled or TorchScript
+# module) depends on nothing the record does not hold, and watches nothing. Only the call that
+# joined the walks (and so checked their records, settings included) reads their keys: a kept
+# set that stacks none of its models watches none of their settings, so planned again later
+# (another batch shape or engine) it keys them anew.
 
 
 def models_found(
@@ -657,6 +696,9 @@ def _join(walks: list[Walk]) -> Walk:
     """One walk whose record and per-model findings are those of ``walks``, one after the
     other (NOTE [ Models planned one by one ])."""
     joined = Walk([w.model_params[0] for w in walks], [], [], [], False)
+    # Read before the records: a key is kept after its watch is (``own_structure_key``).
+    joined.settings_watched = [w.structure is not _UNASKED for w in walks]
+    joined.parts = walks
     for name in _CONCATENATED:
         setattr(joined, name, list(chain.from_iterable(map(operator.attrgetter(name), walks))))
     custom = _Watched([], [], [])
@@ -702,7 +744,13 @@ def remember_derived(
     """Keep what was planned for ``key``; where it stacks models, the walk checks from now on
     the settings of their modules too (``model_params``: this call's walk, modules included)."""
     stacked = [i for unit in derived.units if len(unit.models) > 1 for i in unit.models]
-    if stacked and not walk._watch_settings([m for i in stacked for m in model_params[i].modules]):
+    # Those whose own walks watched them when this walk's record was joined are watched here
+    # already (NOTE [ Structure keys kept by models' own walks ]).
+    watched = walk.settings_watched
+    unwatched = [i for i in stacked if not (watched and watched[i])]
+    if unwatched and not walk._watch_settings(
+        [m for i in unwatched for m in model_params[i].modules]
+    ):
         return
     if len(walk.derived) >= MAX_DERIVED:
         walk.derived.clear()

@@ -595,3 +595,149 @@ def test_threads_drawing_sets_of_shared_models_get_the_bits_of_one_thread(n_jobs
     assert len(got) == len(draws)
     for k, (y, g) in enumerate(expected):
         assert torch.equal(got[k][0], y) and torch.equal(got[k][1], g)
+
+
+# NOTE [ Structure keys kept by models' own walks ] in _plans: a set joined from its models' own
+# walks groups them from the keys those walks keep, which watch the models' settings.
+
+
+def stacked_models(n: int = 6) -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [mlp([4], nn.LeakyReLU) for _ in range(n)]
+
+
+def stacked_sum(models: list[nn.Module], x: torch.Tensor, n_jobs: int) -> torch.Tensor:
+    return parsum.sum_models(models, x, engine="stacked", n_jobs=n_jobs)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("change", list(STACKED_CHANGES))
+def test_a_setting_changed_between_draws_splits_a_stacked_group(change, n_jobs):
+    models = stacked_models()
+    x = torch.randn(3, IN)
+    walk_one_by_one(models, x, n_jobs)
+    stacked_sum(fresh_set(models), x, n_jobs)  # joined: each model's key kept by its walk
+    assert all(_plans._model_walks[id(m)].structure is not _plans._UNASKED for m in models)
+    ref = clone_models(models)
+    for ms in (models, ref):
+        STACKED_CHANGES[change](ms)  # model 1 no longer stacks with the others
+    other = models[2:] + models[:2]  # a set not seen yet
+    assert _plans.models_found(other)[1] is None  # model 1's walk watched its settings
+    y = stacked_sum(other, x, n_jobs)
+    torch.testing.assert_close(y, plain_sum(ref[2:] + ref[:2], x))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_set_joined_before_its_keys_were_kept_watches_its_settings_itself(n_jobs):
+    """The first set joined from new walks asks their keys while it plans: its record, joined
+    before, does not hold the settings those walks then watch, so its plan watches them."""
+    models = stacked_models()
+    x = torch.randn(3, IN)
+    stacked_sum(models, x, n_jobs)  # a kept walk: the next set of these models is walked
+    members = fresh_set(models)  # one by one, and joined
+    stacked_sum(members, x, n_jobs)
+    assert all(id(m) in _plans._model_walks for m in models)
+    assert known_walk(members).parts and not any(known_walk(members).settings_watched)
+    ref = clone_models(models)
+    for ms in (models, ref):
+        STACKED_CHANGES["setting"](ms)
+    assert known_walk(members) is None
+    torch.testing.assert_close(stacked_sum(members, x, n_jobs), plain_sum(fresh_set(ref), x))
+
+
+def test_later_draws_ask_no_structure_key_and_watch_nothing_new(monkeypatch):
+    models = stacked_models(8)
+    x = torch.randn(3, IN)
+    walk_one_by_one(models, x)
+    stacked_sum(fresh_set(models), x, 1)  # every key asked once, its settings watched
+    asked = count_calls(monkeypatch, _plans, "structure_key")
+    grouped = count_calls(monkeypatch, parsum._grouping, "structure_key")
+    watched = count_calls(monkeypatch, _plans.Walk, "_watch_settings")
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        picked = torch.randperm(len(models), generator=generator)[:6].tolist()
+        members = [models[i] for i in picked]
+        assert known_walk(members) is None
+        y = stacked_sum(members, x, 1)
+        torch.testing.assert_close(y, plain_sum(members, x))
+        (derived,) = known_walk(members).derived.values()
+        assert [len(unit.models) for unit in derived.units] == [6]
+    assert not asked and not grouped and not watched
+
+
+def test_models_drawn_with_a_shared_buffer_run_their_forwards_in_order():
+    """The buffers and generators each model's findings keep: two models sharing BatchNorm
+    statistics, drawn in new sets, run in model order, updating them as the plain loop does."""
+    torch.manual_seed(6)
+    models = [
+        nn.Sequential(nn.Linear(IN, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, OUT))
+        for _ in range(6)
+    ]
+    ref = clone_models(models)
+    for ms in (models, ref):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(ms[3][1], name, getattr(ms[0][1], name))
+    x = torch.randn(8, IN)
+    walk_one_by_one(models, x, 2)
+    for ms in (models, ref):  # the calls above updated the statistics: start again alike
+        for m in ms:
+            m[1].reset_running_stats()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        rest = [i for i in torch.randperm(6, generator=generator).tolist() if i not in (0, 3)]
+        picked = [0, *rest[:2], 3]
+        members = [models[i] for i in picked]
+        joined = _plans.models_found(members)[1] is not None
+        parsum.sum_models(members, x, n_jobs=2).pow(2).mean().backward()
+        plain_sum([ref[i] for i in picked], x).pow(2).mean().backward()
+        assert joined and known_walk(members).forward_in_order
+    for a, b in zip(models, ref):
+        torch.testing.assert_close(a[1].running_mean, b[1].running_mean)
+        torch.testing.assert_close(a[1].running_var, b[1].running_var)
+
+
+def test_a_models_findings_keep_a_bounded_number_of_estimates():
+    """New sets of the same models, planned from the findings their own walks keep, at a new
+    batch shape every call (sequences of varying lengths, say): each model's findings keep at
+    most MAX_ESTIMATES estimates."""
+    models = [mlp([4 + i % 2]) for i in range(6)]
+    walk_one_by_one(models, torch.randn(2, IN))
+    generator = torch.Generator().manual_seed(4)
+    for rows in range(1, 3 * parsum._grouping.MAX_ESTIMATES):
+        members = [models[i] for i in torch.randperm(6, generator=generator).tolist()]
+        parsum.sum_models(members, torch.randn(rows, IN)).sum().backward()
+    found = [_plans._model_walks[id(m)].model_params[0].estimated for m in models]
+    assert 0 < max(map(len, found)) <= parsum._grouping.MAX_ESTIMATES
+
+
+class Leaky(nn.Module):
+    """A model of the user's own class: auto stacks at least AUTO_STACK_MIN_MODELS of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.act = nn.LeakyReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+def test_a_kept_set_plans_again_from_keys_found_now():
+    """A set planned from its models' own walks keys them, but stacks fewer than auto needs
+    and so watches none of their settings: planned again later (another engine), it keys them
+    anew, not from their walks, whose watch of the settings its own check does not read."""
+    torch.manual_seed(7)
+    models = [Leaky() for _ in range(5)]
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x)  # a kept walk: the next set of these models is joined
+    members = fresh_set(models)
+    parsum.sum_models(members, x)
+    walk = known_walk(members)
+    assert walk.parts and all(part.structure is not _plans._UNASKED for part in walk.parts)
+    assert all(len(unit.models) == 1 for d in walk.derived.values() for unit in d.units)
+    ref = clone_models(models)
+    for ms in (models, ref):
+        ms[1].act.negative_slope = 0.3
+    assert known_walk(members) is walk  # its check does not read model 1's settings
+    y = parsum.sum_models(members, x, engine="stacked")
+    torch.testing.assert_close(y, plain_sum(fresh_set(ref), x))
