@@ -558,12 +558,14 @@ def test_members_drawn_each_step_train_as_the_plain_loop(n_jobs):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("identical", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_threads_drawing_sets_of_shared_models_get_the_bits_of_one_thread(n_jobs):
+def test_threads_drawing_sets_of_shared_models_get_the_bits_of_one_thread(n_jobs, identical):
     """Four threads each summing new random sets of the same models (their walks made, joined
-    and replaced concurrently): every result has the bits one thread computes."""
+    and replaced concurrently; identical ones stacked, their keys kept by their walks): every
+    result has the bits one thread computes."""
     torch.manual_seed(3)
-    models = [mlp([4 + i % 5]) for i in range(12)]
+    models = [mlp([4 if identical else 4 + i % 5]) for i in range(12)]
     x = torch.randn(5, IN, requires_grad=True)
     generator = torch.Generator().manual_seed(1)
     draws = [torch.randperm(12, generator=generator)[:7].tolist() for _ in range(48)]
