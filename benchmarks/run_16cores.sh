@@ -207,11 +207,14 @@ first)
 members)
     # 2026-11-30 (2 cores): a new set ran its forwards in model order before the quiet marks
     # (NOTE [ Models seen not to draw ]); on 16 cores the threads they now run on count more.
+    # Identical models drawn so are grouped from their own walks' keys since the seventeenth
+    # session (NOTE [ Structure keys kept by models' own walks ]).
     for jobs in default 1; do
         flag=$([ "$jobs" = default ] && echo "" || echo "--n-jobs $jobs")
         # shellcheck disable=SC2086
-        (cd benchmarks && timeout 70 python bench_against.py --rev none --members 0.75 \
-            --rounds 10 $flag --workloads distinct-medium:64,heterogeneous-medium:64,distinct-tiny) \
+        (cd benchmarks && timeout 90 python bench_against.py --rev none --members 0.75 \
+            --rounds 10 $flag \
+            --workloads distinct-medium:64,heterogeneous-medium:64,distinct-tiny,identical-tiny) \
             > "$out/members-16cores-$jobs.txt" 2>&1
     done
     ;;
