@@ -44,6 +44,8 @@
 #                                           # and its parts apart (bench_steps.py),
 #                                           # the CUDA table of four workloads, the exchange
 #                                           # between 2-16 processes, the main example
+#   bash benchmarks/run_16cores.sh lent     # `next` without StepInBackward's rows and the
+#                                           # exchange (at most 500 s; seventeenth session)
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
@@ -185,6 +187,19 @@ next)
     speedup 110 speedup-cuda --device cuda --jobs 1,4 --rounds 6 --workloads \
         heterogeneous-medium:64,heterogeneous-tiny,identical-tiny,cnn-ensemble
     exchange 80 100  # 2026-11-30: 70 s ran only the 2 processes (each start imports torch)
+    example 40
+    ;;
+lent)
+    # The seventeenth session's one call (at most 500 s, the tree's results packed into one
+    # file by the caller): the CUDA smoke test and tests on the code since a455b44, the CUDA
+    # table of four workloads, the 16-core table of medium and tiny MLPs over workers and
+    # processes, the main example.
+    cuda_checks 80
+    speedup 100 speedup-cuda --device cuda --jobs 1,4 --rounds 6 --workloads \
+        heterogeneous-medium:64,heterogeneous-tiny,identical-tiny,cnn-ensemble
+    speedup 190 speedup-16cores --workloads \
+        heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
+        --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
     example 40
     ;;
 last-run)  # what `next` ran on 2026-11-30 (334 s)
