@@ -1617,8 +1617,13 @@ def test_a_global_backward_hook_orders_the_pullbacks_while_it_is_registered(core
                 assert not on_a_worker(threads)
     finally:
         handle.remove()
+
+    def slow_record(module, *grads):
+        record(current_name())
+        time.sleep(0.002)  # a helper's chance to claim a chunk on a loaded machine
+
     for m in models:  # the hook gone, back on the threads
-        m.lin.register_full_backward_hook(lambda mod, gi, go: record(current_name()))
+        m.lin.register_full_backward_hook(slow_record)
     threads.clear()
     for _ in range(2):
         parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
