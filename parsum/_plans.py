@@ -400,6 +400,20 @@ class Walk:
         self._ptrs = list(map(_data_ptr, tensors))
         return True
 
+    def _record_models(
+        self,
+        models: Sequence[Callable[..., Any]],
+        model_params: list[ModelParams],
+        modules: list[nn.Module],
+    ) -> bool:
+        """``_record`` of ``modules``, then each model's direct program and training flags,
+        what a kept walk holds besides; False, recording nothing, where ``_record`` is."""
+        if not self._record(modules):
+            return False
+        self.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
+        self.model_modes = [tuple(map(_training, mp.modules)) for mp in model_params]
+        return True
+
     def _take_record(self, other: Walk) -> None:
         """Take ``other``'s record (what ``holds`` compares) as this walk's own."""
         for name in _RECORD_FIELDS:
@@ -532,10 +546,8 @@ def keep_walk(
                 if id(module) not in seen:
                     seen.add(id(module))
                     modules.append(module)
-        if not walk._record(modules):
+        if not walk._record_models(models, model_params, modules):
             return False
-        walk.programs = [direct_program(m, mp) for m, mp in zip(models, model_params)]
-        walk.model_modes = [tuple(map(_training, mp.modules)) for mp in model_params]
     position = {id(module): k for k, module in enumerate(modules)}
     shared = shared_state(model_params)
     walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
@@ -678,10 +690,8 @@ def _walked_one_by_one(
     walks = []
     for model, mp in zip(models, model_params):
         own = Walk([mp.with_modules([])], [], [], [], False)
-        if not own._record(mp.modules):
+        if not own._record_models([model], [mp], mp.modules):
             return None
-        own.programs = [direct_program(model, mp)]
-        own.model_modes = [tuple(map(_training, mp.modules))]
         walks.append(own)
     with _lock:
         if len(_model_walks) + len(walks) > MAX_MODEL_WALKS:
