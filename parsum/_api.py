@@ -51,6 +51,7 @@ from ._grouping import (
     plan_units,
     small_last_chunk,
     storage_stack_limit,
+    useful_forward_workers,
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
@@ -305,14 +306,17 @@ def _general_sum(
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch, budget) if chosen else n_workers
+        forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers
         last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
-        derived = Derived(units, chunks, workers, claim_order, last)
+        derived = Derived(units, chunks, workers, forward_workers, claim_order, last)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
         n_workers = 1 if on_device else min(n_workers, derived.workers)
     if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
         n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
+    # NOTE [ Forwards on fewer workers ] in _grouping: where parsum chooses them
+    forward_workers = min(n_workers, derived.forward_workers) if chosen else n_workers
     # NOTE [ Dropout drawn beforehand ] in _random: the forwards on the threads once the
     # noise's shapes are known at this input.
     drawn_key = None
@@ -357,7 +361,7 @@ def _general_sum(
         callers_last=derived.callers_last,
         n_workers=n_workers,
         # NOTE [ Random numbers in forwards ] in _random
-        forward_workers=1 if in_model_order else n_workers,
+        forward_workers=1 if in_model_order else forward_workers,
         noise_key=drawn_key,
         predraw=predraw,
         step_in_backward=step_in_backward,

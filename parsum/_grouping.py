@@ -116,6 +116,24 @@ whether threads pay.
 #   2 threads than on 1, which counting each weight once (0.07-0.15M parameter-rows a model)
 #   missed.
 #
+# NOTE [ Forwards on fewer workers ]
+# Workers chosen by parsum run the forwards on fewer threads than the pullbacks. A forward
+# holds the GIL for nearly all of the models' GIL-held overhead G (their module calls; a
+# pullback runs in the autograd engine's C++) and does about a third of their kernel work C
+# (one matmul of a Linear's three), so by the bound of NOTE [ Threads that pay ] the forwards
+# pay up to 1 + (C / 3) / G = 1 + C / O workers, the pullbacks up to 1 + C / G. The chunks and
+# their order are the same on any number of threads: the bits do not change. Measured on 16
+# cores (2026-11-30, the H200 machine, torch 2.11), 16 MLPs of widths 128-512 at batch 64 (C / O
+# 2.2; 8 workers chosen): the forward's job took 2.06 ms on 4 threads, 2.42 on 8 and 2.90 on
+# 16, its chunks 2.0x, 3.7x and 6.5x slower than one at a time, the pullbacks' 2.18, 1.73 and
+# 2.04 ms (``benchmarks/bench_places.py``). The default with its forwards capped at 2, 3, 4 and
+# 6 threads against uncapped, interleaved (25 rounds): 7.08, 6.41, 6.25, 6.28 against 6.48 ms;
+# 16 MLP classes of widths 128-488 (C / O 2.0, 7 workers) 5.93, 5.69, 5.81, 5.77 against 6.06
+# ms. Where the kernels weigh more a cap slowed the step: the MLPs at batch 256 (8.9) 14.5,
+# 11.7, 11.3, 10.9 against 10.7 ms, 8 small CNNs (63) 43.8, 32.2, 29.5, 25.5 against 26.2. The
+# rule takes 4 threads, 3 and none of those caps. On 2 threads it changes nothing (the
+# shares where 2 workers run at all are above 1).
+#
 # NOTE [ Kernels too small for intra-op threads ]
 # A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
 # split: an MLP's matmuls of 32 rows and widths under 50 are not, and a second thread then costs
@@ -407,6 +425,13 @@ def useful_workers(model_params: Sequence[ModelParams], batch: Batch, budget: in
         return 1
     cap = max(MAX_USEFUL_WORKERS, budget // 2)
     return min(cap, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
+
+
+def useful_forward_workers(model_params: Sequence[ModelParams], batch: Batch, workers: int) -> int:
+    """Of ``workers``, those that pay for the forwards alone: 1 + C / O (NOTE [ Forwards on
+    fewer workers ])."""
+    share = _kernel_share(model_params, batch)
+    return max(1, min(workers, math.ceil(1 + share)))
 
 
 def _kernel_share(

@@ -88,6 +88,7 @@ class Derived(NamedTuple):
     units: list[Unit]
     chunks: list[range]
     workers: int  # the workers that pay, where parsum chooses them
+    forward_workers: int  # of those, the forwards' (NOTE [ Forwards on fewer workers ])
     order: tuple[int, ...] | None  # the order threads claim the chunks in (costliest_first)
     callers_last: bool  # whether the last chunk claimed is the caller's (small_last_chunk)
 

@@ -654,6 +654,83 @@ def test_useful_workers_grow_with_the_kernels_up_to_a_cap():
     assert workers(medium, 4096, budget=64) == 32  # half a larger budget
 
 
+@pytest.fixture
+def workers_by_job(monkeypatch):
+    """The workers of every job, forwards' and pullbacks' (run now or joined later), by the
+    name of its task."""
+    seen = []
+
+    def spying(start):
+        def spy(task, n_tasks, n_workers, *rest, **kwargs):
+            seen.append((task.__name__, n_workers))
+            return start(task, n_tasks, n_workers, *rest, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(_pool, "run_ordered", spying(_pool.run_ordered))
+    monkeypatch.setattr(_pool, "start_ordered", spying(_pool.start_ordered))
+    return seen
+
+
+def medium_ensemble(batch):
+    """16 MLPs of widths 128-488, each of its own class (none stacked), and an input."""
+    x = torch.randn(batch, IN)
+    return learned([mlp([128 + 24 * i, 128 + 24 * i]) for i in range(16)], x), x
+
+
+@pytest.mark.parametrize("batch", [64, 1024])
+def test_the_forwards_take_fewer_workers_than_the_pullbacks_where_kernels_are_light(
+    cores, workers_by_job, batch
+):
+    # NOTE [ Forwards on fewer workers ]: 1 + C / O workers for the forwards, 1 + C / G for
+    # the pullbacks, where parsum chooses them; the kernels of a large batch pay for all.
+    cores(16)
+    models, x = medium_ensemble(batch)
+    mps = [ModelParams.of(m) for m in models]
+    share = _grouping._kernel_share(mps, Batch.of([x]))
+    workers = _grouping.useful_workers(mps, Batch.of([x]), 16)
+    workers_by_job.clear()  # the first call's, which learned the models
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    (forward,) = [n for name, n in workers_by_job if name == "forward_chunk"]
+    (backward,) = [n for name, n in workers_by_job if name == "pull_back_one"]
+    assert backward == workers
+    assert forward == min(workers, math.ceil(1 + share))
+    assert (forward < backward) == (batch == 64)
+    workers_by_job.clear()
+    parsum.sum_models(models, x, n_jobs=5).pow(2).mean().backward()  # an explicit n_jobs
+    assert sorted(workers_by_job) == [("forward_chunk", 5), ("pull_back_one", 5)]
+
+
+def test_forwards_on_fewer_workers_give_the_bits_of_any_n_jobs(cores, workers_by_job):
+    # NOTE [ Forwards on fewer workers ]: the chunks and their order are those of any
+    # worker count, so are the bits (the forwards ran on fewer workers: checked).
+    cores(16)
+    models, x = medium_ensemble(64)
+    workers_by_job.clear()
+    bits = _step_bits(models, x)
+    forward, backward = (n for _, n in sorted(workers_by_job))
+    assert 1 < forward < backward
+    for n_jobs in (1, 3, 16):
+        for got, want in zip(_step_bits(models, x, n_jobs=n_jobs), bits, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_workers():
+    from parsum._grouping import useful_forward_workers
+
+    def forward_workers(widths, rows, workers):
+        mps = [ModelParams.of(mlp([w, w])) for w in widths]
+        share = _grouping._kernel_share(mps, Batch(rows))
+        return share, useful_forward_workers(mps, Batch(rows), workers)
+
+    medium = [128 + 32 * i for i in range(16)]
+    share, n = forward_workers(medium, 64, 8)
+    assert 1 < share < 5 and n == math.ceil(1 + share) < 8
+    assert forward_workers(medium, 4096, 8)[1] == 8  # at most the workers chosen
+    assert forward_workers(medium, 64, 2)[1] == 2
+    assert forward_workers([16] * 64, 32, 1)[1] == 1
+
+
 def _step_bits(models, x, **kwargs):
     """The output, x's gradient and every parameter's gradient of one step, cloned."""
     for m in models:
