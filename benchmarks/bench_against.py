@@ -15,7 +15,7 @@ sums a new random draw of that share of the models every step (members dropped a
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method.
 
-    python benchmarks/bench_against.py --rev HEAD~3 [--adam] [--sib] [--n-jobs 2]
+    python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
         [--step train|grad-x|penalty] [--members 0.75]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
@@ -29,6 +29,7 @@ import importlib
 import io
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,15 +56,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def import_revision(rev: str, into: pathlib.Path) -> Any:
-    """The ``parsum`` package of git revision ``rev``, imported as ``parsum_base``."""
-    archive = subprocess.run(
-        ["git", "archive", rev, "parsum"], cwd=ROOT, capture_output=True, check=True
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
-            tar.extractall(into, filter="data")
-        else:
-            tar.extractall(into)
+    """The ``parsum`` package of git revision ``rev``, or in folder ``rev`` (a lent machine's
+    copy of the tree has no git history: ``git archive REV parsum | tar -x -C FOLDER`` there
+    first), imported as ``parsum_base``."""
+    folder = pathlib.Path(rev) / "parsum"
+    if folder.is_dir():
+        shutil.copytree(folder, into / "parsum")
+    else:
+        archive = subprocess.run(
+            ["git", "archive", rev, "parsum"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+                tar.extractall(into, filter="data")
+            else:
+                tar.extractall(into)
     (into / "parsum").rename(into / "parsum_base")  # its imports are relative: it runs there
     sys.path.insert(0, str(into))
     return importlib.import_module("parsum_base")
@@ -131,8 +138,8 @@ def main() -> None:
     parser.add_argument(
         "--rev",
         required=True,
-        help="the git revision to compare against; none: this checkout against the plain loop "
-        "alone (a machine without git)",
+        help="the git revision to compare against, or a folder holding its parsum package; "
+        "none: this checkout against the plain loop alone",
     )
     parser.add_argument("--adam", action="store_true", help="an Adam step after each call")
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")

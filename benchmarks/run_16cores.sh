@@ -46,6 +46,10 @@
 #                                           # between 2-16 processes, the main example
 #   bash benchmarks/run_16cores.sh lent     # `next` without StepInBackward's rows and the
 #                                           # exchange (at most 500 s; seventeenth session)
+#   bash benchmarks/run_16cores.sh forward  # the forwards on fewer workers against the code
+#                                           # before (build/base, carried), the 16-core table,
+#                                           # bench_places.py, the main example (at most 400 s;
+#                                           # eighteenth session)
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
@@ -200,6 +204,22 @@ lent)
     speedup 190 speedup-16cores --workloads \
         heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
         --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
+    example 40
+    ;;
+forward)
+    # The eighteenth session's one call (at most 400 s): the forwards on fewer workers (NOTE
+    # [ Forwards on fewer workers ] in parsum/_grouping.py) against the code before, in one
+    # process (build/base holds that code's parsum, made here and carried: `git archive 8420e1d
+    # parsum | tar -x -C build/base`), then the 16-core table of medium and tiny MLPs over
+    # workers and processes, where a step on 4-16 workers goes, the main example.
+    (cd benchmarks && timeout 100 python bench_against.py --rev ../build/base --rounds 20 \
+        --workloads heterogeneous-medium:64,distinct-medium:64,heterogeneous-medium:256,cnn-ensemble) \
+        > "$out/forward-against-16cores.txt" 2>&1
+    speedup 190 speedup-16cores --workloads \
+        heterogeneous-medium:64,distinct-medium:64,heterogeneous-tiny \
+        --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
+    (cd benchmarks && timeout 60 python bench_places.py --jobs 4,8,16 --steps 40 \
+        --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/places-16cores.txt" 2>&1
     example 40
     ;;
 last-run)  # what `next` ran on 2026-11-30 (334 s)

@@ -1,6 +1,7 @@
 """The examples and the sparse benchmark run end to end, in small sizes, and print their figures."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -183,6 +184,26 @@ def test_bench_against_another_revision():
     args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--adam"]
     out = run("benchmarks/bench_against.py", *args, "--workloads", "heterogeneous-medium:16")
     assert "this checkout against HEAD" in out and "this / HEAD " in out
+
+
+def test_bench_against_a_folder_holding_a_parsum(tmp_path):
+    # A lent machine's copy of the tree has no git history: the code before in a folder.
+    shutil.copytree(ROOT / "parsum", tmp_path / "parsum")
+    args = ["--rev", str(tmp_path), "--rounds", "1", "--settle-ms", "0"]
+    out = run("benchmarks/bench_against.py", *args, "--workloads", "heterogeneous-medium:16")
+    assert f"this checkout against {tmp_path}" in out and f"this / {tmp_path} " in out
+
+
+def test_bench_forward_workers():
+    args = ["--workloads", "heterogeneous-medium:16", "--caps", "1,2", "--hand", "2"]
+    out = run("benchmarks/bench_forward_workers.py", *args, "--rounds", "1")
+    rows = {line[:18].strip(): line.split() for line in out.splitlines()[2:]}
+    assert list(rows) == [
+        "plain", "plain-1t", "parsum default", "default fwd<=1", "default fwd<=2",
+        "hand-split 2",
+    ]  # fmt: skip
+    assert all(float(row[-8]) > 0 for row in rows.values())  # ms a step
+    assert rows["hand-split 2"][-1] == "1.00"
 
 
 def test_bench_stacking():
