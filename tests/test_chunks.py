@@ -715,6 +715,28 @@ def test_forwards_on_fewer_workers_give_the_bits_of_any_n_jobs(cores, workers_by
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_sets_under_any_budget_give_the_bits_of_any_n_jobs(cores, seed):
+    # NOTE [ Forwards on fewer workers ]: whatever the budget and the workers the forwards and
+    # the pullbacks take, the default's bits are those of n_jobs 1 and of the budget.
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    budget = rng.choice([3, 4, 8, 16])
+    cores(budget)
+    models = []
+    for _ in range(rng.randint(2, 20)):
+        w = rng.choice([16, 64, 128, 256, 384])
+        act = rng.choice([torch.nn.Tanh, torch.nn.ReLU, torch.nn.GELU])
+        layers = [torch.nn.Linear(IN, w), act(), torch.nn.Linear(w, OUT)]
+        model = torch.nn.Sequential(*layers)
+        models.append(torch.nn.Sequential(model) if rng.random() < 0.5 else model)
+    x = torch.randn(rng.choice([1, 16, 64, 256]), IN)
+    bits = _step_bits(models, x)
+    for kwargs in ({"n_jobs": 1}, {"n_jobs": budget}, {}):
+        for got, want in zip(_step_bits(models, x, **kwargs), bits, strict=True):
+            assert torch.equal(got, want)
+
+
 def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_workers():
     from parsum._grouping import useful_forward_workers
 
