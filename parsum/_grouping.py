@@ -131,8 +131,10 @@ whether threads pay.
 # 16 MLP classes of widths 128-488 (C / O 2.0, 7 workers) 5.93, 5.69, 5.81, 5.77 against 6.06
 # ms. Where the kernels weigh more a cap slowed the step: the MLPs at batch 256 (8.9) 14.5,
 # 11.7, 11.3, 10.9 against 10.7 ms, 8 small CNNs (63) 43.8, 32.2, 29.5, 25.5 against 26.2. The
-# rule takes 4 threads, 3 and none of those caps. On 2 threads it changes nothing (the
-# shares where 2 workers run at all are above 1).
+# rule gives the forwards 4 threads for the first, 3 for the second, all the workers for the
+# last two. Against the code before, in one process (benchmarks/bench_against.py, 20 rounds):
+# 1.020x and 1.021x at batch 64, where the CNNs, which it leaves alone, moved 1.028x: a gain the
+# size of the noise there. On 2 threads it changes nothing (any share gives 2).
 #
 # NOTE [ Kernels too small for intra-op threads ]
 # A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
