@@ -54,7 +54,16 @@ def seeded(make):
 
 randn = seeded(torch.randn)
 
+
 # Each change is applied the same way to the models and to a copy run by the plain loop.
+def changed_alike(models: list[nn.Module], change) -> list[nn.Module]:
+    """A copy of the models to compare against, then ``change`` made to both lists; the copy."""
+    ref = clone_models(models)
+    for ms in (models, ref):
+        change(ms)
+    return ref
+
+
 CHANGES = {
     "attribute replaced": lambda ms: setattr(ms[8], "scale", 2.5),
     "parameter replaced": lambda ms: setattr(ms[0][0], "weight", nn.Parameter(randn(8, IN))),
@@ -84,11 +93,9 @@ def test_a_change_between_calls_is_noticed(change, n_jobs, through):
 
     parsum.sum_models(calls(), x, n_jobs=n_jobs).pow(2).mean().backward()
     assert known_walk(calls()) is not None  # the next call would reuse the plan
-    ref = clone_models(models)  # with the statistics the call updated
-    for ms in (models, ref):
-        CHANGES[change](ms)
-        for m in ms:
-            m.zero_grad(set_to_none=True)
+    ref = changed_alike(models, CHANGES[change])  # with the statistics the call updated
+    for m in [*models, *ref]:
+        m.zero_grad(set_to_none=True)
     assert known_walk(calls()) is None
     y = parsum.sum_models(calls(), x, n_jobs=n_jobs)
     y.pow(2).mean().backward()
@@ -429,11 +436,9 @@ def test_a_new_set_of_known_models_notices_a_change(change, n_jobs):
     walk_one_by_one(models, x, n_jobs)
     assert known_walk(fresh_set(models)) is None
     assert _plans.models_found(fresh_set(models))[1] is not None  # would be joined
-    ref = clone_models(models)
-    for ms in (models, ref):
-        CHANGES[change](ms)
-        for m in ms:
-            m.zero_grad(set_to_none=True)
+    ref = changed_alike(models, CHANGES[change])
+    for m in [*models, *ref]:
+        m.zero_grad(set_to_none=True)
     assert _plans.models_found(fresh_set(models))[1] is None
     y = parsum.sum_models(fresh_set(models), x, n_jobs=n_jobs)
     y.pow(2).mean().backward()
@@ -620,9 +625,7 @@ def test_a_setting_changed_between_draws_splits_a_stacked_group(change, n_jobs):
     walk_one_by_one(models, x, n_jobs)
     stacked_sum(fresh_set(models), x, n_jobs)  # joined: each model's key kept by its walk
     assert all(_plans._model_walks[id(m)].structure is not _plans._UNASKED for m in models)
-    ref = clone_models(models)
-    for ms in (models, ref):
-        STACKED_CHANGES[change](ms)  # model 1 no longer stacks with the others
+    ref = changed_alike(models, STACKED_CHANGES[change])  # model 1 no longer stacks with the others
     other = models[2:] + models[:2]  # a set not seen yet
     assert _plans.models_found(other)[1] is None  # model 1's walk watched its settings
     y = stacked_sum(other, x, n_jobs)
@@ -640,9 +643,7 @@ def test_a_set_joined_before_its_keys_were_kept_watches_its_settings_itself(n_jo
     stacked_sum(members, x, n_jobs)
     assert all(id(m) in _plans._model_walks for m in models)
     assert known_walk(members).parts and not any(known_walk(members).settings_watched)
-    ref = clone_models(models)
-    for ms in (models, ref):
-        STACKED_CHANGES["setting"](ms)
+    ref = changed_alike(models, STACKED_CHANGES["setting"])
     assert known_walk(members) is None
     torch.testing.assert_close(stacked_sum(members, x, n_jobs), plain_sum(fresh_set(ref), x))
 
