@@ -51,6 +51,7 @@ from ._grouping import (
     plan_units,
     small_last_chunk,
     storage_stack_limit,
+    too_small_for_workers,
     useful_forward_workers,
     useful_workers,
 )
@@ -308,7 +309,8 @@ def _general_sum(
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers
         last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
-        derived = Derived(units, chunks, workers, forward_workers, claim_order, last)
+        small = too_small_for_workers(found, batch)
+        derived = Derived(units, chunks, workers, forward_workers, claim_order, last, small)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
@@ -369,6 +371,7 @@ def _general_sum(
         walk=walk,
         ordered_pullbacks=ordered_pullbacks,
         looks_at_pullbacks=looks_at_pullbacks,
+        pullbacks_in_runs=derived.small,
     )
     differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
     build_graph = torch.is_grad_enabled() and (

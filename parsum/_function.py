@@ -159,6 +159,9 @@ class SumPlan:
     one_thread_backward: bool = False
     ordered_pullbacks: bool = False
     looks_at_pullbacks: bool = False
+    # Models too small for forward workers: pulled back in runs of chunks on several threads
+    # (NOTE [ Pullbacks in runs of chunks ] in _inline).
+    pullbacks_in_runs: bool = False
     # NOTE [ Dropout drawn beforehand ] in _random: the call's noise_key where its draws can
     # be made beforehand, and whether they are (else the forward records their shapes).
     noise_key: Hashable | None = None

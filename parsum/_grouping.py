@@ -100,7 +100,8 @@ whether threads pay.
 #   counted in parameter-rows (parameters times batch rows, NOTE [ Chunks ]); a model's whole
 #   overhead O is MODEL_OVERHEAD_PARAM_ROWS, of which G is GIL_SHARE_OF_OVERHEAD (the rest,
 #   dispatch and the autograd engine's C++, runs without the GIL); below C / O =
-#   MIN_KERNEL_SHARE the models run in the calling thread, and no more than
+#   MIN_KERNEL_SHARE the forwards run in the calling thread (their pullbacks: NOTE
+#   [ Pullbacks of small models ]), and no more than
 #   MAX_USEFUL_WORKERS workers run, or half the budget where that is more (a guess for machines
 #   beyond 16 cores, where a fixed 8 would leave most of them idle; only 16 were measured).
 #   Measured on 16 cores (2026-11-27, torch 2.11, H200 machine, 16 cores without SMT;
@@ -135,6 +136,29 @@ whether threads pay.
 # last two. Against the code before, in one process (benchmarks/bench_against.py, 20 rounds):
 # 1.020x and 1.021x at batch 64, where the CNNs, which it leaves alone, moved 1.028x: a gain the
 # size of the noise there. On 2 threads it changes nothing (any share gives 2).
+#
+# NOTE [ Pullbacks of small models ]
+# Models whose kernels weigh too little against their Python for workers in forward (C / O below
+# MIN_KERNEL_SHARE: many tiny MLPs) keep their forwards in the calling thread, but not their
+# pullbacks: a pullback runs in the autograd engine's C++, which holds no GIL, so threads overlap
+# it whatever the kernels' size. What a worker costs is fixed (its job, its engine calls, their
+# Python: NOTE [ Pullbacks in runs of chunks ] in _inline), so the pullbacks take one worker for
+# each PULLBACK_WORKER_PARAM_ROWS of the models' estimated cost (MODEL_OVERHEAD_PARAM_ROWS a
+# model plus their parameter-rows: a worker for about 6 tiny models), at most
+# MAX_SMALL_PULLBACK_WORKERS. The chunks do not change, so neither do the bits. Measured on 2
+# cores (2026-12-01, one process, interleaved in shuffled rounds; 2 pullback workers against
+# the calling thread alone, everything else the same): MLP classes of widths 16-47 at batch 32,
+# 8 of them 0.86-0.94x (they keep the calling thread: 1 worker's share), 12 0.997x, 16 1.047x,
+# 24 1.124x, 64 (benchmarks' distinct-tiny) 1.16x; the 64 through ParallelSum, a compensated
+# FlatGrad 1.106x, one model entered twice 1.139x; with x's gradient 1.202x, with a full
+# backward hook on each model (Python in the pullbacks) 1.160x; 64 tiny Sequentials in stacked
+# groups of chunk_size 6 1.077x. Against the code before (benchmarks/bench_against.py, 40
+# rounds): distinct-tiny 1.15-1.20x (0.92-0.98x the plain loop, from 0.80-0.82x), at batch 16
+# 1.12-1.20x; with torch.optim.Adam after each step 1.04x and 1.07x; with step_in_backward
+# (one chunk: NOTE [ Kernels too small for intra-op threads ]) and 8 EmbeddingBags (one worker's
+# share) unchanged. The backward of distinct-tiny alone: 8.35 -> 6.99 ms (the engine's work
+# on two cores, and the parameters' None visits, NOTE [ Pullbacks joined later ] in _function,
+# overlapping a helper's). More than 2 workers, on more cores, were not measured.
 #
 # NOTE [ Kernels too small for intra-op threads ]
 # A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
@@ -272,6 +296,11 @@ MAX_USEFUL_WORKERS = 8
 # evenly: between the shares measured even (0.25) and faster on workers (0.50).
 WORKERS_MIN_KERNEL_SHARE = 0.4
 MAX_IMBALANCE = 1.05
+# NOTE [ Pullbacks of small models ]: a pullback worker for each this many parameter-rows of
+# the models' estimated cost (MODEL_OVERHEAD_PARAM_ROWS a model and their own), at most this
+# many workers.
+PULLBACK_WORKER_PARAM_ROWS = 24_000_000
+MAX_SMALL_PULLBACK_WORKERS = 2
 # NOTE [ Kernels too small for intra-op threads ]: below this many parameter-rows in every
 # unit (none stacked, no step in the backward), a budget of 2 keeps the models on one
 # intra-op thread.
@@ -423,16 +452,32 @@ def useful_workers(model_params: Sequence[ModelParams], batch: Batch, budget: in
     """The most workers that pay for these models on ``budget`` threads: 1 + C / G, at most
     MAX_USEFUL_WORKERS or half the budget, whichever is more (NOTE [ Threads that pay ])."""
     share = _kernel_share(model_params, batch)
-    if share < MIN_KERNEL_SHARE:
-        return 1
+    if share < MIN_KERNEL_SHARE:  # NOTE [ Pullbacks of small models ]
+        return small_pullback_workers(model_params, batch)
     cap = max(MAX_USEFUL_WORKERS, budget // 2)
     return min(cap, math.ceil(1 + share / GIL_SHARE_OF_OVERHEAD))
+
+
+def too_small_for_workers(model_params: Sequence[ModelParams], batch: Batch) -> bool:
+    """Whether the models' kernels weigh too little against their Python for their forwards to
+    pay on workers (C / O below MIN_KERNEL_SHARE, NOTE [ Threads that pay ])."""
+    return _kernel_share(model_params, batch) < MIN_KERNEL_SHARE
+
+
+def small_pullback_workers(model_params: Sequence[ModelParams], batch: Batch) -> int:
+    """The workers that pay for the pullbacks of models too small for workers in forward: one
+    for each PULLBACK_WORKER_PARAM_ROWS of their estimated cost, at most
+    MAX_SMALL_PULLBACK_WORKERS (NOTE [ Pullbacks of small models ])."""
+    total = sum(estimated_cost(mp, batch) for mp in model_params)
+    return max(1, min(MAX_SMALL_PULLBACK_WORKERS, total // PULLBACK_WORKER_PARAM_ROWS))
 
 
 def useful_forward_workers(model_params: Sequence[ModelParams], batch: Batch, workers: int) -> int:
     """Of ``workers``, those that pay for the forwards alone: 1 + C / O (NOTE [ Forwards on
     fewer workers ])."""
     share = _kernel_share(model_params, batch)
+    if share < MIN_KERNEL_SHARE:  # NOTE [ Pullbacks of small models ]
+        return 1
     return max(1, min(workers, math.ceil(1 + share)))
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import parsum
-from parsum import _api
+from parsum import _api, _inline
 from tests.test_errors import BoomBackward, _FailingBackward
 from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
 
@@ -481,6 +481,68 @@ def test_several_threads_pull_back_on_several_threads(cores):
     assert len(seen) == 4 and len(set(seen)) == 2, seen  # the caller and a helper
     for a, b in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(a, b)
+
+
+# NOTE [ Pullbacks in runs of chunks ]
+
+
+def small_models(n: int, depth: int) -> list[nn.Module]:
+    """``n`` tiny MLPs of different widths, ``depth`` hidden layers each: none stacked, and too
+    small for workers in forward (NOTE [ Pullbacks of small models ] in parsum._grouping)."""
+    return [mlp([4 + i, 4 + i % 3][:depth]) for i in range(n)]
+
+
+def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch):
+    cores(2)
+    calls = []
+    pull_back = _inline.pull_back
+
+    def counted(outputs, *rest, **kwargs):
+        calls.append(len(outputs))
+        return pull_back(outputs, *rest, **kwargs)
+
+    monkeypatch.setattr(_inline, "pull_back", counted)
+    models = small_models(32, 1)
+    ref = clone_models(models)
+    x = torch.randn(32, IN)
+    for _ in range(2):  # the first call learns the models
+        calls.clear()
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        y = parsum.sum_models(models, x)
+        assert in_callers_graph(y)
+        y.pow(2).sum().backward()
+    # 16 chunks on 2 threads, in runs of 4: 4 engine calls of 8 models each
+    assert calls == [8] * (_inline.RUNS_PER_THREAD * 2)
+    plain_sum(ref, x).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(a, b)
+
+
+# A failure in a run pulled back on a helper or on the caller, of a node that pulls back in
+# the node or joins its pullbacks later (more parameters: NOTE [ Pullbacks joined later ]).
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("position", [1, 13, 30])
+@pytest.mark.parametrize("failing", [BoomBackward, BoomInside])
+def test_a_failure_in_a_run_of_chunks_changes_no_grad_and_names_the_model(
+    cores, failing, position, depth
+):
+    cores(2)
+    models = small_models(30, depth)
+    models.insert(position, failing())
+    models.append(BoomBackward())  # a later failure, in another run
+    x = torch.randn(32, IN)
+    name = failing.__name__
+    for _ in range(2):  # the first call learns the models: both fail alike
+        y = parsum.sum_models(models, x)
+        assert in_callers_graph(y)
+        with pytest.raises(parsum.ParsumError, match=rf"model {position} \({name}\) raised") as e:
+            y.sum().backward()
+        assert isinstance(e.value.__cause__, ValueError)
+        assert all(g is None for g in param_grads(models))
+    del models[-1], models[position]
+    parsum.sum_models(models, x).sum().backward()  # usable after
+    assert all(g is not None for g in param_grads(models))
 
 
 # NOTE [ Direct programs ]

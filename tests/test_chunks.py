@@ -476,8 +476,10 @@ def test_threads_claim_the_costliest_chunks_first(monkeypatch):
     widths = [8, 300, 64, 300, 16]  # one chunk each; the two widest tie
     models = [mlp([w, w]) for w in widths]
     x = torch.randn(32, IN)
-    y = parsum.sum_models(models, x, engine="autograd", n_jobs=2)
-    y.sum().backward()
+    for _ in range(2):  # the first call's forwards run in model order, learning the models
+        orders.clear()
+        y = parsum.sum_models(models, x, engine="autograd", n_jobs=2)
+        y.sum().backward()
     assert orders == [(1, 3, 2, 4, 0)] * 2  # forward, then backward
     mps = [ModelParams.of(m) for m in models]
     costs = [estimated_cost(mp, Batch.of([x])) for mp in mps]
@@ -647,7 +649,10 @@ def test_useful_workers_grow_with_the_kernels_up_to_a_cap():
         return useful_workers([ModelParams.of(m) for m in models], Batch(rows), budget)
 
     medium = [128 + 32 * i for i in range(16)]
-    assert workers([16] * 64, 32) == 1  # tiny models: the calling thread
+    # tiny models: the pullbacks alone, on workers once there are enough of them (NOTE
+    # [ Pullbacks of small models ])
+    assert workers([16] * 4, 32) == 1
+    assert workers([16] * 64, 32) == _grouping.MAX_SMALL_PULLBACK_WORKERS
     counts = [workers(medium, rows) for rows in (64, 256, 4096)]
     assert counts == sorted(counts) and counts[0] > 1
     assert counts[-1] == MAX_USEFUL_WORKERS
@@ -753,6 +758,75 @@ def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_wor
     assert forward_workers([16] * 64, 32, 1)[1] == 1
 
 
+# NOTE [ Pullbacks of small models ]
+
+
+def tiny_ensemble(n, batch=32):
+    """``n`` tiny MLPs of different widths (none stacked), and an input."""
+    x = torch.randn(batch, IN)
+    return learned([mlp([4 + i, 4 + i % 3]) for i in range(n)], x), x
+
+
+def test_small_pullback_workers_grow_with_the_models_up_to_a_cap():
+    def workers(n, rows=32):
+        models, _ = tiny_ensemble(n, rows)
+        mps = [ModelParams.of(m) for m in models]
+        assert _grouping._kernel_share(mps, Batch(rows)) < _grouping.MIN_KERNEL_SHARE
+        return _grouping.small_pullback_workers(mps, Batch(rows))
+
+    per_model = _grouping.MODEL_OVERHEAD_PARAM_ROWS
+    few = _grouping.PULLBACK_WORKER_PARAM_ROWS // per_model  # a worker's share of models
+    assert workers(few) == 1 and workers(2 * few - 1) == 1
+    assert workers(2 * few) == 2
+    assert workers(64) == workers(256) == _grouping.MAX_SMALL_PULLBACK_WORKERS
+
+
+@pytest.mark.parametrize("n_models", [4, 32])
+def test_small_models_pull_back_on_workers_their_forwards_in_the_caller(
+    cores, workers_by_job, n_models
+):
+    # NOTE [ Pullbacks of small models ]: the forwards of models too small for workers stay in
+    # the calling thread; their pullbacks, GIL-free in the engine, take workers where there is
+    # work enough for them.
+    cores(2)
+    models, x = tiny_ensemble(n_models)
+    parsum.sum_models(models, x).pow(2).mean().backward()  # learns the models, in model order
+    workers_by_job.clear()
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    forward = [n for name, n in workers_by_job if name == "forward_chunk"]
+    backward = [n for name, n in workers_by_job if name == "pull_back_one"]
+    assert forward == [1]
+    assert backward == ([2] if n_models == 32 else [])  # one thread: no job for the pullbacks
+
+
+@pytest.mark.parametrize("argument", [False, True])
+def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
+    cores, workers_by_job, argument
+):
+    cores(2)
+    models, x = tiny_ensemble(32)
+    if not argument:
+        x = x.detach()
+    bits = _small_step_bits(models, x, argument)
+    assert ("pull_back_one", 2) in workers_by_job and ("forward_chunk", 1) in workers_by_job
+    for n_jobs in (1, 2, 3):
+        for got, want in zip(
+            _small_step_bits(models, x, argument, n_jobs=n_jobs), bits, strict=True
+        ):
+            assert torch.equal(got, want)
+
+
+def _small_step_bits(models, x, argument, **kwargs):
+    """``_step_bits``, with x's gradient only where ``argument``."""
+    if argument:
+        return _step_bits(models, x, **kwargs)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    y = parsum.sum_models(models, x, **kwargs)
+    y.pow(2).mean().backward()
+    return [y.detach().clone(), *(g.clone() for g in param_grads(models))]
+
+
 def _step_bits(models, x, **kwargs):
     """The output, x's gradient and every parameter's gradient of one step, cloned."""
     for m in models:
@@ -828,7 +902,7 @@ def test_a_budget_of_2_keeps_tiny_models_that_step_in_the_backward_on_one_chunk(
     x = torch.randn(32, IN)
     models = learned([_ThreadsSeen(8 + i, set()) for i in range(12)], x)
     parsum.sum_models(models, x, step_in_backward=stepping(models)).pow(2).sum().backward()
-    assert jobs_run[-1] == (1, 1)
+    assert jobs_run[-1][0] == 1
     parsum.sum_models(models, x).pow(2).sum().backward()
     assert jobs_run[-1][0] > 1
 
