@@ -91,6 +91,8 @@ NAMED_ONLY = [
     ("transformers", None),
     ("embedding-bags", None),
     ("lstms", None),
+    # identical-tiny as a class of the user's own: stacked through vmap, not batched layers
+    ("identical-classes", None),
 ]
 # Steps the ranks run per command of the parent (ProcessSplit): as a torchrun job runs them.
 PROCESS_STEPS = 10

@@ -175,6 +175,13 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 32
         desc = f"64 identical MLPs, width 32, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 16), identical=True)
+    if name == "identical-classes":
+        # identical-tiny written as a class of the user's own: stacked, it runs through vmap
+        # (a Sequential of known layers runs as batched matmuls, NOTE [ Batched layers ]).
+        models = [Net(16, 32, 2, 4) for _ in range(64)]
+        b = batch or 32
+        desc = f"64 identical MLP classes, width 32, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 16), identical=True)
     if name == "identical-medium":
         # Where vmap loses to the plain loop: auto must not stack these.
         models = [mlp(64, 256, 2, 10) for _ in range(16)]
@@ -216,8 +223,8 @@ def workload(name: str, batch: int | None = None) -> Workload:
         desc = f"8 LSTMs, widths 16-30, with a head, batch {b} x 10 steps"
         return Workload(name, desc, models, torch.randn(b, 10, 8))
     extra = (
-        "distinct-tiny", "distinct-medium", "mixed-sizes", "dropout-medium", "dropout-wrapped",
-        "transformers", "embedding-bags", "lstms",
+        "distinct-tiny", "distinct-medium", "identical-classes", "mixed-sizes", "dropout-medium",
+        "dropout-wrapped", "transformers", "embedding-bags", "lstms",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 

@@ -50,6 +50,10 @@
 #                                           # before (build/base, carried), the 16-core table,
 #                                           # bench_places.py, the main example (at most 400 s;
 #                                           # eighteenth session)
+#   bash benchmarks/run_16cores.sh pullbacks # small models' pullbacks on 1-8 workers
+#                                           # (bench_pullback_workers.py), pullbacks joined
+#                                           # later, the table of tiny classes and medium MLPs,
+#                                           # the main example (at most 450 s; nineteenth)
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
@@ -220,6 +224,20 @@ forward)
         --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
     (cd benchmarks && timeout 60 python bench_places.py --jobs 4,8,16 --steps 40 \
         --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/places-16cores.txt" 2>&1
+    example 40
+    ;;
+pullbacks)
+    # The nineteenth session's plan (at most 450 s): small models' pullbacks on 1-8 workers
+    # (NOTE [ Pullbacks of small models ] in parsum/_grouping.py: capped at 2 until measured
+    # here), pullbacks joined later (never run here), the 16-core table of the tiny MLP
+    # classes and the medium MLPs, the main example.
+    (cd benchmarks && timeout 120 python bench_pullback_workers.py --caps 1,2,4,8 --rounds 20 \
+        --workloads distinct-tiny,distinct-tiny:16,heterogeneous-tiny) \
+        > "$out/pullback-workers-16cores.txt" 2>&1
+    (cd benchmarks && timeout 90 python bench_join.py --jobs 4,8,16 --rounds 20) \
+        > "$out/join-16cores.txt" 2>&1
+    speedup 180 speedup-16cores --workloads distinct-tiny,heterogeneous-medium:64,distinct-medium:64 \
+        --jobs 1,4,8,16 --procs 1,4,8,16 --rounds 6
     example 40
     ;;
 last-run)  # what `next` ran on 2026-11-30 (334 s)

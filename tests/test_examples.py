@@ -206,6 +206,15 @@ def test_bench_forward_workers():
     assert rows["hand-split 2"][-1] == "1.00"
 
 
+def test_bench_pullback_workers():
+    args = ["--workloads", "distinct-tiny:8", "--caps", "2", "--rounds", "1"]
+    out = run("benchmarks/bench_pullback_workers.py", *args)
+    rows = {line[:14].strip(): line.split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["plain", "plain-1t", "pullbacks<=1", "pullbacks<=2"]
+    assert all(float(row[1]) > 0 for row in rows.values())  # ms a step
+    assert "x the calling thread alone [" in " ".join(rows["pullbacks<=2"])
+
+
 def test_bench_stacking():
     out = run("benchmarks/bench_stacking.py", "--quick", "--threads", "1", "--rounds", "1")
     assert "64x width 32 depth 2 batch 32 (0.06M param-rows), 1 threads: plain" in out
