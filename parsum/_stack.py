@@ -163,8 +163,10 @@ def stack_(models: Sequence[nn.Module]) -> Stack:
     ``sum_models`` over exactly these models, in this order, then runs them as one batched
     forward over the stacked tensors (batched matmuls for a Sequential of Linear layers and
     activations, ``torch.vmap`` otherwise), and backward fills every model's own ``.grad``:
-    the speed of ``torch.func.stack_module_state`` + ``vmap``, with models that stay ordinary
-    modules for optimizers, ``state_dict``, hooks and checkpoints.
+    the speed of ``torch.func.stack_module_state`` + ``vmap`` for such Sequentials (about 0.6x
+    for 64 tiny models of a class of the user's own, whose checks around ``vmap`` cost about
+    1 ms a call), with models that stay ordinary modules for optimizers, ``state_dict``, hooks
+    and checkpoints.
 
     >>> import torch, parsum
     >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
