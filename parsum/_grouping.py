@@ -159,6 +159,15 @@ whether threads pay.
 # share) unchanged. The backward of distinct-tiny alone: 8.35 -> 6.99 ms (the engine's work
 # on two cores, and the parameters' None visits, NOTE [ Pullbacks joined later ] in _function,
 # overlapping a helper's). More than 2 workers, on more cores, were not measured.
+# Stacked groups of such models kept one chunk on a budget of 2 (NOTE [ Kernels too small for
+# intra-op threads ]), their batched matmuls on both intra-op threads; with their pullbacks on
+# workers, the chunks pay while a group stays under STACKED_INTRA_OP_MIN_PARAM_ROWS. The chunks
+# against one chunk (one process, 40 rounds against the code before): 64 Sequentials of 12
+# architectures (benchmarks' heterogeneous-tiny, groups of 0.02-1.1M parameter-rows at batch
+# 32) 1.08x at batch 8 and at 32, 1.02x at 128 (up to 4.4M), 0.95x at 256 and 0.89x at 512;
+# against one chunk in place (60 rounds) 2 groups of 32 Sequentials 1.08x, 8 of 8 1.07x, 4
+# groups of 16 classes of their own (through vmap) 1.06x, all at batch 32; 4 groups of 16
+# Sequentials at batch 128 0.99x.
 #
 # NOTE [ Kernels too small for intra-op threads ]
 # A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
@@ -174,7 +183,8 @@ whether threads pay.
 # busier machine: the plain loop 1.43x slower on 2 threads than on 1 there, 1.10x in the
 # first); at batch 64 (0.35M) even, 16 MLP classes of widths 128-488 at batch 1 (0.47M) even.
 # 64 tiny Sequential MLPs in stacked groups ran 0.95x at batch 8 (a group's matmuls are
-# batched over its models): groups keep one chunk. So do models whose optimizer steps in the
+# batched over its models): groups keep one chunk, unless their pullbacks go to workers (NOTE
+# [ Pullbacks of small models ]). So do models whose optimizer steps in the
 # backward: the steps of a chunk's small models run as one (NOTE [ One step over a chunk's
 # small models ] in _fused), and in 16 chunks the tiny classes with one Adam each ran 0.93x,
 # the EmbeddingBags 0.70x. With Adam stepped after the call, the tiny classes ran 1.01-1.19x
@@ -301,6 +311,10 @@ MAX_IMBALANCE = 1.05
 # many workers.
 PULLBACK_WORKER_PARAM_ROWS = 24_000_000
 MAX_SMALL_PULLBACK_WORKERS = 2
+# NOTE [ Pullbacks of small models ]: on a budget of 2, stacked groups of such models keep their
+# chunks (pullbacks on workers) below this many parameter-rows a group, and one chunk on both
+# intra-op threads from it.
+STACKED_INTRA_OP_MIN_PARAM_ROWS = 4_000_000
 # NOTE [ Kernels too small for intra-op threads ]: below this many parameter-rows in every
 # unit (none stacked, no step in the backward), a budget of 2 keeps the models on one
 # intra-op thread.
@@ -517,8 +531,15 @@ def intra_op_only(
     backward (``intra_op_pays``)."""
     if budget <= 1 or budget > INTRA_OP_ONLY_BUDGET:
         return False
-    if not stepping and not intra_op_pays(units, model_params, batch):
-        return False
+    if not stepping:
+        # NOTE [ Pullbacks of small models ]: their stacked groups keep their chunks where the
+        # pullbacks pay on workers
+        on_workers = (
+            too_small_for_workers(model_params, batch)
+            and small_pullback_workers(model_params, batch) > 1
+        )
+        if not intra_op_pays(units, model_params, batch, on_workers):
+            return False
     if not _split_evenly(units, chunks, order, model_params, batch, budget):
         return True
     long_kernels = [_runs_long_kernels(mp, batch) for mp in model_params]
@@ -535,17 +556,32 @@ def intra_op_only(
     return not (paid and share >= WORKERS_MIN_KERNEL_SHARE)
 
 
-def intra_op_pays(units: Sequence[Unit], model_params: Sequence[ModelParams], batch: Batch) -> bool:
+def intra_op_pays(
+    units: Sequence[Unit],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    pullbacks_on_workers: bool = False,
+) -> bool:
     """Whether the models' kernels are large enough for a second intra-op thread to pay, or
-    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ]). A
-    table read by take_rows counts one row per batch row: the chunks, hence the bits, must not
-    depend on the rows a call drew."""
-    return any(
-        unit.engine == "stacked"
-        or sum(_param_rows(model_params[i], batch, last_call=False) for i in unit.models)
-        >= INTRA_OP_MIN_PARAM_ROWS
-        for unit in units
-    )
+    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ]), one
+    of STACKED_INTRA_OP_MIN_PARAM_ROWS or more where the pullbacks would go to workers (NOTE
+    [ Pullbacks of small models ]). A table read by take_rows counts one row per batch row: the
+    chunks, hence the bits, must not depend on the rows a call drew."""
+    for unit in units:
+        rows = _unit_param_rows(unit, model_params, batch)
+        if unit.engine == "stacked" and not pullbacks_on_workers:
+            return True
+        if rows >= (
+            STACKED_INTRA_OP_MIN_PARAM_ROWS if unit.engine == "stacked" else INTRA_OP_MIN_PARAM_ROWS
+        ):
+            return True
+    return False
+
+
+def _unit_param_rows(unit: Unit, model_params: Sequence[ModelParams], batch: Batch) -> int:
+    """A unit's parameter-rows, a take_rows table's counted one a batch row (as ``intra_op_pays``
+    counts them)."""
+    return sum(_param_rows(model_params[i], batch, last_call=False) for i in unit.models)
 
 
 def _runs_long_kernels(mp: ModelParams, batch: Batch) -> bool:

@@ -863,36 +863,47 @@ class _ThreadsSeen(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(x)))
 
 
-@pytest.mark.parametrize("kind", ["tiny", "one wide", "stacked"])
+@pytest.mark.parametrize("kind", ["tiny", "one wide", "stacked", "stacked large"])
 def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind):
     # NOTE [ Kernels too small for intra-op threads ] in parsum._grouping: where no model's
     # kernels are large enough for a second intra-op thread, the default runs the chunks of an
     # explicit n_jobs in the calling thread, one intra-op thread each, with its bits; a model
-    # large enough, or a stacked group, keeps one chunk on both threads.
+    # large enough keeps one chunk on both threads, and so does a stacked group, unless the
+    # pullbacks of its small models go to workers (NOTE [ Pullbacks of small models ]) and no
+    # group reaches STACKED_INTRA_OP_MIN_PARAM_ROWS.
     cores(2)
     seen: set[int] = set()
     x = torch.randn(32, IN)
-    if kind == "stacked":  # two architectures, 8 alike each: auto stacks them in two groups
+    if kind.startswith("stacked"):  # two architectures, 8 alike each: auto stacks them in two
         models = [mlp([24]) for _ in range(8)] + [mlp([16]) for _ in range(8)]
+        if kind == "stacked large":  # a batch that makes a group's kernels large
+            rows = _grouping._param_rows(ModelParams.of(models[0]), Batch(1))
+            x = torch.randn(_grouping.STACKED_INTRA_OP_MIN_PARAM_ROWS // (8 * rows) + 1, IN)
     else:  # of their own: none stacked
         models = [_ThreadsSeen(8 + i, seen) for i in range(12)]
     if kind == "one wide":
         models.append(_ThreadsSeen(1200, seen))
     mps = [ModelParams.of(m) for m in models]
     rows = [_grouping._param_rows(mp, Batch.of([x])) for mp in mps]
-    assert (max(rows) >= _grouping.INTRA_OP_MIN_PARAM_ROWS) == (kind == "one wide")
+    assert (max(rows) >= _grouping.INTRA_OP_MIN_PARAM_ROWS) == (
+        kind in ("one wide", "stacked large")
+    )
+    assert _grouping.too_small_for_workers(mps, Batch.of([x]))
     learned(models, x)
     seen.clear()
+    jobs_run.clear()
     default = _step_bits(models, x)
-    chunks, workers = jobs_run[-1]
-    if kind == "tiny":
-        assert chunks > 1 and workers == 1 and seen == {1}
+    chunks, workers = jobs_run[0]  # the forward's
+    if kind in ("tiny", "stacked"):
+        assert chunks > 1 and workers == 1 and (kind == "stacked" or seen == {1})
+        if kind == "stacked":  # their pullbacks on workers (the tiny ones share `seen`: in order)
+            assert jobs_run[1] == (chunks, 2)
         for n_jobs in (1, 2):
             explicit = _step_bits(models, x, n_jobs=n_jobs)
             assert all(torch.equal(a, b) for a, b in zip(default, explicit))
     else:
         assert chunks == 1
-        assert kind == "stacked" or seen == {2}
+        assert kind == "stacked large" or seen == {2}
     assert torch.get_num_threads() == 2  # the caller's, restored
 
 
