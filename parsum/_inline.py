@@ -43,9 +43,9 @@
 # NOTE [ Pullbacks in runs of chunks ]
 # Models too small for workers in forward (NOTE [ Pullbacks of small models ] in _grouping) run
 # their forwards in model order in the calling thread, and their pullbacks on several threads.
-# A chunk pulled back in an engine call of its own paid that call's fixed cost and its Python
-# (about 25 us and 20-30 us), for a chunk of 4 tiny MLPs' few hundred: pulled back that way,
-# 16 tiny MLP classes ran 0.91x as fast on 2 threads as on one. So a thread pulls back a run of
+# A chunk pulled back in an engine call of its own paid that call's fixed cost (about 25 us)
+# and its Python, for a chunk of 4 tiny MLPs' few hundred us of work: pulled back that way, 16
+# tiny MLP classes ran 0.91x as fast on 2 threads as on one. So a thread pulls back a run of
 # consecutive chunks in one engine call, RUNS_PER_THREAD runs a thread (claimed in chunk order:
 # tiny chunks cost about alike): 16 classes 1.05x, 8 0.94x (one thread for those), 32 1.06 ->
 # 1.165x, 64 1.14 -> 1.16x (2 cores, 2026-12-01, against the calling thread alone). A run is
