@@ -568,12 +568,11 @@ def intra_op_pays(
     [ Pullbacks of small models ]). A table read by take_rows counts one row per batch row: the
     chunks, hence the bits, must not depend on the rows a call drew."""
     for unit in units:
-        rows = _unit_param_rows(unit, model_params, batch)
-        if unit.engine == "stacked" and not pullbacks_on_workers:
+        stacked = unit.engine == "stacked"
+        if stacked and not pullbacks_on_workers:
             return True
-        if rows >= (
-            STACKED_INTRA_OP_MIN_PARAM_ROWS if unit.engine == "stacked" else INTRA_OP_MIN_PARAM_ROWS
-        ):
+        limit = STACKED_INTRA_OP_MIN_PARAM_ROWS if stacked else INTRA_OP_MIN_PARAM_ROWS
+        if _unit_param_rows(unit, model_params, batch) >= limit:
             return True
     return False
 

@@ -805,36 +805,23 @@ def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
 ):
     cores(2)
     models, x = tiny_ensemble(32)
-    if not argument:
-        x = x.detach()
-    bits = _small_step_bits(models, x, argument)
+    bits = _step_bits(models, x, argument)
     assert ("pull_back_one", 2) in workers_by_job and ("forward_chunk", 1) in workers_by_job
     for n_jobs in (1, 2, 3):
-        for got, want in zip(
-            _small_step_bits(models, x, argument, n_jobs=n_jobs), bits, strict=True
-        ):
+        for got, want in zip(_step_bits(models, x, argument, n_jobs=n_jobs), bits, strict=True):
             assert torch.equal(got, want)
 
 
-def _small_step_bits(models, x, argument, **kwargs):
-    """``_step_bits``, with x's gradient only where ``argument``."""
-    if argument:
-        return _step_bits(models, x, **kwargs)
+def _step_bits(models, x, argument=True, **kwargs):
+    """The output, x's gradient (where ``argument``) and every parameter's gradient of one
+    step, cloned."""
     for m in models:
         m.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(argument)
     y = parsum.sum_models(models, x, **kwargs)
     y.pow(2).mean().backward()
-    return [y.detach().clone(), *(g.clone() for g in param_grads(models))]
-
-
-def _step_bits(models, x, **kwargs):
-    """The output, x's gradient and every parameter's gradient of one step, cloned."""
-    for m in models:
-        m.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    y = parsum.sum_models(models, x, **kwargs)
-    y.pow(2).mean().backward()
-    return [y.detach().clone(), x.grad.clone(), *(g.clone() for g in param_grads(models))]
+    grads = [x.grad.clone()] if argument else []
+    return [y.detach().clone(), *grads, *(g.clone() for g in param_grads(models))]
 
 
 def test_a_budget_of_1_gives_the_bits_of_an_explicit_n_jobs(cores, jobs_run):
