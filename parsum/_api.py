@@ -44,6 +44,7 @@ from ._grads import check_slots, has_compensated_flat_grads
 from ._grouping import (
     Batch,
     auto_min_group,
+    chunk_costs,
     chunks_of,
     costliest_first,
     estimate,
@@ -309,8 +310,10 @@ def _general_sum(
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers
         last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
-        small = too_small_for_workers(found, batch)
-        derived = Derived(units, chunks, workers, forward_workers, claim_order, last, small)
+        run_costs = None
+        if too_small_for_workers(found, batch):
+            run_costs = tuple(chunk_costs(units, chunks, found, batch))
+        derived = Derived(units, chunks, workers, forward_workers, claim_order, last, run_costs)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
@@ -371,7 +374,7 @@ def _general_sum(
         walk=walk,
         ordered_pullbacks=ordered_pullbacks,
         looks_at_pullbacks=looks_at_pullbacks,
-        pullbacks_in_runs=derived.small,
+        run_costs=derived.run_costs,
     )
     differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
     build_graph = torch.is_grad_enabled() and (

@@ -161,7 +161,7 @@ class SumPlan:
     looks_at_pullbacks: bool = False
     # Models too small for forward workers: pulled back in runs of chunks on several threads
     # (NOTE [ Pullbacks in runs of chunks ] in _inline).
-    pullbacks_in_runs: bool = False
+    run_costs: tuple[int, ...] | None = None
     # NOTE [ Dropout drawn beforehand ] in _random: the call's noise_key where its draws can
     # be made beforehand, and whether they are (else the forward records their shapes).
     noise_key: Hashable | None = None

@@ -168,6 +168,14 @@ whether threads pay.
 # against one chunk in place (60 rounds) 2 groups of 32 Sequentials 1.08x, 8 of 8 1.07x, 4
 # groups of 16 classes of their own (through vmap) 1.06x, all at batch 32; 4 groups of 16
 # Sequentials at batch 128 0.99x.
+# Models of their own (not stacked) went to one chunk on both intra-op threads as soon as one
+# reached INTRA_OP_MIN_PARAM_ROWS, measured before their pullbacks went to workers: the 64 tiny
+# classes from batch 64 (0.35M parameter-rows the largest) then ran 0.77x the 1-thread plain
+# loop, at 128 0.61x. With their pullbacks on workers they keep their chunks below
+# SMALL_INTRA_OP_MIN_PARAM_ROWS a model. Chunks against one chunk (2 cores, 2026-12-01, in
+# place, 30 rounds): batch 64 1.26x, 128 1.37x, 256 (1.4M) 1.05x, 512 (2.8M) 0.93x, 1024 (5.6M,
+# no longer too small for workers) 0.99x; against the code before (bench_against.py, 30
+# rounds) 1.28x, 1.18x and 1.06x at batch 64, 128 and 256.
 #
 # NOTE [ Kernels too small for intra-op threads ]
 # A budget of 2 spent on intra-op threads helps kernels only where they are large enough to
@@ -319,6 +327,9 @@ STACKED_INTRA_OP_MIN_PARAM_ROWS = 4_000_000
 # unit (none stacked, no step in the backward), a budget of 2 keeps the models on one
 # intra-op thread.
 INTRA_OP_MIN_PARAM_ROWS = 262_144
+# NOTE [ Pullbacks of small models ]: on a budget of 2, models too small for forward workers
+# whose pullbacks go to workers keep their chunks below this many parameter-rows a model.
+SMALL_INTRA_OP_MIN_PARAM_ROWS = 2_000_000
 
 
 def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int | None:
@@ -571,7 +582,12 @@ def intra_op_pays(
         stacked = unit.engine == "stacked"
         if stacked and not pullbacks_on_workers:
             return True
-        limit = STACKED_INTRA_OP_MIN_PARAM_ROWS if stacked else INTRA_OP_MIN_PARAM_ROWS
+        if stacked:
+            limit = STACKED_INTRA_OP_MIN_PARAM_ROWS
+        elif pullbacks_on_workers:
+            limit = SMALL_INTRA_OP_MIN_PARAM_ROWS
+        else:
+            limit = INTRA_OP_MIN_PARAM_ROWS
         if _unit_param_rows(unit, model_params, batch) >= limit:
             return True
     return False
@@ -599,12 +615,12 @@ def _split_evenly(
 ) -> bool:
     """Whether ``workers`` threads claiming the chunks in ``order`` (each the next one as soon
     as it is free) would finish within MAX_IMBALANCE of an even split, by estimated cost."""
-    chunk_costs = _chunk_costs(units, chunks, model_params, batch)
+    costs = chunk_costs(units, chunks, model_params, batch)
     busy_until = [0] * workers
     for k in order:
         free = busy_until.index(min(busy_until))
-        busy_until[free] += chunk_costs[k]
-    return max(busy_until) <= MAX_IMBALANCE * sum(chunk_costs) / workers
+        busy_until[free] += costs[k]
+    return max(busy_until) <= MAX_IMBALANCE * sum(costs) / workers
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
@@ -683,16 +699,16 @@ def cost_chunks(
         current = index
         before += cost
     chunks.append(range(start, len(units)))
-    chunk_costs = [sum(costs[u] for u in chunk) for chunk in chunks]
+    totals = [sum(costs[u] for u in chunk) for chunk in chunks]
     while len(chunks) < k:  # one chunk has two units at least, as len(units) >= k
-        c = max((c for c in range(len(chunks)) if len(chunks[c]) > 1), key=chunk_costs.__getitem__)
-        chunk, whole = chunks[c], chunk_costs[c]
+        c = max((c for c in range(len(chunks)) if len(chunks[c]) > 1), key=totals.__getitem__)
+        chunk, whole = chunks[c], totals[c]
         cut, before = chunk.start + 1, costs[chunk.start]
         while cut < chunk.stop - 1 and 2 * before + costs[cut] <= whole:
             before += costs[cut]  # the second part starts at the first unit past the middle
             cut += 1
         chunks[c : c + 1] = [range(chunk.start, cut), range(cut, chunk.stop)]
-        chunk_costs[c : c + 1] = [sum(costs[chunk.start : cut]), sum(costs[cut : chunk.stop])]
+        totals[c : c + 1] = [sum(costs[chunk.start : cut]), sum(costs[cut : chunk.stop])]
     return chunks
 
 
@@ -727,7 +743,7 @@ def costliest_first(
 ) -> tuple[int, ...]:
     """The order threads claim the chunks in: costliest first, ties in chunk order (NOTE
     [ Costliest chunks first ])."""
-    totals = _chunk_costs(units, chunks, model_params, batch)
+    totals = chunk_costs(units, chunks, model_params, batch)
     return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
 
 
@@ -740,10 +756,10 @@ def small_last_chunk(
 ) -> bool:
     """Whether the last chunk in ``order`` is small enough to leave to the calling thread
     (NOTE [ The caller's last chunk ] in _pool)."""
-    return _chunk_costs(units, chunks, model_params, batch)[order[-1]] <= CALLERS_LAST_PARAM_ROWS
+    return chunk_costs(units, chunks, model_params, batch)[order[-1]] <= CALLERS_LAST_PARAM_ROWS
 
 
-def _chunk_costs(
+def chunk_costs(
     units: Sequence[Unit],
     chunks: Sequence[range],
     model_params: Sequence[ModelParams],

@@ -46,9 +46,17 @@
 # A chunk pulled back in an engine call of its own paid that call's fixed cost (about 25 us)
 # and its Python, for a chunk of 4 tiny MLPs' few hundred us of work: pulled back that way, 16
 # tiny MLP classes ran 0.91x as fast on 2 threads as on one. So a thread pulls back a run of
-# consecutive chunks in one engine call, RUNS_PER_THREAD runs a thread (claimed in chunk order:
-# tiny chunks cost about alike): 16 classes 1.05x, 8 0.94x (one thread for those), 32 1.06 ->
-# 1.165x, 64 1.14 -> 1.16x (2 cores, 2026-12-01, against the calling thread alone). A run is
+# consecutive chunks in one engine call: 16 classes 1.05x, 8 0.94x (one thread for those), 32
+# 1.06 -> 1.165x, 64 1.14 -> 1.16x (2 cores, 2026-12-01, against the calling thread alone), in
+# 2 runs a thread of as many chunks, claimed in chunk order. That left a helper idle at the
+# end: the caller starts its runs last, after the node's parameters' None visits (NOTE
+# [ Pullbacks joined later ] in _function: 0.57 ms for the 64 tiny classes' 383, while the
+# helper's first run took 0.72), and the models' costs may grow with their index (the last run
+# ran alone for 0.6 ms). So the runs are cut by estimated cost (``pullback_runs``):
+# RUNS_PER_THREAD a thread of about equal cost, none under MIN_RUN_PARAM_ROWS (an engine call's
+# fixed cost against about 4 tiny models' work), the costliest claimed first. Against the runs
+# before (2 cores, 2026-12-01, in place, 60 rounds): 64 tiny classes at batch 32 1.029-1.047x
+# (two runs), 32 of them 1.014x, 16 0.984x (4 runs either way: the order alone). A run is
 # one engine call over graphs recorded in model order on one thread, as the call for every
 # chunk at one thread is: a failure names its model as there (above), the first in the runs
 # that failed; the gradients, each model's own, do not depend on the runs.
@@ -180,8 +188,32 @@ def fits_callers_graph(plan: SumPlan) -> bool:
     )
 
 
-# NOTE [ Pullbacks in runs of chunks ]: the runs of each thread that pulls back.
-RUNS_PER_THREAD = 2
+# NOTE [ Pullbacks in runs of chunks ]: the runs of each thread that pulls back, each of
+# MIN_RUN_PARAM_ROWS of estimated cost at least (about 4 tiny models).
+RUNS_PER_THREAD = 4
+MIN_RUN_PARAM_ROWS = 16_000_000
+
+
+@functools.lru_cache(maxsize=256)
+def pullback_runs(costs: tuple[int, ...], threads: int) -> tuple[dict[int, range], tuple[int, ...]]:
+    """The runs of consecutive chunks (of estimated ``costs``) that ``threads`` threads pull
+    back, each by its first chunk, and the order the threads claim the chunks in: the runs'
+    first chunks, costliest run first, then the others (NOTE [ Pullbacks in runs of
+    chunks ])."""
+    total = sum(costs)
+    n_runs = max(threads, min(RUNS_PER_THREAD * threads, total // MIN_RUN_PARAM_ROWS))
+    target = total / n_runs
+    runs: dict[int, range] = {}
+    start, cost = 0, 0
+    for k, c in enumerate(costs):
+        if cost and cost + c / 2 > target:  # k starts the next run where it is nearer to it
+            runs[start] = range(start, k)
+            start, cost = k, 0
+        cost += c
+    runs[start] = range(start, len(costs))
+    run_cost = {k: sum(costs[j] for j in run) for k, run in runs.items()}
+    firsts = sorted(runs, key=lambda k: -run_cost[k])
+    return runs, (*firsts, *(k for k in range(len(costs)) if k not in runs))
 
 
 class _State:
@@ -454,19 +486,21 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             error = None  # type: ignore[assignment]
 
     # NOTE [ Pullbacks in runs of chunks ]
-    run = 1
+    runs: dict[int, range] | None = None
+    claim_order = plan.claim_order
+    callers_last = plan.callers_last
     threads = _pool.threads_for(n_chunks, workers)
-    if threads > 1 and state.in_order and aliases is None and plan.pullbacks_in_runs:
-        run = -(-n_chunks // (RUNS_PER_THREAD * threads))
-    claim_order = plan.claim_order if run == 1 else None
-    callers_last = plan.callers_last and run == 1
+    if threads > 1 and state.in_order and aliases is None and plan.run_costs is not None:
+        runs, claim_order = pullback_runs(plan.run_costs, threads)
+        callers_last = False
 
     def pull_back_one(k: int) -> dict[int, GradSum] | None:
-        if run == 1:
+        if runs is None:
             return pull_back_chunks(k, (k,))
-        if k % run:  # pulled back with the first chunk of its run
+        chunks = runs.get(k)
+        if chunks is None:  # pulled back with the first chunk of its run
             return None
-        return pull_back_chunks(k, range(k, min(k + run, n_chunks)))
+        return pull_back_chunks(k, chunks)
 
     if pending is not None and accumulate and aliases is None:
         # NOTE [ Pullbacks joined later ]

@@ -93,7 +93,7 @@ class Derived(NamedTuple):
     callers_last: bool  # whether the last chunk claimed is the caller's (small_last_chunk)
     # Whether the models are too small for forward workers: their pullbacks on several threads
     # go in runs of chunks (NOTE [ Pullbacks in runs of chunks ] in _inline).
-    small: bool
+    run_costs: tuple[int, ...] | None
 
 
 class _Watched(NamedTuple):

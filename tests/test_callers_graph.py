@@ -512,11 +512,34 @@ def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, mon
         y = parsum.sum_models(models, x)
         assert in_callers_graph(y)
         y.pow(2).sum().backward()
-    # 16 chunks on 2 threads, in runs of 4: 4 engine calls of 8 models each
-    assert calls == [8] * (_inline.RUNS_PER_THREAD * 2)
+    # 16 chunks of 2 models (about 8M parameter-rows each, by the estimate) on 2 threads: runs
+    # of MIN_RUN_PARAM_ROWS at least, RUNS_PER_THREAD a thread: 8 engine calls of 4 models each
+    assert _inline.RUNS_PER_THREAD == 4 and _inline.MIN_RUN_PARAM_ROWS == 16_000_000
+    assert calls == [4] * 8
     plain_sum(ref, x).pow(2).sum().backward()
     for a, b in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(a, b)
+
+
+def test_runs_of_chunks_cover_the_chunks_in_order_the_costliest_claimed_first():
+    for costs, threads, n_runs in [
+        ((10_000_000,) * 16, 2, 8),  # RUNS_PER_THREAD a thread
+        ((10_000_000,) * 16, 3, 8),  # 10 runs' cost each: a chunk joins the run it is nearer to
+        ((1_000_000,) * 16, 2, 2),  # one a thread at least
+        (tuple(4_000_000 * (1 + k % 3) for k in range(20)), 2, None),
+        ((50_000_000, 1_000_000, 1_000_000, 90_000_000, 1_000_000), 2, None),
+    ]:
+        runs, order = _inline.pullback_runs(costs, threads)
+        most = max(threads, sum(costs) // _inline.MIN_RUN_PARAM_ROWS)
+        assert threads <= len(runs) <= min(_inline.RUNS_PER_THREAD * threads, most)
+        assert n_runs is None or len(runs) == n_runs, (costs, runs)
+        assert [k for run in runs.values() for k in run] == list(range(len(costs)))
+        assert all(run.start == k for k, run in runs.items())
+        assert sorted(order) == list(range(len(costs)))  # every chunk claimed once
+        firsts = order[: len(runs)]
+        assert set(firsts) == set(runs)
+        run_costs = [sum(costs[k] for k in runs[first]) for first in firsts]
+        assert run_costs == sorted(run_costs, reverse=True)
 
 
 # A failure in a run pulled back on a helper or on the caller, of a node that pulls back in

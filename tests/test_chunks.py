@@ -850,14 +850,14 @@ class _ThreadsSeen(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(x)))
 
 
-@pytest.mark.parametrize("kind", ["tiny", "one wide", "stacked", "stacked large"])
+@pytest.mark.parametrize("kind", ["tiny", "one medium", "one wide", "stacked", "stacked large"])
 def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind):
     # NOTE [ Kernels too small for intra-op threads ] in parsum._grouping: where no model's
     # kernels are large enough for a second intra-op thread, the default runs the chunks of an
     # explicit n_jobs in the calling thread, one intra-op thread each, with its bits; a model
     # large enough keeps one chunk on both threads, and so does a stacked group, unless the
-    # pullbacks of its small models go to workers (NOTE [ Pullbacks of small models ]) and no
-    # group reaches STACKED_INTRA_OP_MIN_PARAM_ROWS.
+    # pullbacks of the small models go to workers (NOTE [ Pullbacks of small models ]) and no
+    # model reaches SMALL_INTRA_OP_MIN_PARAM_ROWS, no group STACKED_INTRA_OP_MIN_PARAM_ROWS.
     cores(2)
     seen: set[int] = set()
     x = torch.randn(32, IN)
@@ -868,20 +868,22 @@ def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run
             x = torch.randn(_grouping.STACKED_INTRA_OP_MIN_PARAM_ROWS // (8 * rows) + 1, IN)
     else:  # of their own: none stacked
         models = [_ThreadsSeen(8 + i, seen) for i in range(12)]
-    if kind == "one wide":
+    if kind == "one medium":  # above INTRA_OP_MIN_PARAM_ROWS, below the small models' limit
         models.append(_ThreadsSeen(1200, seen))
+    if kind == "one wide":
+        models.append(_ThreadsSeen(12000, seen))
     mps = [ModelParams.of(m) for m in models]
     rows = [_grouping._param_rows(mp, Batch.of([x])) for mp in mps]
-    assert (max(rows) >= _grouping.INTRA_OP_MIN_PARAM_ROWS) == (
-        kind in ("one wide", "stacked large")
-    )
+    assert (max(rows) >= _grouping.INTRA_OP_MIN_PARAM_ROWS) == (kind not in ("tiny", "stacked"))
+    assert (max(rows) >= _grouping.SMALL_INTRA_OP_MIN_PARAM_ROWS) == (kind == "one wide")
     assert _grouping.too_small_for_workers(mps, Batch.of([x]))
+    assert _grouping.small_pullback_workers(mps, Batch.of([x])) == 2
     learned(models, x)
     seen.clear()
     jobs_run.clear()
     default = _step_bits(models, x)
     chunks, workers = jobs_run[0]  # the forward's
-    if kind in ("tiny", "stacked"):
+    if kind in ("tiny", "one medium", "stacked"):
         assert chunks > 1 and workers == 1 and (kind == "stacked" or seen == {1})
         if kind == "stacked":  # their pullbacks on workers (the tiny ones share `seen`: in order)
             assert jobs_run[1] == (chunks, 2)
