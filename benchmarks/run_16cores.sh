@@ -227,12 +227,13 @@ forward)
     example 40
     ;;
 pullbacks)
-    # The nineteenth session's plan (at most 450 s): small models' pullbacks on 1-8 workers
-    # (NOTE [ Pullbacks of small models ] in parsum/_grouping.py: capped at 2 until measured
-    # here), pullbacks joined later (never run here), the 16-core table of the tiny MLP
-    # classes and the medium MLPs, the main example.
-    (cd benchmarks && timeout 120 python bench_pullback_workers.py --caps 1,2,4,8 --rounds 20 \
-        --workloads distinct-tiny,distinct-tiny:16,heterogeneous-tiny) \
+    # The nineteenth and twentieth sessions' plan (at most 480 s): small models' pullbacks on
+    # 1-8 workers (NOTE [ Pullbacks of small models ] in parsum/_grouping.py: capped at 2 until
+    # measured here; their chunks kept up to 2M parameter-rows a model, tuned on 2 cores: the
+    # tiny classes at batch 128 tell), pullbacks joined later (never run here), the 16-core
+    # table of the tiny MLP classes and the medium MLPs, the main example.
+    (cd benchmarks && timeout 150 python bench_pullback_workers.py --caps 1,2,4,8 --rounds 20 \
+        --workloads distinct-tiny,distinct-tiny:16,distinct-tiny:128,heterogeneous-tiny) \
         > "$out/pullback-workers-16cores.txt" 2>&1
     (cd benchmarks && timeout 90 python bench_join.py --jobs 4,8,16 --rounds 20) \
         > "$out/join-16cores.txt" 2>&1
