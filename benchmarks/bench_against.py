@@ -13,10 +13,11 @@ saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
 ``create_graph=True``, then the backward of the loss plus a penalty on it). ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
-every method.
+every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
+the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|penalty] [--members 0.75]
+        [--step train|grad-x|penalty] [--members 0.75] [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
     )
+    parser.add_argument("--first", type=int, default=None, help="the first N models alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = None if args.rev == "none" else import_revision(args.rev, pathlib.Path(tmp))
@@ -167,8 +169,9 @@ def main() -> None:
             packages = [(plain, None), ("this", parsum)] + (
                 [] if base is None else [(args.rev, base)]
             )
+            chosen = w.models[: args.first]
             for label, pkg in packages:
-                models = copy.deepcopy(w.models)
+                models = copy.deepcopy(chosen)
                 step = step_of(pkg, models, w.x, args)
                 if args.members is not None:
                     step = Members(models, args.members).around(step)
@@ -183,7 +186,8 @@ def main() -> None:
                 if base is None
                 else (f"; this / {args.rev} {seconds[args.rev] / seconds['this']:.3f}x")
             )
-            print(f"{w.description}: {shown}{against}")
+            which = "" if args.first is None else f" (the first {len(chosen)})"
+            print(f"{w.description}{which}: {shown}{against}")
 
 
 if __name__ == "__main__":
