@@ -13,7 +13,7 @@ from torch import nn
 import parsum
 from parsum import _api, _inline
 from tests.test_errors import BoomBackward, _FailingBackward
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, tiny_mlps, zoo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -486,12 +486,6 @@ def test_several_threads_pull_back_on_several_threads(cores):
 # NOTE [ Pullbacks in runs of chunks ]
 
 
-def small_models(n: int, depth: int) -> list[nn.Module]:
-    """``n`` tiny MLPs of different widths, ``depth`` hidden layers each: none stacked, and too
-    small for workers in forward (NOTE [ Pullbacks of small models ] in parsum._grouping)."""
-    return [mlp([4 + i, 4 + i % 3][:depth]) for i in range(n)]
-
-
 def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch):
     cores(2)
     calls = []
@@ -502,7 +496,7 @@ def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, mon
         return pull_back(outputs, *rest, **kwargs)
 
     monkeypatch.setattr(_inline, "pull_back", counted)
-    models = small_models(32, 1)
+    models = tiny_mlps(32, 1)
     ref = clone_models(models)
     x = torch.randn(32, IN)
     for _ in range(2):  # the first call learns the models
@@ -551,7 +545,7 @@ def test_a_failure_in_a_run_of_chunks_changes_no_grad_and_names_the_model(
     cores, failing, position, depth
 ):
     cores(2)
-    models = small_models(30, depth)
+    models = tiny_mlps(30, depth)
     models.insert(position, failing())
     models.append(BoomBackward())  # a later failure, in another run
     x = torch.randn(32, IN)

@@ -13,7 +13,7 @@ import parsum
 from parsum import _grouping, _pool
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
-from tests.zoo import IN, OUT, learned, mlp, param_grads
+from tests.zoo import IN, OUT, learned, mlp, param_grads, tiny_mlps
 
 
 def units_of(n):
@@ -764,7 +764,7 @@ def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_wor
 def tiny_ensemble(n, batch=32):
     """``n`` tiny MLPs of different widths (none stacked), and an input."""
     x = torch.randn(batch, IN)
-    return learned([mlp([4 + i, 4 + i % 3]) for i in range(n)], x), x
+    return learned(tiny_mlps(n), x), x
 
 
 def test_small_pullback_workers_grow_with_the_models_up_to_a_cap():

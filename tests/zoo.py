@@ -24,6 +24,12 @@ def mlp(widths: list[int], act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
+def tiny_mlps(n: int, depth: int = 2) -> list[nn.Sequential]:
+    """``n`` tiny MLPs of different widths, ``depth`` hidden layers each: none stacked, and too
+    small for workers in forward (NOTE [ Pullbacks of small models ] in parsum._grouping)."""
+    return [mlp([4 + i, 4 + i % 3][:depth]) for i in range(n)]
+
+
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
