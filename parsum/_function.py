@@ -159,8 +159,9 @@ class SumPlan:
     one_thread_backward: bool = False
     ordered_pullbacks: bool = False
     looks_at_pullbacks: bool = False
-    # Models too small for forward workers: pulled back in runs of chunks on several threads
-    # (NOTE [ Pullbacks in runs of chunks ] in _inline).
+    # Models too small for forward workers: each chunk's estimated cost, by which their runs of
+    # chunks pulled back on several threads are cut (NOTE [ Pullbacks in runs of chunks ] in
+    # _inline); None for other models.
     run_costs: tuple[int, ...] | None = None
     # NOTE [ Dropout drawn beforehand ] in _random: the call's noise_key where its draws can
     # be made beforehand, and whether they are (else the forward records their shapes).

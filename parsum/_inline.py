@@ -206,7 +206,7 @@ def pullback_runs(costs: tuple[int, ...], threads: int) -> tuple[dict[int, range
     runs: dict[int, range] = {}
     start, cost = 0, 0
     for k, c in enumerate(costs):
-        if cost and cost + c / 2 > target:  # k starts the next run where it is nearer to it
+        if cost and cost + c / 2 > target:  # more than half of k past the target: a new run
             runs[start] = range(start, k)
             start, cost = k, 0
         cost += c

@@ -91,8 +91,9 @@ class Derived(NamedTuple):
     forward_workers: int  # of those, the forwards' (NOTE [ Forwards on fewer workers ])
     order: tuple[int, ...] | None  # the order threads claim the chunks in (costliest_first)
     callers_last: bool  # whether the last chunk claimed is the caller's (small_last_chunk)
-    # Whether the models are too small for forward workers: their pullbacks on several threads
-    # go in runs of chunks (NOTE [ Pullbacks in runs of chunks ] in _inline).
+    # Where the models are too small for forward workers, each chunk's estimated cost: their
+    # pullbacks on several threads go in runs of chunks cut by it (NOTE [ Pullbacks in runs of
+    # chunks ] in _inline); None otherwise.
     run_costs: tuple[int, ...] | None
 
 
