@@ -53,7 +53,8 @@
 #   bash benchmarks/run_16cores.sh pullbacks # small models' pullbacks on 1-8 workers
 #                                           # (bench_pullback_workers.py), pullbacks joined
 #                                           # later, the table of tiny classes and medium MLPs,
-#                                           # the main example (at most 450 s; nineteenth)
+#                                           # the main example (at most 480 s; nineteenth,
+#                                           # twentieth: the tiny classes at batch 128 too)
 #   bash benchmarks/run_16cores.sh last-run # what `next` was on 2026-11-30
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
