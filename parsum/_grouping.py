@@ -574,15 +574,15 @@ def intra_op_pays(
     pullbacks_on_workers: bool = False,
 ) -> bool:
     """Whether the models' kernels are large enough for a second intra-op thread to pay, or
-    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ]), one
-    of STACKED_INTRA_OP_MIN_PARAM_ROWS or more where the pullbacks would go to workers (NOTE
-    [ Pullbacks of small models ]). A table read by take_rows counts one row per batch row: the
-    chunks, hence the bits, must not depend on the rows a call drew."""
+    some of them run as a stacked group (NOTE [ Kernels too small for intra-op threads ]).
+    Where the pullbacks would go to workers (NOTE [ Pullbacks of small models ]), only a group
+    of STACKED_INTRA_OP_MIN_PARAM_ROWS or more, or a model of SMALL_INTRA_OP_MIN_PARAM_ROWS or
+    more, is. A table read by take_rows counts one row per batch row: the chunks, hence the
+    bits, must not depend on the rows a call drew."""
     for unit in units:
-        stacked = unit.engine == "stacked"
-        if stacked and not pullbacks_on_workers:
-            return True
-        if stacked:
+        if unit.engine == "stacked":
+            if not pullbacks_on_workers:
+                return True
             limit = STACKED_INTRA_OP_MIN_PARAM_ROWS
         elif pullbacks_on_workers:
             limit = SMALL_INTRA_OP_MIN_PARAM_ROWS
