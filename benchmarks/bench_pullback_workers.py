@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -62,7 +63,7 @@ def table(models: list[torch.nn.Module], x: torch.Tensor, caps: list[int], round
     times = interleaved_rounds(methods, rounds, warmup=3, settle=1)
     alone = times["pullbacks<=1"]
     for name, ts in times.items():
-        ms = sorted(ts)[len(ts) // 2] * 1e3
+        ms = statistics.median(ts) * 1e3
         line = f"{name:>14} {ms:8.3f} ms"
         if name.startswith("pullbacks") and ts is not alone:
             ratio, low, high = paired_ratio(alone, ts)
