@@ -120,7 +120,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -195,11 +196,13 @@ MIN_RUN_PARAM_ROWS = 16_000_000
 
 
 @functools.lru_cache(maxsize=256)
-def pullback_runs(costs: tuple[int, ...], threads: int) -> tuple[dict[int, range], tuple[int, ...]]:
+def pullback_runs(
+    costs: tuple[int, ...], threads: int
+) -> tuple[Mapping[int, range], tuple[int, ...]]:
     """The runs of consecutive chunks (of estimated ``costs``) that ``threads`` threads pull
     back, each by its first chunk, and the order the threads claim the chunks in: the runs'
     first chunks, costliest run first, then the others (NOTE [ Pullbacks in runs of
-    chunks ])."""
+    chunks ]). The runs are read-only: every call with these costs shares them."""
     total = sum(costs)
     n_runs = max(threads, min(RUNS_PER_THREAD * threads, total // MIN_RUN_PARAM_ROWS))
     target = total / n_runs
@@ -213,7 +216,7 @@ def pullback_runs(costs: tuple[int, ...], threads: int) -> tuple[dict[int, range
     runs[start] = range(start, len(costs))
     run_cost = {k: sum(costs[j] for j in run) for k, run in runs.items()}
     firsts = sorted(runs, key=lambda k: -run_cost[k])
-    return runs, (*firsts, *(k for k in range(len(costs)) if k not in runs))
+    return MappingProxyType(runs), (*firsts, *(k for k in range(len(costs)) if k not in runs))
 
 
 class _State:
@@ -486,7 +489,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             error = None  # type: ignore[assignment]
 
     # NOTE [ Pullbacks in runs of chunks ]
-    runs: dict[int, range] | None = None
+    runs: Mapping[int, range] | None = None
     claim_order = plan.claim_order
     callers_last = plan.callers_last
     threads = _pool.threads_for(n_chunks, workers)

@@ -534,6 +534,8 @@ def test_runs_of_chunks_cover_the_chunks_in_order_the_costliest_claimed_first():
         assert set(firsts) == set(runs)
         run_costs = [sum(costs[k] for k in runs[first]) for first in firsts]
         assert run_costs == sorted(run_costs, reverse=True)
+        with pytest.raises(TypeError):  # cached: every call with these costs shares them
+            runs[len(costs)] = range(0)  # type: ignore[index]
 
 
 # A failure in a run pulled back on a helper or on the caller, of a node that pulls back in
