@@ -964,7 +964,9 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
 # (or a bound method of one) found clean is not looked through again while it has the same
 # parameters, whatever set it is called in: random subsets of an ensemble, a new plan every
 # call, took 0.87x the steps of the code before when each call looked (64 tiny classes, 3 of 4
-# drawn), 0.97-0.98x since. A forward that starts reading such a tensor later is not seen.
+# drawn), 0.97-0.98x since; a set whose models' own walks all looked is not looked through at
+# all (NOTE [ Shared state of models planned one by one ] in _plans). A forward that starts
+# reading such a tensor later is not seen.
 # Identical models stacked into one vmap group are looked through together (the stacked
 # tensors and the models' own are theirs), also where vmap cannot run them and they run one by
 # one: beside other models, through ParallelSum, such a tensor lost its gradient, silently. A
@@ -1761,39 +1763,67 @@ class SharedState(NamedTuple):
     reached: list[Any]
 
 
-def shared_state(model_params: Sequence[ModelParams]) -> SharedState:
+def shared_state(
+    model_params: Sequence[ModelParams], candidates: Sequence[list[Candidate]] | None = None
+) -> SharedState:
     """What modules of two or more entries hold or reach in common that a forward or a
-    backward hook may write into (NOTE [ State the models share ])."""
+    backward hook may write into (NOTE [ State the models share ]); ``candidates``: each
+    entry's ``entry_candidates``, where kept already (NOTE [ Shared state of models planned one
+    by one ] in _plans)."""
+    if candidates is None:
+        reach_of: dict[int, list[Any]] = {}  # by function: many models run one class's forward
+        candidates = [entry_candidates(mp.modules, reach_of) for mp in model_params]
     owner: dict[int, int] = {}
     named: dict[int, tuple[nn.Module, str | None]] = {}
     reached: dict[int, Any] = {}
-    reach_of: dict[int, list[Any]] = {}  # by function: many models run one class's forward
-    for i, mp in enumerate(model_params):
-        for module in mp.modules:
-            if owner.setdefault(id(module), i) != i:
-                named.setdefault(id(module), (module, None))
-            hooks = module_hooks(module)  # NOTE [ Pullbacks that write shared state ]
-            own_class = _may_hold_loose_tensors(type(module))  # type: ignore[arg-type]
-            if not own_class and not any(hooks):
-                continue  # a torch.nn layer without hooks reaches nothing more
-            functions = [fn for hooks_of_a_kind in hooks for fn in hooks_of_a_kind.values()]
-            if own_class:
-                for key, value in vars(module).items():
-                    if (
-                        key not in MODULE_INTERNALS
-                        and _writable(value)
-                        and owner.setdefault(id(value), i) != i
-                    ):
-                        named.setdefault(id(value), (module, key))
-                functions.append(type(module).forward)
-            for fn in functions:
-                found = reach_of.get(id(fn))
-                if found is None:
-                    found = reach_of[id(fn)] = _reached(fn)
-                for value in found:
-                    if owner.setdefault(id(value), i) != i and id(value) not in named:
-                        reached[id(value)] = value
+    for i, (mp, found) in enumerate(zip(model_params, candidates)):
+        for key, position, name, value in found:
+            if owner.setdefault(key, i) == i:
+                continue
+            if position is None:  # reached
+                if key not in named:
+                    reached[key] = value
+            else:  # a module (name None) or a module's attribute
+                named.setdefault(key, (mp.modules[position], name))
     return SharedState(list(named.values()), list(reached.values()))
+
+
+class Candidate(NamedTuple):
+    """What one entry's module holds or reaches that a forward may write into: the object's
+    id, and the module's position among the entry's modules with the attribute's name (None
+    for the module itself), or, for what is reached otherwise, no position and the value."""
+
+    key: int
+    position: int | None
+    name: str | None
+    value: Any
+
+
+def entry_candidates(
+    modules: Sequence[nn.Module], reach_of: dict[int, list[Any]]
+) -> list[Candidate]:
+    """What an entry's ``modules`` hold or reach that a forward may write into, in the order
+    ``shared_state`` meets them; modules and their attributes by position and name, never
+    held (NOTE [ State the models share ]). ``reach_of``: ``_reached`` by function, filled."""
+    found: list[Candidate] = []
+    for position, module in enumerate(modules):
+        found.append(Candidate(id(module), position, None, None))
+        hooks = module_hooks(module)  # NOTE [ Pullbacks that write shared state ]
+        own_class = _may_hold_loose_tensors(type(module))  # type: ignore[arg-type]
+        if not own_class and not any(hooks):
+            continue  # a torch.nn layer without hooks reaches nothing more
+        functions = [fn for hooks_of_a_kind in hooks for fn in hooks_of_a_kind.values()]
+        if own_class:
+            for key, value in vars(module).items():
+                if key not in MODULE_INTERNALS and _writable(value):
+                    found.append(Candidate(id(value), position, key, None))
+            functions.append(type(module).forward)
+        for fn in functions:
+            reached = reach_of.get(id(fn))
+            if reached is None:
+                reached = reach_of[id(fn)] = _reached(fn)
+            found.extend(Candidate(id(value), None, None, value) for value in reached)
+    return found
 
 
 def global_hooks_reach_state(hooks: tuple[dict[int, Any], ...] = GLOBAL_FORWARD_HOOKS) -> bool:

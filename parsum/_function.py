@@ -588,6 +588,8 @@ def run_forward(
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
     if check_leaves and walk.kept:
         walk.leaves_checked = True
+        for part in walk.parts:  # NOTE [ Models planned one by one ] in _plans
+            part.leaves_checked = True
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
     return _Forward(leaves, pullbacks, outputs, made)

@@ -366,7 +366,7 @@ def plan_units(
     layouts: dict[Hashable, list[int]] = {}
     for i, (model, mp) in enumerate(zip(models, model_params)):
         if isinstance(model, nn.Module) and mp.tensors and not (auto and model in VMAP_FAILED):
-            layouts.setdefault((type(model), tuple(p.shape for p in mp.tensors)), []).append(i)
+            layouts.setdefault(_layout(model, mp), []).append(i)
     candidates = [same for same in layouts.values() if len(same) >= min_models]
     stackable = set(_stackable(models, model_params)) if candidates else set()
     groups: dict[Hashable, list[int]] = {}
@@ -401,6 +401,15 @@ def plan_units(
         elif found[0] == i:
             units.append(Unit(found, "stacked"))
     return units
+
+
+def _layout(model: nn.Module, mp: ModelParams) -> Hashable:
+    """A model's class and its parameters' shapes, kept by its findings: identical models
+    share it (``plan_units``)."""
+    found = mp.estimated.get("layout")
+    if found is None:
+        found = estimate(mp, "layout", lambda: (type(model), tuple(p.shape for p in mp.tensors)))
+    return cast(Hashable, found)
 
 
 def _batched(model: Any) -> bool:
@@ -514,10 +523,13 @@ def _kernel_share(
     if any_sampled():
         kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
     else:  # the rows of the trainable parameters alone, kept by the findings
-        kernels = sum(
-            estimate(mp, ("rows", batch), functools.partial(_param_rows, mp, batch))
-            for mp in model_params
-        )
+        key = ("rows", batch)
+        kernels = 0
+        for mp in model_params:
+            rows = mp.estimated.get(key)
+            if rows is None:
+                rows = estimate(mp, key, functools.partial(_param_rows, mp, batch))
+            kernels += rows
     overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
     return kernels / overhead if overhead else math.inf
 
@@ -651,6 +663,9 @@ def estimate(mp: ModelParams, key: Hashable, make: Callable[[], Any]) -> Any:
 
 def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     """A model's cost in parameter-rows, from shapes alone (NOTE [ Chunks ])."""
+    found = mp.estimated.get(batch)  # kept: planning asks for it several times a model
+    if found is not None:
+        return cast(int, found)
 
     def cost() -> int:
         tensors = [*mp.tensors, *mp.state]

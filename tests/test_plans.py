@@ -699,6 +699,92 @@ def test_models_drawn_with_a_shared_buffer_run_their_forwards_in_order():
         torch.testing.assert_close(a[1].running_var, b[1].running_var)
 
 
+# NOTE [ Shared state of models planned one by one ] in _plans: a set joined from its models'
+# own walks finds what they share from what each walk keeps.
+
+
+class Logs(nn.Module):
+    """A model of the user's own class holding a log, which other models may share."""
+
+    def __init__(self, width: int, log: list) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(IN, width), nn.Linear(width, OUT)
+        self.log = log
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)))
+
+
+def test_a_set_joined_from_own_walks_finds_what_a_walk_finds_its_models_share():
+    torch.manual_seed(7)
+    logs = [[] for _ in range(3)]
+    owners = [0, 1, 2, 0, 2, 0, 1, 2]  # the log each model holds
+    models = [Logs(4 + i, logs[owner]) for i, owner in enumerate(owners)]
+    features: list = []
+    for m in models[1::3]:  # a hook whose closure reaches a list, shared by these models
+        m.out.register_forward_hook(lambda mod, args, out: features.append(out.shape))
+    x = torch.randn(3, IN)
+    walk_one_by_one(models, x, 1)
+    generator = torch.Generator().manual_seed(5)
+    found_shared = 0
+    for _ in range(10):
+        picked = torch.randperm(len(models), generator=generator)[:5].tolist()
+        members = [models[i] for i in picked]
+        assert known_walk(members) is None and _plans.models_found(members)[1] is not None
+        parsum.sum_models(members, x, n_jobs=1).sum().backward()
+        walk = known_walk(members)
+        assert walk is not None and walk.parts  # joined, and kept
+        fresh = parsum._engines.shared_state([parsum._engines.ModelParams.of(m) for m in members])
+        expected = [m if key is None else vars(m)[key] for m, key in fresh.named] + fresh.reached
+        assert list(map(id, walk.shared_objects())) == list(map(id, expected))
+        found_shared += bool(expected)
+    assert found_shared > 0
+
+
+FOREIGN: dict[str, torch.Tensor] = {}  # tensors a forward reads from a global
+
+
+class Reads(nn.Module):
+    """A model of the user's own class; with ``foreign``, its forward reads a global tensor
+    under that name, which it does not own (NOTE [ Tensors a module does not own ] in
+    _engines)."""
+
+    def __init__(self, width: int, foreign: str | None = None) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(IN, width), nn.Linear(width, OUT)
+        self.foreign = foreign
+
+    def forward(self, x):
+        y = self.out(torch.tanh(self.lin(x)))
+        return y if self.foreign is None else y * FOREIGN[self.foreign]
+
+
+def test_sets_of_models_looked_through_before_are_not_looked_through_again(monkeypatch):
+    torch.manual_seed(8)
+    models = [Reads(4 + i) for i in range(6)]
+    x = torch.randn(3, IN)
+    walk_one_by_one(models, x, 1)
+    looked = count_calls(monkeypatch, parsum._function, "check_own_leaves")
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        members = [models[i] for i in torch.randperm(6, generator=generator)[:4].tolist()]
+        assert _plans.models_found(members)[1] is not None
+        parsum.sum_models(members, x, n_jobs=1).sum().backward()
+    assert not looked
+    # With a new model: its set gets new walks, one a model, which have not looked yet, so the
+    # set looks through every model once (the others quickly: NOTE [ Tensors a module does
+    # not own ]), and other sets of them not again.
+    with_new = [*models[:3], Reads(5)]
+    for members in (with_new, with_new[::-1], with_new[1:] + with_new[:1]):
+        parsum.sum_models(members, x, n_jobs=1).sum().backward()
+    assert len(looked) == len(with_new)
+    FOREIGN["scale"] = torch.ones(OUT, requires_grad=True)
+    bad = Reads(6, "scale")
+    for members in ([*models[:3], bad], [models[4], bad, models[5]]):
+        with pytest.raises(parsum.ParsumError, match=r"model \d \(Reads\).* not its parameters"):
+            parsum.sum_models(members, x, n_jobs=1)
+
+
 def test_a_models_findings_keep_a_bounded_number_of_estimates():
     """New sets of the same models, planned from the findings their own walks keep, at a new
     batch shape every call (sequences of varying lengths, say): each model's findings keep at
