@@ -666,8 +666,8 @@ _model_walks: dict[int, Walk] = {}
 # not own ] in _engines), which had cost each model a call of the check and its graph's output
 # edges. With the per-model estimates planning reads several times (``_grouping``: costs,
 # kernel shares, layouts) read from the findings at once: 48 of the 64 tiny classes drawn each
-# step 1.068x, 12 of the 16 medium classes 1.034x (2 cores, bench_against.py --members 0.75,
-# 40 rounds); fixed sets, which plan once, unchanged (1.018x and 0.992x).
+# step 1.05-1.08x, 12 of the 16 medium classes 0.99-1.03x (2 cores, bench_against.py --members
+# 0.75, three runs of 40-80 rounds); fixed sets, which plan once, unchanged.
 
 
 def models_found(
