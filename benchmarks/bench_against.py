@@ -29,7 +29,6 @@ import functools
 import importlib
 import io
 import pathlib
-import random
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 from common import (
+    Members,
     interleaved,
     loss_of,
     parsum_adam_step,
@@ -95,26 +95,6 @@ def step_of(
         params = [p for m in models for p in m.parameters()]
         return functools.partial(parsum_adam_step(models, params, False, args.n_jobs, package), x)
     return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
-
-
-class Members:
-    """A step over a new random draw of ``share`` of the models each call, in model order; the
-    list the step was made with is refilled in place (seeded: every method draws alike)."""
-
-    def __init__(self, models: list[torch.nn.Module], share: float) -> None:
-        self.all = list(models)
-        self.drawn = models
-        self.k = max(1, round(share * len(models)))
-        self.rng = random.Random(0)
-
-    def around(self, step: Callable[[], None]) -> Callable[[], None]:
-        def drawn_step() -> None:
-            self.drawn[:] = [
-                self.all[i] for i in sorted(self.rng.sample(range(len(self.all)), self.k))
-            ]
-            step()
-
-        return drawn_step
 
 
 def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:

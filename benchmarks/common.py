@@ -265,6 +265,32 @@ def zero_grads(models: list[nn.Module]) -> None:
         p.grad = None
 
 
+class Members:
+    """A step over a new random draw of ``share`` of the models each call, in model order; the
+    list the step was made with is refilled in place (seeded: every method draws alike).
+    ``everyone``: the models to draw from, where ``models`` is shared and drawn already."""
+
+    def __init__(
+        self,
+        models: list[torch.nn.Module],
+        share: float,
+        everyone: list[torch.nn.Module] | None = None,
+    ) -> None:
+        self.all = list(models if everyone is None else everyone)  # ``models`` may be drawn
+        self.drawn = models
+        self.k = max(1, round(share * len(models)))
+        self.rng = random.Random(0)
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        def drawn_step() -> None:
+            self.drawn[:] = [
+                self.all[i] for i in sorted(self.rng.sample(range(len(self.all)), self.k))
+            ]
+            step()
+
+        return drawn_step
+
+
 def plain_step(models: list[nn.Module], x: torch.Tensor) -> None:
     """The plain loop: ``sum(m(x) for m in models)``, forward and backward."""
     zero_grads(models)

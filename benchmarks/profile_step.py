@@ -13,8 +13,12 @@ per-call costs on a machine with little time on it (a GPU machine is lent for mi
 3. torch.profiler of each, on its host thread: the operators with the most host time, and how
    many run a step (kernel launches, on a GPU).
 
+With ``--members 0.75`` every step sums a new random draw of that share of the models (members
+dropped at random, as ``bench_against.py --members`` draws them), so that the profile shows
+what planning a new set costs; ``--profile`` names the method cProfile watches.
+
     python benchmarks/profile_step.py [--device cuda] [--workload heterogeneous-medium]
-        [--batch 64] [--steps 20]
+        [--batch 64] [--steps 20] [--members 0.75] [--profile "parsum default"]
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import io
 import pstats
 
 import torch
-from common import interleaved, parsum_step, plain_step, synchronized, workload
+from common import Members, interleaved, parsum_step, plain_step, synchronized, workload
 
 from parsum import _inline
 
@@ -51,6 +55,8 @@ def main() -> None:
     parser.add_argument("--workload", default="heterogeneous-medium")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--members", type=float, default=None, help="the share drawn a step")
+    parser.add_argument("--profile", default="parsum 1", help="the method cProfile watches")
     args = parser.parse_args()
     w = workload(args.workload, args.batch)
     models, x = [m.to(args.device) for m in w.models], w.x.to(args.device)
@@ -60,9 +66,15 @@ def main() -> None:
         "parsum default": lambda: parsum_step(models, x),
         "parsum 1 captured": captured(lambda: parsum_step(models, x, n_jobs=1)),
     }
+    if args.members is not None:  # every method draws its own sets, alike (seeded)
+        everyone = list(models)
+        methods = {
+            k: Members(models, args.members, everyone).around(fn) for k, fn in methods.items()
+        }
     if args.device != "cpu":
         methods = {k: synchronized(fn) for k, fn in methods.items()}
-    print(f"{w.description} on {args.device}, torch {torch.__version__}")
+    drawn = "" if args.members is None else f", {args.members} of them drawn a step"
+    print(f"{w.description}{drawn} on {args.device}, torch {torch.__version__}")
     medians = interleaved(methods, args.steps, settle=1, settle_seconds=0.02)
     for name, t in medians.items():
         print(f"{name:>18} {t * 1e3:8.3f} ms   plain / this {medians['plain'] / t:5.2f}")
@@ -70,12 +82,13 @@ def main() -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
-        methods["parsum 1"]()
+        methods[args.profile]()
     profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    print(f"\ncProfile, parsum 1, {args.steps} steps, by own time:")
-    print("\n".join(text.getvalue().splitlines()[4:40]))
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(30)
+        print(f"\ncProfile, {args.profile}, {args.steps} steps, by {order}:")
+        print("\n".join(text.getvalue().splitlines()[4:40]))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":  # with the launches (cudaLaunchKernel) among the host's rows

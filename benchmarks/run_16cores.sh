@@ -59,7 +59,9 @@
 #                                           # (2026-11-30: 334 s on the code of a455b44)
 #   bash benchmarks/run_16cores.sh members  # a new random draw of 75% of the models every
 #                                           # step against the plain loop, at the default and
-#                                           # n_jobs 1 (bench_against.py --rev none, ~2 min)
+#                                           # n_jobs 1 (bench_against.py --rev none), then
+#                                           # profile_step.py --members of the default on the
+#                                           # medium and tiny classes (~3 min)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
 #   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
 #                                           # its cores, pinned (bench_intra_op.py, ~3 min)
@@ -271,6 +273,14 @@ members)
             --rounds 10 $flag \
             --workloads distinct-medium:64,heterogeneous-medium:64,distinct-tiny,identical-tiny) \
             > "$out/members-16cores-$jobs.txt" 2>&1
+    done
+    # 2026-11-30 (16 cores): the medium classes drawn at random ran 0.59x the plain loop where
+    # a fixed set ran 0.96x, a gap larger than their planning costs on 2 cores (about 0.7 ms a
+    # set): where those steps go, the default's own Python by cProfile (~1 min)
+    for w in distinct-medium:64 distinct-tiny:32; do
+        (cd benchmarks && timeout 60 python profile_step.py --workload "${w%:*}" \
+            --batch "${w#*:}" --steps 20 --members 0.75 --profile "parsum default") \
+            > "$out/members-profile-16cores-${w%:*}.txt" 2>&1
     done
     ;;
 twocores)

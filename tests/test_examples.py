@@ -194,6 +194,21 @@ def test_bench_against_a_folder_holding_a_parsum(tmp_path):
     assert f"this checkout against {tmp_path}" in out and f"this / {tmp_path} " in out
 
 
+def test_bench_against_with_members_drawn_at_random():
+    args = ["--rev", "none", "--rounds", "2", "--settle-ms", "0", "--members", "0.5"]
+    out = run("benchmarks/bench_against.py", *args, "--workloads", "distinct-tiny:8")
+    assert "0.5 of the models drawn a step" in out and "this " in out.splitlines()[-1]
+
+
+def test_profile_step_of_members_drawn_at_random():
+    args = ["--workload", "distinct-tiny", "--batch", "8", "--steps", "2", "--members", "0.5"]
+    out = run("benchmarks/profile_step.py", *args, "--profile", "parsum default")
+    assert "0.5 of them drawn a step" in out
+    assert "cProfile, parsum default, 2 steps, by tottime:" in out
+    assert "cProfile, parsum default, 2 steps, by cumulative:" in out
+    assert "_general_sum" in out  # each step plans a new set
+
+
 def test_bench_forward_workers():
     args = ["--workloads", "heterogeneous-medium:16", "--caps", "1,2", "--hand", "2"]
     out = run("benchmarks/bench_forward_workers.py", *args, "--rounds", "1")
