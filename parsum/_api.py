@@ -28,7 +28,7 @@ from ._engines import (
     runs_as_program,
     vmap_failure_count,
 )
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._function import (
     ParallelSum,
     PendingJoin,
@@ -467,7 +467,7 @@ def _check_models(models: Any) -> list[Callable[..., Any]]:
     for i, model in enumerate(models):
         if not callable(model):
             raise ParsumError(
-                f"{_WHERE}: models[{i}] is a {type(model).__name__} ({model!r:.60}), which is "
+                f"{_WHERE}: models[{i}] is {a_kind_of(model)} ({model!r:.60}), which is "
                 "not callable; expected an nn.Module or another callable"
             )
     return models
@@ -488,7 +488,7 @@ def _check_hidden_tensors(call: CallArgs) -> None:
         for name, value in found.items():
             if isinstance(value, Tensor) and value.requires_grad:
                 raise ParsumError(
-                    f"{_WHERE}: an argument is a {type(leaf).__name__} whose {name!r} is a "
+                    f"{_WHERE}: an argument is {a_kind_of(leaf)} whose {name!r} is a "
                     "tensor that requires grad; parsum gives gradients to the tensors it finds "
                     "in args and kwargs (also in tuples, lists, dicts and namedtuples), so "
                     "this one would get none: pass the tensor itself, or register the class "
@@ -562,7 +562,7 @@ def _check_vjp_models(models: list[Callable[..., Any]], model_params: list[Model
             )
         if mp.tensors and not isinstance(model, nn.Module):
             raise ParsumError(
-                f"{_WHERE}: models[{i}] is a {type(model).__name__} of a "
+                f"{_WHERE}: models[{i}] is {a_kind_of(model)} of a "
                 f"{type(module_of(model)).__name__}; engine='vjp' runs nn.Modules through "
                 "torch.func.functional_call, which calls forward only: use engine='autograd' "
                 "or 'auto' for bound methods and partials of modules"
@@ -588,7 +588,7 @@ def _check_weights(weights: Any, n_models: int) -> tuple[list[float] | None, Ten
         weights = weights.tolist()
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
         raise ParsumError(
-            f"{_WHERE}: weights is a {type(weights).__name__}; expected a sequence of floats "
+            f"{_WHERE}: weights is {a_kind_of(weights)}; expected a sequence of floats "
             "or a 1-D tensor"
         )
     if len(weights) != n_models:
@@ -638,7 +638,7 @@ def _check_step_in_backward(
         return None
     if not isinstance(sib, StepInBackward):
         raise ParsumError(
-            f"{_WHERE}: step_in_backward is a {type(sib).__name__}; expected a "
+            f"{_WHERE}: step_in_backward is {a_kind_of(sib)}; expected a "
             "parsum.StepInBackward or None"
         )
     sib._stepped.clear()  # a new step begins (NOTE [ Gradients from outside the sum ])

@@ -15,7 +15,7 @@ import torch
 from joblib.parallel import get_active_backend
 from torch import Tensor, nn
 
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 
 ENGINES = ("auto", "autograd", "vjp", "stacked")
 
@@ -129,9 +129,7 @@ def check_model_sequence(
             "models (a list, tuple or nn.ModuleList)"
         )
     if isinstance(models, (str, bytes, Tensor)) or not isinstance(models, (Sequence, *containers)):
-        raise ParsumError(
-            f"{where}: models is a {type(models).__name__}; expected a sequence of models"
-        )
+        raise ParsumError(f"{where}: models is {a_kind_of(models)}; expected a sequence of models")
     found = list(cast(Iterable[Any], models))
     if not found:
         raise ParsumError(f"{where}: models is empty; expected at least one model")

@@ -46,7 +46,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 from torch.overrides import has_torch_function
 from torch.utils import _pytree as pytree
 
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._pool import autocast_states
 from ._random import draws_now, may_recompute
 from ._sparse import GradSum, add_grad, has_user_hooks, has_user_post_hooks
@@ -1670,7 +1670,7 @@ def batched_forward(
     leaves, spec = flatten_output(out)
     for leaf in leaves:
         if not isinstance(leaf, Tensor):
-            raise TypeError(f"the stacked models returned a {type(leaf).__name__} leaf")
+            raise TypeError(f"the stacked models returned {a_kind_of(leaf)} leaf")
     if torch.is_grad_enabled() and model not in _NO_RECOMPUTE:
         # NOTE [ Checkpoints under vmap ]
         nodes = [leaf.grad_fn for leaf in leaves]

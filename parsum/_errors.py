@@ -10,3 +10,9 @@ class ParsumError(RuntimeError):
     (for a model: its index and type) and say what is allowed. When a model raised, the
     original exception is chained as ``__cause__``.
     """
+
+
+def a_kind_of(value: object) -> str:
+    """``value``'s type name with its article, for messages: "an int", "a Linear"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeio' else 'a'} {name}"

@@ -72,7 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from ._config import check_model_sequence
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._sparse import OwnPostHook
 
 _WHERE = "StepInBackward"
@@ -134,7 +134,7 @@ class StepInBackward:
         for i, model in enumerate(models):
             if not isinstance(model, nn.Module):
                 raise ParsumError(
-                    f"{_WHERE}: models[{i}] is a {type(model).__name__}; expected an nn.Module "
+                    f"{_WHERE}: models[{i}] is {a_kind_of(model)}; expected an nn.Module "
                     "(its parameters are what its optimizer steps)"
                 )
             if id(model) in self._index:
@@ -185,7 +185,7 @@ class StepInBackward:
                 ) from exc
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ParsumError(
-                    f"{_WHERE}: optimizer_cls returned a {type(optimizer).__name__}; expected "
+                    f"{_WHERE}: optimizer_cls returned {a_kind_of(optimizer)}; expected "
                     "a torch.optim.Optimizer"
                 )
             if _needs_closure(optimizer):

@@ -42,7 +42,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import UninitializedParameter
 
 from ._engines import model_kind
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._sparse import OwnPostHook, has_user_hooks, has_user_post_hooks
 from ._summation import compensated_add_
 
@@ -459,7 +459,7 @@ def _collect_params(items: Any) -> list[Tensor]:
             add(item, where or "the tensor")
         elif isinstance(item, (str, bytes)) or not isinstance(item, Iterable):
             raise ParsumError(
-                f"{_WHERE}: {where or 'params_or_modules'} is a {type(item).__name__} "
+                f"{_WHERE}: {where or 'params_or_modules'} is {a_kind_of(item)} "
                 f"({item!r:.60}); expected an nn.Module, a parameter, or an iterable of them"
             )
         else:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from . import _config
 from ._api import sum_models
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._fused import StepInBackward
 
 _WHERE = "SumOfModels"
@@ -75,7 +75,7 @@ class SumOfModels(nn.Module):
         for i, model in enumerate(found):
             if not isinstance(model, nn.Module):
                 raise ParsumError(
-                    f"{_WHERE}: models[{i}] is a {type(model).__name__}; expected an nn.Module "
+                    f"{_WHERE}: models[{i}] is {a_kind_of(model)}; expected an nn.Module "
                     "(members live in an nn.ModuleList); call parsum.sum_models for other "
                     "callables"
                 )

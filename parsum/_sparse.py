@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._summation import WIDE, CompensatedAccumulator
 
 _WHERE = "take_rows"
@@ -218,15 +218,15 @@ def _refuse(weight: object, index: object) -> NoReturn:
         what = (
             f"a tensor of shape {tuple(weight.shape)} and layout {weight.layout}"
             if isinstance(weight, Tensor)
-            else f"a {type(weight).__name__}"
+            else a_kind_of(weight)
         )
         raise ParsumError(
             f"{_WHERE}: weight is {what}; expected a dense tensor of at least one dimension"
         )
     if not isinstance(index, Tensor) or index.dtype not in _INDEX_DTYPES:
-        what = f"{index.dtype} tensor" if isinstance(index, Tensor) else type(index).__name__
+        what = f"a {index.dtype} tensor" if isinstance(index, Tensor) else a_kind_of(index)
         raise ParsumError(
-            f"{_WHERE}: index is a {what}; expected an int64 or int32 tensor of row numbers "
+            f"{_WHERE}: index is {what}; expected an int64 or int32 tensor of row numbers "
             "(for a boolean mask, take mask.nonzero().squeeze(1))"
         )
     if index.device != weight.device:

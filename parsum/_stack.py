@@ -126,7 +126,7 @@ from ._engines import (
     runs_as_program,
     stacked_tensors,
 )
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 from ._function import _engine_keeps_graph
 from ._fused import StepInBackward, step_stacked
 from ._grads import (
@@ -923,9 +923,7 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
     infos: list[ModelParams] = []
     for i, model in enumerate(models):
         if not isinstance(model, nn.Module):
-            raise ParsumError(
-                f"{_WHERE}: models[{i}] is a {type(model).__name__}; expected an nn.Module"
-            )
+            raise ParsumError(f"{_WHERE}: models[{i}] is {a_kind_of(model)}; expected an nn.Module")
         info = ModelParams.of(model)
         for t in (*info.modules, *info.tensors, *info.state):
             if isinstance(t, nn.Module) and not (t._parameters or t._buffers):

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _config, _pool
-from ._errors import ParsumError
+from ._errors import ParsumError, a_kind_of
 
 TensorList = list[Tensor] | tuple[Tensor, ...]
 
@@ -370,7 +370,7 @@ def compensated_sum(
     first = items[0]
     for i, t in enumerate(items):
         if not isinstance(t, Tensor):
-            raise ParsumError(f"{where}: tensors[{i}] is a {type(t).__name__}, not a Tensor")
+            raise ParsumError(f"{where}: tensors[{i}] is {a_kind_of(t)}, not a Tensor")
         if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
             raise ParsumError(
                 f"{where}: tensors[{i}] has shape {tuple(t.shape)}, dtype {t.dtype}, device "

@@ -50,7 +50,7 @@ class BoomBackward(nn.Module):
         ([], {}, "sum_models: models is empty"),
         (nn.Linear(IN, OUT), {}, "models is a single Linear; expected a sequence"),
         ("abc", {}, "models is a str"),
-        ([mlp([3]), 42], {}, r"models\[1\] is a int \(42\), which is not callable"),
+        ([mlp([3]), 42], {}, r"models\[1\] is an int \(42\), which is not callable"),
         ([mlp([3])] * 2, dict(weights=[1.0]), "weights has length 1; expected len.models. = 2"),
         ([mlp([3])] * 2, dict(weights=torch.ones(2, 1)), r"weights has shape \(2, 1\)"),
         ([mlp([3])] * 2, dict(weights=[1.0, "a"]), r"weights\[1\] is 'a' \(str\)"),

@@ -510,7 +510,7 @@ def test_a_compensated_flatgrad_is_written_by_parallel_sum():
     ("arg", "match"),
     [
         ("not a module", r"params_or_modules is a str"),
-        ([nn.Linear(2, 2), 3], r"params_or_modules\[1\] is a int \(3\)"),
+        ([nn.Linear(2, 2), 3], r"params_or_modules\[1\] is an int \(3\)"),
         ([nn.Linear(2, 2).weight * 2], r"params_or_modules\[0\] is a tensor computed"),
         ([nn.Linear(2, 2).requires_grad_(False)], "no trainable parameter"),
         ([], "no trainable parameter"),
