@@ -153,8 +153,11 @@ def train(trainers: dict[str, Trainer], data, args) -> dict[str, list[float]]:
         perm = torch.randperm(len(x_tr), generator=order)
         for t in turns:
             t.seconds = 0.0
-        bar = tqdm(
-            perm.split(args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}", leave=False
+        bar = tqdm(  # in a terminal; a log or pipe gets no progress lines (disable=None)
+            perm.split(args.batch_size),
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            leave=False,
+            disable=None,
         )
         for k, idx in enumerate(bar):
             for t in turns if k % 2 == 0 else turns[::-1]:
