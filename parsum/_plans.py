@@ -560,18 +560,18 @@ def keep_walk(
         # Each model looked through in a set before is clean in any (NOTE [ Tensors a module
         # does not own ] in _engines)
         walk.leaves_checked = all(part.leaves_checked for part in joined.parts)
-        modules = [module for mp in model_params for module in mp.modules]
+        modules: list[nn.Module] | None = None  # the record's, made where positions are asked
     else:
         seen: set[int] = set()
-        modules = []
+        distinct: list[nn.Module] = []
         for mp in model_params:
             for module in mp.modules:
                 if id(module) not in seen:
                     seen.add(id(module))
-                    modules.append(module)
-        if not walk._record_models(models, model_params, modules):
+                    distinct.append(module)
+        if not walk._record_models(models, model_params, distinct):
             return False
-    position = {id(module): k for k, module in enumerate(modules)}
+        modules = distinct
     candidates = None
     if joined is not None:  # NOTE [ Shared state of models planned one by one ]
         reach_of: dict[int, list[Any]] = {}
@@ -580,7 +580,11 @@ def keep_walk(
             for part, mp in zip(joined.parts, model_params)
         ]
     shared = shared_state(model_params, candidates)
-    walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
+    if shared.named:  # most sets share nothing
+        if modules is None:
+            modules = [module for mp in model_params for module in mp.modules]
+        position = {id(module): k for k, module in enumerate(modules)}
+        walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
     walk.shared_reached = shared.reached
     last = _plans.get(key)
     if last is not None and last.over(models) and last._training == walk._training:
