@@ -711,7 +711,7 @@ def _forward_in_order(model_params: list[ModelParams]) -> bool:
     may run at once: NOTE [ Shadow modules ].)"""
     owner: dict[int, int] = {}
     for i, mp in enumerate(model_params):
-        for held in estimate(mp, "held", functools.partial(_held_ids, mp)):
+        for held in estimate(mp, "held", _held_ids, mp):
             if owner.setdefault(held, i) != i:
                 return True
     return False

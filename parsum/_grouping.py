@@ -219,7 +219,6 @@ whether threads pay.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -406,10 +405,12 @@ def plan_units(
 def _layout(model: nn.Module, mp: ModelParams) -> Hashable:
     """A model's class and its parameters' shapes, kept by its findings: identical models
     share it (``plan_units``)."""
-    found = mp.estimated.get("layout")
-    if found is None:
-        found = estimate(mp, "layout", lambda: (type(model), tuple(p.shape for p in mp.tensors)))
-    return cast(Hashable, found)
+    return cast(Hashable, estimate(mp, "layout", _layout_now, model, mp))
+
+
+def _layout_now(model: nn.Module, mp: ModelParams) -> Hashable:
+    """``_layout``, found now."""
+    return type(model), tuple(p.shape for p in mp.tensors)
 
 
 def _batched(model: Any) -> bool:
@@ -440,7 +441,7 @@ def _small_enough(model: Any, mp: ModelParams, batch: Batch, budget: int | None)
         return _small_enough_now(model, mp, batch, budget)
     return cast(
         bool,
-        estimate(mp, ("small", batch, budget), lambda: _small_enough_now(model, mp, batch, budget)),
+        estimate(mp, ("small", batch, budget), _small_enough_now, model, mp, batch, budget),
     )
 
 
@@ -524,12 +525,7 @@ def _kernel_share(
         kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
     else:  # the rows of the trainable parameters alone, kept by the findings
         key = ("rows", batch)
-        kernels = 0
-        for mp in model_params:
-            rows = mp.estimated.get(key)
-            if rows is None:
-                rows = estimate(mp, key, functools.partial(_param_rows, mp, batch))
-            kernels += rows
+        kernels = sum(estimate(mp, key, _param_rows, mp, batch) for mp in model_params)
     overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
     return kernels / overhead if overhead else math.inf
 
@@ -648,30 +644,30 @@ def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
     return chunks
 
 
-def estimate(mp: ModelParams, key: Hashable, make: Callable[[], Any]) -> Any:
-    """``make()``, kept by the model's findings under ``key`` (at most MAX_ESTIMATES: batch
-    shapes may vary call by call). Findings live as long as the walk that made them, which
-    sets planned from their models' own walks reuse (NOTE [ Structure keys kept by models'
-    own walks ] in _plans)."""
+def estimate(mp: ModelParams, key: Hashable, make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)``, kept by the model's findings under ``key`` (at most MAX_ESTIMATES:
+    batch shapes may vary call by call). Findings live as long as the walk that made them,
+    which sets planned from their models' own walks reuse (NOTE [ Structure keys kept by
+    models' own walks ] in _plans). The arguments, not a closure over them: planning asks for
+    each estimate several times a model and call, where making one each time cost more than
+    the lookup."""
     found = mp.estimated.get(key)
     if found is None:
         if len(mp.estimated) >= MAX_ESTIMATES:
             mp.estimated.clear()
-        found = mp.estimated[key] = make()
+        found = mp.estimated[key] = make(*args)
     return found
 
 
 def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     """A model's cost in parameter-rows, from shapes alone (NOTE [ Chunks ])."""
-    found = mp.estimated.get(batch)  # kept: planning asks for it several times a model
-    if found is not None:
-        return cast(int, found)
+    return cast(int, estimate(mp, batch, _cost_now, mp, batch))
 
-    def cost() -> int:
-        tensors = [*mp.tensors, *mp.state]
-        return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
 
-    return cast(int, estimate(mp, batch, cost))
+def _cost_now(mp: ModelParams, batch: Batch) -> int:
+    """``estimated_cost``, found now."""
+    tensors = [*mp.tensors, *mp.state]
+    return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
 
 
 def chunks_of(
