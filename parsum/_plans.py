@@ -553,6 +553,7 @@ def keep_walk(
         return False
     if joined is None and _seen_in_kept_walks(models):
         joined = _walked_one_by_one(models, model_params)
+    candidates = None  # each model's, where its own walk keeps them
     if joined is not None:
         walk._take_record(joined)
         walk.programs, walk.model_modes = joined.programs, joined.model_modes
@@ -560,30 +561,25 @@ def keep_walk(
         # Each model looked through in a set before is clean in any (NOTE [ Tensors a module
         # does not own ] in _engines)
         walk.leaves_checked = all(part.leaves_checked for part in joined.parts)
-        modules: list[nn.Module] | None = None  # the record's, made where positions are asked
-    else:
-        seen: set[int] = set()
-        distinct: list[nn.Module] = []
-        for mp in model_params:
-            for module in mp.modules:
-                if id(module) not in seen:
-                    seen.add(id(module))
-                    distinct.append(module)
-        if not walk._record_models(models, model_params, distinct):
-            return False
-        modules = distinct
-    candidates = None
-    if joined is not None:  # NOTE [ Shared state of models planned one by one ]
-        reach_of: dict[int, list[Any]] = {}
+        reach_of: dict[int, list[Any]] = {}  # NOTE [ Shared state of models planned one by one ]
         candidates = [
             part.own_candidates(mp.modules, reach_of)
             for part, mp in zip(joined.parts, model_params)
         ]
+    else:
+        seen: set[int] = set()
+        modules = []
+        for mp in model_params:
+            for module in mp.modules:
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    modules.append(module)
+        if not walk._record_models(models, model_params, modules):
+            return False
     shared = shared_state(model_params, candidates)
     if shared.named:  # most sets share nothing
-        if modules is None:
-            modules = [module for mp in model_params for module in mp.modules]
-        position = {id(module): k for k, module in enumerate(modules)}
+        # by position among the record's modules, alive in this call
+        position = {id(ref()): k for k, ref in enumerate(walk._module_refs)}
         walk.shared_state = [(position[id(m)], key) for m, key in shared.named]
     walk.shared_reached = shared.reached
     last = _plans.get(key)
