@@ -278,7 +278,7 @@ class Members:
     ) -> None:
         self.all = list(models if everyone is None else everyone)  # ``models`` may be drawn
         self.drawn = models
-        self.k = max(1, round(share * len(models)))
+        self.k = max(1, round(share * len(self.all)))
         self.rng = random.Random(0)
 
     def around(self, step: Callable[[], None]) -> Callable[[], None]:
