@@ -275,6 +275,11 @@ def sum_in_callers_graph(
         aliases=aliases,
     )
     edges = [model_edges or [] for model_edges in roots]
+    if not weight_needs_grad and not any(edges):
+        # No model's output needs a gradient (frozen, or reading the arguments through
+        # indices only): nor does the sum, as in the plain loop, where a node over the
+        # arguments would make it need one, and backward() run without error.
+        return result.leaves
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     state.made_in_forward = result.made_in_forward

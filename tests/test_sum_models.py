@@ -355,6 +355,38 @@ def test_only_parameters_need_grad():
     assert_same_grads(models, ref_models, **TOL[torch.float32])
 
 
+class _ReadsIndices(nn.Module):
+    """A frozen table looked up at indices made from the argument: no gradient reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, OUT).requires_grad_(False)
+
+    def forward(self, x):
+        return self.table((x.abs() * 3).long().clamp(max=9)).sum(1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "autograd", "stacked"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_sum_of_outputs_that_need_no_gradient_needs_none_as_in_the_plain_loop(engine, n_jobs):
+    # An argument that needs a gradient, read by no model differentiably: the plain loop's sum
+    # needs no gradient (its backward raises), and a weight that needs one is all it has.
+    models = [_ReadsIndices() for _ in range(3)]
+    x = torch.randn(4, IN, requires_grad=True)
+    want = sum(m(x) for m in models)
+    y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
+    assert not want.requires_grad and not y.requires_grad
+    torch.testing.assert_close(y, want)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.sum().backward()
+    w = torch.tensor([0.5, 2.0, -1.0], requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    parsum.sum_models(models, x, weights=w, engine=engine, n_jobs=n_jobs).sum().backward()
+    sum(w_ref[i] * m(x) for i, m in enumerate(models)).sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    assert x.grad is None
+
+
 def test_plain_callables_and_non_module_models():
     w = torch.randn(IN, OUT, dtype=torch.float64)
     fns = [lambda x: x @ w, lambda x: torch.sin(x) @ w, lambda x: (x**2) @ w]
