@@ -3,9 +3,10 @@ identical, so that they stack, also in ``stack_`` storage; repeated; tied; with 
 dropout, composite parameters, an EmbeddingBag), weights, argument gradients, gradients
 already there, FlatGrads, terms of the loss outside the sum, ``autograd.grad``, retained
 graphs, steps in the backward, models changed between calls, models that keep state in
-forward, and models that fail in forward or backward. Every call's outputs and gradients, and
-the state kept, must be the plain loop's (within rounding), the same bits for every n_jobs and
-beside calls in other threads, and a failed call must change nothing.
+forward, models that fail in forward or backward, and members drawn at random each step.
+Every call's outputs and gradients, and the state kept, must be the plain loop's (within
+rounding), the same bits for every n_jobs and beside calls in other threads, and a failed call
+must change nothing.
 ``python -m tests.test_differential FIRST COUNT [BUDGET]`` plays more cases than the suite (on a
 thread budget of 3, or BUDGET)."""
 
@@ -43,7 +44,7 @@ from tests.zoo import (
 pytestmark = pytest.mark.timeout(300)
 
 N_JOBS = (1, 2, 3, None)
-# What changes between the first and second calls (Case._change).
+# What changes between two calls (Case._change, before Case.change_step).
 CHANGES = (
     "none",
     "none",
@@ -364,6 +365,10 @@ class Case:
     # The models passed as bound methods (m.forward, new objects every call), to parsum and
     # the plain loop alike: their plans are reused as the modules' are (NOTE [ Reused plans ]).
     methods: bool = False
+    # Each step sums models drawn at random from ``models`` (some left out, some in another
+    # order), as a user sampling ensemble members per batch does: sets planned from the
+    # models' own walks (NOTE [ Shared state of models planned one by one ] in parsum._plans).
+    members: bool = False
 
     @classmethod
     def make(cls, seed: int) -> Case:
@@ -470,7 +475,34 @@ class Case:
                 case.models.append(made.to(case.dtype))
                 case.kinds.append(kind)
                 case.weight_values.append(rng.uniform(-1, 2))
+        if not case.module and rng.random() < 0.25:
+            case.members = True
+            case.steps = max(case.steps, 4)
         return case
+
+    @property
+    def change_step(self) -> int:
+        """The step before which ``change`` is made: the second, or with members drawn the
+        third, when the models drawn have walks of their own (made for the second step's
+        set, a new one), which a new set of them is joined from."""
+        return 2 if self.members else 1
+
+    def drawn(self, step: int) -> list[int] | None:
+        """The positions of the models step ``step`` sums (None: all of them, in order), the
+        same in every run; the failing step holds the failing model, and every step one whose
+        output needs a gradient."""
+        if not self.members:
+            return None
+        rng = random.Random(self.seed * 7919 + step)
+        n = len(self.models)
+        positions = rng.sample(range(n), rng.randint(1, n))
+        if step == self.failing_step and self.failing_model not in positions:
+            positions.append(self.failing_model)  # type: ignore[arg-type]
+        if all(_constant(self.models[k]) for k in positions):  # as _models: one to differentiate
+            positions.append(next(k for k, m in enumerate(self.models) if not _constant(m)))
+        if rng.random() < 0.5:
+            positions.sort()
+        return positions
 
     def _models(self) -> list[nn.Module]:
         rng = self.rng
@@ -487,8 +519,8 @@ class Case:
             )
             self.kinds.append(maker.add(kind))
         models = maker.models
-        if all(kind == "constant" for kind in self.kinds):  # else nothing to differentiate:
-            models.append(mlp([8]))  # the plain loop's loss needs no gradient, parsum's does
+        if all(map(_constant, models)):  # else nothing to differentiate (and under "vjp"
+            models.append(mlp([8]))  # the plain loop's loss needs no gradient, parsum's does)
             self.kinds.append("mlp")
         return models
 
@@ -522,6 +554,7 @@ class Case:
             and not self.draws
             and self.how != "autograd.grad"
             and not {"stateful", "logs", "counts in buffer"} & set(self.kinds)  # kept state
+            and not self.members
         )
 
     @property
@@ -586,9 +619,9 @@ class Case:
         record: list[Any] = []
         for step in range(self.steps):
             x = self._argument(leaf)  # made in each step, as a batch is
-            if step >= 1 and self.change == "batch":
+            if step >= self.change_step and self.change == "batch":
                 x = x[:3]
-            if step == 1:
+            if step == self.change_step:
                 self._change(models, first)
                 params = unique_params(models)
             failing = step == self.failing_step
@@ -601,16 +634,28 @@ class Case:
             # Bound methods are made anew for every call, as a user's list comprehension does
             # (a compiled module's forward is a function of its own: the module itself).
             calls = [_bound_forward(m) for m in models] if self.methods else models
+            summed = weights
+            positions = self.drawn(step)
+            if positions is not None:
+                calls = [calls[k] for k in positions]
+                if isinstance(weights, list):
+                    summed = [weights[k] for k in positions]
+                elif isinstance(weights, Tensor):
+                    summed = weights[positions]
             if failing and not plain:
-                self._fail(models, calls, x, weights, n_jobs, sib)
+                failing_at = self.failing_model
+                if positions is not None:
+                    failing_at = positions.index(failing_at)  # type: ignore[arg-type]
+                drawn = models if positions is None else [models[k] for k in positions]
+                self._fail(models, drawn, calls, x, summed, n_jobs, sib, failing_at)
                 continue
             if plain:
                 if failing:  # as if the step never ran, or its forward only
                     if self.failing_in == "backward":
-                        plain_sum(calls, x, weights=weights, **call)
+                        plain_sum(calls, x, weights=summed, **call)
                     continue
                 with self._no_grad(), self._autocast():
-                    y = plain_sum(calls, x, weights=weights, **call)
+                    y = plain_sum(calls, x, weights=summed, **call)
             else:
                 kwargs = {} if sib is None else {"step_in_backward": sib}
                 if self.chunk_size is not None:
@@ -620,7 +665,7 @@ class Case:
                     summing = _as_module(models, weights, kwargs)
                 with self._no_grad(), self._autocast():
                     y = summing(
-                        calls, x, weights=weights, n_jobs=n_jobs, engine=self.engine, **call,
+                        calls, x, weights=summed, n_jobs=n_jobs, engine=self.engine, **call,
                         **kwargs,
                     )  # fmt: skip
             record.extend(t.detach().clone() for t in pytree.tree_leaves(y))
@@ -704,7 +749,7 @@ class Case:
         return wanted
 
     def _change(self, models: list[nn.Module], first: nn.Module | None) -> None:
-        """The change between the first and second calls, alike in every run: to model 0
+        """The change between two calls (before ``change_step``), alike in every run: to model 0
         (``first``; None where this rank does not hold it), or to every model."""
         if self.change == "train":
             for m in models:
@@ -729,14 +774,16 @@ class Case:
             if p.requires_grad:
                 p.register_hook(_double)
 
-    def _fail(self, models, calls, x, weights, n_jobs, sib) -> None:
-        """A call with a failing model (``calls``: the models or their bound methods):
-        ParsumError, and nothing changed."""
-        params = unique_params(models)
+    def _fail(self, models, drawn, calls, x, weights, n_jobs, sib, failing_at) -> None:
+        """A call of the ``drawn`` models with a failing one at position ``failing_at`` of
+        ``calls`` (those models or their bound methods): ParsumError, and nothing of
+        ``models`` changed (the loss's terms outside the sum on ``drawn`` models' parameters
+        alone: a plain backward would accumulate the others' before the failure)."""
+        params = unique_params(drawn)
         state = _state(models)
         kwargs = {} if sib is None else {"step_in_backward": sib}
-        kind = "Failing.forward" if inspect.ismethod(calls[self.failing_model]) else "Failing"
-        named = rf"model {self.failing_model} \({kind}\) raised RuntimeError in {self.failing_in}"
+        kind = "Failing.forward" if inspect.ismethod(calls[failing_at]) else "Failing"
+        named = rf"model {failing_at} \({kind}\) raised RuntimeError in {self.failing_in}"
         scale = torch.tensor(0.5, dtype=self.dtype).requires_grad_(self.scale_needs_grad)
         call = {"scale": scale} if self.scale else {}
         with pytest.raises(parsum.ParsumError, match=named):
@@ -745,13 +792,13 @@ class Case:
             )
             if self.failing_in == "backward":
                 state = _state(models)  # the forward's statistics stay, as in the plain loop
-            loss = self._loss(y, params, x=x)
+            loss = self._loss(y, params, unique_params(models), x=x)
             if self.how == "autograd.grad":
                 torch.autograd.grad(loss, self._wanted(params, x, weights), allow_unused=True)
             else:
                 loss.backward()
         after = _state(models)
-        for what in state:
+        for what in state:  # every model's
             _compare(after[what], state[what], f"failed call changed {what}", exact=True)
 
 
