@@ -5,9 +5,10 @@ same random events between steps: layers frozen and unfrozen on every model, sta
 ``.data`` swapped, gradients kept, set by hand, clipped or scaled, micro-batches, and copies of
 the whole training state (``copy.deepcopy`` of the models with their stack, FlatGrad,
 optimizer or StepInBackward). After every step the gradients and the parameters must be the
-plain twins' (within rounding). Three kinds: stacked models (``stack_``, with or without
+plain twins' (within rounding). Four kinds: stacked models (``stack_``, with or without
 ``FlatGrad(stack)``, an optimizer over ``stack.parameters()`` or over the models), a FlatGrad
-over models of several architectures, and ``StepInBackward`` over stacked or unstacked models.
+over models of several architectures, ``StepInBackward`` over stacked or unstacked models, and
+members drawn at random each step from models of several widths.
 ``python -m tests.test_lifecycles FIRST COUNT`` plays more than the suite.
 """
 
@@ -248,10 +249,63 @@ def check_step_in_backward(seed: int) -> None:
         assert all(p.grad is None for m in models for p in m.parameters())
 
 
+def check_members(seed: int) -> None:
+    """Members drawn at random each step (some left out, some reordered) from models of
+    several widths, those of one width in ``stack_`` storage or a FlatGrad over all, with one
+    optimizer over every model, through freezes, reloads, swaps, gradients kept and copies:
+    every step the plain loop's over the same members (sets planned from the models' own
+    walks, NOTE [ Models planned one by one ] in parsum._plans)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    widths = [8] * rng.choice([2, 3]) + [rng.choice([5, 12]) for _ in range(rng.choice([2, 4]))]
+    base = [_mlp(w) for w in widths]  # the first of width 8, which "data" swaps
+    plain, models = copy.deepcopy(base), copy.deepcopy(base)
+    stacked = rng.random() < 0.4
+    if stacked:
+        parsum.stack_([m for m, w in zip(models, widths) if w == 8])
+    flat = None if stacked or rng.random() < 0.6 else parsum.FlatGrad(models)
+    if flat is not None:
+        for m in plain:  # a FlatGrad's .grad are never None
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p)
+    cls, kw = rng.choice(OPTIMIZERS)
+    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
+    opt = cls([p for m in models for p in m.parameters()], **kw)
+    n_jobs = rng.choice([1, 2, None])
+    frozen: set[str] = set()
+    log = [f"widths {widths}, stacked {stacked}, FlatGrad {flat is not None}, {cls.__name__}"]
+    log.append(f"n_jobs {n_jobs}")
+    for step in range(8):
+        event = rng.choice(["none", "freeze", "unfreeze", "load", "data", "keep", "copy"])
+        _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
+        _reload_or_swap(event, plain, models)
+        if event == "copy":
+            models, opt, flat = copy.deepcopy((models, opt, flat))
+        if event != "keep":
+            plain_opt.zero_grad(set_to_none=flat is None)
+            if flat is not None:
+                flat.zero_()
+            else:
+                opt.zero_grad()
+        positions = rng.sample(range(len(models)), rng.randint(1, len(models)))
+        if rng.random() < 0.5:
+            positions.sort()
+        log.append(f"{event} {positions}")
+        x = torch.randn(5, 6, dtype=DTYPE)
+        parsum.sum_models([models[k] for k in positions], x, n_jobs=n_jobs).pow(2).mean().backward()
+        sum(plain[k](x) for k in positions).pow(2).mean().backward()
+        found = _differences(plain, models, step, flat is not None, grads=True)
+        plain_opt.step()
+        opt.step()
+        found = found or _differences(plain, models, step, flat is not None, grads=False)
+        assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+
+
 CHECKS: dict[str, Callable[[int], None]] = {
     "stacked": check_stacked,
     "flat": check_flat,
     "step_in_backward": check_step_in_backward,
+    "members": check_members,
 }
 
 
