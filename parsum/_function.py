@@ -1398,6 +1398,10 @@ class ParallelSum(torch.autograd.Function):
         call = plan.call.with_tensors(arg_tensors, ctx.needs_input_grad[1 : 1 + n_args])
         weight_needs_grad = plan.has_weight_tensor and ctx.needs_input_grad[1 + n_args]
         result = run_forward(plan, call, weight_tensor, True, keep_outputs=weight_needs_grad)
+        if not weight_needs_grad and not any(map(_differentiable, result.pullbacks)):
+            # As in the plain loop, and in the caller's graph: a sum of outputs that need no
+            # gradient needs none, though an argument does.
+            ctx.mark_non_differentiable(*result.leaves)
         ctx.plan = plan
         ctx.before_backward = None
         ctx.call = call
@@ -1424,6 +1428,16 @@ class ParallelSum(torch.autograd.Function):
             if isinstance(exc, ParsumError) or not any(map(under_vmap, grad_outputs)):
                 raise
             raise ParsumError(_UNDER_VMAP) from exc
+
+
+def _differentiable(pullback: UnitPullback | None) -> bool:
+    """Whether a unit's output may need a gradient: known for a model of engine "autograd"
+    (its outputs' gradient edges), assumed for one under ``torch.func``."""
+    if pullback is None:
+        return False
+    if isinstance(pullback, SinglePullback) and isinstance(pullback.inner, GraphPullback):
+        return any(edge is not None for edge in pullback.inner.roots)
+    return True
 
 
 # NOTE [ Large models pulled back alone ]

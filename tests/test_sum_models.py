@@ -366,12 +366,16 @@ class _ReadsIndices(nn.Module):
         return self.table((x.abs() * 3).long().clamp(max=9)).sum(1)
 
 
-@pytest.mark.parametrize("engine", ["auto", "autograd", "stacked"])
+@pytest.mark.parametrize("engine", ["auto", "autograd", "stacked", "functions"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_a_sum_of_outputs_that_need_no_gradient_needs_none_as_in_the_plain_loop(engine, n_jobs):
     # An argument that needs a gradient, read by no model differentiably: the plain loop's sum
     # needs no gradient (its backward raises), and a weight that needs one is all it has.
-    models = [_ReadsIndices() for _ in range(3)]
+    # Modules run in the caller's graph, plain functions through ParallelSum.
+    models: list = [_ReadsIndices() for _ in range(3)]
+    if engine == "functions":
+        engine = "auto"
+        models = [lambda x, m=m: m(x) for m in models]
     x = torch.randn(4, IN, requires_grad=True)
     want = sum(m(x) for m in models)
     y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
