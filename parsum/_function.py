@@ -1398,9 +1398,15 @@ class ParallelSum(torch.autograd.Function):
         call = plan.call.with_tensors(arg_tensors, ctx.needs_input_grad[1 : 1 + n_args])
         weight_needs_grad = plan.has_weight_tensor and ctx.needs_input_grad[1 + n_args]
         result = run_forward(plan, call, weight_tensor, True, keep_outputs=weight_needs_grad)
-        if not weight_needs_grad and not any(map(_differentiable, result.pullbacks)):
+        if (
+            not weight_needs_grad
+            and _announcer.hook is None
+            and not any(map(_differentiable, result.pullbacks))
+        ):
             # As in the plain loop, and in the caller's graph: a sum of outputs that need no
-            # gradient needs none, though an argument does.
+            # gradient needs none, though an argument does. Not a rank's part of a
+            # parsum.distributed sum, whose backward every rank runs, to exchange the
+            # argument's gradient (NOTE [ Cross-rank sum ] in distributed).
             ctx.mark_non_differentiable(*result.leaves)
         ctx.plan = plan
         ctx.before_backward = None

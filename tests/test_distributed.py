@@ -113,6 +113,16 @@ def _agrees_with_one_process(rank: int) -> None:
         pair = parsum.distributed.sum_models([lambda t: {"a": t, "b": 2 * t}] * (rank + 1), x)
     torch.testing.assert_close(pair["b"], 2 * pair["a"])
     torch.testing.assert_close(pair["a"], 3 * x.detach())
+    # Rank 1's part needs no gradient (its model reads x through indices only): the sum over
+    # ranks does, and every rank runs the backward that exchanges x's gradient.
+    table = torch.randn(10, OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    part = [lambda t: table[(t.abs() * 3).long().clamp(max=9)].sum(1)] if rank else mine
+    x.grad = None
+    (parsum.distributed.sum_models(part, x) ** 2).sum().backward()
+    x_ref.grad = None
+    lookup = table[(x_ref.abs() * 3).long().clamp(max=9)].sum(1)
+    (sum(m(x_ref) for m in clone_models(models[::WORLD])) + lookup).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
 
 
 def _second_backward(rank: int) -> None:
