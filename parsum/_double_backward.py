@@ -124,9 +124,6 @@ class Derivatives:
         self.edges = self.aliases = self.source = None
         self.earlier, self.leaves, self.found, self.alias_found = [], [], [], []
 
-    def alias_list(self) -> list[Tensor]:
-        return [a for mine in self.aliases or () for a in mine]
-
     def n_args(self) -> int:
         return len(self.aliases[0]) if self.aliases else 0
 

@@ -1086,11 +1086,6 @@ def _apart_from(cotangents: Sequence[Tensor], grads: list[Tensor | None]) -> lis
     ]
 
 
-ENGINE_FORWARDS: dict[str, Callable[..., tuple[Any, Pullback]]] = {
-    "autograd": autograd_forward,
-    "vjp": vjp_forward,
-}
-
 Weight = float | Tensor | None
 
 # A unit's pullback takes the cotangents of the sum's output leaves, the weight of each of its

@@ -295,7 +295,6 @@ class Stack(Sequence[nn.Module]):
         # optimizer zeroes the stacked .grad, is zeroed in place (a FlatGrad's .grad is never
         # None); found then, it is the FlatGrad's of that time (a copy's, made after the stack).
         self._frozen_given: set[str] = set()
-        self._state: list[str] = []
         self._params: dict[str, list[Tensor]] = {}
         self._tensors: list[Tensor] = []
 
@@ -426,7 +425,6 @@ class Stack(Sequence[nn.Module]):
                 s.data = values[name][k]
         self.values = values
         self._trainable = list(first.names)
-        self._state = list(first.state_names)
         self._params = {
             name: [info.tensors[t] for info in infos] for t, name in enumerate(first.names)
         }
