@@ -33,6 +33,8 @@ from common import Members, interleaved, parsum_step, plain_step, synchronized, 
 
 from parsum import _inline
 
+PROFILED_STEPS = 20
+
 
 def captured(step):
     """``step`` with the caller's-graph backward capturing gradients (NOTE [ Accumulating in
@@ -93,19 +95,22 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":  # with the launches (cudaLaunchKernel) among the host's rows
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # At most PROFILED_STEPS under torch.profiler, which keeps every operator's event: 300
+    # steps of 64 tiny models held 9-13 GB while key_averages ran for minutes.
+    steps = min(args.steps, PROFILED_STEPS)
     for name in ("plain", "parsum 1", "parsum 1 captured"):
         with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(args.steps):
+            for _ in range(steps):
                 methods[name]()
         events = prof.key_averages()
-        print(f"\ntorch.profiler, {name}, per step:")
+        print(f"\ntorch.profiler, {name}, per step ({steps} steps):")
         rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
         for e in rows:
             print(
-                f"{e.key:>40} {e.count / args.steps:6.1f} calls "
-                f"{e.self_cpu_time_total / args.steps / 1e3:8.3f} ms own"
+                f"{e.key:>40} {e.count / steps:6.1f} calls "
+                f"{e.self_cpu_time_total / steps / 1e3:8.3f} ms own"
             )
-        total = sum(e.self_cpu_time_total for e in events) / args.steps / 1e3
+        total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
         print(f"{'all operators':>40} {total:8.3f} ms own")
 
 
