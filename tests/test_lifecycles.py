@@ -92,6 +92,21 @@ def _differences(plain: list, models: list, step: int, flat: bool, grads: bool) 
     return None
 
 
+def _zero_grads(plain: list) -> None:
+    """Zero ``.grad`` on the plain twins of models under a FlatGrad, whose are never None."""
+    for m in plain:
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+
+
+def _optimizers(rng: random.Random, plain: list, models: list) -> tuple:
+    """An optimizer of OPTIMIZERS drawn from ``rng``: its class, its keywords, and one over
+    the plain twins' parameters and one over the models'."""
+    cls, kw = rng.choice(OPTIMIZERS)
+    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
+    return cls, kw, plain_opt, cls([p for m in models for p in m.parameters()], **kw)
+
+
 def check_stacked(seed: int) -> None:
     """Stacked models, with or without ``FlatGrad(stack)``, an optimizer over the stack or over
     the models, through freezes, reloads, swaps, gradients kept, set by hand, clipped or scaled,
@@ -164,12 +179,8 @@ def check_flat(seed: int) -> None:
     base = [_mlp() for _ in range(3)] + [_mlp(5), nn.Linear(6, 3).to(DTYPE)]
     plain, models = copy.deepcopy(base), copy.deepcopy(base)
     flat = parsum.FlatGrad(models, compensated=rng.random() < 0.5)
-    for m in plain:  # a FlatGrad's .grad are never None
-        for p in m.parameters():
-            p.grad = torch.zeros_like(p)
-    cls, kw = rng.choice(OPTIMIZERS)
-    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
-    opt = cls([p for m in models for p in m.parameters()], **kw)
+    _zero_grads(plain)
+    cls, kw, plain_opt, opt = _optimizers(rng, plain, models)
     n_jobs = rng.choice([1, 2, None])
     frozen: set[str] = set()
     log = [f"compensated {flat.compensated}, {cls.__name__}, n_jobs {n_jobs}"]
@@ -265,12 +276,8 @@ def check_members(seed: int) -> None:
         parsum.stack_([m for m, w in zip(models, widths) if w == 8])
     flat = None if stacked or rng.random() < 0.6 else parsum.FlatGrad(models)
     if flat is not None:
-        for m in plain:  # a FlatGrad's .grad are never None
-            for p in m.parameters():
-                p.grad = torch.zeros_like(p)
-    cls, kw = rng.choice(OPTIMIZERS)
-    plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
-    opt = cls([p for m in models for p in m.parameters()], **kw)
+        _zero_grads(plain)
+    cls, _, plain_opt, opt = _optimizers(rng, plain, models)
     n_jobs = rng.choice([1, 2, None])
     frozen: set[str] = set()
     log = [f"widths {widths}, stacked {stacked}, FlatGrad {flat is not None}, {cls.__name__}"]
