@@ -130,7 +130,8 @@ def sum_models(
             A bound method of a module (``m.encode``) or a ``functools.partial`` trains that
             module's parameters and the tensors it holds; another callable is differentiated
             with respect to its arguments only. A model whose graph reaches a tensor that needs
-            a gradient and that it neither holds nor was passed raises.
+            a gradient and that it neither holds nor was passed raises (a leaf it makes from an
+            argument's data, ``x.detach().requires_grad_()``, is its own).
         *args: passed to every model. Tensors among them, also nested in tuples, lists and
             dicts, get gradients.
         weights: optional sequence of floats (a 1-D numpy array too) or of 0-dim tensors, or

@@ -977,6 +977,17 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
 # returned for it and goes on from there to the tensors it was computed from. The first version
 # of this check looked through it and refused every such call (a regression, found by trying a
 # MAML step, which had worked).
+#
+# NOTE [ Leaves made from the arguments ]
+# A model may differentiate with respect to a leaf its forward makes from an argument's data:
+# an energy model trained on its forces, ``x = x.detach().requires_grad_()`` and then
+# ``-autograd.grad(energy(x).sum(), x, create_graph=True)``, as force fields do with positions.
+# Its output's graph reaches that leaf, which the check refused, where the plain loop trains
+# such models (found by trying one). A leaf that shares an argument's storage was made in the
+# call from that argument: it is the model's own. Nothing outside the call holds it (a model
+# that keeps it makes it an attribute, its own anyway); its gradient, which nothing reads, is
+# the plain loop's in the caller's graph and not computed through ParallelSum. A leaf made from
+# new data (``x.clone().requires_grad_()``) cannot be told from a global one, and is refused.
 
 
 class ForeignLeaves(ParsumError):
@@ -1013,7 +1024,8 @@ def check_own_leaves(
     # and parameters the forward made (NOTE [ Parameters made in forward ] in _function).
     made = ModelParams.of(model).tensors
     arguments = {id(t) for t in [*call.leaves, *INTERNAL_LEAVES, *made] if isinstance(t, Tensor)}
-    found = [t for t in found if id(t) not in arguments]
+    data = _storages([t for t in call.leaves if isinstance(t, Tensor)])
+    found = [t for t in found if id(t) not in arguments and not _storages([t]) & data]
     if found:
         shapes = ", ".join(str(tuple(t.shape)) for t in found[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
@@ -1023,8 +1035,24 @@ def check_own_leaves(
             "global or a plain object, or the parameters of a module kept in a Python list "
             "instead of an nn.ModuleList; parsum would give them no gradient: register them "
             "in the module (nn.Parameter, nn.ModuleList, nn.ParameterList) or pass them as "
-            "arguments"
+            "arguments (a leaf the forward makes to differentiate with respect to is its own "
+            "where it shares an argument's data: x.detach().requires_grad_())"
         )
+
+
+def _storages(tensors: Sequence[Tensor]) -> set[int]:
+    """Where the tensors' data lie (their storages' addresses; none for tensors without
+    data): a leaf the forward made from an argument's data shares it (NOTE [ Leaves made from
+    the arguments ])."""
+    found = set()
+    for t in tensors:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage: sparse, nested, a wrapper
+            continue
+        if ptr:
+            found.add(ptr)
+    return found
 
 
 def vjp_forward(

@@ -646,6 +646,51 @@ def test_parameters_computed_from_others_are_the_modules_own(identical, n_jobs, 
         torch.testing.assert_close(a, b)
 
 
+class _Forces(nn.Module):
+    """An energy model trained on its forces, -dE/dx, taken with respect to a leaf the forward
+    makes from its argument's data (as force fields do with positions)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.energy = nn.Sequential(nn.Linear(IN, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, x):
+        x = x.detach().requires_grad_()  # not kept: an attribute would be the module's own
+        (grad,) = torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)
+        return -grad
+
+
+@pytest.mark.parametrize("path", ["default", "x needs grad", "shared"])
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_a_leaf_made_from_an_argument_is_the_models_own(n_jobs, path):
+    # NOTE [ Leaves made from the arguments ] in _engines: the check for tensors a module
+    # does not own refused such a model, whose graph reaches a leaf made in its forward, where
+    # the plain loop trains it.
+    torch.manual_seed(0)
+    models = [_Forces(4 + 2 * i).double() for i in range(3)]
+    if path == "shared":  # a module twice: ParallelSum
+        models.append(models[0])
+    theirs = clone_models(models)
+    x = torch.randn(5, IN, dtype=torch.float64, requires_grad=path == "x needs grad")
+    weights = torch.tensor([0.5, 1.0, 1.5, 2.0][: len(models)], dtype=torch.float64)
+    w_ours, w_plain = weights.clone().requires_grad_(), weights.clone().requires_grad_()
+    y = parsum.sum_models(models, x, weights=w_ours, n_jobs=n_jobs)
+    want = plain_sum(theirs, x, weights=w_plain)
+    torch.testing.assert_close(y, want)
+    y.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(theirs)):
+        assert (a is None) == (b is None)  # the last bias: no force depends on it
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    torch.testing.assert_close(w_ours.grad, w_plain.grad)
+    assert x.grad is None  # the models differentiate their own leaves, not x
+    w = weights.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda w: parsum.sum_models(models, x.detach(), weights=w, n_jobs=n_jobs), (w,)
+    )
+
+
 def test_a_module_is_looked_through_once(monkeypatch):
     from parsum import _engines
 
