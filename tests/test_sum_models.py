@@ -6,6 +6,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 import parsum
@@ -848,3 +849,140 @@ def test_cuda_models_with_cpu_weights(engine):
     assert w.grad.device.type == "cpu"
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-5)
     assert_same_grads(models, ref, rtol=1e-4, atol=1e-5)
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, heads, batch_first=True)
+        self.head = nn.Linear(4, OUT)
+
+    def forward(self, x):
+        seq = torch.stack([x[:, :4], x[:, -4:]], 1)  # two tokens of 4 features
+        return self.head(self.attention(seq, seq, seq)[0].mean(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.gru = nn.GRU(2, width, batch_first=True)
+        self.head = nn.Linear(width, OUT)
+
+    def forward(self, x):
+        return self.head(self.gru(x.view(len(x), -1, 2))[0][:, -1])
+
+
+class _SparseRows(nn.Module):
+    """Rows of a table with sparse gradients, picked by the argument's signs."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.table = nn.Embedding(2 * IN, width, sparse=True)
+        self.head = nn.Linear(width, OUT)
+
+    def forward(self, x):
+        ids = (x > 0).long() * IN + torch.arange(IN)
+        return self.head(self.table(ids).mean(1))
+
+
+class _PerSample(nn.Module):
+    """A forward that runs per sample through torch.vmap, and takes its input gradient with
+    torch.func (as physics-informed networks do)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(IN, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, x):
+        params = dict(self.net.named_parameters())
+
+        def u(p, row):
+            return torch.func.functional_call(self.net, p, (row,)).squeeze()
+
+        du = torch.vmap(torch.func.grad(u, argnums=1), in_dims=(None, 0))(params, x)
+        return torch.cat([torch.vmap(lambda row: self.net(row))(x), du[:, : OUT - 1]], 1)
+
+
+class _Clamp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+
+class _Hooked(nn.Module):
+    """A hook on an activation (a scaled gradient reversal) and a custom autograd Function."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, width), nn.Linear(width, OUT)
+
+    def forward(self, x):
+        h = _Clamp.apply(self.a(x))
+        h.register_hook(lambda g: -0.5 * g)
+        return self.b(h)
+
+
+def _reparametrized(kind, i):
+    m = mlp([3 + i])
+    if kind == "weight_norm (hooks)":
+        torch.nn.utils.weight_norm(m[0])
+    elif kind == "pruned":
+        torch.nn.utils.prune.random_unstructured(m[0], name="weight", amount=0.4)
+    elif kind == "spectral_norm (hooks)":
+        torch.nn.utils.spectral_norm(m[2])
+    return m
+
+
+_USERS_MODELS = {
+    "weight_norm (hooks)": functools.partial(_reparametrized, "weight_norm (hooks)"),
+    "pruned": functools.partial(_reparametrized, "pruned"),
+    "spectral_norm (hooks)": functools.partial(_reparametrized, "spectral_norm (hooks)"),
+    "attention": lambda i: _Attention((1, 2, 4)[i % 3]),
+    "gru": lambda i: _Recurrent(3 + i),
+    "sparse rows": lambda i: _SparseRows(3 + i),
+    "per sample": lambda i: _PerSample(3 + i),
+    "hooked": lambda i: _Hooked(3 + i),
+    "fake quantized": lambda i: nn.Sequential(
+        nn.Linear(IN, 4 + i), torch.ao.quantization.FakeQuantize(), nn.Linear(4 + i, OUT)
+    ),
+}
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("kind", list(_USERS_MODELS))
+def test_models_of_the_kinds_users_train_match_the_plain_loop(kind, n_jobs):
+    # Layers and patterns tried on 2026-12-01 (docs/testing.md): hooks that recompute a weight
+    # in forward, buffers a forward updates, sparse gradients, torch.func inside a model,
+    # hooks on activations, custom Functions. Built twice from one seed (a module reparametrized
+    # by hooks cannot be deep-copied); two steps, the second on the plan kept from the first.
+    def build():
+        torch.manual_seed(0)
+        return [_USERS_MODELS[kind](i).double() for i in range(4)]
+
+    ours, theirs = build(), build()
+    for _ in range(2):
+        x = torch.randn(5, IN, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        for m in (*ours, *theirs):
+            m.zero_grad(set_to_none=True)
+        y = parsum.sum_models(ours, x, n_jobs=n_jobs)
+        y_ref = plain_sum(theirs, x_ref)
+        torch.testing.assert_close(y, y_ref)
+        y.pow(2).sum().backward()
+        y_ref.pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        for got, want in zip(param_grads(ours), param_grads(theirs)):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.layout == want.layout
+                torch.testing.assert_close(got.to_dense(), want.to_dense())
+        for got, want in zip(
+            (b for m in ours for b in m.buffers()), (b for m in theirs for b in m.buffers())
+        ):
+            torch.testing.assert_close(got, want)
