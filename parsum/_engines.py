@@ -986,8 +986,12 @@ _found_own: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[int, ...]]] = (
 # such models (found by trying one). A leaf that shares an argument's storage was made in the
 # call from that argument: it is the model's own. Nothing outside the call holds it (a model
 # that keeps it makes it an attribute, its own anyway); its gradient, which nothing reads, is
-# the plain loop's in the caller's graph and not computed through ParallelSum. A leaf made from
-# new data (``x.clone().requires_grad_()``) cannot be told from a global one, and is refused.
+# the plain loop's in the caller's graph and not computed through ParallelSum. Not so a
+# parameter (``detach()`` makes a plain tensor) or the tensor an argument is a view of: a
+# global whose slice is passed as the argument, which the model also reads, stays refused. A
+# leaf made from new data (``x.clone().requires_grad_()``) cannot be told from a global one,
+# and is refused; nor can a global plain tensor whose detached slice is the argument, which
+# passes (as a global read by a model always did before the check).
 
 
 class ForeignLeaves(ParsumError):
@@ -1024,8 +1028,15 @@ def check_own_leaves(
     # and parameters the forward made (NOTE [ Parameters made in forward ] in _function).
     made = ModelParams.of(model).tensors
     arguments = {id(t) for t in [*call.leaves, *INTERNAL_LEAVES, *made] if isinstance(t, Tensor)}
-    data = _storages([t for t in call.leaves if isinstance(t, Tensor)])
-    found = [t for t in found if id(t) not in arguments and not _storages([t]) & data]
+    # NOTE [ Leaves made from the arguments ]: not a parameter, nor what an argument views
+    given = [t for t in call.leaves if isinstance(t, Tensor)]
+    data, bases = _storages(given), {id(t._base) for t in given if t._base is not None}
+    found = [
+        t
+        for t in found
+        if id(t) not in arguments
+        and (isinstance(t, nn.Parameter) or id(t) in bases or not _storages([t]) & data)
+    ]
     if found:
         shapes = ", ".join(str(tuple(t.shape)) for t in found[:4])
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""

@@ -691,6 +691,37 @@ def test_a_leaf_made_from_an_argument_is_the_models_own(n_jobs, path):
     )
 
 
+_GLOBAL_TABLE: dict[str, torch.Tensor] = {}
+
+
+class _ReadsTheGlobalTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, 2 * IN)
+
+    def forward(self, x):
+        return self.lin(x) * _GLOBAL_TABLE["t"]
+
+
+@pytest.mark.parametrize(
+    ("table", "argument"),
+    [("parameter", "slice"), ("parameter", "detached slice"), ("tensor", "slice")],
+)
+def test_a_global_whose_slice_is_the_argument_is_still_not_the_models_own(table, argument):
+    # NOTE [ Leaves made from the arguments ]: a leaf sharing an argument's data is the model's
+    # own, but not a parameter, nor the tensor the argument is a view of (which the first
+    # version of that rule let through, its gradient unchecked).
+    t = torch.randn(4, 2 * IN, requires_grad=True)
+    _GLOBAL_TABLE["t"] = nn.Parameter(t.detach()) if table == "parameter" else t
+    try:
+        source = _GLOBAL_TABLE["t"] if argument == "slice" else _GLOBAL_TABLE["t"].detach()
+        models = [_ReadsTheGlobalTable(), nn.Linear(IN, 2 * IN)]
+        with pytest.raises(parsum.ParsumError, match=r"model 0 .* not its parameters"):
+            parsum.sum_models(models, source[:, :IN], n_jobs=1)
+    finally:
+        _GLOBAL_TABLE.clear()
+
+
 def test_a_module_is_looked_through_once(monkeypatch):
     from parsum import _engines
 
