@@ -6,7 +6,7 @@ import contextlib
 import functools
 import numbers
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -123,13 +123,25 @@ def check_model_sequence(
     models: Any, where: str, containers: tuple[type[nn.Module], ...]
 ) -> list[Any]:
     """``models`` as a non-empty list: a sequence, or one of the module ``containers``."""
+    if isinstance(models, nn.ModuleDict):
+        raise ParsumError(
+            f"{where}: models is an nn.ModuleDict; expected a sequence of models: pass "
+            "list(models.values())"
+        )
     if isinstance(models, nn.Module) and not isinstance(models, containers):
         raise ParsumError(
             f"{where}: models is a single {type(models).__name__}; expected a sequence of "
             "models (a list, tuple or nn.ModuleList)"
         )
     if isinstance(models, (str, bytes, Tensor)) or not isinstance(models, (Sequence, *containers)):
-        raise ParsumError(f"{where}: models is {a_kind_of(models)}; expected a sequence of models")
+        # An iterable in a fixed order (dict values, a generator) says how to pass it; a set,
+        # whose order may change from run to run, would change the sum's bits with it.
+        hint = ""
+        if isinstance(models, Iterable) and not isinstance(models, (str, bytes, Tensor, Set)):
+            hint = ": pass list(models)"
+        raise ParsumError(
+            f"{where}: models is {a_kind_of(models)}; expected a sequence of models{hint}"
+        )
     found = list(cast(Iterable[Any], models))
     if not found:
         raise ParsumError(f"{where}: models is empty; expected at least one model")
