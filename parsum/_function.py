@@ -157,6 +157,10 @@ class SumPlan:
     # Set by the forward: its models drew random numbers that a pullback may draw again
     # (NOTE [ Random numbers replayed in backward ] in _random).
     one_thread_backward: bool = False
+    # Set by the forward: a model made an argument need a gradient, whose gradient the
+    # pullbacks then accumulate chunk by chunk in chunk order (NOTE [ Arguments made to need a
+    # gradient ]).
+    args_made_to_need_grad: bool = False
     ordered_pullbacks: bool = False
     looks_at_pullbacks: bool = False
     # Models too small for forward workers: each chunk's estimated cost, by which their runs of
@@ -534,6 +538,11 @@ def run_forward(
             total.merge(acc)
 
     in_order = bool(walk.draws_random and not walk.predraws)
+    # NOTE [ Arguments made to need a gradient ]
+    not_needing = []
+    if build_graph or roots is not None:
+        given = (call.leaves[j] for j in call.tensor_positions)
+        not_needing = [t for t in given if not t.requires_grad]
     # NOTE [ Arguments modified in place ]
     versions = argument_versions(call) if parallel and not in_order else None
     # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order,
@@ -583,6 +592,8 @@ def run_forward(
         walk.noise_shapes[plan.noise_key] = records
     if states is not None or walk.draws_random:
         _note_random_draws(plan, states, nodes, bool(misses), parallel and not in_order)
+    if any(t.requires_grad for t in not_needing):  # NOTE [ Arguments made to need a gradient ]
+        plan.args_made_to_need_grad = plan.one_thread_backward = True
     # Under the chunks' intra-op threads, as the chunks ran: a wide reduction of many partials
     # on the caller's threads would leave OpenMP's threads spinning on the cores that the next
     # job's helpers need (NOTE [ Spinning intra-op threads ] in _pool).
@@ -605,6 +616,22 @@ def run_forward(
 # warns, naming the caller's line, and the next calls with these models run their forwards in
 # model order, as the plain loop does. Arguments that need a gradient are read through aliases
 # that autograd protects: modifying one in place raises in the model, named.
+
+
+# NOTE [ Arguments made to need a gradient ]
+# A model may turn on its argument's ``requires_grad`` in its forward, as force fields do with
+# the positions (``pos.requires_grad_()``, then the forces ``-autograd.grad(energy, pos,
+# create_graph=True)``). The argument did not need a gradient when the call began, so every
+# model read it itself, not an alias of its own, and each model's pullback accumulates its
+# part into the argument's ``.grad``: on several threads in the threads' order, so that its bits
+# changed from run to run at n_jobs=2 (13 runs of 20, 8 energy models), where the parameters'
+# did not. Where an argument needs a gradient after the forwards that it did not need before,
+# the call's pullbacks run on one thread, one engine call a chunk in chunk order, also where
+# one call would pull back every chunk: each chunk's models ran in model order on one thread,
+# so the engine adds their parts in the same order on every path, and the chunks' sums are
+# added in chunk order, the same bits for any n_jobs. The backward loses its threads there; a
+# model that differentiates with respect to ``pos.detach().requires_grad_()`` instead keeps
+# them (NOTE [ Leaves made from the arguments ] in _engines).
 
 
 def argument_versions(call: CallArgs) -> list[int]:
@@ -1741,6 +1768,7 @@ class _Backward:
                     and _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
                     and self.sib is None
                     and self.flat is None
+                    and not plan.args_made_to_need_grad
                 )
                 # With optimizer steps in the pullbacks, chunk order: after a failure the
                 # chunks before it still start (NOTE [ Costliest chunks first ]), and their

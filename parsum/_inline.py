@@ -534,11 +534,14 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             pending.finish = finish
             return (None, None, None, *weight_part, *param_grads, *joined)
     try:
-        if plan.ordered_pullbacks and not (state.in_order and aliases is None):
+        if plan.ordered_pullbacks and (
+            plan.args_made_to_need_grad or not (state.in_order and aliases is None)
+        ):
             _pool.run_last_first(pull_back_one, n_chunks, add_in_order)
         elif threads <= 1:
             with _pool.as_one_task(n_chunks):  # the chunks' threads
-                if state.in_order and aliases is None:
+                # NOTE [ Arguments made to need a gradient ] in _function: chunk by chunk
+                if state.in_order and aliases is None and not plan.args_made_to_need_grad:
                     pull_back_chunks(0, range(n_chunks))
                 else:  # forwards on several threads: each chunk's ran in order
                     for k in range(n_chunks):

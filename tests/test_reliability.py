@@ -691,6 +691,56 @@ def test_a_leaf_made_from_an_argument_is_the_models_own(n_jobs, path):
     )
 
 
+class _ForcesInPlace(_Forces):
+    """The same, turning on the argument's own requires_grad (as some force fields do)."""
+
+    def forward(self, x):
+        x.requires_grad_()
+        (grad,) = torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)
+        return -grad
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_an_argument_a_model_makes_need_a_gradient_gets_the_same_bits_for_any_n_jobs(
+    ordered, monkeypatch
+):
+    # NOTE [ Arguments made to need a gradient ] in parsum._function: each model's pullback
+    # accumulated its part into x.grad on the threads, in their order: at n_jobs=2 the bits
+    # changed from run to run. With ``ordered``, the pullbacks run last model first, as for
+    # pullbacks that write shared state (NOTE [ Pullbacks that write shared state ]), also
+    # chunk by chunk.
+    from parsum import _api, _pool
+
+    plan, last_first = _api.SumPlan, _pool.run_last_first
+    ran_last_first = []
+    if ordered:
+        monkeypatch.setattr(
+            _api, "SumPlan", lambda *a, **kw: plan(*a, **{**kw, "ordered_pullbacks": True})
+        )
+        monkeypatch.setattr(
+            _pool, "run_last_first", lambda *a: ran_last_first.append(1) or last_first(*a)
+        )
+    torch.manual_seed(0)
+    models = [_ForcesInPlace(8 + 4 * i) for i in range(8)]
+    theirs = clone_models(models)
+    base = torch.randn(64, IN)
+    found = []
+    for n_jobs in [1, 2, None, 2, 1, 2]:
+        x = base.clone()
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2).pow(2).sum().backward()
+        assert x.requires_grad  # as the plain loop leaves it
+        found.append((x.grad, param_grads(models)))
+    for x_grad, grads in found[1:]:
+        assert torch.equal(x_grad, found[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, found[0][1]) if a is not None)
+    assert len(ran_last_first) == (6 if ordered else 0)
+    x = base.clone()
+    plain_sum(theirs, x).pow(2).sum().backward()
+    torch.testing.assert_close(found[0][0], x.grad)
+
+
 _GLOBAL_TABLE: dict[str, torch.Tensor] = {}
 
 
