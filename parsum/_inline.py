@@ -539,9 +539,12 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         ):
             _pool.run_last_first(pull_back_one, n_chunks, add_in_order)
         elif threads <= 1:
-            with _pool.as_one_task(n_chunks):  # the chunks' threads
-                # NOTE [ Arguments made to need a gradient ] in _function: chunk by chunk
-                if state.in_order and aliases is None and not plan.args_made_to_need_grad:
+            # The chunks' threads; chunk by chunk on the budget's threads where a model made
+            # an argument need a gradient (NOTE [ Arguments made to need a gradient ] in
+            # _function).
+            flipped = plan.args_made_to_need_grad
+            with _pool.as_one_task(1 if flipped else n_chunks):
+                if state.in_order and aliases is None and not flipped:
                     pull_back_chunks(0, range(n_chunks))
                 else:  # forwards on several threads: each chunk's ran in order
                     for k in range(n_chunks):
