@@ -928,21 +928,22 @@ class _Hooked(nn.Module):
         return self.b(h)
 
 
+# Weights recomputed by forward pre-hooks, or with buffers a forward updates.
+_REPARAMETRIZE = {
+    "weight_norm (hooks)": lambda m: torch.nn.utils.weight_norm(m[0]),
+    "pruned": lambda m: torch.nn.utils.prune.random_unstructured(m[0], "weight", amount=0.4),
+    "spectral_norm (hooks)": lambda m: torch.nn.utils.spectral_norm(m[2]),
+}
+
+
 def _reparametrized(kind, i):
     m = mlp([3 + i])
-    if kind == "weight_norm (hooks)":
-        torch.nn.utils.weight_norm(m[0])
-    elif kind == "pruned":
-        torch.nn.utils.prune.random_unstructured(m[0], name="weight", amount=0.4)
-    elif kind == "spectral_norm (hooks)":
-        torch.nn.utils.spectral_norm(m[2])
+    _REPARAMETRIZE[kind](m)
     return m
 
 
 _USERS_MODELS = {
-    "weight_norm (hooks)": functools.partial(_reparametrized, "weight_norm (hooks)"),
-    "pruned": functools.partial(_reparametrized, "pruned"),
-    "spectral_norm (hooks)": functools.partial(_reparametrized, "spectral_norm (hooks)"),
+    **{kind: functools.partial(_reparametrized, kind) for kind in _REPARAMETRIZE},
     "attention": lambda i: _Attention((1, 2, 4)[i % 3]),
     "gru": lambda i: _Recurrent(3 + i),
     "sparse rows": lambda i: _SparseRows(3 + i),
