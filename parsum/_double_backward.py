@@ -56,7 +56,7 @@ from ._function import (
     raise_first_failing_model,
     under_vmap,
 )
-from ._grads import wanted_gradients
+from ._grads import wanted_gradients, wanted_inputs
 from ._summation import WIDE, CompensatedAccumulator
 
 
@@ -250,6 +250,15 @@ def second_order_fits(ctx: Any) -> bool:
     )
 
 
+def wanted_of_sum(ctx: Any, n_args: int) -> list[bool]:
+    """``wanted_gradients`` of a ``CallerGraphSum`` node's arguments, then its parameters (its
+    tensor inputs: the anchor, the arguments, the weight tensor if any, the parameters)."""
+    plan = ctx.plan
+    first_param = 1 + n_args + int(plan.has_weight_tensor)
+    params = wanted_inputs(ctx, first_param, len(plan.params), plan.param_slots)
+    return [*wanted_inputs(ctx, 1, n_args), *params]
+
+
 def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
     """CallerGraphSum's backward with create_graph=True: the gradients of its inputs, from a
     ``DifferentiablePullback`` node (NOTE [ Double backward ])."""
@@ -265,7 +274,7 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
         state.derivatives = Holds(state)
     held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
     n_args = ctx.n_args
-    held.wanted = wanted_gradients([*ctx.call_tensors[:n_args], *plan.params])
+    held.wanted = wanted_of_sum(ctx, n_args)
     grads = _apply(held, grad_outputs, (), ctx.call_tensors[:n_args])
     weight_part = [None] if plan.has_weight_tensor else []
     joined = (None,) if state.pending is not None else ()
@@ -343,7 +352,13 @@ class DifferentiablePullback(torch.autograd.Function):
             raise freed_graph_error(plan)
         n_args = ctx.n_args
         following = Derivatives(held.holds, plan, held.aliases, source=held)
-        following.wanted = wanted_gradients([*ctx.inputs, *ctx.arguments, *plan.params])
+        n_params = len(plan.params)
+        first_arg = len(ctx.next_functions) - n_args - n_params  # the last inputs
+        following.wanted = [
+            *wanted_gradients(ctx.inputs),  # None where no gradient came: no edge
+            *wanted_inputs(ctx, first_arg, n_args),
+            *wanted_inputs(ctx, first_arg + n_args, n_params, plan.param_slots),
+        ]
         if torch.is_grad_enabled():  # create_graph=True: the next order's node
             return (None, None, None, None, *_apply(following, grads, ctx.inputs, ctx.arguments))
         following.leaves = list(grads)

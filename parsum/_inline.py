@@ -99,7 +99,8 @@
 # gradient of the arguments alone (an adversarial example, a saliency map, a gradient penalty's
 # first derivative) or of the parameters alone. A captured pullback differentiates only what
 # it wants (autograd's ``_will_engine_execute_node`` on each input's node, asked only where the
-# backward does not run every leaf), so that the models' weight gradients, half of a linear
+# backward does not run every leaf, a model's parameters together: NOTE [ Asking what the
+# backward wants ] in _grads), so that the models' weight gradients, half of a linear
 # layer's backward, are not computed for nothing: 16 MLPs of widths 128-512 at batch 64, 2
 # threads, the gradient in x alone 0.705x -> 0.885x the plain loop's (which prunes them itself),
 # in one run of benchmarks/bench_against.py --step grad-x.
@@ -135,6 +136,7 @@ from ._double_backward import (
     differentiable_backward,
     keeps_models_graphs,
     second_order_fits,
+    wanted_of_sum,
 )
 from ._engines import INTERNAL_LEAVES, CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._errors import ParsumError
@@ -162,7 +164,6 @@ from ._grads import (
     engine_runs_all,
     has_compensated_flat_grads,
     has_flat_grads,
-    wanted_gradients,
     zeroed_slot_views,
 )
 from ._sparse import (
@@ -377,7 +378,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     runs_all = engine_runs_all([_ANCHOR_NODE])[0]
     accumulate = zeroed is not None and not ctx.create_graph and runs_all
     # NOTE [ Gradients not wanted ]
-    wanted = None if runs_all else wanted_gradients([*ctx.call_tensors[:n_args], *params])
+    wanted = None if runs_all else wanted_of_sum(ctx, n_args)
     arguments_wanted = wanted is None or any(wanted[:n_args])
     if state.made_in_forward is not None and not accumulate:
         # Captured, their gradients would be lost (NOTE [ Parameters made in forward ]).

@@ -133,6 +133,46 @@ def test_autograd_grad_wrt_parameters_and_backward_with_inputs():
     assert all(p.grad is None for m in models[1:] for p in m.parameters())
 
 
+@pytest.mark.parametrize("path", ["callers graph", "callers graph n_jobs=2", "ParallelSum"])
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=...)"])
+def test_gradients_of_some_parameters_of_some_models(path, how):
+    # NOTE [ Asking what the backward wants ] in parsum._grads: asked a model at a time, a
+    # model of whose parameters some are wanted gets the others' gradients too, which autograd
+    # must drop; models none of whose parameters are wanted are not differentiated.
+    torch.manual_seed(0)
+    models = [mlp([3 + i]) for i in range(5)]
+    if path == "ParallelSum":
+        models.append(models[1])  # a parameter used twice: ParallelSum's path
+    ref = clone_models(models[:5])
+    ref += ref[1:2] if path == "ParallelSum" else []
+    x = torch.randn(4, IN, dtype=torch.float64).float().requires_grad_()
+    n_jobs = 2 if path.endswith("n_jobs=2") else 1
+
+    def chosen(ms):  # the second model's first weight, all of the fourth's, and x
+        return [next(ms[1].parameters()), *ms[3].parameters(), x]
+
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
+    assert in_callers_graph(y) == (path != "ParallelSum")
+    y_ref = plain_sum(ref, x)
+    if how == "autograd.grad":
+        found = torch.autograd.grad(y.pow(2).sum(), chosen(models))
+        expected = torch.autograd.grad(y_ref.pow(2).sum(), chosen(ref))
+    else:
+        y.pow(2).sum().backward(inputs=chosen(models))
+        found = [t.grad for t in chosen(models)]
+        x.grad = None
+        y_ref.pow(2).sum().backward(inputs=chosen(ref))
+        expected = [t.grad for t in chosen(ref)]
+    for a, b in zip(found, expected):
+        torch.testing.assert_close(a, b)
+    wanted = {id(t) for t in chosen(models)}
+    assert all(
+        (p.grad is not None) == (how != "autograd.grad" and id(p) in wanted)
+        for m in models
+        for p in m.parameters()
+    )
+
+
 def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
     models = zoo(seed=4)
     ref = clone_models(models)
