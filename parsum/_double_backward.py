@@ -31,9 +31,9 @@
 # Each node differentiates only what the running backward wants (``wanted_gradients``): the
 # gradient in x of a penalty's first step made every weight's derivative and its graph too,
 # and the step ran at 0.663x the plain loop's speed, now 0.718x in the same run (16 MLPs of
-# widths 128-512, batch 64, 2 cores; benchmarks/bench_against.py --step penalty); the rest is
-# the models' graphs walked twice in the last backward, once by the sum's node and once by its
-# derivative's, where plain autograd adds both into each node first.
+# widths 128-512, batch 64, 2 cores; benchmarks/bench_against.py --step penalty); the models'
+# graphs walked twice in the last backward, once by the sum's node and once by its
+# derivative's, took most of the rest (NOTE [ One pullback for a sum and its derivatives ]).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from ._function import (
     SumPlan,
     _at_end_of_backward,
     _engine_keeps_graph,
+    _on_device_thread,
     freed_graph_error,
     raise_first_failing_model,
     under_vmap,
@@ -65,9 +66,14 @@ class Holds:
     and its state (weakly: it holds this), whose hold on the models' graphs ``release`` drops
     with theirs."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, node: Any, on_cpu: bool) -> None:
         self.state = weakref.ref(state)
         self.refs: list[weakref.ref[Derivatives]] = []
+        self.node = weakref.ref(node)  # the CallerGraphSum node
+        self.on_cpu = on_cpu  # its outputs, arguments and parameters
+        # The pullbacks left for the last of the nodes to run in a backward (NOTE [ One
+        # pullback for a sum and its derivatives ]).
+        self.merge: Merge | None = None
 
     def __bool__(self) -> bool:
         return any(ref() is not None for ref in self.refs)
@@ -76,6 +82,7 @@ class Holds:
         self.refs.append(weakref.ref(held))
 
     def release(self) -> None:
+        self.merge = None
         state = self.state()
         if state is not None:
             state.edges = state.aliases = None
@@ -118,6 +125,7 @@ class Derivatives:
         # of (``wanted``); the others are not differentiated.
         self.wanted: list[bool] | None = None
         self.freed = False
+        self.node: weakref.ref[Any] | None = None  # its DifferentiablePullback node
 
     def free(self) -> None:
         self.freed = True
@@ -271,7 +279,10 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
         raise ParsumError(state.made_in_forward)
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     if state.derivatives is None:
-        state.derivatives = Holds(state)
+        on_cpu = not _on_device_thread(grad_outputs) and all(
+            t.device.type == "cpu" for t in (*ctx.call_tensors, *plan.params)
+        )
+        state.derivatives = Holds(state, ctx, on_cpu)
     held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
     n_args = ctx.n_args
     held.wanted = wanted_of_sum(ctx, n_args)
@@ -320,6 +331,7 @@ class DifferentiablePullback(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         plan = held.plan
         ctx.held = held
+        held.node = weakref.ref(ctx)
         ctx.n_args = n_args
         ctx.inputs = tensors[: n_incoming + n_earlier]  # the next order's earlier ones
         ctx.arguments = tensors[n_incoming + n_earlier : n_incoming + n_earlier + n_args]
@@ -363,6 +375,12 @@ class DifferentiablePullback(torch.autograd.Function):
             return (None, None, None, None, *_apply(following, grads, ctx.inputs, ctx.arguments))
         following.leaves = list(grads)
         release_at_end(held.holds)
+        vmapped = any(map(under_vmap, grads))  # NOTE [ Gradients under vmap ] in _inline
+        if held.source is None and merges(held.holds, grads):  # NOTE [ One pullback for
+            own_only = any(following._wanted()[0])  # a sum and its derivatives ]
+            merged = merge_pullbacks(held.holds, ctx, following, may_wait=not own_only)
+            if merged is not None:
+                return (None, None, None, None, *merged[0], *merged[1], *merged[2])
         outs, cots = following.outputs_and_cotangents()
         wrt = following.wrt()
         found: Sequence[Tensor | None] = [None] * len(wrt)
@@ -377,7 +395,6 @@ class DifferentiablePullback(torch.autograd.Function):
                 raise
         inputs_grads, param_grads, alias_grads = following.spread(found)
         arg_grads: list[Tensor | None] = []
-        vmapped = any(map(under_vmap, grads))  # NOTE [ Gradients under vmap ] in _inline
         for j in range(n_args):
             mine = [g for g in alias_grads[j::n_args] if g is not None]
             if vmapped:
@@ -388,6 +405,190 @@ class DifferentiablePullback(torch.autograd.Function):
                 acc.add(g)
             arg_grads.append(None if acc.empty else acc.result())
         return (None, None, None, None, *inputs_grads, *arg_grads, *param_grads)
+
+
+# NOTE [ One pullback for a sum and its derivatives ]
+# A gradient penalty's last backward, ``(loss(y) + penalty(dy/dx)).backward()``, reaches two
+# nodes that pull the models back: the sum's (CallerGraphSum, with the loss's gradient in y)
+# and its derivative's (the DifferentiablePullback of order 1, with the penalty's gradient in
+# dy/dx), and the derivative's graph runs through the models' own graphs. Pulled back apart,
+# each walked the models' graphs, twice in all, where plain autograd adds both gradients into
+# each node first and walks them once: 16 MLPs of widths 128-512 at batch 64 took 24.6 ms in
+# that backward against the plain loop's 15.5 (one thread; 17.0 now). So the nodes of a sum
+# that the running backward will run (``_will_engine_execute_node``) wait for each other: each
+# but the last to run leaves what it would pull back (``Merge``) and returns no gradient for
+# the arguments and parameters, which the last returns for all of them from one engine call
+# (``_pull_back_together``), the arguments' summed over the models' aliases in model order
+# (compensated). A derivative node with gradients of its own to return (with respect to its
+# incoming gradients: a Hessian-vector product's vector) neither waits nor is waited for (it
+# may run first); it takes what the others left. Not where a backward records its graph
+# (create_graph: the next order's nodes), under vmap, where a model made an argument need a
+# gradient, or where an output, argument or parameter is not on the CPU (a device's thread
+# runs those nodes): there each node pulls back its own, as before. Which nodes run depends on
+# the backward alone, never on n_jobs, and the nodes run on the calling thread in the engine's
+# order: the same bits for any n_jobs. A whole penalty step against the code before, in one run
+# of benchmarks/bench_against.py --step penalty on 2 cores: 16 MLPs of widths 128-512 at batch
+# 64 23.3 -> 18.7 ms (the plain loop's 15.9), 16 MLP classes of widths 128-488 23.1 -> 18.4
+# (15.3), 64 tiny MLP classes 17.1 -> 16.3 (10.9).
+
+
+class Merge:
+    """The pullbacks left by the nodes of a sum that ran first in one backward (``task``), for
+    the last to run (NOTE [ One pullback for a sum and its derivatives ])."""
+
+    def __init__(self, task: int) -> None:
+        self.task = task
+        self.parts: list[Derivatives] = []
+        self.ran: set[int] = set()  # the ids of the nodes that left them
+
+
+def merges(holds: Holds, grads: Sequence[Tensor | None]) -> bool:
+    """Whether a node of ``holds``' sum receiving ``grads`` takes part in NOTE [ One pullback
+    for a sum and its derivatives ] (alike for every node of the sum in one backward)."""
+    state = holds.state()
+    return (
+        state is not None
+        and holds.on_cpu
+        and not torch.is_grad_enabled()
+        and _GRAPH_TASK_ID is not None
+        and not state.plan.args_made_to_need_grad
+        and not any(map(under_vmap, grads))
+    )
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def merge_first_order(
+    ctx: Any, grad_outputs: Sequence[Tensor], weight_tensor: Tensor | None, runs_all: bool
+) -> tuple[list[Tensor | None], list[Tensor | None]] | None:
+    """A CallerGraphSum node's part in NOTE [ One pullback for a sum and its derivatives ]:
+    the gradients of its arguments and parameters, or None where it pulls back its own."""
+    state = ctx.state
+    plan: SumPlan = state.plan
+    if not state.derivatives or not merges(state.derivatives, grad_outputs):
+        return None
+    part = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
+    part.leaves = list(grad_outputs)
+    part.wanted = None if runs_all else wanted_of_sum(ctx, ctx.n_args)
+    merged = merge_pullbacks(state.derivatives, ctx, part, may_wait=True)
+    return None if merged is None else merged[1:]
+
+
+def merge_pullbacks(
+    holds: Holds, node: Any, part: Derivatives, may_wait: bool
+) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]] | None:
+    """``node``'s pullback ``part`` (an order 1 whose ``leaves`` are its incoming gradients):
+    left for a node of the same sum that the running backward runs later, where ``may_wait``
+    (no gradient then), or pulled back with those left before (NOTE [ One pullback for a sum
+    and its derivatives ]); None where none was left and none is to come: ``node`` pulls
+    back its own. The gradients of ``part.earlier``, the arguments and the parameters."""
+    assert _GRAPH_TASK_ID is not None
+    task = _GRAPH_TASK_ID()
+    merge = holds.merge if holds.merge is not None and holds.merge.task == task else None
+    if may_wait and _others_to_run(holds, node, merge):
+        if merge is None:
+            merge = holds.merge = Merge(task)
+        merge.parts.append(part)
+        merge.ran.add(id(node))
+        n_args = part.n_args()
+        return [None] * len(part.earlier), [None] * n_args, [None] * len(part.plan.params)
+    holds.merge = None
+    if merge is None:
+        return None
+    return _pull_back_together([*merge.parts, part])
+
+
+def _others_to_run(holds: Holds, node: Any, merge: Merge | None) -> bool:
+    """Whether the running backward will run a node of ``holds``' sum other than ``node`` that
+    has not run yet and takes what is left: the sum's node, or a derivative of order 1 (one
+    with gradients of its own to return takes it too, but is not waited for: it may run
+    first)."""
+    derivatives = (ref() for ref in holds.refs)
+    members = [
+        holds.node(),
+        *(h.node() for h in derivatives if h is not None and h.source is None and h.node),
+    ]
+    ran = merge.ran if merge is not None else ()
+    for member in members:
+        if member is None or member is node or id(member) in ran:
+            continue
+        if not torch._C._will_engine_execute_node(member):
+            continue
+        if isinstance(getattr(member, "held", None), Derivatives) and any(
+            wanted_gradients(member.inputs)
+        ):
+            continue  # has gradients of its own to return: never waits
+        return True
+    return False
+
+
+def _pull_back_together(
+    parts: list[Derivatives],
+) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]]:
+    """The pullbacks of ``parts`` (of one sum; the last's earlier gradients its own) in one
+    engine call: the gradients of the last's ``earlier``, the arguments and the parameters."""
+    last = parts[-1]
+    plan = last.plan
+    wanted = [p._wanted() for p in parts]
+    earlier = wanted[-1][0]
+    args = [any(w) for w in zip(*(a for _, a, _ in wanted))]
+    params = [any(w) for w in zip(*(q for _, _, q in wanted))]
+    aliases = last.aliases or []
+    n_args = last.n_args()
+
+    def wrt(models: Sequence[int] | None = None) -> list[Tensor]:
+        slots = range(len(plan.params)) if models is None else _slots(plan, models)
+        mine = range(len(aliases)) if models is None else models
+        return [
+            *(t for t, w in zip(last.earlier, earlier) if w and t is not None),
+            *(plan.params[s] for s in slots if params[s]),
+            *(a for i in mine for a, w in zip(aliases[i], args) if w),
+        ]
+
+    def outputs_and_cotangents(
+        models: Sequence[int] | None = None,
+    ) -> tuple[list[Any], list[Tensor]]:
+        outs: list[Any] = []
+        cots: list[Tensor] = []
+        for p in parts:
+            o, c = p.outputs_and_cotangents(models)
+            outs += o
+            cots += c
+        return outs, cots
+
+    everyone = range(len(plan.models))
+    inputs = wrt()
+    outs, cots = outputs_and_cotangents()
+    found: Sequence[Tensor | None] = [None] * len(inputs)
+    if outs and inputs:
+        try:
+            found = _grad(outs, inputs, cots)
+        except Exception as exc:
+
+            def attempt(i: int) -> Callable[[], object]:
+                def run() -> object:
+                    o, c = outputs_and_cotangents([i])
+                    return _grad(o, wrt([i]), c) if o and wrt([i]) else None
+
+                return run
+
+            raise_first_failing_model(plan, [(i, attempt(i)) for i in everyone], exc)
+            raise
+    taken = iter(found)
+    earlier_found = [
+        next(taken) if w and t is not None else None for t, w in zip(last.earlier, earlier)
+    ]
+    param_found = [next(taken) if w else None for w in params]
+    alias_found = [next(taken) if w else None for _ in aliases for w in args]
+    arg_grads: list[Tensor | None] = []
+    for j in range(n_args):
+        acc = CompensatedAccumulator()
+        for g in alias_found[j::n_args]:
+            if g is not None:
+                acc.add(g)
+        arg_grads.append(None if acc.empty else acc.result())
+    return earlier_found, arg_grads, param_found
 
 
 def _attempt(held: Derivatives, models: Sequence[int]) -> Callable[[], object]:

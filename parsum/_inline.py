@@ -135,6 +135,7 @@ from ._double_backward import (
     _wide_sum,
     differentiable_backward,
     keeps_models_graphs,
+    merge_first_order,
     second_order_fits,
     wanted_of_sum,
 )
@@ -361,6 +362,12 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 state.outputs = []
         weight_part.append(weight_grad)
     params = plan.params
+    joined = (None,) if state.pending is not None else ()  # the join node's gradient
+    # NOTE [ One pullback for a sum and its derivatives ] in _double_backward
+    runs_all = engine_runs_all([_ANCHOR_NODE])[0]
+    merged = merge_first_order(ctx, grad_outputs, weight_tensor, runs_all)
+    if merged is not None:
+        return (None, None, None, *merged[0], *weight_part, *merged[1], *joined)
     # Accumulating in the pullback must be undone on a failure: every .grad None, or a
     # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
     zeroed: list[Tensor] | None = []
@@ -375,7 +382,6 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         or (not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params)))
     ):
         zeroed = None
-    runs_all = engine_runs_all([_ANCHOR_NODE])[0]
     accumulate = zeroed is not None and not ctx.create_graph and runs_all
     # NOTE [ Gradients not wanted ]
     wanted = None if runs_all else wanted_of_sum(ctx, n_args)
@@ -463,7 +469,6 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     if plan.ordered_pullbacks:
         workers = 1
     pending = state.pending
-    joined = (None,) if pending is not None else ()  # the join node's gradient
 
     def undo() -> None:
         """What the pullbacks accumulated, undone after a failure."""

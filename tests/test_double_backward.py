@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 import parsum
 from parsum import _double_backward
+from tests.test_callers_graph import _Spy
 from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, unique_params, zoo
 
 WEIGHTS = [0.5, 1.0, 2.0, -1.0, 3.0, 0.25, 1.5]
@@ -126,6 +127,51 @@ def test_third_order_physics_informed_loss(n_jobs):
         torch.testing.assert_close(a, b)
 
 
+class _SpiedMLP(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, width).double(), nn.Linear(width, 2).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(_Spy.apply(self.a(x))))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("penalties", [1, 2])
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_penalty_step_walks_the_models_graphs_once(n_jobs, penalties, how):
+    # NOTE [ One pullback for a sum and its derivatives ]: the last backward reaches the sum's
+    # node and each penalty's derivative node, which plain autograd adds into each node of the
+    # models' graphs first; pulled back apart, parsum walked them once a node.
+    torch.manual_seed(0)
+    models = [_SpiedMLP(4 + i) for i in range(5)]
+    ref = clone_models(models)
+    x0 = torch.randn(6, IN, dtype=torch.float64)
+    found = []
+    for forward, ms in (
+        (lambda m, t: parsum.sum_models(m, t, n_jobs=n_jobs, chunk_size=2), models),
+        (plain_sum, ref),
+    ):
+        x = x0.clone().requires_grad_()
+        y = forward(ms, x)
+        loss = y.pow(2).mean()
+        for k in range(penalties):
+            (g,) = torch.autograd.grad((y * (k + 1)).sum(), x, create_graph=True)
+            loss = loss + (g.norm(dim=1) - 1).pow(2).mean()
+        params = unique_params(ms)
+        _Spy.calls = 0
+        if how == "backward":
+            loss.backward()
+            grads = [x.grad, *(p.grad for p in params)]
+        else:
+            grads = list(torch.autograd.grad(loss, [x, *params]))
+        found.append((_Spy.calls, grads))
+    (calls, got), (plain_calls, want) = found
+    assert calls == plain_calls == len(models)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_hessian_vector_product_in_the_parameters():
     models = zoo(torch.float64)
     ref = clone_models(models)
@@ -190,14 +236,18 @@ class _Sine(nn.Module):
         return _OnceDifferentiable.apply(self.lin(x))
 
 
-def test_a_model_that_cannot_be_differentiated_twice_is_named():
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_a_model_that_cannot_be_differentiated_twice_is_named(with_loss):
+    # with_loss: the sum's node and its derivative's pull back together (NOTE [ One pullback
+    # for a sum and its derivatives ]), one engine call, which fails
     models = [*_mixed()[:2], _Sine(), *_mixed(seed=1)[:1]]
     x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
     y = parsum.sum_models(models, x)
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     before = [p.grad for p in unique_params(models)]
+    loss = g.pow(2).sum() + (y.pow(2).mean() if with_loss else 0)
     with pytest.raises(parsum.ParsumError, match=r"model 2 \(_Sine\) raised RuntimeError.*no sec"):
-        g.pow(2).sum().backward()
+        loss.backward()
     assert [p.grad for p in unique_params(models)] == before == [None] * len(before)
 
 
