@@ -259,10 +259,11 @@ def second_order_fits(ctx: Any) -> bool:
 
 
 def wanted_of_sum(ctx: Any, n_args: int) -> list[bool]:
-    """``wanted_gradients`` of a ``CallerGraphSum`` node's arguments, then its parameters (its
-    tensor inputs: the anchor, the arguments, the weight tensor if any, the parameters)."""
+    """``wanted_gradients`` of a ``CallerGraphSum`` node's first ``n_args`` arguments, then its
+    parameters (its tensor inputs: the anchor, the arguments, the weight tensor if any, the
+    parameters)."""
     plan = ctx.plan
-    first_param = 1 + n_args + int(plan.has_weight_tensor)
+    first_param = 1 + ctx.n_args + int(plan.has_weight_tensor)
     params = wanted_inputs(ctx, first_param, len(plan.params), plan.param_slots)
     return [*wanted_inputs(ctx, 1, n_args), *params]
 
@@ -284,12 +285,14 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
         )
         state.derivatives = Holds(state, ctx, on_cpu)
     held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
-    n_args = ctx.n_args
+    # Those a model made need a gradient (the last) are not differentiated here (docs/limits.md)
+    n_args = ctx.n_args - len(state.flipped)
     held.wanted = wanted_of_sum(ctx, n_args)
     grads = _apply(held, grad_outputs, (), ctx.call_tensors[:n_args])
     weight_part = [None] if plan.has_weight_tensor else []
     joined = (None,) if state.pending is not None else ()
-    return (None, None, None, *grads[:n_args], *weight_part, *grads[n_args:], *joined)
+    flipped = [None] * len(state.flipped)
+    return (None, None, None, *grads[:n_args], *flipped, *weight_part, *grads[n_args:], *joined)
 
 
 def _apply(

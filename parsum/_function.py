@@ -636,6 +636,15 @@ def run_forward(
 # the tasks' one intra-op thread. A model that differentiates with respect to
 # ``pos.detach().requires_grad_()`` instead keeps them: 0.94-0.96x (NOTE [ Leaves made from the
 # arguments ] in _engines).
+# In the caller's graph, such arguments become the node's last arguments once the forwards
+# ran, so that a backward that captures gradients (``torch.autograd.grad(loss, x)``,
+# ``backward(inputs=...)``, a ``.grad`` already set, a second backward through a retained
+# graph) gets theirs: captured chunk by chunk with the parameters' and added in chunk order,
+# returned by the node (where the backward accumulates, it goes into ``.grad`` as above, which
+# a failure sets back to None; a ``.grad`` already set is captured into instead). Before, such
+# a backward left them without a gradient, and ``autograd.grad`` raised that the argument was
+# not used in the graph. Through ParallelSum (whose inputs are fixed before the forwards) and
+# in derivatives of higher order they still get none (docs/limits.md).
 
 
 def argument_versions(call: CallArgs) -> list[int]:

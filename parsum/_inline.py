@@ -243,6 +243,9 @@ class _State:
         self.in_order = in_order
         # Each model's aliases of the arguments that need a gradient (None: none does).
         self.aliases = aliases
+        # The arguments a model made need a gradient, the node's last arguments (NOTE
+        # [ Arguments made to need a gradient ] in _function).
+        self.flipped: list[Tensor] = []
         # Where the node has a join node among its inputs, what that node runs: the caller's
         # part of pullbacks handed to helpers (NOTE [ Pullbacks joined later ]).
         self.pending: PendingJoin | None = None
@@ -287,6 +290,9 @@ def sum_in_callers_graph(
     state.made_in_forward = result.made_in_forward
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
+    if plan.args_made_to_need_grad:  # NOTE [ Arguments made to need a gradient ] in _function
+        state.flipped = made_to_need_grad(tensors, needs)
+        arguments += state.flipped
     weights = [weight_tensor] if weight_tensor is not None else []
     join: list[Tensor] = []
     if not plan.one_thread_backward and may_join_later(plan, [*arguments, *weights]):
@@ -296,6 +302,16 @@ def sum_in_callers_graph(
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
     inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params, *join)
     return list(direct_apply(CallerGraphSum, n_unwrapped, *inputs))
+
+
+def made_to_need_grad(tensors: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor]:
+    """The arguments that need a gradient now and did not before the forwards (``needs``),
+    each once."""
+    flipped: dict[int, Tensor] = {}
+    for t, need in zip(tensors, needs):
+        if not need and t.requires_grad:
+            flipped.setdefault(id(t), t)
+    return list(flipped.values())
 
 
 # Every node's first tensor input: whether the running backward runs the anchor's AccumulateGrad
@@ -349,6 +365,10 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     n_args = ctx.n_args
     aliases = state.aliases
+    # NOTE [ Arguments made to need a gradient ] in _function: the node's last arguments,
+    # which the models read themselves (no aliases)
+    flipped = state.flipped
+    n_aliased = n_args - len(flipped)
     weight_part: list[Tensor | None] = []
     if weight_tensor is not None:
         weight_grad = None
@@ -383,6 +403,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     ):
         zeroed = None
     accumulate = zeroed is not None and not ctx.create_graph and runs_all
+    # Accumulated into, a flipped argument's .grad must be None for a failure to undo it.
+    accumulate = accumulate and all(f.grad is None for f in flipped)
     # NOTE [ Gradients not wanted ]
     wanted = None if runs_all else wanted_of_sum(ctx, n_args)
     arguments_wanted = wanted is None or any(wanted[:n_args])
@@ -394,7 +416,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # The arguments' gradients, each chunk's summed as soon as its models are pulled back
     # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]).
     totals: dict[int, GradSum] = {}
-    if not params and aliases is None:
+    if not params and aliases is None and not flipped:
         return (None, None, None, *weight_part)
     error: BaseException | None = None
     # The models each failing chunk was pulling back when it failed.
@@ -406,6 +428,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
         gradients summed, where arguments need them."""
         captured: dict[int, Sequence[Tensor | None]] = {}  # argument gradients returned
+        flip_grads: list[tuple[int, Tensor | None]] = []
         running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
         running = [i for i in running if graphs[i]]  # an output that needs a gradient
         if not running:
@@ -429,26 +452,36 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             mine = []
             if aliases is not None and arguments_wanted:
                 mine = [a for i in running for a in aliases[i]]
-            if not slots and not mine:
+            flips = [j for j in range(n_aliased, n_args) if wanted is None or wanted[j]]
+            if not slots and not mine and not flips:
                 del failing[k]
                 return None
-            found = pull_back(outs, [*(params[s] for s in slots), *mine], cots, keep_graph)
+            wrt = [*(params[s] for s in slots), *mine, *(flipped[j - n_aliased] for j in flips)]
+            found = pull_back(outs, wrt, cots, keep_graph)
             for slot, grad in zip(slots, found):
                 param_grads[slot] = grad
             if mine:
                 at = len(slots)
                 for i in running:
-                    captured[i] = found[at : at + n_args]
-                    at += n_args
+                    captured[i] = found[at : at + n_aliased]
+                    at += n_aliased
+            # A flipped argument's gradient: the chunk's models' parts, added by the engine
+            # in the order of their graphs, one thread
+            flip_grads = list(zip(flips, found[len(found) - len(flips) :]))
             del found
         del failing[k]
-        if aliases is None:
-            return None
-        if vmapped:  # NOTE [ Gradients under vmap ]: added at the end, out of place
-            vmapped_captured.update(captured)
+        if aliases is None and not flip_grads:
             return None
         (chunk,) = chunks  # with arguments to differentiate, one chunk a call
-        return _chunk_argument_gradients(plan, chunk, aliases, captured)
+        if vmapped:  # NOTE [ Gradients under vmap ]: added at the end, out of place
+            vmapped_captured.update(captured)
+            vmapped_flipped[chunk] = flip_grads
+            return None
+        accs = {} if aliases is None else _chunk_argument_gradients(plan, chunk, aliases, captured)
+        for j, grad in flip_grads:
+            if grad is not None:
+                add_grad(accs, j, grad)
+        return accs
 
     def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
         for j, acc in (partial or {}).items():
@@ -462,6 +495,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # NOTE [ Gradients under vmap ]
     vmapped = any(map(under_vmap, grad_outputs))
     vmapped_captured: dict[int, Sequence[Tensor | None]] = {}
+    vmapped_flipped: dict[int, list[tuple[int, Tensor | None]]] = {}
     one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs) or vmapped
     workers = 1 if one_thread else plan.n_workers
     # NOTE [ Pullbacks that write shared state ] in _function
@@ -475,6 +509,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         for alias in (a for mine in aliases or () for a in mine):
             alias.grad = None  # what a model that ran accumulated
         if accumulate:  # what they were: none of it stays
+            for f in flipped:
+                f.grad = None
             assert zeroed is not None
             kept = {id(view) for view in zeroed}  # zeroed views; every other .grad None
             for view in zeroed:
@@ -548,9 +584,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             # The chunks' threads; chunk by chunk on the budget's threads where a model made
             # an argument need a gradient (NOTE [ Arguments made to need a gradient ] in
             # _function).
-            flipped = plan.args_made_to_need_grad
-            with _pool.as_one_task(1 if flipped else n_chunks):
-                if state.in_order and aliases is None and not flipped:
+            made = plan.args_made_to_need_grad
+            with _pool.as_one_task(1 if made else n_chunks):
+                if state.in_order and aliases is None and not made:
                     pull_back_chunks(0, range(n_chunks))
                 else:  # forwards on several threads: each chunk's ran in order
                     for k in range(n_chunks):
@@ -574,13 +610,18 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             error = edges = None
     learn_pullback_writes(plan, looked)
     arg_grads: list[Tensor | None] = [None] * n_args
-    if aliases is not None:
+    if aliases is not None or flipped:
         if vmapped:
-            captured = sorted(vmapped_captured.items())
-            arg_grads = [
-                _wide_sum([t for _, g in captured if (t := g[j]) is not None])
-                for j in range(n_args)
-            ]
+            terms: list[list[Tensor]] = [[] for _ in range(n_args)]
+            for _, grads in sorted(vmapped_captured.items()):  # model by model
+                for j, g in enumerate(grads):
+                    if g is not None:
+                        terms[j].append(g)
+            for _, flip_grads in sorted(vmapped_flipped.items()):  # chunk by chunk
+                for j, g in flip_grads:
+                    if g is not None:
+                        terms[j].append(g)
+            arg_grads = list(map(_wide_sum, terms))
         else:
             with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
                 arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]

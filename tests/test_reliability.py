@@ -741,6 +741,69 @@ def test_an_argument_a_model_makes_need_a_gradient_gets_the_same_bits_for_any_n_
     torch.testing.assert_close(found[0][0], x.grad)
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize(
+    "how",
+    [".grad set", "autograd.grad(x)", "autograd.grad(all)", "backward(inputs=[x])", "retained"],
+)
+def test_an_argument_a_model_makes_need_a_gradient_gets_it_in_every_backward(how, n_jobs):
+    # NOTE [ Arguments made to need a gradient ] in parsum._function: x.grad was left None
+    # where the backward captures (a .grad already set, inputs=..., a second backward through
+    # a retained graph), and autograd.grad(loss, x) raised that x was not used in the graph.
+    torch.manual_seed(0)
+    models = [_ForcesInPlace(4 + 2 * i).double() for i in range(5)]
+    theirs = clone_models(models)
+    base = torch.randn(16, IN, dtype=torch.float64)
+
+    def step(total, ms):
+        x = base.clone()
+        params = [p for m in ms for p in m.parameters()]
+        loss = total(ms, x).pow(2).sum()
+        if how == ".grad set":
+            for p in params:
+                p.grad = torch.ones_like(p)
+        if how == "retained":
+            loss.backward(retain_graph=True)
+            x.grad = None
+        if how.startswith("autograd.grad"):
+            wrt = [x] if how == "autograd.grad(x)" else [x, *params]
+            return list(torch.autograd.grad(loss, wrt, allow_unused=True))
+        loss.backward(inputs=[x] if how == "backward(inputs=[x])" else None)
+        return [x.grad, *(p.grad for p in params)]
+
+    got = step(lambda ms, x: parsum.sum_models(ms, x, n_jobs=n_jobs, chunk_size=2), models)
+    want = step(plain_sum, theirs)
+    assert got[0] is not None
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    again = step(lambda ms, x: parsum.sum_models(ms, x, n_jobs=3 - n_jobs, chunk_size=2), models)
+    assert torch.equal(again[0], got[0])  # the same bits for any n_jobs
+
+
+@pytest.mark.parametrize("x_grad", [None, "set"])
+def test_a_failed_backward_leaves_a_flipped_arguments_grad_as_it_was(x_grad):
+    # NOTE [ Arguments made to need a gradient ]: the models' pullbacks accumulate into x
+    # itself where its .grad is None (set back to None on a failure), else capture
+    from tests.test_errors import BoomBackward
+
+    torch.manual_seed(0)
+    models: list[nn.Module] = [_ForcesInPlace(4 + 2 * i) for i in range(4)]
+    models.insert(2, BoomBackward(IN, IN))
+    x = torch.randn(8, IN)
+    y = parsum.sum_models(models, x, n_jobs=1, chunk_size=2)
+    assert x.requires_grad
+    if x_grad is not None:
+        x.grad = torch.ones_like(x)
+    before = None if x.grad is None else x.grad.clone()
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(BoomBackward\)"):
+        y.pow(2).sum().backward()
+    assert (x.grad is None) == (before is None)
+    assert before is None or torch.equal(x.grad, before)
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
 _GLOBAL_TABLE: dict[str, torch.Tensor] = {}
 
 
