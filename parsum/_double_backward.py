@@ -38,6 +38,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,9 +72,11 @@ class Holds:
         self.refs: list[weakref.ref[Derivatives]] = []
         self.node = weakref.ref(node)  # the CallerGraphSum node
         self.on_cpu = on_cpu  # its outputs, arguments and parameters
-        # The pullbacks left for the last of the nodes to run in a backward (NOTE [ One
-        # pullback for a sum and its derivatives ]).
-        self.merge: Merge | None = None
+        # The pullbacks left for the last of the nodes to run in a backward, by its graph
+        # task (NOTE [ One pullback for a sum and its derivatives ]): backward passes through
+        # a retained graph may run at once in several threads.
+        self.merges: dict[int, Merge] = {}
+        self.lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return any(ref() is not None for ref in self.refs)
@@ -82,7 +85,7 @@ class Holds:
         self.refs.append(weakref.ref(held))
 
     def release(self) -> None:
-        self.merge = None
+        self.merges = {}
         state = self.state()
         if state is not None:
             state.edges = state.aliases = None
@@ -429,18 +432,19 @@ class DifferentiablePullback(torch.autograd.Function):
 # gradient, or where an output, argument or parameter is not on the CPU (a device's thread
 # runs those nodes): there each node pulls back its own, as before. Which nodes run depends on
 # the backward alone, never on n_jobs, and the nodes run on the calling thread in the engine's
-# order: the same bits for any n_jobs. A whole penalty step against the code before, in one run
-# of benchmarks/bench_against.py --step penalty on 2 cores: 16 MLPs of widths 128-512 at batch
-# 64 23.3 -> 18.7 ms (the plain loop's 15.9), 16 MLP classes of widths 128-488 23.1 -> 18.4
+# order: the same bits for any n_jobs. What is left is kept by graph task (backward passes
+# through a retained graph may run at once in several threads). A whole penalty step against
+# the code before, in one run of benchmarks/bench_against.py --step penalty on 2 cores: 16
+# MLPs of widths 128-512 at batch 64 23.3 -> 18.7 ms (the plain loop's 15.9), 16 MLP classes
+# of widths 128-488 23.1 -> 18.4
 # (15.3), 64 tiny MLP classes 17.1 -> 16.3 (10.9).
 
 
 class Merge:
-    """The pullbacks left by the nodes of a sum that ran first in one backward (``task``), for
-    the last to run (NOTE [ One pullback for a sum and its derivatives ])."""
+    """The pullbacks left by the nodes of a sum that ran first in one backward, for the last to
+    run (NOTE [ One pullback for a sum and its derivatives ])."""
 
-    def __init__(self, task: int) -> None:
-        self.task = task
+    def __init__(self) -> None:
         self.parts: list[Derivatives] = []
         self.ran: set[int] = set()  # the ids of the nodes that left them
 
@@ -488,15 +492,16 @@ def merge_pullbacks(
     back its own. The gradients of ``part.earlier``, the arguments and the parameters."""
     assert _GRAPH_TASK_ID is not None
     task = _GRAPH_TASK_ID()
-    merge = holds.merge if holds.merge is not None and holds.merge.task == task else None
-    if may_wait and _others_to_run(holds, node, merge):
-        if merge is None:
-            merge = holds.merge = Merge(task)
-        merge.parts.append(part)
-        merge.ran.add(id(node))
-        n_args = part.n_args()
-        return [None] * len(part.earlier), [None] * n_args, [None] * len(part.plan.params)
-    holds.merge = None
+    with holds.lock:
+        merge = holds.merges.pop(task, None)
+        if may_wait and _others_to_run(holds, node, merge):
+            if merge is None:
+                merge = Merge()
+            holds.merges[task] = merge
+            merge.parts.append(part)
+            merge.ran.add(id(node))
+            n_args = part.n_args()
+            return [None] * len(part.earlier), [None] * n_args, [None] * len(part.plan.params)
     if merge is None:
         return None
     return _pull_back_together([*merge.parts, part])

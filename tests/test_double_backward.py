@@ -8,6 +8,7 @@ import functools
 import random
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -170,6 +171,39 @@ def test_a_penalty_step_walks_the_models_graphs_once(n_jobs, penalties, how):
     assert calls == plain_calls == len(models)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_penalty_backward_passes_at_once_in_two_threads_each_get_their_gradients():
+    # NOTE [ One pullback for a sum and its derivatives ]: what a node leaves for the last to
+    # run is kept by backward (graph task), not by sum: two backward passes through the same
+    # retained graph at once must not take each other's.
+    torch.manual_seed(0)
+    models = [_SpiedMLP(4 + i) for i in range(6)]
+    x = torch.randn(8, IN, dtype=torch.float64, requires_grad=True)
+    y = parsum.sum_models(models, x, n_jobs=1)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    loss = y.pow(2).mean() + (g.norm(dim=1) - 1).pow(2).mean()
+    params = unique_params(models)
+    want = torch.autograd.grad(loss, [x, *params], retain_graph=True)
+    for t in (y, g):  # before each node, a pause that lets the other thread's backward run
+        t.register_hook(lambda grad: time.sleep(0.002))
+    found: list = []
+    start = threading.Barrier(2)
+
+    def run():
+        start.wait()
+        for _ in range(10):
+            found.append(torch.autograd.grad(loss, [x, *params], retain_graph=True))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 20
+    for got in found:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_hessian_vector_product_in_the_parameters():
