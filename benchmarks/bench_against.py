@@ -12,14 +12,16 @@ loss's gradient in the argument alone (``torch.autograd.grad(loss, x)``: adversa
 saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
 ``create_graph=True``, then the backward of the loss plus a penalty on it), ``--step grad-params``
 the loss's gradient in the parameters by ``torch.autograd.grad`` (functional training loops,
-optimizers that take gradients as values: nothing written to ``.grad``). ``--members 0.75``
+optimizers that take gradients as values: nothing written to ``.grad``), ``--step accumulate``
+a micro-batch's forward and backward into gradients that earlier micro-batches set (gradient
+accumulation: every ``.grad`` set, never zeroed). ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|penalty] [--members 0.75] [--first 16]
+        [--step train|grad-x|grad-params|accumulate|penalty] [--members 0.75] [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -85,9 +87,11 @@ def step_of(
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
     if args.step != "train":
         total = _plain_total if package is None else package.sum_models
-        step = {"grad-x": _gradient_in_x, "grad-params": _gradient_in_params}.get(
-            args.step, _penalty_step
-        )
+        step = {
+            "grad-x": _gradient_in_x,
+            "grad-params": _gradient_in_params,
+            "accumulate": _micro_batch,
+        }.get(args.step, _penalty_step)
         return functools.partial(step, total, models, x, args.n_jobs)
     if package is None:
         if args.adam or args.sib:
@@ -117,6 +121,10 @@ def _gradient_in_params(
     torch.autograd.grad(loss_of(total(models, x, n_jobs=n_jobs)), params)
 
 
+def _micro_batch(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    loss_of(total(models, x, n_jobs=n_jobs)).backward()  # .grad set by the steps before
+
+
 def _penalty_step(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
     zero_grads(models)
     x = x.detach().requires_grad_()
@@ -137,7 +145,9 @@ def main() -> None:
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
     parser.add_argument("--n-jobs", type=int, default=None)
     parser.add_argument(
-        "--step", choices=["train", "grad-x", "grad-params", "penalty"], default="train"
+        "--step",
+        choices=["train", "grad-x", "grad-params", "accumulate", "penalty"],
+        default="train",
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--settle-ms", type=float, default=20.0)
