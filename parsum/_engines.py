@@ -651,9 +651,11 @@ def pull_back(
     cotangents: Sequence[Tensor],
     retain_graph: bool,
     accumulate: bool = False,
+    create_graph: bool = False,
 ) -> tuple[Tensor | None, ...]:
-    """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)``, or with
-    ``accumulate`` ``torch.autograd.backward(outputs, cotangents, inputs=inputs)``.
+    """``torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)`` (with
+    ``create_graph``), or with ``accumulate`` ``torch.autograd.backward(outputs, cotangents,
+    inputs=inputs)``.
 
     The cotangents are the sum's own gradients, whose shapes and dtypes match the outputs, so
     the checks and conversions of ``autograd.grad``'s Python wrapper (about 10 us a call here,
@@ -668,13 +670,18 @@ def pull_back(
             )
             return ()
         return torch.autograd.grad(
-            outputs, inputs, cotangents, retain_graph=retain_graph, allow_unused=True
+            outputs,
+            inputs,
+            cotangents,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            allow_unused=True,
         )
     return _run_engine(
         tuple(outputs),
         tuple(cotangents),
         retain_graph,
-        False,
+        create_graph,
         tuple(inputs),
         True,
         accumulate_grad=accumulate,

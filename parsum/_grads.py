@@ -560,6 +560,12 @@ def wanted_inputs(
     each), a group's inputs are all wanted where one is (NOTE [ Asking what the backward
     wants ])."""
     nodes = [edge[0] for edge in node.next_functions[first : first + count]]
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is not None and None not in nodes:
+        try:  # in one C loop where none raises (none captured: all but autograd.grad's)
+            return list(map(bool, map(will_execute, nodes)))
+        except RuntimeError:
+            pass
     if groups is None:
         return list(map(wanted_at, nodes))
     wanted = [False] * count
