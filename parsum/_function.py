@@ -78,10 +78,13 @@ from ._random import (
     warn_drawn_on_threads,
     warn_thread_timing,
 )
-from ._sparse import GradSum, add_grad, coalesce_later, merge_grads
+from ._sparse import GradSum, add_grad, coalesce_later, merge_grads, sum_terms
 from ._summation import (
     ChunkPartials,
     CompensatedAccumulator,
+    add_term,
+    add_terms_in_order,
+    argument_terms_at_once,
     sums_at_once,
     weigh_models,
     wide_sum_over_models,
@@ -1553,7 +1556,10 @@ class _Backward:
         self.weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
         self.param_grads: list[Tensor | None] = [None] * len(plan.params)
         self.weight_grads: list[Tensor | None] = [None] * len(plan.models)
-        self.arg_totals: dict[int, GradSum] = {}
+        self.arg_totals: dict[int, Any] = {}  # GradSum, or ChunkPartials of terms
+        # NOTE [ Argument gradients at once ] in _summation
+        arguments = [ctx.call.leaves[j] for j in ctx.call.grad_positions]
+        self.args_at_once = argument_terms_at_once(len(plan.models), arguments)
         self.shared_totals: dict[int, GradSum] = {}
         self.sib = plan.step_in_backward
         if self.sib is not None:  # NOTE [ Gradients from outside the sum ] in _fused
@@ -1688,8 +1694,9 @@ class _Backward:
                 alone.append(u)
         return frozenset(alone)
 
-    def chunk(self, k: int) -> tuple[dict[int, GradSum], dict[int, GradSum]]:
-        """Pull back chunk ``k``; its argument gradients and shared-parameter gradients summed."""
+    def chunk(self, k: int) -> tuple[dict[int, Any], dict[int, GradSum]]:
+        """Pull back chunk ``k``; its argument gradients (summed, or its terms: NOTE [ Argument
+        gradients at once ] in _summation) and shared-parameter gradients summed."""
         plan, grad_outputs = self.plan, self.grad_outputs
         if self.one_call and self.all_chunks is None:
             self.all_chunks = _pull_back_batched(
@@ -1701,7 +1708,7 @@ class _Backward:
                 self.direct,
                 self.keep_graph,
             )
-        arg_accs: dict[int, GradSum] = {}
+        arg_accs: dict[int, Any] = {}
         shared_accs: dict[int, GradSum] = {}
         # A chunk of one model steps it right after its pullback.
         units = plan.chunks[k]
@@ -1725,7 +1732,7 @@ class _Backward:
             ):
                 for j, g in enumerate(arg_grads):
                     if g is not None:
-                        add_grad(arg_accs, j, g)
+                        (add_term if self.args_at_once else add_grad)(arg_accs, j, g)
                 del arg_grads
                 for i, grads in zip(unit.models, model_grads):
                     self.route(i, grads, shared_accs, waiting)
@@ -1740,9 +1747,11 @@ class _Backward:
             self.step_waiting(waiting)
         return arg_accs, shared_accs
 
-    def consume(self, k: int, partial: tuple[dict[int, GradSum], dict[int, GradSum]]) -> None:
+    def consume(self, k: int, partial: tuple[dict[int, Any], dict[int, GradSum]]) -> None:
         arg_accs, shared_accs = partial
-        for j, acc in arg_accs.items():
+        if self.args_at_once:
+            add_terms_in_order(self.arg_totals, arg_accs)
+        for j, acc in arg_accs.items() if not self.args_at_once else ():
             merge_grads(self.arg_totals, j, acc)
         for slot, acc in shared_accs.items():
             merge_grads(self.shared_totals, slot, acc)
@@ -1875,9 +1884,14 @@ class _Backward:
         ctx, plan = self.ctx, self.plan
         n_arg_grads = len(ctx.call.grad_positions)
         with _pool.as_one_task(len(plan.chunks)):  # NOTE [ Spinning intra-op threads ]
+            totals = self.arg_totals  # NOTE [ Argument gradients at once ] in _summation
             arg_results = iter(
                 [
-                    self.arg_totals[j].result() if j in self.arg_totals else None
+                    None
+                    if j not in totals
+                    else sum_terms(totals[j])
+                    if self.args_at_once
+                    else totals[j].result()
                     for j in range(n_arg_grads)
                 ]
             )

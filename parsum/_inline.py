@@ -174,7 +174,9 @@ from ._sparse import (
     merge_grads,
     post_accumulate_hooks,
     sampled_elements,
+    sum_terms,
 )
+from ._summation import add_term, add_terms_in_order, argument_terms_at_once
 
 
 def fits_callers_graph(plan: SumPlan) -> bool:
@@ -414,8 +416,14 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     weighted = weight_tensor is not None or plan.weights is not None
     param_grads: list[Tensor | None] = [None] * len(params)
     # The arguments' gradients, each chunk's summed as soon as its models are pulled back
-    # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]).
-    totals: dict[int, GradSum] = {}
+    # and added in chunk order (NOTE [ Argument gradients chunk by chunk ]), or every model's
+    # added at the end (NOTE [ Argument gradients at once ] in _summation).
+    totals: dict[int, Any] = {}
+    at_once = (
+        aliases is not None
+        and not flipped
+        and argument_terms_at_once(len(plan.models), ctx.call_tensors[:n_args])
+    )
     if not params and aliases is None and not flipped:
         return (None, None, None, *weight_part)
     error: BaseException | None = None
@@ -472,18 +480,23 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         del failing[k]
         if aliases is None and not flip_grads:
             return None
-        (chunk,) = chunks  # with arguments to differentiate, one chunk a call
         if vmapped:  # NOTE [ Gradients under vmap ]: added at the end, out of place
             vmapped_captured.update(captured)
+            (chunk,) = chunks  # one chunk a call
             vmapped_flipped[chunk] = flip_grads
             return None
-        accs = {} if aliases is None else _chunk_argument_gradients(plan, chunk, aliases, captured)
+        accs: dict[int, Any] = {}
+        if aliases is not None:
+            accs = _chunk_argument_gradients(plan, chunks, aliases, captured, at_once)
         for j, grad in flip_grads:
             if grad is not None:
                 add_grad(accs, j, grad)
         return accs
 
-    def add_in_order(k: int, partial: dict[int, GradSum] | None) -> None:
+    def add_in_order(k: int, partial: dict[int, Any] | None) -> None:
+        if at_once:
+            add_terms_in_order(totals, partial or {})
+            return
         for j, acc in (partial or {}).items():
             merge_grads(totals, j, acc)
 
@@ -586,8 +599,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             # _function).
             made = plan.args_made_to_need_grad
             with _pool.as_one_task(1 if made else n_chunks):
-                if state.in_order and aliases is None and not made:
-                    pull_back_chunks(0, range(n_chunks))
+                if state.in_order and (aliases is None or at_once) and not made:
+                    add_in_order(0, pull_back_chunks(0, range(n_chunks)))
                 else:  # forwards on several threads: each chunk's ran in order
                     for k in range(n_chunks):
                         add_in_order(k, pull_back_one(k))
@@ -624,7 +637,14 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             arg_grads = list(map(_wide_sum, terms))
         else:
             with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
-                arg_grads = [totals[j].result() if j in totals else None for j in range(n_args)]
+                arg_grads = [
+                    None
+                    if j not in totals
+                    else sum_terms(totals[j])
+                    if at_once
+                    else totals[j].result()
+                    for j in range(n_args)
+                ]
         if not keep_graph:
             state.aliases = None
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
@@ -649,20 +669,24 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
 # pulled back, never one gradient a model: 32 small heads reading a 4096 x 512 batch that
 # needs a gradient peaked 300 MiB above the plain loop (a float64 sum of 16 MiB a chunk kept
 # for every chunk to the end), at one thread also where one engine call pulled back every
-# chunk. At one thread such chunks are pulled back one engine call each.
+# chunk. At one thread such chunks are pulled back one engine call each, unless every model's
+# gradients together are small (NOTE [ Argument gradients at once ] in _summation).
 
 
 def _chunk_argument_gradients(
     plan: SumPlan,
-    chunk: int,
+    chunks: Sequence[int],
     aliases: list[list[Tensor]],
     captured: dict[int, Sequence[Tensor | None]],
-) -> dict[int, GradSum]:
-    """The argument gradients of ``chunk``'s models summed, model by model in model order, from
-    each model's aliases (``.grad``, where the pullback accumulated into every leaf, taken so
-    that a retained graph's next backward starts from None again) or ``captured``."""
-    accs: dict[int, GradSum] = {}
-    for u in plan.chunks[chunk]:
+    at_once: bool,
+) -> dict[int, Any]:
+    """The argument gradients of the models of ``chunks`` summed, model by model in model
+    order, or with ``at_once`` listed so (NOTE [ Argument gradients at once ] in _summation),
+    from each model's aliases (``.grad``, where the pullback accumulated into every leaf, taken
+    so that a retained graph's next backward starts from None again) or ``captured``."""
+    accs: dict[int, Any] = {}
+    add = add_term if at_once else add_grad
+    for u in (u for c in chunks for u in plan.chunks[c]):
         for i in plan.units[u].models:
             grads = captured.pop(i, None)
             if grads is None:
@@ -671,7 +695,7 @@ def _chunk_argument_gradients(
                     alias.grad = None
             for j, g in enumerate(grads):
                 if g is not None:
-                    add_grad(accs, j, g)
+                    add(accs, j, g)
     return accs
 
 

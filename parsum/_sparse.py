@@ -442,6 +442,20 @@ def add_grad(accs: dict[int, GradSum], k: int, g: Tensor) -> None:
     acc.add(g)
 
 
+def sum_terms(terms: list[Tensor]) -> Tensor:
+    """An argument's gradients (NOTE [ Argument gradients at once ] in _summation) summed in
+    order: with one wide reduction, or where one is row-sparse (``take_rows``, a sparse
+    embedding of the argument) one by one, as ``add_grad`` adds them."""
+    if all(t.layout == torch.strided for t in terms):
+        acc = CompensatedAccumulator()
+        acc.add_all(terms)
+        return acc.result()
+    accs: dict[int, GradSum] = {}
+    for t in terms:
+        add_grad(accs, 0, t)
+    return accs[0].result()
+
+
 def merge_grads(totals: dict[int, GradSum], k: int, acc: GradSum) -> None:
     """Merge a chunk's accumulator for parameter ``k`` into ``totals[k]``, in chunk order."""
     total = totals.get(k)

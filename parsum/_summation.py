@@ -226,6 +226,36 @@ def sums_at_once(n_terms: int, like: Tensor) -> bool:
     )
 
 
+# NOTE [ Argument gradients at once ]
+# The models' gradients of an argument that needs one (each read it through an alias of its
+# own) were summed like parameters shared by models: model by model in a chunk, the chunks'
+# sums merged in chunk order, a kernel or two for every model and chunk. Where all of them
+# together fit in PARTIALS_BYTES of wide values (``sums_at_once`` for as many terms as models),
+# each chunk hands its models' gradients over in model order instead, and the call adds them
+# all with one wide reduction (``sum_terms`` in _sparse), as the outputs' sum does (NOTE
+# [ One reduction for small outputs ]); and at one thread, where the forwards ran in model
+# order, one engine call pulls back every chunk, whose gradients are then held together
+# anyway. Both paths (ParallelSum and the caller's graph) sum them so, from terms that do not
+# depend on the threads: the same bits for any n_jobs, and the same on both.
+
+
+def argument_terms_at_once(n_models: int, arguments: Sequence[Tensor]) -> bool:
+    """Whether the models' gradients of ``arguments`` are added as terms, with one reduction
+    at the end (NOTE [ Argument gradients at once ])."""
+    return bool(arguments) and all(sums_at_once(n_models, t) for t in arguments)
+
+
+def add_term(terms: dict[int, list[Tensor]], k: int, g: Tensor) -> None:
+    """Gradient ``g`` of argument ``k`` as its next term."""
+    terms.setdefault(k, []).append(g)
+
+
+def add_terms_in_order(totals: dict[int, list[Tensor]], terms: dict[int, list[Tensor]]) -> None:
+    """A chunk's terms after those of the chunks before it."""
+    for k, chunk_terms in terms.items():
+        totals.setdefault(k, []).extend(chunk_terms)
+
+
 class ChunkPartials:
     """Chunk partial sums (``CompensatedAccumulator``s) combined in chunk order; see NOTE
     [ Combining chunk partials ]. The accumulators merged are taken over. Or the terms

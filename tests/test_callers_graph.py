@@ -359,6 +359,48 @@ def test_how_models_share_engine_calls_changes_no_bit(capture, cores):
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0]))
 
 
+@pytest.mark.parametrize("rows", [4, 16384])
+@pytest.mark.parametrize("capture", [False, True])
+def test_argument_gradients_at_once_take_one_engine_call_and_change_no_bit(
+    rows, capture, cores, monkeypatch
+):
+    # NOTE [ Argument gradients at once ] in parsum._summation: small argument gradients are
+    # every model's, added in one reduction, all chunks pulled back in one engine call at one
+    # thread; a large argument's per chunk (7 models x 16384 x IN x 8 bytes is over
+    # PARTIALS_BYTES), one call a chunk. Either way the bits of any n_jobs.
+    cores(2)
+    calls = []
+    pull_back = _inline.pull_back
+    monkeypatch.setattr(_inline, "pull_back", lambda *a, **k: calls.append(1) or pull_back(*a, **k))
+    x0 = torch.randn(rows, IN)
+    results = []
+    for n_jobs, shared in [(1, False), (3, False), (1, True)]:
+        models = zoo(seed=5)
+        if shared:  # a model twice: ParallelSum
+            models.append(models[0])
+        if capture:
+            for m in models:
+                for p in m.parameters():
+                    p.grad = torch.zeros_like(p)
+        x = x0.clone().requires_grad_()
+        calls.clear()
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
+        assert in_callers_graph(y) != shared
+        y.pow(2).sum().backward()
+        if n_jobs == 1 and not shared:
+            assert len(calls) == (1 if rows == 4 else 4)  # 7 models in 4 chunks
+        results.append(x.grad)
+    ref = zoo(seed=5)
+    x_ref = x0.clone().requires_grad_()
+    plain_sum(ref, x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(results[0], x_ref.grad)
+    assert torch.equal(results[0], results[1])
+    shared_ref = zoo(seed=5)
+    x_ref = x0.clone().requires_grad_()
+    plain_sum([*shared_ref, shared_ref[0]], x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(results[2], x_ref.grad)
+
+
 def test_a_retained_graph_gives_each_backward_its_own_argument_gradient():
     models = zoo(seed=5)
     ref = clone_models(models)
