@@ -432,14 +432,13 @@ class DifferentiablePullback(torch.autograd.Function):
 # may run first); it takes what the others left. Not where a backward records its graph
 # (create_graph: the next order's nodes), under vmap, where a model made an argument need a
 # gradient, or where the sum is not on the CPU (a device's thread runs its node; not tried on
-# one): there each node pulls back its own, as before. Which nodes run depends on
-# the backward alone, never on n_jobs, and the nodes run on the calling thread in the engine's
+# one): there each node pulls back its own, as before. Which nodes run depends on the
+# backward alone, never on n_jobs, and the nodes run on the calling thread in the engine's
 # order: the same bits for any n_jobs. What is left is kept by graph task (backward passes
 # through a retained graph may run at once in several threads). A whole penalty step against
 # the code before, in one run of benchmarks/bench_against.py --step penalty on 2 cores: 16
 # MLPs of widths 128-512 at batch 64 23.3 -> 18.7 ms (the plain loop's 15.9), 16 MLP classes
-# of widths 128-488 23.1 -> 18.4
-# (15.3), 64 tiny MLP classes 17.1 -> 16.3 (10.9).
+# of widths 128-488 23.1 -> 18.4 (15.3), 64 tiny MLP classes 17.1 -> 16.3 (10.9).
 
 
 class Merge:
