@@ -402,17 +402,27 @@ class DifferentiablePullback(torch.autograd.Function):
                 )
                 raise
         inputs_grads, param_grads, alias_grads = following.spread(found)
-        arg_grads: list[Tensor | None] = []
-        for j in range(n_args):
-            mine = [g for g in alias_grads[j::n_args] if g is not None]
-            if vmapped:
-                arg_grads.append(_wide_sum(mine))
-                continue
-            acc = CompensatedAccumulator()
-            for g in mine:
-                acc.add(g)
-            arg_grads.append(None if acc.empty else acc.result())
+        arg_grads = _argument_sums(alias_grads, n_args, vmapped)
         return (None, None, None, None, *inputs_grads, *arg_grads, *param_grads)
+
+
+def _argument_sums(
+    alias_grads: Sequence[Tensor | None], n_args: int, vmapped: bool = False
+) -> list[Tensor | None]:
+    """Each argument's gradient: its models' aliases' (``alias_grads``, model by model,
+    argument by argument) added in model order, compensated, or under vmap in the wide dtype
+    out of place (NOTE [ Gradients under vmap ] in _inline)."""
+    arg_grads: list[Tensor | None] = []
+    for j in range(n_args):
+        mine = [g for g in alias_grads[j::n_args] if g is not None]
+        if vmapped:
+            arg_grads.append(_wide_sum(mine))
+            continue
+        acc = CompensatedAccumulator()
+        for g in mine:
+            acc.add(g)
+        arg_grads.append(None if acc.empty else acc.result())
+    return arg_grads
 
 
 # NOTE [ One pullback for a sum and its derivatives ]
@@ -590,14 +600,7 @@ def _pull_back_together(
     ]
     param_found = [next(taken) if w else None for w in params]
     alias_found = [next(taken) if w else None for _ in aliases for w in args]
-    arg_grads: list[Tensor | None] = []
-    for j in range(n_args):
-        acc = CompensatedAccumulator()
-        for g in alias_found[j::n_args]:
-            if g is not None:
-                acc.add(g)
-        arg_grads.append(None if acc.empty else acc.result())
-    return earlier_found, arg_grads, param_found
+    return earlier_found, _argument_sums(alias_found, n_args), param_found
 
 
 def _attempt(held: Derivatives, models: Sequence[int]) -> Callable[[], object]:
