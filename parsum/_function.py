@@ -78,12 +78,18 @@ from ._random import (
     warn_drawn_on_threads,
     warn_thread_timing,
 )
-from ._sparse import GradSum, add_grad, coalesce_later, merge_grads, sum_terms
+from ._sparse import (
+    GradSum,
+    add_grad,
+    add_term,
+    argument_grad,
+    coalesce_later,
+    merge_argument_grads,
+    merge_grads,
+)
 from ._summation import (
     ChunkPartials,
     CompensatedAccumulator,
-    add_term,
-    add_terms_in_order,
     argument_terms_at_once,
     sums_at_once,
     weigh_models,
@@ -1556,7 +1562,7 @@ class _Backward:
         self.weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
         self.param_grads: list[Tensor | None] = [None] * len(plan.params)
         self.weight_grads: list[Tensor | None] = [None] * len(plan.models)
-        self.arg_totals: dict[int, Any] = {}  # GradSum, or ChunkPartials of terms
+        self.arg_totals: dict[int, Any] = {}  # GradSum, or lists of terms
         # NOTE [ Argument gradients at once ] in _summation
         arguments = [ctx.call.leaves[j] for j in ctx.call.grad_positions]
         self.args_at_once = argument_terms_at_once(len(plan.models), arguments)
@@ -1749,10 +1755,7 @@ class _Backward:
 
     def consume(self, k: int, partial: tuple[dict[int, Any], dict[int, GradSum]]) -> None:
         arg_accs, shared_accs = partial
-        if self.args_at_once:
-            add_terms_in_order(self.arg_totals, arg_accs)
-        for j, acc in arg_accs.items() if not self.args_at_once else ():
-            merge_grads(self.arg_totals, j, acc)
+        merge_argument_grads(self.arg_totals, arg_accs, self.args_at_once)
         for slot, acc in shared_accs.items():
             merge_grads(self.shared_totals, slot, acc)
 
@@ -1884,16 +1887,8 @@ class _Backward:
         ctx, plan = self.ctx, self.plan
         n_arg_grads = len(ctx.call.grad_positions)
         with _pool.as_one_task(len(plan.chunks)):  # NOTE [ Spinning intra-op threads ]
-            totals = self.arg_totals  # NOTE [ Argument gradients at once ] in _summation
             arg_results = iter(
-                [
-                    None
-                    if j not in totals
-                    else sum_terms(totals[j])
-                    if self.args_at_once
-                    else totals[j].result()
-                    for j in range(n_arg_grads)
-                ]
+                [argument_grad(self.arg_totals, j, self.args_at_once) for j in range(n_arg_grads)]
             )
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]

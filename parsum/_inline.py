@@ -168,15 +168,15 @@ from ._grads import (
     zeroed_slot_views,
 )
 from ._sparse import (
-    GradSum,
     add_grad,
+    add_term,
     any_sampled,
-    merge_grads,
+    argument_grad,
+    merge_argument_grads,
     post_accumulate_hooks,
     sampled_elements,
-    sum_terms,
 )
-from ._summation import add_term, add_terms_in_order, argument_terms_at_once
+from ._summation import argument_terms_at_once
 
 
 def fits_callers_graph(plan: SumPlan) -> bool:
@@ -431,7 +431,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     failing: dict[int, list[int]] = {}
     graphs = edges  # as narrowed here, for the function below
 
-    def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, GradSum] | None:
+    def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, Any] | None:
         """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
         the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
         gradients summed, where arguments need them."""
@@ -494,11 +494,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         return accs
 
     def add_in_order(k: int, partial: dict[int, Any] | None) -> None:
-        if at_once:
-            add_terms_in_order(totals, partial or {})
-            return
-        for j, acc in (partial or {}).items():
-            merge_grads(totals, j, acc)
+        merge_argument_grads(totals, partial or {}, at_once)
 
     n_chunks = len(plan.chunks)
     # A model with CPU parameters may still return CUDA tensors: then this backward runs
@@ -557,7 +553,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         runs, claim_order = pullback_runs(plan.run_costs, threads)
         callers_last = False
 
-    def pull_back_one(k: int) -> dict[int, GradSum] | None:
+    def pull_back_one(k: int) -> dict[int, Any] | None:
         if runs is None:
             return pull_back_chunks(k, (k,))
         chunks = runs.get(k)
@@ -637,14 +633,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             arg_grads = list(map(_wide_sum, terms))
         else:
             with _pool.as_one_task(n_chunks):  # NOTE [ Spinning intra-op threads ] in _pool
-                arg_grads = [
-                    None
-                    if j not in totals
-                    else sum_terms(totals[j])
-                    if at_once
-                    else totals[j].result()
-                    for j in range(n_args)
-                ]
+                arg_grads = [argument_grad(totals, j, at_once) for j in range(n_args)]
         if not keep_graph:
             state.aliases = None
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)

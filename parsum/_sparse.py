@@ -45,7 +45,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -440,6 +440,31 @@ def add_grad(accs: dict[int, GradSum], k: int, g: Tensor) -> None:
     if g.is_sparse and isinstance(acc, CompensatedAccumulator):
         g = g.to_dense()
     acc.add(g)
+
+
+def add_term(terms: dict[int, list[Tensor]], k: int, g: Tensor) -> None:
+    """Gradient ``g`` of argument ``k`` as its next term (NOTE [ Argument gradients at once ]
+    in _summation)."""
+    terms.setdefault(k, []).append(g)
+
+
+def merge_argument_grads(totals: dict[int, Any], partial: dict[int, Any], at_once: bool) -> None:
+    """A chunk's argument gradients, its terms where ``at_once`` (NOTE [ Argument gradients at
+    once ] in _summation) or else summed, after those of the chunks before it."""
+    for k, acc in partial.items():
+        if at_once:
+            totals.setdefault(k, []).extend(acc)
+        else:
+            merge_grads(totals, k, acc)
+
+
+def argument_grad(totals: dict[int, Any], k: int, at_once: bool) -> Tensor | None:
+    """Argument ``k``'s gradient from what ``merge_argument_grads`` gathered; None where no
+    model gave it one."""
+    total = totals.get(k)
+    if total is None:
+        return None
+    return sum_terms(total) if at_once else total.result()
 
 
 def sum_terms(terms: list[Tensor]) -> Tensor:

@@ -245,17 +245,6 @@ def argument_terms_at_once(n_models: int, arguments: Sequence[Tensor]) -> bool:
     return bool(arguments) and all(sums_at_once(n_models, t) for t in arguments)
 
 
-def add_term(terms: dict[int, list[Tensor]], k: int, g: Tensor) -> None:
-    """Gradient ``g`` of argument ``k`` as its next term."""
-    terms.setdefault(k, []).append(g)
-
-
-def add_terms_in_order(totals: dict[int, list[Tensor]], terms: dict[int, list[Tensor]]) -> None:
-    """A chunk's terms after those of the chunks before it."""
-    for k, chunk_terms in terms.items():
-        totals.setdefault(k, []).extend(chunk_terms)
-
-
 class ChunkPartials:
     """Chunk partial sums (``CompensatedAccumulator``s) combined in chunk order; see NOTE
     [ Combining chunk partials ]. The accumulators merged are taken over. Or the terms
