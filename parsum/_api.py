@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import numbers
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
@@ -48,6 +49,7 @@ from ._grouping import (
     chunks_of,
     costliest_first,
     estimate,
+    estimated_costs,
     intra_op_only,
     plan_units,
     small_last_chunk,
@@ -296,8 +298,9 @@ def _general_sum(
         key_of = _keys_of(walk, found) if found is not None else None
         found = found or [ModelParams.of(m) for m in models]
         units = plan_units(models, found, engine, batch, chunk_size, budget, key_of)
-        chunks = chunks_of(units, found, batch, chunk_size)
-        order = costliest_first(units, chunks, found, batch)
+        costs = estimated_costs(found, batch)  # read by each choice below
+        chunks = chunks_of(units, found, batch, chunk_size, costs=costs)
+        order = costliest_first(units, chunks, found, batch, costs)
         claim_order: tuple[int, ...] | None = order
         # One chunk with the budget's intra-op threads; a budget of 1 keeps the chunks an
         # explicit n_jobs has: one thread either way, and then the same bits (NOTE [ Threads
@@ -310,10 +313,12 @@ def _general_sum(
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers
-        last = claim_order is not None and small_last_chunk(units, chunks, found, batch, order)
+        last = claim_order is not None and small_last_chunk(
+            units, chunks, found, batch, order, costs
+        )
         run_costs = None
         if too_small_for_workers(found, batch):
-            run_costs = tuple(chunk_costs(units, chunks, found, batch))
+            run_costs = tuple(chunk_costs(units, chunks, found, batch, costs))
         derived = Derived(units, chunks, workers, forward_workers, claim_order, last, run_costs)
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
@@ -686,10 +691,19 @@ def _collect_params(
     model_params: list[ModelParams],
 ) -> tuple[list[Tensor], list[list[int]], list[bool]]:
     """Every trainable parameter once, each model's slots, and which are used by several."""
+    slots: list[list[int]] = []
+    every = list(itertools.chain.from_iterable(mp.tensors for mp in model_params))
+    if len(set(map(id, every))) == len(every):
+        # None used twice, the usual case: each model's slots follow the last model's (a set
+        # of models drawn anew each call collects them every call)
+        start = 0
+        for mp in model_params:
+            slots.append(list(range(start, start + len(mp.tensors))))
+            start += len(mp.tensors)
+        return every, slots, [False] * len(every)
     index: dict[int, int] = {}
     params: list[Tensor] = []
     users: list[int] = []
-    slots: list[list[int]] = []
     for mp in model_params:
         model_slots = []
         for p in mp.tensors:

@@ -1814,6 +1814,9 @@ def shared_state(
     if candidates is None:
         reach_of: dict[int, list[Any]] = {}  # by function: many models run one class's forward
         candidates = [entry_candidates(mp.modules, reach_of) for mp in model_params]
+    keys = [set(map(_candidate_key, found)) for found in candidates]
+    if len(set().union(*keys)) == sum(map(len, keys)):
+        return SharedState([], [])  # no object in two entries: most sets
     owner: dict[int, int] = {}
     named: dict[int, tuple[nn.Module, str | None]] = {}
     reached: dict[int, Any] = {}
@@ -1838,6 +1841,9 @@ class Candidate(NamedTuple):
     position: int | None
     name: str | None
     value: Any
+
+
+_candidate_key = operator.itemgetter(0)
 
 
 def entry_candidates(

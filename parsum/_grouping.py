@@ -503,7 +503,7 @@ def small_pullback_workers(model_params: Sequence[ModelParams], batch: Batch) ->
     """The workers that pay for the pullbacks of models too small for workers in forward: one
     for each PULLBACK_WORKER_PARAM_ROWS of their estimated cost, at most
     MAX_SMALL_PULLBACK_WORKERS (NOTE [ Pullbacks of small models ])."""
-    total = sum(estimated_cost(mp, batch) for mp in model_params)
+    total = sum(estimated_costs(model_params, batch))
     return max(1, min(MAX_SMALL_PULLBACK_WORKERS, total // PULLBACK_WORKER_PARAM_ROWS))
 
 
@@ -563,7 +563,7 @@ def intra_op_only(
         return True
     long_kernels = [_runs_long_kernels(mp, batch) for mp in model_params]
     if any(long_kernels):
-        costs = [_param_rows(mp, batch, last_call=False) for mp in model_params]
+        costs = [_rows(mp, batch) for mp in model_params]
         if 2 * sum(c for c, long in zip(costs, long_kernels) if long) >= sum(costs):
             return False
     # Without the caller's team released, its spinning threads take the helper's core after
@@ -604,7 +604,7 @@ def intra_op_pays(
 def _unit_param_rows(unit: Unit, model_params: Sequence[ModelParams], batch: Batch) -> int:
     """A unit's parameter-rows, a take_rows table's counted one a batch row (as ``intra_op_pays``
     counts them)."""
-    return sum(_param_rows(model_params[i], batch, last_call=False) for i in unit.models)
+    return sum(_rows(model_params[i], batch) for i in unit.models)
 
 
 def _runs_long_kernels(mp: ModelParams, batch: Batch) -> bool:
@@ -664,6 +664,12 @@ def estimated_cost(mp: ModelParams, batch: Batch) -> int:
     return cast(int, estimate(mp, batch, _cost_now, mp, batch))
 
 
+def estimated_costs(model_params: Sequence[ModelParams], batch: Batch) -> list[int]:
+    """Every model's ``estimated_cost``: planning a call reads them several times, a set of
+    models drawn anew each call every call (NOTE [ Models planned one by one ] in _plans)."""
+    return [estimated_cost(mp, batch) for mp in model_params]
+
+
 def _cost_now(mp: ModelParams, batch: Batch) -> int:
     """``estimated_cost``, found now."""
     tensors = [*mp.tensors, *mp.state]
@@ -676,14 +682,16 @@ def chunks_of(
     batch: Batch,
     chunk_size: int | None,
     max_chunks: int | None = None,
+    costs: Sequence[int] | None = None,
 ) -> list[range]:
     """A call's chunks: ``chunk_size`` models each, else at most ``max_chunks`` (default
-    MAX_CHUNKS) of about equal cost (NOTE [ Chunks ])."""
+    MAX_CHUNKS) of about equal cost (NOTE [ Chunks ]); ``costs``: the models'
+    ``estimated_costs``, where the caller has them."""
     if chunk_size:
         return chunk_units(units, chunk_size)
     if max_chunks == 1:
         return [range(len(units))]
-    return cost_chunks(units, [estimated_cost(mp, batch) for mp in model_params], max_chunks)
+    return cost_chunks(units, costs or estimated_costs(model_params, batch), max_chunks)
 
 
 def cost_chunks(
@@ -751,10 +759,11 @@ def costliest_first(
     chunks: Sequence[range],
     model_params: Sequence[ModelParams],
     batch: Batch,
+    costs: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
     """The order threads claim the chunks in: costliest first, ties in chunk order (NOTE
-    [ Costliest chunks first ])."""
-    totals = chunk_costs(units, chunks, model_params, batch)
+    [ Costliest chunks first ]); ``costs`` as ``chunk_costs`` takes them."""
+    totals = chunk_costs(units, chunks, model_params, batch, costs)
     return tuple(sorted(range(len(chunks)), key=lambda k: -totals[k]))
 
 
@@ -764,10 +773,12 @@ def small_last_chunk(
     model_params: Sequence[ModelParams],
     batch: Batch,
     order: Sequence[int],
+    costs: Sequence[int] | None = None,
 ) -> bool:
     """Whether the last chunk in ``order`` is small enough to leave to the calling thread
-    (NOTE [ The caller's last chunk ] in _pool)."""
-    return chunk_costs(units, chunks, model_params, batch)[order[-1]] <= CALLERS_LAST_PARAM_ROWS
+    (NOTE [ The caller's last chunk ] in _pool); ``costs`` as ``chunk_costs`` takes them."""
+    totals = chunk_costs(units, chunks, model_params, batch, costs)
+    return totals[order[-1]] <= CALLERS_LAST_PARAM_ROWS
 
 
 def chunk_costs(
@@ -775,10 +786,23 @@ def chunk_costs(
     chunks: Sequence[range],
     model_params: Sequence[ModelParams],
     batch: Batch,
+    costs: Sequence[int] | None = None,
 ) -> list[int]:
-    """Each chunk's estimated cost, the sum of its models' (NOTE [ Chunks ])."""
-    costs = [estimated_cost(mp, batch) for mp in model_params]
+    """Each chunk's estimated cost, the sum of its models' (NOTE [ Chunks ]); ``costs``: the
+    models' ``estimated_costs``, where the caller has them."""
+    costs = costs or estimated_costs(model_params, batch)
     return [sum(costs[i] for u in chunk for i in units[u].models) for chunk in chunks]
+
+
+def _rows(mp: ModelParams, batch: Batch) -> int:
+    """``_param_rows`` of the trainable parameters, a take_rows table's counted one a batch
+    row: kept by the model's findings where no table is read by take_rows (a set of models
+    drawn anew each call asks for every model's several times; NOTE [ Models planned one by
+    one ] in _plans)."""
+    if any_sampled():
+        return _param_rows(mp, batch, last_call=False)
+    # Nothing sampled: last_call changes nothing, and _kernel_share's key is the same count.
+    return cast(int, estimate(mp, ("rows", batch), _param_rows, mp, batch))
 
 
 def _param_rows(

@@ -448,6 +448,38 @@ def test_a_new_set_of_known_models_notices_a_change(change, n_jobs):
     assert_changed_grads_match(models, ref, change)
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("kind", ["tensor hook", "post-accumulate hook"])
+def test_a_new_set_of_known_models_runs_a_hook_registered_since(kind, n_jobs):
+    # A set joined from its models' walks reads whether their parameters have hooks from the
+    # last set that looked, at the same hook count: a hook registered since must be seen.
+    models = models_under_test()
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+    walk_one_by_one(models, x, n_jobs)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    for members in (fresh_set(models)[1:], fresh_set(models)):  # joined; parameters looked at
+        parsum.sum_models(members, x, n_jobs=n_jobs).pow(2).mean().backward()
+        plain_sum([ref[models.index(m)] for m in members], x).pow(2).mean().backward()
+    seen: dict[str, list[torch.Tensor]] = {"parsum": [], "plain": []}
+    for name, ms in (("parsum", models), ("plain", ref)):
+        p = next(ms[2].parameters())
+        if kind == "tensor hook":
+            p.register_hook(lambda g, name=name: seen[name].append(g.clone()))
+        else:
+            p.register_post_accumulate_grad_hook(
+                lambda t, name=name: seen[name].append(t.grad.clone())
+            )
+    others = [models[k] for k in (5, 2, 0, 3)]  # a set not seen before; .grad set: captured
+    assert known_walk(others) is None and _plans.models_found(others)[1] is not None
+    parsum.sum_models(others, x, n_jobs=n_jobs).pow(2).mean().backward()
+    plain_sum([ref[k] for k in (5, 2, 0, 3)], x).pow(2).mean().backward()
+    assert len(seen["parsum"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["parsum"][0], seen["plain"][0])
+    torch.testing.assert_close(param_grads(models), param_grads(ref))
+
+
 def test_a_record_joined_from_models_is_the_walk_over_their_modules():
     models = models_under_test()
     walk_one_by_one(models, torch.randn(3, IN))
