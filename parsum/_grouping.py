@@ -220,8 +220,10 @@ whether threads pay.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from itertools import chain
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -384,7 +386,9 @@ def plan_units(
                 groups.setdefault(key, []).append(i)
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
-        if len(members) < (auto_min_group(_batched(models[members[0]])) if auto else min_models):
+        first = members[0]
+        batched = auto and estimate(model_params[first], "batched", _batched, models[first])
+        if len(members) < (auto_min_group(batched) if auto else min_models):
             continue
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -901,9 +905,11 @@ def _stackable(
     models: Sequence[Callable[..., Any]], model_params: Sequence[ModelParams]
 ) -> list[int]:
     """Modules with trainable parameters that no other entry shares a module or parameter with."""
-    ids = [id(t) for mp in model_params for t in (*mp.modules, *mp.tensors)]
-    users = Counter(ids)
-    shared = len(users) != len(ids)  # usually nothing is shared: no per-model check needed
+    modules = chain.from_iterable(map(_modules_of, model_params))
+    ids = list(map(id, chain(modules, chain.from_iterable(map(_tensors_of, model_params)))))
+    # Usually nothing is shared: no count, nor a per-model check, needed
+    shared = len(set(ids)) != len(ids)
+    users = Counter(ids) if shared else Counter()
     return [
         i
         for i, (model, mp) in enumerate(zip(models, model_params))
@@ -914,6 +920,10 @@ def _stackable(
             or all(users[id(t)] == 1 for t in [*mp.modules, *mp.tensors] if _holds_state(t))
         )
     ]
+
+
+_modules_of = operator.attrgetter("modules")
+_tensors_of = operator.attrgetter("tensors")
 
 
 def _holds_state(t: Any) -> bool:
