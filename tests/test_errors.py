@@ -102,10 +102,11 @@ class Returns(nn.Module):
         (lambda y: y.to_sparse(), r"model 4 \(Returns\) returned a torch.sparse_coo tensor"),
     ],
 )
-def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match):
+@pytest.mark.parametrize("chunk_size", [2, 3])  # model 4 first in its chunk, or second
+def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match, chunk_size):
     models = [Returns(lambda y: y) for _ in range(4)] + [Returns(bad) for _ in range(3)]
     with pytest.raises(parsum.ParsumError, match=match):
-        parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=2)
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2, 3])
