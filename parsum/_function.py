@@ -578,16 +578,6 @@ def run_forward(
     if build_graph or roots is not None:
         given = (call.leaves[j] for j in call.tensor_positions)
         not_needing = [t for t in given if not t.requires_grad]
-    # NOTE [ One output a model ]
-    # In the caller's graph a chunk's models after its first are added with no record of their
-    # own where the first returned one strided tensor and they return one of its shape, dtype and
-    # device (the usual case): the first's signature stands for theirs, and their output goes
-    # straight to the chunk's terms, as the general way puts it there. Whatever else a model
-    # returns takes the general way, which names a mismatch as before. Timed around the models'
-    # own forwards (one thread, 64 tiny MLP classes, three runs each): parsum's forward outside
-    # them 0.667-0.682 -> 0.611-0.631 ms (the plain loop's 0.17); a step at n_jobs=1 against the
-    # code before 1.011x (bench_against.py, 40 rounds), the medium classes unchanged.
-
     # NOTE [ Arguments modified in place ]
     versions = argument_versions(call) if parallel and not in_order else None
     # NOTE [ State the models share ] in _engines: learned on a kept walk's call in model order,
@@ -649,6 +639,17 @@ def run_forward(
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
     return _Forward(leaves, pullbacks, outputs, made)
+
+
+# NOTE [ One output a model ]
+# In the caller's graph a chunk's models after its first are added with no record of their
+# own where the first returned one strided tensor and they return one of its shape, dtype and
+# device (the usual case): the first's signature stands for theirs, and their output goes
+# straight to the chunk's terms, as the general way puts it there. Whatever else a model
+# returns takes the general way, which names a mismatch as before. Timed around the models'
+# own forwards (one thread, 64 tiny MLP classes, three runs each): parsum's forward outside
+# them 0.667-0.682 -> 0.611-0.631 ms (the plain loop's 0.17); a step at n_jobs=1 against the
+# code before 1.011x (bench_against.py, 40 rounds), the medium classes unchanged.
 
 
 # NOTE [ Arguments modified in place ]

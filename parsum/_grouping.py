@@ -528,8 +528,7 @@ def _kernel_share(
     if any_sampled():
         kernels = sum(_param_rows(mp, batch, last_call=last_call) for mp in model_params)
     else:  # the rows of the trainable parameters alone, kept by the findings
-        key = ("rows", batch)
-        kernels = sum(estimate(mp, key, _param_rows, mp, batch) for mp in model_params)
+        kernels = sum(_rows(mp, batch) for mp in model_params)
     overhead = MODEL_OVERHEAD_PARAM_ROWS * len(model_params)
     return kernels / overhead if overhead else math.inf
 
@@ -805,7 +804,7 @@ def _rows(mp: ModelParams, batch: Batch) -> int:
     one ] in _plans)."""
     if any_sampled():
         return _param_rows(mp, batch, last_call=False)
-    # Nothing sampled: last_call changes nothing, and _kernel_share's key is the same count.
+    # Nothing sampled: last_call changes nothing.
     return cast(int, estimate(mp, ("rows", batch), _param_rows, mp, batch))
 
 

@@ -774,9 +774,6 @@ def _walked_one_by_one(
     return _join(walks)
 
 
-_custom_of = operator.attrgetter("_custom")
-
-
 def _hookless_at(walk: Walk, handles: int) -> bool:
     """Whether ``walk``'s parameters were last seen without hooks at this handle count."""
     return walk._hookless_at == handles
@@ -794,13 +791,13 @@ def _join(walks: list[Walk]) -> Walk:
     counts = [len(w._module_refs) for w in walks]
     custom = _Watched([], [], [])
     offset = 0
-    for own, count in zip(map(_custom_of, walks), counts):
+    for w, count in zip(walks, counts):
+        own = w._custom
         if own.at:
-            if own.attributes:
-                owners = len(custom.at)
-                custom.attributes.extend((owners + k, key, held) for k, key, held in own.attributes)
-            custom.at.extend(map(offset.__add__, own.at))
+            owners = len(custom.at)
+            custom.at.extend(k + offset for k in own.at)
             custom.sizes.extend(own.sizes)
+            custom.attributes.extend((owners + k, key, held) for k, key, held in own.attributes)
         offset += count
     joined._custom = custom
     handles = {w._handles for w in walks}
