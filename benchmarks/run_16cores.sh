@@ -63,6 +63,9 @@
 #                                           # profile_step.py --members of the default on the
 #                                           # medium and tiny classes (~3 min)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
+#   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
+#                                           # nice 0 and 10: the default against the plain
+#                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
 #   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
 #                                           # its cores, pinned (bench_intra_op.py, ~3 min)
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
@@ -281,6 +284,13 @@ members)
         (cd benchmarks && timeout 60 python profile_step.py --workload "${w%:*}" \
             --batch "${w#*:}" --steps 20 --members 0.75 --profile "parsum default") \
             > "$out/members-profile-16cores-${w%:*}.txt" 2>&1
+    done
+    ;;
+loaded)
+    # Other processes on the cores (data loader workers, another run): how the default fares
+    for n in 4 16; do
+        (cd benchmarks && timeout 120 python bench_loaded.py --busy "$n" --rounds 8 \
+            --workloads heterogeneous-medium:64,distinct-tiny) > "$out/loaded-$n-16cores.txt" 2>&1
     done
     ;;
 twocores)

@@ -172,6 +172,18 @@ def test_bench_team():
     assert "the caller's team can be ended: " in out
 
 
+def test_bench_loaded():
+    args = ["--rounds", "1", "--settle-ms", "0", "--nice", "idle,10", "--adam"]
+    out = run("benchmarks/bench_loaded.py", *args, "--workloads", "heterogeneous-medium:16")
+    assert "Adam after each step" in out and "1 busy at nice 10, ms" in out
+    ratios = [line.split()[4:] for line in out.splitlines() if "faster plain / this" in line]
+    assert len(ratios) == 2 and all(len(row) == 5 for row in ratios)
+    assert max(float(r) for r in ratios[0][:2]) == 1.0  # the faster plain loop against itself
+    # Its spinning processes end with it.
+    spinning = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True)
+    assert spinning.returncode == 1, spinning.stdout
+
+
 def test_bench_intra_op():
     for adam in ([], ["--adam"]):
         args = ["--rounds", "1", "--workloads", "distinct-tiny:8", *adam]
