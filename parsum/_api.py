@@ -59,6 +59,7 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
+from ._pace import Pace, PacedCall
 from ._plans import (
     Derived,
     Walk,
@@ -319,13 +320,29 @@ def _general_sum(
         run_costs = None
         if too_small_for_workers(found, batch):
             run_costs = tuple(chunk_costs(units, chunks, found, batch, costs))
-        derived = Derived(units, chunks, workers, forward_workers, claim_order, last, run_costs)
+        # NOTE [ Workers that stop paying ] in _pace: where the chunks outnumber the budget,
+        # the threads that run them change no bit
+        # (one for calls a backward follows, one for calls that only run forward)
+        pace = (Pace(), Pace()) if chosen and workers > 1 and len(chunks) >= budget else None
+        derived = Derived(
+            units, chunks, workers, forward_workers, claim_order, last, run_costs, pace
+        )
         remember_derived(walk, key, derived, found)
     units, chunks = derived.units, derived.chunks
     if chosen:
         n_workers = 1 if on_device else min(n_workers, derived.workers)
     if n_workers > 1 and torch.is_grad_enabled() and _pool.saved_tensor_hooks_active():
         n_workers = 1  # NOTE [ Saved-tensor hooks ] in _pool
+    differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
+    build_graph = torch.is_grad_enabled() and (
+        bool(params) or any(t.requires_grad for t in differentiable)
+    )
+    paced = None
+    if chosen and n_workers > 1 and derived.pace is not None:
+        # NOTE [ Workers that stop paying ] in _pace
+        paced = PacedCall(derived.pace[0] if build_graph else derived.pace[1])
+        if not paced.on_workers:
+            n_workers = 1
     # NOTE [ Forwards on fewer workers ] in _grouping: where parsum chooses them
     forward_workers = min(n_workers, derived.forward_workers) if chosen else n_workers
     # NOTE [ Dropout drawn beforehand ] in _random: the forwards on the threads once the
@@ -381,10 +398,7 @@ def _general_sum(
         ordered_pullbacks=ordered_pullbacks,
         looks_at_pullbacks=looks_at_pullbacks,
         run_costs=derived.run_costs,
-    )
-    differentiable = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
-    build_graph = torch.is_grad_enabled() and (
-        bool(params) or any(t.requires_grad for t in differentiable)
+        paced=paced,
     )
     if _one_stacked_group(plan) and not (weight_tensor is not None and weight_tensor.is_complex()):
         try:
@@ -408,6 +422,8 @@ def _general_sum(
         leaves = list(direct_apply(ParallelSum, n_unwrapped, plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
+    if paced is not None:
+        paced.forward_done(build_graph)
     assert plan.out_spec is not None
     return pytree.tree_unflatten(leaves, plan.out_spec)
 

@@ -70,6 +70,7 @@ from ._engines import (
     shared_state,
 )
 from ._grouping import structure_key
+from ._pace import Pace
 from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
 from ._stack import _data_ptr, _handle_count, _tensor_hooks
 
@@ -97,6 +98,9 @@ class Derived(NamedTuple):
     # pullbacks on several threads go in runs of chunks cut by it (NOTE [ Pullbacks in runs of
     # chunks ] in _inline); None otherwise.
     run_costs: tuple[int, ...] | None
+    # Where parsum chose more than one worker, whether they still pay, for calls a backward
+    # follows and for forwards alone (NOTE [ Workers that stop paying ] in _pace).
+    pace: tuple[Pace, Pace] | None = None
 
 
 class _Watched(NamedTuple):

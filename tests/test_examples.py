@@ -177,11 +177,16 @@ def test_bench_loaded():
     out = run("benchmarks/bench_loaded.py", *args, "--workloads", "heterogeneous-medium:16")
     assert "Adam after each step" in out and "1 busy at nice 10, ms" in out
     ratios = [line.split()[4:] for line in out.splitlines() if "faster plain / this" in line]
-    assert len(ratios) == 2 and all(len(row) == 5 for row in ratios)
+    assert len(ratios) == 2 and all(len(row) == 6 for row in ratios)
     assert max(float(r) for r in ratios[0][:2]) == 1.0  # the faster plain loop against itself
     # Its spinning processes end with it.
     spinning = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True)
     assert spinning.returncode == 1, spinning.stdout
+    args = ["--loop", "3", "--nice", "idle", "--workloads", "heterogeneous-medium:8"]
+    out = run("benchmarks/bench_loaded.py", *args)
+    assert "loops of 3 steps, each in a process of its own" in out
+    (times,) = [line.split()[2:] for line in out.splitlines() if "idle, ms" in line]
+    assert len(times) == 6 and all(float(t) > 0 for t in times)
 
 
 def test_bench_intra_op():
