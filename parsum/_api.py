@@ -320,9 +320,8 @@ def _general_sum(
         run_costs = None
         if too_small_for_workers(found, batch):
             run_costs = tuple(chunk_costs(units, chunks, found, batch, costs))
-        # NOTE [ Workers that stop paying ] in _pace: where the chunks outnumber the budget,
-        # the threads that run them change no bit
-        # (one for calls a backward follows, one for calls that only run forward)
+        # NOTE [ Workers that stop paying ] in _pace: for calls a backward follows, and for
+        # forwards alone
         pace = (Pace(), Pace()) if chosen and workers > 1 and len(chunks) >= budget else None
         derived = Derived(
             units, chunks, workers, forward_workers, claim_order, last, run_costs, pace

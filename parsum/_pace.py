@@ -6,9 +6,11 @@
 # and wait for each other's chunks wait for the scheduler too: on 2 cores beside one process
 # spinning at nice 0, with a torch.optim.Adam step after each call, parsum's 2 workers took
 # 24.1 ms a step for 16 MLPs of widths 128-512 (batch 64) against 21.2 with n_jobs=1
-# (benchmarks/bench_loaded.py). Where parsum chooses the workers (n_jobs left unset) and the
-# chunks outnumber the budget, how many threads run them changes no bit: each chunk's intra-op
-# threads and the order of the sums are fixed (NOTE [ Thread control ] in _pool). So each plan
+# (benchmarks/bench_loaded.py). How many threads run a call's chunks changes no bit: each
+# chunk's intra-op threads and the order of the sums are fixed by the chunks and the budget
+# (NOTE [ Thread control ] in _pool). Where parsum chooses the workers (n_jobs left unset) and
+# the chunks outnumber the budget (each on one intra-op thread, so that the calling thread alone
+# runs them as n_jobs=1 does; fewer chunks, each on several, were not measured), each plan
 # times its calls (the forward and the backward that follows it; forwards alone apart) and now
 # and then looks at the calling thread alone: LOOK_CALLS calls, first after FIRST_LOOK calls on
 # the workers, then after twice as many as before each time a look changes nothing (at most
