@@ -19,7 +19,8 @@ steps):
 Each is printed in ms a step and against the faster of the two plain loops. With ``--loop N``
 each method runs instead in a process of its own, a loop of N steps as a training script runs
 them (the median of the last three quarters): interleaved, a method makes a few calls a turn,
-too few for what parsum learns from a plan's calls (NOTE [ Workers that stop paying ]).
+and the step parsum times for a plan runs from one call to the next (NOTE [ Workers that stop
+paying ]), across the other methods' turns.
 
     python benchmarks/bench_loaded.py [--busy 1] [--nice idle,0,10] [--adam] [--rounds 20]
         [--loop 400] [--workloads heterogeneous-medium:64,distinct-medium,distinct-tiny]

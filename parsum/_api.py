@@ -59,7 +59,7 @@ from ._grouping import (
     useful_workers,
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
-from ._pace import Pace, PacedCall
+from ._pace import Pace
 from ._plans import (
     Derived,
     Walk,
@@ -336,12 +336,10 @@ def _general_sum(
     build_graph = torch.is_grad_enabled() and (
         bool(params) or any(t.requires_grad for t in differentiable)
     )
-    paced = None
-    if chosen and n_workers > 1 and derived.pace is not None:
-        # NOTE [ Workers that stop paying ] in _pace
-        paced = PacedCall(derived.pace[0] if build_graph else derived.pace[1])
-        if not paced.on_workers:
-            n_workers = 1
+    # NOTE [ Workers that stop paying ] in _pace
+    paced = None if derived.pace is None else derived.pace[0 if build_graph else 1]
+    if chosen and n_workers > 1 and paced is not None and not paced.choose():
+        n_workers = 1
     # NOTE [ Forwards on fewer workers ] in _grouping: where parsum chooses them
     forward_workers = min(n_workers, derived.forward_workers) if chosen else n_workers
     # NOTE [ Dropout drawn beforehand ] in _random: the forwards on the threads once the
@@ -397,7 +395,6 @@ def _general_sum(
         ordered_pullbacks=ordered_pullbacks,
         looks_at_pullbacks=looks_at_pullbacks,
         run_costs=derived.run_costs,
-        paced=paced,
     )
     if _one_stacked_group(plan) and not (weight_tensor is not None and weight_tensor.is_complex()):
         try:
@@ -421,8 +418,6 @@ def _general_sum(
         leaves = list(direct_apply(ParallelSum, n_unwrapped, plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves
-    if paced is not None:
-        paced.forward_done(build_graph)
     assert plan.out_spec is not None
     return pytree.tree_unflatten(leaves, plan.out_spec)
 

@@ -70,7 +70,6 @@ from ._engines import (
 from ._errors import ParsumError
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
-from ._pace import PacedCall
 from ._random import (
     Turns,
     draw_noise,
@@ -171,9 +170,6 @@ class SumPlan:
     # pullbacks then accumulate chunk by chunk in chunk order (NOTE [ Arguments made to need a
     # gradient ]).
     args_made_to_need_grad: bool = False
-    # A call of a plan whose workers parsum chose: the way it went and its time (NOTE [ Workers
-    # that stop paying ] in _pace); None otherwise.
-    paced: PacedCall | None = None
     ordered_pullbacks: bool = False
     looks_at_pullbacks: bool = False
     # Models too small for forward workers: each chunk's estimated cost, by which their runs of
@@ -1516,15 +1512,10 @@ class ParallelSum(torch.autograd.Function):
         plan: SumPlan = ctx.plan
         if ctx.pullbacks is None:
             raise freed_graph_error(plan)
-        if plan.paced is not None:  # NOTE [ Workers that stop paying ] in _pace
-            plan.paced.backward_began()
         run = _Backward(ctx, grad_outputs)
         try:
             run.pull_back_all()
-            grads = run.gradients()
-            if plan.paced is not None and plan.join is None:  # joined later: not timed here
-                plan.paced.backward_done()
-            return grads
+            return run.gradients()
         except RuntimeError as exc:  # NOTE [ Gradients under vmap ] in _inline
             if isinstance(exc, ParsumError) or not any(map(under_vmap, grad_outputs)):
                 raise

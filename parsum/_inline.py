@@ -358,8 +358,6 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     """CallerGraphSum's backward: the models pulled back, their gradients not differentiable."""
     state: _State = ctx.state
     plan = state.plan
-    if plan.paced is not None:  # NOTE [ Workers that stop paying ] in _pace
-        plan.paced.backward_began()
     edges = state.edges
     if edges is None:
         raise freed_graph_error(plan)
@@ -583,8 +581,6 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                     finally:
                         failure = None
                 learn_pullback_writes(plan, looked)
-                if plan.paced is not None:
-                    plan.paced.backward_done()
 
             pending.finish = finish
             return (None, None, None, *weight_part, *param_grads, *joined)
@@ -640,8 +636,6 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 arg_grads = [argument_grad(totals, j, at_once) for j in range(n_args)]
         if not keep_graph:
             state.aliases = None
-    if plan.paced is not None:
-        plan.paced.backward_done()
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 

@@ -1,6 +1,6 @@
 """Workers that stop paying (NOTE [ Workers that stop paying ] in parsum._pace): a plan whose
 workers parsum chose looks at the calling thread alone now and then, goes that way where its
-calls run faster there, comes back when the workers pay again, and changes no bit."""
+steps run faster there, comes back when the workers pay again, and changes no bit."""
 
 import pytest
 import torch
@@ -11,28 +11,37 @@ from parsum import _api, _pace, _pool
 from parsum._pace import FIRST_LOOK, LOOK_CALLS, MAX_GAP, MAX_GAP_ALONE, Pace
 
 
-def drive(pace: Pace, calls: int, workers_s: float, alone_s: float) -> list[bool]:
-    """``calls`` calls, each recorded with the time of the way it went; the ways."""
+@pytest.fixture
+def clock(monkeypatch):
+    """A clock that the steps below advance, read by parsum's paces."""
+    now = [0.0]
+    monkeypatch.setattr(_pace, "clock", lambda: now[0])
+    return now
+
+
+def drive(pace: Pace, clock: list[float], calls: int, workers_s: float, alone_s: float):
+    """``calls`` calls, each a step of the time of the way it went; the ways."""
     ways = []
     for _ in range(calls):
         on_workers = pace.choose()
-        pace.record(on_workers, workers_s if on_workers else alone_s)
+        clock[0] += workers_s if on_workers else alone_s
         ways.append(on_workers)
     return ways
 
 
-def test_the_calling_thread_alone_is_taken_where_it_is_faster():
+def test_the_calling_thread_alone_is_taken_where_it_is_faster(clock):
     pace = Pace()
-    ways = drive(pace, FIRST_LOOK + LOOK_CALLS, workers_s=10.0, alone_s=5.0)
+    ways = drive(pace, clock, FIRST_LOOK + LOOK_CALLS + 1, workers_s=10.0, alone_s=5.0)
     assert ways[:FIRST_LOOK] == [True] * FIRST_LOOK
-    assert ways[FIRST_LOOK:] == [False] * LOOK_CALLS
+    assert ways[FIRST_LOOK : FIRST_LOOK + LOOK_CALLS] == [False] * LOOK_CALLS
+    n = FIRST_LOOK - 1  # the calls alone before their first look at the workers
+    assert drive(pace, clock, n, workers_s=10.0, alone_s=5.0) == [False] * n
     assert not pace.on_workers
-    assert drive(pace, FIRST_LOOK, workers_s=10.0, alone_s=5.0) == [False] * FIRST_LOOK
 
 
-def test_workers_that_pay_stay_and_are_looked_past_ever_more_rarely():
+def test_workers_that_pay_stay_and_are_looked_past_ever_more_rarely(clock):
     pace = Pace()
-    ways = drive(pace, 4000, workers_s=5.0, alone_s=8.0)
+    ways = drive(pace, clock, 4000, workers_s=5.0, alone_s=8.0)
     assert pace.on_workers
     # A look after FIRST_LOOK calls, then after twice as many each time, at most MAX_GAP.
     firsts = [k for k in range(1, len(ways)) if not ways[k] and ways[k - 1]]
@@ -42,41 +51,41 @@ def test_workers_that_pay_stay_and_are_looked_past_ever_more_rarely():
     assert ways.count(False) == LOOK_CALLS * len(firsts) < 0.01 * len(ways)
 
 
-def test_a_gain_below_the_switch_share_switches_nothing():
+def test_a_gain_below_the_switch_share_switches_nothing(clock):
     pace = Pace()
-    drive(pace, 500, workers_s=5.0, alone_s=5.0 * 0.95)  # 5% faster alone: noise, not load
+    drive(pace, clock, 500, workers_s=5.0, alone_s=5.0 * 0.95)  # 5% faster alone: noise
     assert pace.on_workers
 
 
-def test_the_workers_come_back_once_they_pay_again():
+def test_the_workers_come_back_once_they_pay_again(clock):
     pace = Pace()
-    drive(pace, 100, workers_s=10.0, alone_s=5.0)  # a busy machine
+    drive(pace, clock, 1000, workers_s=10.0, alone_s=5.0)  # a busy machine, looked at rarely
     assert not pace.on_workers
-    drive(pace, 1000, workers_s=10.0, alone_s=5.0)  # looked at less often by now
-    ways = drive(pace, 200, workers_s=3.0, alone_s=5.0)  # idle again
+    ways = drive(pace, clock, 200, workers_s=3.0, alone_s=5.0)  # idle again
     assert pace.on_workers
     assert ways.index(True) <= MAX_GAP_ALONE + 1
     assert ways[-50:].count(True) >= 50 - LOOK_CALLS
 
 
-def test_a_machine_that_changes_is_looked_at_again_soon():
+def test_a_machine_that_changes_is_looked_at_again_soon(clock):
     pace = Pace()
-    drive(pace, 3000, workers_s=5.0, alone_s=8.0)  # looks every 1024 calls by now
+    drive(pace, clock, 3000, workers_s=5.0, alone_s=8.0)  # looks every 1024 calls by now
     assert pace.on_workers
-    # Another process starts: the workers' calls take twice as long.
-    ways = drive(pace, 3 * FIRST_LOOK, workers_s=10.0, alone_s=8.0 * 0.5)
+    # Another process starts: the workers' steps take twice as long.
+    ways = drive(pace, clock, 3 * FIRST_LOOK, workers_s=10.0, alone_s=4.0)
     assert not pace.on_workers
     assert ways.index(False) < 2 * FIRST_LOOK
 
 
-def test_a_look_whose_calls_record_nothing_does_not_stay():
-    """Calls of a look that no backward followed (their time comes with it) leave the way as
-    it was: the next calls go it again."""
+def test_a_pause_between_steps_is_not_taken_for_a_step(clock):
+    """An evaluation or a checkpoint between two calls: neither a look nor the way's time."""
     pace = Pace()
-    for _ in range(FIRST_LOOK):
-        pace.record(pace.choose(), 5.0)
-    assert [pace.choose() for _ in range(LOOK_CALLS)] == [False] * LOOK_CALLS
-    assert [pace.choose() for _ in range(FIRST_LOOK)] == [True] * FIRST_LOOK
+    drive(pace, clock, 3000, workers_s=5.0, alone_s=8.0)
+    recent = pace._recent
+    for _ in range(3):
+        pace.choose()
+        clock[0] += 1000.0
+    assert pace.on_workers and pace._recent == recent
 
 
 def helpers_ran(monkeypatch):
@@ -146,15 +155,17 @@ def test_a_call_on_the_calling_thread_alone_gives_the_bits_of_one_on_the_workers
     assert torch.equal(parsum.sum_models(models, x, n_jobs=1), on_workers[0])
 
 
-def test_a_plan_times_calls_with_a_backward_apart_from_forwards_alone(workers_chosen):
+def test_a_plan_times_steps_with_a_backward_apart_from_forwards_alone(workers_chosen):
     models = make_models()
     x = torch.randn(32, 16)
-    step(models, x)
+    for _ in range(2):
+        step(models, x)
     with_backward = paced_plan(models)._recent
     assert with_backward is not None and with_backward > 0
     assert paced_plan(models, differentiated=False)._recent is None
     with torch.no_grad():
-        parsum.sum_models(models, x)
+        for _ in range(2):
+            parsum.sum_models(models, x)
     assert paced_plan(models)._recent == with_backward
     assert paced_plan(models, differentiated=False)._recent is not None
 
@@ -166,32 +177,28 @@ def test_an_explicit_n_jobs_is_never_paced(workers_chosen):
     assert all(d.pace is None for d in _api.known_walk(models).derived.values())
 
 
-def test_a_busy_machine_moves_the_calls_to_the_calling_thread(workers_chosen, monkeypatch):
-    """With calls on the workers timed slower than calls alone (a clock that says so), the
+def test_a_busy_machine_moves_the_calls_to_the_calling_thread(workers_chosen, monkeypatch, clock):
+    """With steps on the workers timed slower than steps alone (a clock that says so), the
     plan goes to the calling thread after its first look, and its helpers run nothing after."""
     models = make_models()
     helped = helpers_ran(monkeypatch)
     x = torch.randn(32, 16)
-    clock = [0.0]
-    monkeypatch.setattr(_pace, "clock", lambda: clock[0])
-    calls: list[_pace.PacedCall] = []
+    ways: list[bool] = []
+    choose = Pace.choose
 
-    class Recorded(_pace.PacedCall):
-        __slots__ = ()
+    def spy(self):
+        ways.append(choose(self))
+        return ways[-1]
 
-        def __init__(self, pace: Pace) -> None:
-            super().__init__(pace)
-            calls.append(self)
-
-    monkeypatch.setattr(_api, "PacedCall", Recorded)
+    monkeypatch.setattr(Pace, "choose", spy)
 
     def timed(module, inputs):  # the call's forward: 2 s on the workers, 1 s alone
-        clock[0] += 2.0 if calls[-1].on_workers else 1.0
+        clock[0] += 2.0 if ways[-1] else 1.0
 
     models[0].register_forward_pre_hook(timed)
-    for _ in range(FIRST_LOOK + LOOK_CALLS + 1):
+    for _ in range(FIRST_LOOK + LOOK_CALLS + 2):
         parsum.sum_models(models, x).sum().backward()
-    assert [c.on_workers for c in calls[-LOOK_CALLS - 1 :]] == [False] * (LOOK_CALLS + 1)
+    assert ways[-2:] == [False, False]
     assert not paced_plan(models).on_workers
     assert helped  # the calls before the look
     helped.clear()
