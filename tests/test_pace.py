@@ -89,18 +89,18 @@ def test_a_pause_between_steps_is_not_taken_for_a_step(clock):
 
 
 def helpers_ran(monkeypatch):
-    """The chunks that helpers claim from now on (forwards and pullbacks alike)."""
-    claimed: list[int] = []
-    claim = _pool._Job._claim
+    """The jobs handed to helpers from now on (forwards and pullbacks alike), each by its
+    helper count: a job handed over is on the workers, whether or not a helper woke in time to
+    claim a chunk of it."""
+    handed: list[int] = []
+    submit = _pool._Pool.submit
 
-    def spy(self, caller):
-        k = claim(self, caller)
-        if k is not None and not caller:
-            claimed.append(k)
-        return k
+    def spy(self, job, helpers):
+        handed.append(helpers)
+        return submit(self, job, helpers)
 
-    monkeypatch.setattr(_pool._Job, "_claim", spy)
-    return claimed
+    monkeypatch.setattr(_pool._Pool, "submit", spy)
+    return handed
 
 
 def make_models():
