@@ -47,6 +47,7 @@ from common import (
     parsum_step,
     plain_adam_step,
     plain_step,
+    with_attribute,
     workloads_of,
 )
 
@@ -58,16 +59,7 @@ SPIN = "while True: pass"
 
 def workers_kept(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with every paced call on the workers parsum chose."""
-    choose = _pace.Pace.choose
-
-    def run() -> None:
-        _pace.Pace.choose = lambda self: True  # type: ignore[method-assign]
-        try:
-            step()
-        finally:
-            _pace.Pace.choose = choose  # type: ignore[method-assign]
-
-    return run
+    return with_attribute(step, _pace.Pace, "choose", lambda self: True)
 
 
 @contextlib.contextmanager

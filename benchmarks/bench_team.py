@@ -27,7 +27,13 @@ import functools
 from collections.abc import Callable
 
 import torch
-from common import interleaved, parsum_adam_step, plain_adam_step, workloads_of
+from common import (
+    interleaved,
+    parsum_adam_step,
+    plain_adam_step,
+    with_attribute,
+    workloads_of,
+)
 
 import parsum
 from parsum import _pool
@@ -35,16 +41,7 @@ from parsum import _pool
 
 def team_kept(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with the caller's team left as it is (parsum's release a no-op meanwhile)."""
-    release = _pool.release_callers_team
-
-    def run() -> None:
-        _pool.release_callers_team = lambda: None
-        try:
-            step()
-        finally:
-            _pool.release_callers_team = release
-
-    return run
+    return with_attribute(step, _pool, "release_callers_team", lambda: None)
 
 
 def main() -> None:

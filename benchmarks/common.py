@@ -329,6 +329,21 @@ def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def with_attribute(fn: Callable[[], None], owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """``fn`` run with ``owner.name`` set to ``value`` (a piece of parsum made a no-op, to
+    measure what it gives), set back after."""
+
+    def run() -> None:
+        saved = getattr(owner, name)
+        setattr(owner, name, value)
+        try:
+            fn()
+        finally:
+            setattr(owner, name, saved)
+
+    return run
+
+
 def one_intra_op_thread() -> None:
     """Give this new thread 1 intra-op thread, for good.
 
