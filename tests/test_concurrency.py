@@ -10,6 +10,7 @@ import functools
 import gc
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import warnings
@@ -1683,7 +1684,19 @@ def test_state_the_models_share_that_holds_them_lets_them_go(cores):
     assert gone() is None
 
 
-def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for the test's length: a process started with SIGINT
+    ignored (a shell's background job, ``nohup``, some CI runners) never sees
+    ``_thread.interrupt_main``, and the test counted no interrupt at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_raises):
     # Ctrl-C in a notebook: a KeyboardInterrupt raised in the calling thread at any point of a
     # call (checks, forwards on the threads, the ordered sum, the pullbacks) must leave the pool,
     # the thread count and the plans such that the next calls run and match the plain loop.
@@ -1713,8 +1726,12 @@ def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
         steps.append(time.perf_counter() - start)
     step = min(steps)
     want = grads_of(lambda: plain_sum(models, x))
-    interrupted = 0
-    for _ in range(40):
+    interrupted = tries = 0
+    # Until 20 calls were interrupted: on a loaded machine (the suite under -n 2 beside other
+    # work) calls ran shorter than the warm one timed above often enough that 40 tries met
+    # only 7-9 interrupts (2 runs of 60).
+    while interrupted < 20 and tries < 200:
+        tries += 1
         n_jobs = rng.choice([1, 2, None])
         timer = threading.Timer(rng.uniform(0, 1.5 * step), _thread.interrupt_main)
         try:
@@ -1731,4 +1748,4 @@ def test_a_call_interrupted_anywhere_leaves_the_next_ones_right():
         got = grads_of(functools.partial(parsum.sum_models, models, x, n_jobs=n_jobs))
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
-    assert interrupted >= 10  # most calls were interrupted somewhere
+    assert interrupted >= 10  # calls were interrupted somewhere
