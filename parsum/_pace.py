@@ -1,40 +1,48 @@
 """Whether the workers parsum chose still pay, call by call.
 
 # NOTE [ Workers that stop paying ]
-# The thread budget counts the cores a call may use, not whether other processes keep them busy
-# (a data loader's workers, another run, a build). There, threads that hand each other the GIL
-# and wait for each other's chunks wait for the scheduler too, and a job on workers ends the
-# caller's OpenMP team (NOTE [ The caller's OpenMP team ] in _pool), which the user's next
-# parallel op (an optimizer step) then starts again on busy cores: on 2 cores beside one process
-# spinning at nice 0, with a torch.optim.Adam step after each call, parsum's 2 workers took 24.0
-# ms a step for 64 tiny MLP classes against 17.1 with n_jobs=1 (benchmarks/bench_loaded.py
-# --loop). How many threads run a call's chunks changes no bit: each chunk's intra-op threads
-# and the order of the sums are fixed by the chunks and the budget (NOTE [ Thread control ] in
-# _pool). Where parsum chooses the workers (n_jobs left unset) and the chunks outnumber the
-# budget (each on one intra-op thread, so that the calling thread alone runs them as n_jobs=1
-# does; fewer chunks, each on several, were not measured), each plan times its steps, from each
-# call to its next (what the choice changes is the whole step: the optimizer's and the data
-# loader's time too; calls that only run forward apart), ignoring a step PAUSE times the recent
-# ones (an evaluation, a checkpoint), and now and then looks at the calling thread alone:
-# LOOK_CALLS calls, first after FIRST_LOOK calls on the workers, then after twice as many as
-# before each time a look changes nothing (at most MAX_GAP, or MAX_GAP_ALONE on the calling
-# thread, whose time does not tell that the machine freed up), and soon again when the steps'
-# time moves by RISE either way (the machine changed). Where a look's median is below
-# SWITCH_BELOW of the current way's recent time, the calls go that way, and look back the same
-# way. An explicit n_jobs is obeyed as it is. Timing the calls alone (their forward and
-# backward) missed what the optimizer lost and misjudged the other way beside a data loader:
-# with 2 loader workers whose transform kept both cores busy, the calls ran faster alone while
-# the steps, whose optimizer then kept its OpenMP team spinning on the loaders' cores, ran
-# slower (23.7-27.5 against 20.3-22.1 ms with the workers kept). Measured with steps timed, each
-# way a training loop in a process of its own (2 cores, Adam, 300-400 steps, medians): beside
-# the process at nice 0, the tiny classes 17.4 and 18.1 ms against 24.0 and 24.0 with the
-# workers kept (n_jobs=1 17.1), 16 MLPs of widths 128-512 at batch 64 21.9 and 20.3 against
-# 23.8 and 20.6 (n_jobs=1 20.6); beside the 2 loader workers the looks kept the workers (24.2
-# and 24.7 against 23.6 and 23.9: the spread of such runs); idle, 11.6 and 11.8 against 11.9
-# and 12.2 (the MLPs), 10.9-12.0 against 10.9-11.2 (the tiny classes). Against the code before,
-# in one process (benchmarks/bench_against.py, 30 and 40 rounds, no optimizer): the MLPs 0.986x
-# and 0.988x, the medium classes 0.979x and 1.005x, the tiny classes 0.982x and 1.005x: the
-# looks of a plan's first hundred calls, 6 of them alone, cost a short run up to 1.5%; a long
+# The thread budget counts the cores a call may use, not whether other processes keep them busy (a
+# data loader's workers, another run, a build). There, threads that hand each other the GIL and wait
+# for each other's chunks wait for the scheduler too, and a job on workers ends the caller's OpenMP
+# team (NOTE [ The caller's OpenMP team ] in _pool), which the user's next parallel op (an optimizer
+# step) then starts again on busy cores: on 2 cores beside one process spinning at nice 0, with a
+# torch.optim.Adam step after each call, parsum's 2 workers took 24.0 ms a step for 64 tiny MLP
+# classes against 17.1 with n_jobs=1 (benchmarks/bench_loaded.py --loop). How many threads run a
+# call's chunks changes no bit: each chunk's intra-op threads and the order of the sums are fixed by
+# the chunks and the budget (NOTE [ Thread control ] in _pool). Where parsum chooses the workers
+# (n_jobs left unset) and the chunks outnumber the budget (each on one intra-op thread, so that the
+# calling thread alone runs them as n_jobs=1 does; fewer chunks, each on several, were not
+# measured), each plan times its steps, from each call to its next (what the choice changes is the
+# whole step: the optimizer's and the data loader's time too; calls that only run forward apart),
+# ignoring a step PAUSE times the recent ones (an evaluation, a checkpoint), and now and then looks
+# at the calling thread alone: LOOK_CALLS calls, first after FIRST_LOOK calls on the workers, then
+# after twice as many as before each time a look changes nothing (at most MAX_GAP, or MAX_GAP_ALONE
+# on the calling thread, whose time does not tell that the machine freed up), and soon again when
+# the steps' time moves by RISE either way (the machine changed). Where a look's steps are below
+# SWITCH_BELOW of the current way's RECENT_STEPS latest, in their median and in their fastest, the
+# calls go that way, and look back the same way. The fastest, because a loop that calls the plan
+# twice a step (two forwards, or a turn among other work) times a short step and a long one in turn,
+# and a look of LOOK_CALLS calls sees that pattern in another phase: judged by the median against
+# the recent average, such looks at calls each 3 ms slower alone switched to the calling thread (a
+# test's clock), and in benchmarks/bench_against.py (two calls a turn among two other methods'), a
+# plan of 16 MLPs at batch 256 stepping Adam in the backward ran 52 ms a step against 28-30 on its
+# workers. A look contains a short step as the latest steps do, and the fastest of each compares
+# like with like. (Requiring steady steps instead, the slowest at most 1.5 times the fastest, kept
+# the workers beside a spinning process, whose steps jitter more than that; with the fastest too, 2
+# runs of 3 there switched at their second and third look, the other's looks ran no faster alone.)
+# An explicit n_jobs is obeyed as it is. Timing the calls alone (their forward and backward) missed
+# what the optimizer lost and misjudged the other way beside a data loader: with 2 loader workers
+# whose transform kept both cores busy, the calls ran faster alone while the steps, whose optimizer
+# then kept its OpenMP team spinning on the loaders' cores, ran slower (23.7-27.5 against 20.3-22.1
+# ms with the workers kept). Measured with steps timed, each way a training loop in a process of its
+# own (2 cores, Adam, 300-400 steps, medians): beside the process at nice 0, the tiny classes 17.4
+# and 18.1 ms against 24.0 and 24.0 with the workers kept (n_jobs=1 17.1), 16 MLPs of widths 128-512
+# at batch 64 21.9 and 20.3 against 23.8 and 20.6 (n_jobs=1 20.6); beside the 2 loader workers the
+# looks kept the workers (24.2 and 24.7 against 23.6 and 23.9: the spread of such runs); idle, 11.6
+# and 11.8 against 11.9 and 12.2 (the MLPs), 10.9-12.0 against 10.9-11.2 (the tiny classes). Against
+# the code before, in one process (benchmarks/bench_against.py, 30 and 40 rounds, no optimizer): the
+# MLPs 0.986x and 0.988x, the medium classes 0.979x and 1.005x, the tiny classes 0.982x and 1.005x:
+# the looks of a plan's first hundred calls, 6 of them alone, cost a short run up to 1.5%; a long
 # one about 0.3% of its calls.
 """
 
@@ -50,6 +58,7 @@ MAX_GAP_ALONE = 128  # a machine that frees up does not change the calling threa
 SWITCH_BELOW = 0.9
 RISE = 1.3
 PAUSE = 4.0  # a step this many times the recent ones: a pause (an evaluation, a checkpoint)
+RECENT_STEPS = 6  # the current way's latest steps, against which a look is judged
 RECENT, SETTLED = 0.25, 0.03  # the weights of a new step's time in the two averages
 
 
@@ -70,6 +79,7 @@ class Pace:
         self._gap = FIRST_LOOK
         self._looks_left = 0  # calls the other way still to make in this look
         self._look: list[float] = []
+        self._steps: list[float] = []  # the current way's latest steps (RECENT_STEPS)
         self._last: tuple[bool, float] | None = None  # the last call's way and start
 
     def choose(self) -> bool:
@@ -105,8 +115,10 @@ class Pace:
         if on_workers != self.on_workers:
             self._look.append(seconds)
             if len(self._look) == LOOK_CALLS:
-                self._judge(statistics.median(self._look))
+                self._judge()
             return
+        self._steps.append(seconds)
+        del self._steps[:-RECENT_STEPS]
         if self._recent is None or self._settled is None:
             self._recent = self._settled = seconds
             return
@@ -118,12 +130,19 @@ class Pace:
             self._calls = 0
             self._settled = self._recent
 
-    def _judge(self, other: float) -> None:
-        """After a look whose steps took ``other`` (median): switch, or look later."""
-        self._look = []
-        if self._recent is not None and other < SWITCH_BELOW * self._recent:
+    def _judge(self) -> None:
+        """After a look: switch where its steps ran faster than the current way's latest, the
+        typical step and the fastest alike, or look later."""
+        look, self._look = self._look, []
+        steps = self._steps
+        if (
+            len(steps) >= LOOK_CALLS
+            and statistics.median(look) < SWITCH_BELOW * statistics.median(steps)
+            and min(look) < SWITCH_BELOW * min(steps)
+        ):
             self.on_workers = not self.on_workers
-            self._recent = self._settled = other
+            self._recent = self._settled = statistics.median(look)
+            self._steps = look
             self._gap = FIRST_LOOK
         else:
             self._gap = min(2 * self._gap, MAX_GAP if self.on_workers else MAX_GAP_ALONE)

@@ -88,6 +88,33 @@ def test_a_pause_between_steps_is_not_taken_for_a_step(clock):
     assert pace.on_workers and pace._recent == recent
 
 
+@pytest.mark.parametrize("period", [2, 3, 5])
+def test_steps_of_a_loop_that_calls_twice_are_not_mistaken(clock, period):
+    """A loop that calls the plan more than once a step (two forwards, a turn among other
+    work): the times from call to call repeat a pattern (a short one, then a long one); a look
+    of LOOK_CALLS calls, which sees the pattern in another phase, must not switch where each
+    call takes longer alone."""
+    pace = Pace()
+    for k in range(4000):
+        on_workers = pace.choose()
+        long = k % period == period - 1
+        clock[0] += (40.0 if long else 10.0) + (0.0 if on_workers else 3.0)
+    assert pace.on_workers
+
+
+def test_steady_steps_still_switch_through_noise(clock):
+    """A busy machine whose steps jitter by 10% either way goes to the calling thread alone
+    where that is a third faster."""
+    import random
+
+    rng = random.Random(0)
+    pace = Pace()
+    for _ in range(400):
+        on_workers = pace.choose()
+        clock[0] += (24.0 if on_workers else 17.0) * rng.uniform(0.9, 1.1)
+    assert not pace.on_workers
+
+
 def helpers_ran(monkeypatch):
     """The jobs handed to helpers from now on (forwards and pullbacks alike), each by its
     helper count: a job handed over is on the workers, whether or not a helper woke in time to
