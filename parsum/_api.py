@@ -53,6 +53,7 @@ from ._grouping import (
     intra_op_only,
     plan_units,
     small_last_chunk,
+    stepping_chunks,
     storage_stack_limit,
     too_small_for_workers,
     useful_forward_workers,
@@ -157,7 +158,8 @@ def sum_models(
         chunk_size: models per task; with the models' shapes and the batch rows it decides
             the order of additions (outputs small enough are added all at once at the end, in
             the chunks' order), never ``n_jobs``. Default: at most 16 chunks of about
-            equal estimated cost (parameters times batch rows, plus a per-model overhead).
+            equal estimated cost (parameters times batch rows, plus a per-model overhead);
+            with ``step_in_backward``, at most two a thread of the budget.
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and
             its gradients are dropped instead of stored (``.grad`` stays None).
@@ -312,6 +314,10 @@ def _general_sum(
             and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
+        elif stepping and chunk_size is None:
+            # NOTE [ Chunks of models that step ] in _grouping
+            chunks = stepping_chunks(units, found, costs, budget, chunks)
+            order = claim_order = costliest_first(units, chunks, found, batch, costs)
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers
         last = claim_order is not None and small_last_chunk(

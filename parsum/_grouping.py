@@ -239,6 +239,7 @@ from ._engines import (
     is_compiled,
     program_of,
 )
+from ._fused import MERGED_STEP_ELEMENTS
 from ._sparse import any_sampled, sampled_elements
 
 # engine="auto" stacks groups of at least AUTO_STACK_MIN_MODELS models (AUTO_STACK_MIN_BATCHED
@@ -298,6 +299,8 @@ LOOPED_UNDER_VMAP: tuple[type[nn.Module], ...] = (nn.EmbeddingBag,)
 
 # Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
+# A thread's chunks where optimizers step in the backward (NOTE [ Chunks of models that step ]).
+STEPPING_CHUNKS_PER_THREAD = 2
 MAX_ESTIMATES = 64  # what a model's findings keep (``estimate``)
 MODEL_OVERHEAD_PARAM_ROWS = 4_000_000
 # A chunk left to the caller at the end of a job (NOTE [ The caller's last chunk ] in _pool):
@@ -697,6 +700,60 @@ def chunks_of(
     return cost_chunks(units, costs or estimated_costs(model_params, batch), max_chunks)
 
 
+# NOTE [ Chunks of models that step ]
+# Where optimizers step in the backward, each chunk's pullback is an engine call of its own
+# (its gradients go to the steps as it ends: NOTE [ One engine call per chunk ] in _engines),
+# and its models step together (NOTE [ One step over a chunk's small models ] in _fused), so
+# every chunk costs an engine call and an optimizer step of its own: 16 MLP classes of widths
+# 128-488 at batch 64 on 2 threads, in 16 chunks of one model, spent 15 ms of CPU in their
+# chunks a step, against 12.4 in 4 chunks of 2-6 models (the threads as busy either way). Such
+# a call therefore keeps at most STEPPING_CHUNKS_PER_THREAD chunks a thread of the budget (two
+# let a thread that drew the larger chunk leave the next to the other), of about equal cost,
+# none holding more than MERGED_STEP_ELEMENTS trainable elements unless one unit does: what a
+# thread holds of gradients waiting for their step stays bounded as before. The chunks depend
+# on the budget, never on ``n_jobs``: every n_jobs has the same bits. Where ``auto`` puts the
+# models in one chunk on intra-op threads (NOTE [ Threads that pay ]), that choice is made on
+# the chunks as they would be without steps, and stands.
+# With the chunks claimed costliest first (NOTE [ Steps after a failure ] in _function), one
+# Adam a model, against the code before (2 cores, benchmarks/bench_against.py --sib, two runs of
+# 30 and 20 rounds, 2026-12-01): the 16 MLP classes 1.09x and 1.12x (0.88x -> 0.96-0.99x the
+# plain loop with one Adam over every parameter), 8 CNNs 1.07x and 1.06x, 8 transformer layers
+# 1.06x and 1.05x, 8 LSTMs 1.14x and 1.19x, 16 Sequentials of widths 128-512 at batch 256 0.99x
+# and 0.98x, at batch 64 1.00x, 24 small and 8 wide MLPs 0.98x, 4 wide MLPs 1.02x; the models
+# whose default keeps one chunk unchanged (64 tiny classes 0.98x, 8 EmbeddingBags 0.99x). With
+# 3 chunks a thread instead of 2: 1.07x, 1.06x and 1.03x for the classes, LSTMs and transformer
+# layers, 0.99x for the CNNs; 4 a thread: 1.03x, 1.00x, 1.02x, 0.99x. Claimed in chunk order, 2
+# a thread lost 4% for the Sequentials at batch 256, whose widest model's chunk started last.
+
+
+def stepping_chunks(
+    units: Sequence[Unit],
+    model_params: Sequence[ModelParams],
+    costs: Sequence[int],
+    budget: int,
+    chunks: list[range],
+) -> list[range]:
+    """The chunks of a call whose optimizers step in the backward, in place of ``chunks`` (NOTE
+    [ Chunks of models that step ]); ``costs``: the models' ``estimated_costs``."""
+    k = STEPPING_CHUNKS_PER_THREAD * max(1, budget)
+    if len(chunks) <= k:
+        return chunks
+    elements = [
+        sum(t.numel() for i in unit.models for t in model_params[i].tensors if t.requires_grad)
+        for unit in units
+    ]
+    bounded: list[range] = []
+    for chunk in cost_chunks(units, costs, k):
+        start, held = chunk.start, 0
+        for u in chunk:
+            if u > start and held + elements[u] > MERGED_STEP_ELEMENTS:
+                bounded.append(range(start, u))
+                start, held = u, 0
+            held += elements[u]
+        bounded.append(range(start, chunk.stop))
+    return bounded
+
+
 def cost_chunks(
     units: Sequence[Unit], model_costs: Sequence[int], max_chunks: int | None = None
 ) -> list[range]:
@@ -753,8 +810,9 @@ def cost_chunks(
 # runs a chunk changes no bits: results are combined in chunk order, a chunk that finishes
 # before those in front of it waiting for them (at most one partial sum per chunk). After a
 # failure the chunks before it still start, so that the failure named is the first in chunk
-# order; what they wrote is undone with the rest, except optimizer steps, so a backward with
-# step_in_backward keeps chunk order.
+# order; what they wrote is undone with the rest. Optimizer steps cannot be undone: a backward
+# with step_in_backward stops stepping at a failure (NOTE [ Steps after a failure ] in
+# _function); it kept chunk order until then.
 
 
 def costliest_first(

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import threading
 import warnings
 
 import pytest
@@ -73,6 +74,38 @@ def test_bitwise_for_any_n_jobs(chunk_size):
         finals.append([p.detach().clone() for p in trainable(models)])
     for other in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
+
+
+def chunks_planned(models, stepping):
+    """The chunks of the models' plans for calls with (or without) steps in the backward."""
+    walk = parsum._api.known_walk(models)
+    return [d.chunks for key, d in walk.derived.items() if key[6] == stepping]
+
+
+def test_steps_in_the_backward_keep_two_chunks_a_thread(cores, monkeypatch):
+    # NOTE [ Chunks of models that step ] in parsum._grouping: each chunk costs an engine call
+    # and a step, so a budget of 2 keeps 4 of about equal cost, whatever n_jobs; none holds
+    # more than MERGED_STEP_ELEMENTS trainable elements unless one model does.
+    cores(2)
+    models = [mlp([4 + 2 * i]) for i in range(12)]
+    x = torch.randn(3, IN)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    for n_jobs in (1, 2):
+        parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs).sum().backward()
+    parsum.sum_models(models, x, n_jobs=2).sum().backward()
+    (stepping,) = chunks_planned(models, True)
+    assert len(stepping) == 4
+    assert [k for chunk in stepping for k in chunk] == list(range(12))
+    assert len(chunks_planned(models, False)[0]) == 12
+    elements = [sum(p.numel() for p in m.parameters()) for m in models]  # 59 to 169
+    monkeypatch.setattr(parsum._grouping, "MERGED_STEP_ELEMENTS", 200)
+    bounded = [mlp([4 + 2 * i]) for i in range(12)]
+    sib = parsum.StepInBackward(bounded, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(bounded, x, step_in_backward=sib, n_jobs=2).sum().backward()
+    (chunks,) = chunks_planned(bounded, True)
+    assert [k for chunk in chunks for k in chunk] == list(range(12))
+    assert all(sum(elements[k] for k in chunk) <= 200 for chunk in chunks if len(chunk) > 1)
+    assert len(chunks) > 4
 
 
 def test_lr_schedulers_per_optimizer():
@@ -222,10 +255,8 @@ def test_failed_pullback_names_the_models_already_stepped():
     assert all(p.grad is None for p in trainable(models))
 
 
-def test_steps_run_in_chunk_order_when_the_costliest_would_start_first(monkeypatch):
-    # NOTE [ Costliest chunks first ]: after a failure the chunks before it still start; with
-    # steps in the pullbacks that would change more parameters, so their backward keeps chunk
-    # order (its forward, which steps nothing, does not).
+def test_steps_in_the_backward_claim_the_costliest_chunks_first(monkeypatch):
+    # NOTE [ Steps after a failure ]: the backward's chunks are claimed as the forward's.
     orders = []
     run_ordered = parsum._pool.run_ordered
 
@@ -238,7 +269,83 @@ def test_steps_run_in_chunk_order_when_the_costliest_would_start_first(monkeypat
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2, chunk_size=1)
     y.sum().backward()
-    assert orders == [(1, 2, 0), None]
+    assert orders == [(1, 2, 0), (1, 2, 0)]
+
+
+# Not held by the models, which would then share state (their pullbacks would run in order on
+# one thread: NOTE [ Pullbacks that write shared state ] in parsum._function).
+PULLBACKS_GO = threading.Event()
+
+
+class WaitsInBackward(nn.Module):
+    """A model whose pullback waits for PULLBACKS_GO (at most 10 s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        out = self.lin(x)
+        out.register_hook(lambda grad: (PULLBACKS_GO.wait(10), grad)[1])
+        return out
+
+
+class WideFailsInBackward(FailsInBackward):
+    """The costliest chunk, whose pullback fails; PULLBACKS_GO set 50 ms later."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Sequential(nn.Linear(IN, 256), nn.Tanh(), nn.Linear(256, OUT))
+
+    def _boom(self, grad):
+        threading.Timer(0.05, PULLBACKS_GO.set).start()
+        raise ValueError("boom")
+
+
+def test_chunks_that_finish_or_start_after_a_failure_step_nothing(cores):
+    # NOTE [ Steps after a failure ]: the failing chunk is claimed first; the other thread's
+    # chunk ends after the failure, and the chunk before the failing one starts after it (to
+    # find the failure a run on one thread meets first): neither steps its model.
+    cores(2)
+    PULLBACKS_GO.clear()
+    models = [WaitsInBackward(), WideFailsInBackward(), WaitsInBackward()]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2, chunk_size=1)
+    with pytest.raises(parsum.ParsumError) as info:
+        y.sum().backward()
+    assert PULLBACKS_GO.is_set()  # the pullbacks that waited went on after the failure
+    message = str(info.value)
+    assert "model 1 (WideFailsInBackward) raised ValueError in backward: boom" in message
+    assert "already ran" not in message
+    for m, saved in zip(models, before):
+        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+    assert all(p.grad is None for p in trainable(models))
+
+
+def test_a_failure_names_exactly_the_models_that_stepped():
+    # On the threads, which chunks stepped before a failure depends on their timing: the call
+    # names those, and no other model's parameters changed.
+    import re
+
+    for seed in range(6):
+        torch.manual_seed(seed)
+        models = [mlp([4 + 4 * (i % 3)]) for i in range(7)]
+        models.insert(seed % 7, FailsInBackward())
+        before = [[p.detach().clone() for p in m.parameters()] for m in models]
+        sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+        y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2)
+        with pytest.raises(parsum.ParsumError) as info:
+            y.sum().backward()
+        found = re.search(r"already ran for models \[([0-9, ]*)\]", str(info.value))
+        named = set() if found is None else {int(i) for i in found.group(1).split(", ")}
+        changed = {
+            i
+            for i, (m, saved) in enumerate(zip(models, before))
+            if not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+        }
+        assert changed == named and seed % 7 not in changed
+        assert all(p.grad is None for p in trainable(models))
 
 
 def test_failing_step_is_named():
