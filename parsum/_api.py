@@ -159,7 +159,8 @@ def sum_models(
             the order of additions (outputs small enough are added all at once at the end, in
             the chunks' order), never ``n_jobs``. Default: at most 16 chunks of about
             equal estimated cost (parameters times batch rows, plus a per-model overhead);
-            with ``step_in_backward``, at most two a thread of the budget.
+            with ``step_in_backward``, two a thread of the budget, more where one would
+            hold over 1M parameter elements.
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and
             its gradients are dropped instead of stored (``.grad`` stays None).

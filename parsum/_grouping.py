@@ -707,10 +707,11 @@ def chunks_of(
 # every chunk costs an engine call and an optimizer step of its own: 16 MLP classes of widths
 # 128-488 at batch 64 on 2 threads, in 16 chunks of one model, spent 15 ms of CPU in their
 # chunks a step, against 12.4 in 4 chunks of 2-6 models (the threads as busy either way). Such
-# a call therefore keeps at most STEPPING_CHUNKS_PER_THREAD chunks a thread of the budget (two
-# let a thread that drew the larger chunk leave the next to the other), of about equal cost,
-# none holding more than MERGED_STEP_ELEMENTS trainable elements unless one unit does: what a
-# thread holds of gradients waiting for their step stays bounded as before. The chunks depend
+# a call therefore keeps STEPPING_CHUNKS_PER_THREAD chunks a thread of the budget (two let a
+# thread that drew the larger chunk leave the next to the other), of about equal cost, cut
+# further where one would hold more than MERGED_STEP_ELEMENTS trainable elements (a chunk's
+# engine call gives every model's gradients at once: no more of them than the steps waiting in
+# a chunk hold), and never more chunks than without steps. The chunks depend
 # on the budget, never on ``n_jobs``: every n_jobs has the same bits. Where ``auto`` puts the
 # models in one chunk on intra-op threads (NOTE [ Threads that pay ]), that choice is made on
 # the chunks as they would be without steps, and stands.
@@ -751,7 +752,7 @@ def stepping_chunks(
                 start, held = u, 0
             held += elements[u]
         bounded.append(range(start, chunk.stop))
-    return bounded
+    return bounded if len(bounded) < len(chunks) else chunks
 
 
 def cost_chunks(

@@ -106,6 +106,12 @@ def test_steps_in_the_backward_keep_two_chunks_a_thread(cores, monkeypatch):
     assert [k for chunk in chunks for k in chunk] == list(range(12))
     assert all(sum(elements[k] for k in chunk) <= 200 for chunk in chunks if len(chunk) > 1)
     assert len(chunks) > 4
+    # Cut into as many chunks as without steps, or more: the chunks without steps.
+    monkeypatch.setattr(parsum._grouping, "MERGED_STEP_ELEMENTS", 50)
+    single = [mlp([4 + 2 * i]) for i in range(12)]
+    sib = parsum.StepInBackward(single, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(single, x, step_in_backward=sib, n_jobs=2).sum().backward()
+    assert chunks_planned(single, True) == [[range(k, k + 1) for k in range(12)]]
 
 
 def test_lr_schedulers_per_optimizer():
