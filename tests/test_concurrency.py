@@ -11,6 +11,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -1685,18 +1686,23 @@ def test_state_the_models_share_that_holds_them_lets_them_go(cores):
 
 
 @pytest.fixture
-def ctrl_c_raises():
-    """Python's own SIGINT handler for the test's length: a process started with SIGINT
-    ignored (a shell's background job, ``nohup``, some CI runners) never sees
-    ``_thread.interrupt_main``, and the test counted no interrupt at all."""
+def ctrl_c_lands():
+    """For the test's length: Python's own SIGINT handler (a process started with SIGINT
+    ignored, as a shell's background job or ``nohup`` starts it, never saw
+    ``_thread.interrupt_main``: no interrupt at all), and a short switch interval, so that a
+    timer thread takes the GIL within 0.1 ms of its time rather than 5 (on one core, the calls
+    it was to interrupt had mostly ended: 6 interrupts in 200 calls)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     try:
         yield
     finally:
+        sys.setswitchinterval(interval)
         signal.signal(signal.SIGINT, previous)
 
 
-def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_raises):
+def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_lands):
     # Ctrl-C in a notebook: a KeyboardInterrupt raised in the calling thread at any point of a
     # call (checks, forwards on the threads, the ordered sum, the pullbacks) must leave the pool,
     # the thread count and the plans such that the next calls run and match the plain loop.
