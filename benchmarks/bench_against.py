@@ -98,7 +98,7 @@ def step_of(
             return functools.partial(plain_adam_step(models), x)
         return functools.partial(plain_step, models, x)
     if args.sib:
-        return functools.partial(parsum_sib_step(models, package), x)
+        return functools.partial(parsum_sib_step(models, package, args.n_jobs), x)
     if args.adam:
         params = [p for m in models for p in m.parameters()]
         return functools.partial(parsum_adam_step(models, params, False, args.n_jobs, package), x)

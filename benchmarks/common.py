@@ -519,7 +519,7 @@ def parsum_adam_step(
 
 
 def parsum_sib_step(
-    models: Sequence[nn.Module], package: Any = None
+    models: Sequence[nn.Module], package: Any = None, n_jobs: int | None = None
 ) -> Callable[[torch.Tensor], None]:
     """``parsum.sum_models`` with a ``StepInBackward`` of one Adam per model: the step runs
     in the backward. ``package``: another parsum to call (bench_against's)."""
@@ -527,7 +527,7 @@ def parsum_sib_step(
     sib = parsum.StepInBackward(list(models), torch.optim.Adam, lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
-        loss_of(parsum.sum_models(models, x, step_in_backward=sib)).backward()
+        loss_of(parsum.sum_models(models, x, n_jobs=n_jobs, step_in_backward=sib)).backward()
 
     return step
 
