@@ -715,16 +715,18 @@ def chunks_of(
 # on the budget, never on ``n_jobs``: every n_jobs has the same bits. Where ``auto`` puts the
 # models in one chunk on intra-op threads (NOTE [ Threads that pay ]), that choice is made on
 # the chunks as they would be without steps, and stands.
-# With the chunks claimed costliest first (NOTE [ Steps after a failure ] in _function), one
-# Adam a model, against the code before (2 cores, benchmarks/bench_against.py --sib, two runs of
-# 30 and 20 rounds, 2026-12-01): the 16 MLP classes 1.09x and 1.12x (0.88x -> 0.96-0.99x the
-# plain loop with one Adam over every parameter), 8 CNNs 1.07x and 1.06x, 8 transformer layers
-# 1.06x and 1.05x, 8 LSTMs 1.14x and 1.19x, 16 Sequentials of widths 128-512 at batch 256 0.99x
-# and 0.98x, at batch 64 1.00x, 24 small and 8 wide MLPs 0.98x, 4 wide MLPs 1.02x; the models
-# whose default keeps one chunk unchanged (64 tiny classes 0.98x, 8 EmbeddingBags 0.99x). With
-# 3 chunks a thread instead of 2: 1.07x, 1.06x and 1.03x for the classes, LSTMs and transformer
-# layers, 0.99x for the CNNs; 4 a thread: 1.03x, 1.00x, 1.02x, 0.99x. Claimed in chunk order, 2
-# a thread lost 4% for the Sequentials at batch 256, whose widest model's chunk started last.
+# With the chunks claimed costliest first (NOTE [ Steps after a failure ] in _function), one Adam a
+# model, against the code before (2 cores, benchmarks/bench_against.py --sib, two runs of 30 and 20
+# rounds, 2026-12-01; a third, 30 rounds, gave 1.08x, 0.98x, 1.06x, 1.07x and 1.14x for the classes,
+# Sequentials at batch 256, CNNs, transformer layers and LSTMs; results in
+# benchmarks/results/sib-chunks-2cores.txt): the 16 MLP classes 1.09x and 1.12x (0.88x -> 0.96-0.99x
+# the plain loop with one Adam over every parameter), 8 CNNs 1.07x and 1.06x, 8 transformer layers
+# 1.06x and 1.05x, 8 LSTMs 1.14x and 1.19x, 16 Sequentials of widths 128-512 at batch 256 0.99x and
+# 0.98x, at batch 64 1.00x, 24 small and 8 wide MLPs 0.98x, 4 wide MLPs 1.02x; the models whose
+# default keeps one chunk unchanged (64 tiny classes 0.98x, 8 EmbeddingBags 0.99x). With 3 chunks a
+# thread instead of 2: 1.07x, 1.06x and 1.03x for the classes, LSTMs and transformer layers, 0.99x
+# for the CNNs; 4 a thread: 1.03x, 1.00x, 1.02x, 0.99x. Claimed in chunk order, 2 a thread lost 4%
+# for the Sequentials at batch 256, whose widest model's chunk started last.
 
 
 def stepping_chunks(
