@@ -19,6 +19,19 @@ def trainable(models):
     return [p for m in models for p in m.parameters() if p.requires_grad]
 
 
+def snapshot(models):
+    """Every model's parameters, copied."""
+    return [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def changed(models, before):
+    """Whether each model's parameters differ from ``before`` (a ``snapshot``)."""
+    return [
+        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+        for m, saved in zip(models, before)
+    ]
+
+
 def train_plain(models, batches, cls, kw, schedule=None):
     opt = cls(trainable(models), **kw)
     sched = schedule(opt) if schedule else None
@@ -244,7 +257,7 @@ class FailsInBackward(nn.Module):
 
 def test_failed_pullback_names_the_models_already_stepped():
     models = [mlp([8]), mlp([4]), FailsInBackward(), mlp([6])]
-    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    before = snapshot(models)
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=1, chunk_size=1)
     with pytest.raises(parsum.ParsumError) as info:
@@ -253,11 +266,7 @@ def test_failed_pullback_names_the_models_already_stepped():
     assert "model 2 (FailsInBackward) raised ValueError in backward: boom" in message
     assert "already ran for models [0, 1]" in message
     assert isinstance(info.value.__cause__, ValueError)
-    changed = [
-        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
-        for m, saved in zip(models, before)
-    ]
-    assert changed == [True, True, False, False]
+    assert changed(models, before) == [True, True, False, False]
     assert all(p.grad is None for p in trainable(models))
 
 
@@ -315,7 +324,7 @@ def test_chunks_that_finish_or_start_after_a_failure_step_nothing(cores):
     cores(2)
     PULLBACKS_GO.clear()
     models = [WaitsInBackward(), WideFailsInBackward(), WaitsInBackward()]
-    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    before = snapshot(models)
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2, chunk_size=1)
     with pytest.raises(parsum.ParsumError) as info:
@@ -324,8 +333,7 @@ def test_chunks_that_finish_or_start_after_a_failure_step_nothing(cores):
     message = str(info.value)
     assert "model 1 (WideFailsInBackward) raised ValueError in backward: boom" in message
     assert "already ran" not in message
-    for m, saved in zip(models, before):
-        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
+    assert not any(changed(models, before))
     assert all(p.grad is None for p in trainable(models))
 
 
@@ -338,19 +346,15 @@ def test_a_failure_names_exactly_the_models_that_stepped():
         torch.manual_seed(seed)
         models = [mlp([4 + 4 * (i % 3)]) for i in range(7)]
         models.insert(seed % 7, FailsInBackward())
-        before = [[p.detach().clone() for p in m.parameters()] for m in models]
+        before = snapshot(models)
         sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
         y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=2)
         with pytest.raises(parsum.ParsumError) as info:
             y.sum().backward()
         found = re.search(r"already ran for models \[([0-9, ]*)\]", str(info.value))
         named = set() if found is None else {int(i) for i in found.group(1).split(", ")}
-        changed = {
-            i
-            for i, (m, saved) in enumerate(zip(models, before))
-            if not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
-        }
-        assert changed == named and seed % 7 not in changed
+        stepped = {i for i, moved in enumerate(changed(models, before)) if moved}
+        assert stepped == named and seed % 7 not in stepped
         assert all(p.grad is None for p in trainable(models))
 
 
@@ -449,18 +453,14 @@ def test_steps_as_one_keep_lr_schedulers_counting():
 
 def test_optimizers_with_other_settings_step_alone(monkeypatch):
     models = [mlp([w]) for w in (8, 4, 6)]
-    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    before = snapshot(models)
     stepped, _, _ = count_steps(monkeypatch, torch.optim.SGD)
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     sib.optimizers[1].param_groups[0]["lr"] = 0.0  # model 1 frozen by its own settings
     y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, chunk_size=3)
     y.pow(2).mean().backward()
     assert stepped == sib.optimizers
-    changed = [
-        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
-        for m, saved in zip(models, before)
-    ]
-    assert changed == [True, False, True]
+    assert changed(models, before) == [True, False, True]
 
 
 def test_an_optimizer_with_a_step_of_its_own_steps_alone():
@@ -602,16 +602,17 @@ def test_a_failing_step_as_one_names_its_models(monkeypatch):
 
 def test_a_failed_pullback_drops_the_steps_waiting_in_its_chunk():
     models = [mlp([8]), mlp([4]), FailsInBackward(), mlp([6])]
-    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    before = snapshot(models)
     sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
     y = parsum.sum_models(models, torch.randn(3, IN), step_in_backward=sib, n_jobs=1, chunk_size=2)
     with pytest.raises(parsum.ParsumError, match="already ran for models \\[0, 1\\]"):
         y.sum().backward()
-    changed = [
-        not all(torch.equal(p, b) for p, b in zip(m.parameters(), saved))
-        for m, saved in zip(models, before)
-    ]
-    assert changed == [True, True, False, False]  # model 3 waited for model 2, which failed
+    assert changed(models, before) == [
+        True,
+        True,
+        False,
+        False,
+    ]  # model 3 waited for model 2, which failed
     assert all(p.grad is None for p in trainable(models))
 
 
