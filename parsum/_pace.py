@@ -134,14 +134,14 @@ class Pace:
         """After a look: switch where its steps ran faster than the current way's latest, the
         typical step and the fastest alike, or look later."""
         look, self._look = self._look, []
-        steps = self._steps
+        steps, typical = self._steps, statistics.median(look)
         if (
             len(steps) >= LOOK_CALLS
-            and statistics.median(look) < SWITCH_BELOW * statistics.median(steps)
+            and typical < SWITCH_BELOW * statistics.median(steps)
             and min(look) < SWITCH_BELOW * min(steps)
         ):
             self.on_workers = not self.on_workers
-            self._recent = self._settled = statistics.median(look)
+            self._recent = self._settled = typical
             self._steps = look
             self._gap = FIRST_LOOK
         else:
