@@ -9,8 +9,13 @@
    "function floor", is the least that any design which returns every parameter's gradient from
    one ``torch.autograd.Function`` (as ``ParallelSum`` does) can cost: the models' forwards
    inside the Function, a naive sum, and in its backward one gradient capture per model
-   (accumulate_grad=False), returned for autograd to accumulate into ``.grad``. What parsum
-   costs beyond that row is its per-call bookkeeping.
+   (accumulate_grad=False), returned for autograd to accumulate into ``.grad``. A third,
+   "graph floor", is the design parsum takes at one thread (NOTE [ The caller's graph ]) with
+   nothing else: the models run in the caller's graph, their outputs summed with one float64
+   reduction, returned by one ``torch.autograd.Function`` with an edge to every parameter, whose
+   backward pulls every model back in one engine call into ``.grad`` and returns None for the
+   parameters. What parsum costs beyond that row is its per-call bookkeeping: checks, the plan's
+   reuse check, the failure handling.
 2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
    time the reductions of a medium step take against the whole step.
 3. Large buffers: 8 small models that each hold a 1024 x 1024 constant buffer (a mask), in
@@ -24,7 +29,7 @@ with ``--zero-grad`` every method first sets them to None, as ``optimizer.zero_g
 so autograd stores each gradient instead of adding it to the last one.
 
     python benchmarks/bench_overhead.py [--rounds 40] [--zero-grad] [--json out.json]
-        [--only overhead|reduction|buffers]
+        [--only overhead|reduction|buffers] [--workloads distinct-medium:64,distinct-tiny]
 """
 
 from __future__ import annotations
@@ -34,7 +39,16 @@ import json
 from collections.abc import Callable
 
 import torch
-from common import interleaved, loss_of, one_thread, parsum_step, plain_step, workload
+from common import (
+    Workload,
+    interleaved,
+    loss_of,
+    one_thread,
+    parsum_step,
+    plain_step,
+    workload,
+    workloads_of,
+)
 from torch.autograd.graph import get_gradient_edge
 
 import parsum
@@ -44,8 +58,7 @@ from parsum._summation import CompensatedAccumulator
 ENGINES = ("autograd", "vjp", "stacked", "auto")
 
 
-def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict[str, float]:
-    w = workload(name, batch)
+def overhead(w: Workload, rounds: int, zero_grad: bool) -> dict[str, float]:
     models, x = w.models, w.x
 
     def zeroed(step: Callable[[], None]) -> Callable[[], None]:
@@ -68,6 +81,7 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
         "plain-1t": one_thread(zeroed(plain)),
         "pullbacks only": one_thread(zeroed(lambda: pullbacks_only(models, x))),
         "function floor": one_thread(zeroed(function_floor(models, x))),
+        "graph floor": one_thread(zeroed(graph_floor(models, x))),
     }
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
@@ -75,7 +89,7 @@ def overhead(name: str, batch: int | None, rounds: int, zero_grad: bool) -> dict
         methods[f"parsum {engine}"] = step_of(engine)
     medians = interleaved(methods, rounds)
     base = medians["plain-1t"]
-    print(f"\n{name}: {w.description}")
+    print(f"\n{w.name}: {w.description}")
     print(f"{'method':>18} {'ms/step':>9} {'plain-1t / this':>16} {'extra us/model':>15}")
     for method, t in medians.items():
         extra = (t - base) / len(models) * 1e6
@@ -113,6 +127,33 @@ def function_floor(models: list[torch.nn.Module], x: torch.Tensor) -> Callable[[
             return (None, *grads)
 
     return lambda: loss_of(Floor.apply(x, *everything)).backward()
+
+
+def graph_floor(models: list[torch.nn.Module], x: torch.Tensor) -> Callable[[], None]:
+    """A step through the caller's-graph design with nothing else: the models run in the
+    caller's graph, a node with an edge to every parameter returns their wide sum, and its
+    backward pulls them all back in one engine call, accumulating into ``.grad``."""
+    everything = [p for m in models for p in m.parameters()]
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, held: dict, *_params: torch.Tensor) -> torch.Tensor:
+            ctx.held = held
+            return held.pop("sum")
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            outs = ctx.held.pop("outs")
+            torch.autograd.backward(outs, [grad] * len(outs))
+            return (None,) * (1 + len(everything))
+
+    def step() -> None:
+        outs = [m(x) for m in models]
+        total = torch.stack([o.detach() for o in outs]).sum(0, dtype=torch.float64)
+        held = {"sum": total.to(outs[0].dtype), "outs": outs}
+        loss_of(Floor.apply(held, *everything)).backward()
+
+    return step
 
 
 def naive_sum(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -230,6 +271,11 @@ def main() -> None:
     parser.add_argument("--zero-grad", action="store_true", help="set .grad to None each step")
     parser.add_argument("--json", help="write the medians (seconds) and ratios to this file")
     parser.add_argument("--only", choices=("overhead", "reduction", "buffers"))
+    parser.add_argument(
+        "--workloads",
+        default="heterogeneous-tiny,identical-tiny,heterogeneous-medium:64",
+        help="name[:batch], comma-separated, for the per-call overhead",
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}; medians of {args.rounds} interleaved rounds; "
@@ -237,12 +283,9 @@ def main() -> None:
     )
     results: dict[str, dict[str, float]] = {}
     if args.only in (None, "overhead"):
-        for name, batch in (
-            ("heterogeneous-tiny", None),
-            ("identical-tiny", None),
-            ("heterogeneous-medium", 64),
-        ):
-            results[name] = overhead(name, batch, args.rounds, args.zero_grad)
+        for w in workloads_of(args.workloads):
+            key = w.name if w.name not in results else f"{w.name}:{len(w.x)}"
+            results[key] = overhead(w, args.rounds, args.zero_grad)
     if args.only in (None, "reduction"):
         results["reduction"] = reduction(args.rounds)
     if args.only in (None, "buffers"):

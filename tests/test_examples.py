@@ -1,11 +1,13 @@
 """The examples and the sparse benchmark run end to end, in small sizes, and print their figures."""
 
+import copy
 import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from parsum import _config, _host_exchange
 from tests.test_distributed import free_port
@@ -146,6 +148,22 @@ def test_bench_overhead(tmp_path):
     out = run("benchmarks/bench_overhead.py", "--rounds", "1", "--zero-grad")
     assert "grads set to None before each step" in out
     assert "parsum autograd" in out and "of the step" in out
+
+
+def test_bench_overhead_graph_floor_trains_as_the_plain_loop(monkeypatch):
+    """The floor a benchmark row compares parsum with does the same work: gradients of the
+    plain loop's loss into every parameter's ``.grad``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_overhead
+    from common import loss_of, workload
+
+    w = workload("distinct-tiny", 8)
+    models, twins = w.models[:5], copy.deepcopy(w.models[:5])
+    bench_overhead.graph_floor(models, w.x)()
+    loss_of(sum(m(w.x) for m in twins)).backward()
+    for m, twin in zip(models, twins):
+        for p, q in zip(m.parameters(), twin.parameters()):
+            assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6)
 
 
 @pytest.mark.timeout(360)
