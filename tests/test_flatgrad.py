@@ -611,3 +611,67 @@ def test_repr():
     assert repr(parsum.FlatGrad(nn.Linear(2, 3))) == (
         "FlatGrad(2 parameters; torch.float32/cpu: 9; compensated=False)"
     )
+
+
+@pytest.fixture
+def swapping():
+    """PyTorch's swap of tensors on conversion and load on (``torch.__future__``), off after."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_checkpoint_loads_into_a_flatgrad_with_the_swap_off_around_it(swapping):
+    # docs/limits.md ("Conversions that swap tensors"): a FlatGrad holds its parameters weakly,
+    # and torch.utils.swap_tensors refuses a tensor with a weak reference. Loading with the
+    # swap off copies in place: the FlatGrad keeps its slots and the models train as twins.
+    torch.manual_seed(0)
+    models = [mlp([8]), mlp([6])]
+    checkpoint = [copy.deepcopy(m.state_dict()) for m in models]
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    with torch.no_grad():
+        for p in trainable(models):
+            p.add_(1.0)
+    with pytest.raises(RuntimeError, match="weakref"):  # (after copying the values in)
+        models[0].load_state_dict(checkpoint[0])
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        for m, state in zip(models, checkpoint):
+            m.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+    ref = [mlp([8]), mlp([6])]
+    for m, state in zip(ref, checkpoint):
+        m.load_state_dict(state)
+    flat.zero_()
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
+
+
+def test_models_without_a_flatgrad_load_and_cast_with_the_swap_on(swapping):
+    # What sum_models keeps of the models it ran (their plans) holds no weak reference to a
+    # parameter: loading and casting with the swap on work, and the next call trains them.
+    torch.manual_seed(0)
+    models = [mlp([8]), mlp([6])]
+    ref = clone_models(models)
+    checkpoint = [copy.deepcopy(m.state_dict()) for m in models]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    for m, state in zip(models, checkpoint):
+        m.load_state_dict(state)
+        m.zero_grad()
+        m.double()
+    for m in ref:
+        m.double()
+    x = x.double()
+    parsum.sum_models(models, x).pow(2).sum().backward()
+    plain_sum(ref, x).pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want)

@@ -242,6 +242,34 @@ def test_tables_are_forgotten_with_their_weights():
     assert len(_sparse._tables) <= before
 
 
+def test_a_table_loads_with_the_swap_off_around_it():
+    # docs/limits.md ("Conversions that swap tensors"): take_rows holds the weights it read
+    # weakly, which torch.utils.swap_tensors refuses; with the swap off the load copies in
+    # place and the table's hook keeps coalescing its gradients.
+    models = ensemble(n=3)
+    checkpoint = copy.deepcopy(models[0].state_dict())
+    x = torch.randn(4, DIM)
+    parsum.sum_models(models, x).sum().backward()
+    with torch.no_grad():
+        models[0].table.add_(1.0)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match="weakref"):
+            models[0].load_state_dict(checkpoint)
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        models[0].load_state_dict(checkpoint)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert torch.equal(models[0].table, checkpoint["table"])
+    ref = dense_copy(models)
+    for m in (*models, *ref):
+        m.zero_grad()
+    parsum.sum_models(models, x).sum().backward()
+    sum(m(x) for m in ref).sum().backward()
+    assert_row_sparse_like(models[0].table.grad, ref[0].table.grad)
+
+
 def test_cost_follows_the_rows_touched_not_the_table():
     # Structural, not timed: nothing of the table's size is allocated by the backward.
     weight = torch.zeros(1_000_000, 8, requires_grad=True)
