@@ -12,7 +12,7 @@ Every step starts from ``.grad`` None. The methods run in turn, round by round, 
 medians of the rounds, in one process. parsum's forward includes planning, the compensated sum
 and the node it returns; its backward the pullbacks and their bookkeeping.
 
-    python benchmarks/bench_phases.py [--jobs 2] [--rounds 20] [--workloads all]
+    python benchmarks/bench_phases.py [--jobs 2] [--rounds 20] [--workloads all|transformers,...]
         [--chunk-sizes default,1,4]
 
 ``--chunk-sizes`` adds a parsum row per chunk size (models per chunk; ``default`` is parsum's
@@ -97,6 +97,13 @@ def phases(
 WARMUP = 3
 
 
+def _case(item: str) -> tuple[str, int | None]:
+    """A workload named on the command line, ``name[:batch]`` (an unknown name raises)."""
+    name, _, batch = item.partition(":")
+    workload(name, None)  # raises for an unknown name, before any timing
+    return name, int(batch) if batch else None
+
+
 def _record(into: list[tuple[float, float]], fn: Callable[[], tuple[float, float]]) -> None:
     into.append(fn())
 
@@ -105,11 +112,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="2", help="thread counts, e.g. 4,8,16")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--workloads", default="all", help="comma-separated names, or all")
+    parser.add_argument(
+        "--workloads", default="all", help="all, or comma-separated names, each with :BATCH"
+    )
     parser.add_argument("--chunk-sizes", default="default", help="e.g. default,1,4")
     args = parser.parse_args()
     sizes = [None if c == "default" else int(c) for c in args.chunk_sizes.split(",")]
-    cases = [c for c in CASES if args.workloads == "all" or c[0] in args.workloads.split(",")]
+    cases = CASES if args.workloads == "all" else list(map(_case, args.workloads.split(",")))
     print(
         f"torch {torch.__version__}, {parsum._config.usable_cores()} usable cores; "
         f"medians of {args.rounds} rounds, ms"
