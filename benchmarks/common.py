@@ -394,7 +394,11 @@ def balanced_split(models: list[nn.Module], x: torch.Tensor, parts: int) -> list
     gave the widest of 8 CNNs to one thread of 2, 62.7 ms a step against 50.7)."""
     from parsum.distributed import balanced_shares
 
-    return [[models[i] for i in part] for part in balanced_shares(models, (x,), {}, parts)]
+    # More threads than models (8 transformer layers on 16 threads): a model a thread, and
+    # threads with nothing to run, as a split by hand would leave them.
+    used = min(parts, len(models))
+    shares = [[models[i] for i in part] for part in balanced_shares(models, (x,), {}, used)]
+    return shares + [[] for _ in range(parts - used)]
 
 
 class HandSplit:
@@ -432,7 +436,8 @@ class TwoPhase:
         self.outs[p] = [m(x) for m in self.shares[p]]
 
     def _backward(self, p: int, g: torch.Tensor) -> None:
-        torch.autograd.backward(self.outs[p], [g] * len(self.outs[p]))
+        if self.outs[p]:  # a thread with no model has nothing to pull back
+            torch.autograd.backward(self.outs[p], [g] * len(self.outs[p]))
         self.outs[p] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,9 @@
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
+#   bash benchmarks/run_16cores.sh layers   # transformer layers, LSTMs and EmbeddingBags over
+#                                           # 1-16 workers, and the layers' forward and backward
+#                                           # against the two-phase ceiling (~3 min; twenty-ninth)
 #   bash benchmarks/run_16cores.sh twocores # the small-kernel rule of a budget of 2 on two of
 #                                           # its cores, pinned (bench_intra_op.py, ~3 min)
 #   bash benchmarks/run_16cores.sh first    # an older plan for 15 minutes: the CUDA smoke test
@@ -292,6 +295,15 @@ loaded)
         (cd benchmarks && timeout 120 python bench_loaded.py --busy "$n" --rounds 8 \
             --workloads heterogeneous-medium:64,distinct-tiny) > "$out/loaded-$n-16cores.txt" 2>&1
     done
+    ;;
+layers)
+    # 2026-12-01 (2 cores): transformer layers at 0.88-0.90x the faster plain loop, 0.84x the
+    # two-phase ceiling; LSTMs 0.71x the ceiling: where threads can give more (~3 min)
+    (cd benchmarks && timeout 150 python bench_speedup.py --jobs 1,2,4,8,16 --rounds 10 \
+        --workloads transformers,lstms,embedding-bags --json "$out/layers-16cores.json" \
+        --png "$out/layers-16cores.png") > "$out/layers-16cores.txt" 2>&1
+    (cd benchmarks && timeout 90 python bench_phases.py --jobs 2,4,8,16 --rounds 20 \
+        --workloads transformers,lstms) > "$out/layers-phases-16cores.txt" 2>&1
     ;;
 twocores)
     # Two of its cores alone (the development machine's 2 vCPUs share theirs): the small-kernel
