@@ -1061,3 +1061,62 @@ def test_a_multi_grad_hook_over_a_models_output_runs_once(n_jobs, chunk_size, ne
     calls.clear()
     plain_sum(models, x).pow(2).sum().backward()
     assert len(calls) == len(models)
+
+
+_ARMED = [False]  # _FailsOnce's next backward raises
+
+
+class _FailsOnce(torch.autograd.Function):
+    """Raises the first time its backward runs once ``_ARMED``, then passes: a failure that
+    does not repeat (an out-of-memory error that the retry survives, a flaky check)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _ARMED[0]:
+            _ARMED[0] = False
+            raise RuntimeError("fails once")
+        return g
+
+
+class _FlakyHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return _FailsOnce.apply(self.lin(x))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("position", [0, 3, 6])
+def test_a_failure_that_does_not_repeat_changes_no_grad(position, n_jobs):
+    # What holds with such a failure (its naming is the xfail below): it raises, with the
+    # model's own error, and every .grad is as it was.
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(6)]
+    models.insert(position, _FlakyHead())
+    x = torch.randn(5, IN)
+    _ARMED[0] = True
+    with pytest.raises(RuntimeError, match="fails once"):
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (docs/limits.md, 'A failure that does not repeat'): models pulled back "
+    "in one engine call are searched by pulling each back again, which names the model after "
+    "the failing one, or none, when the failure does not repeat",
+)
+@pytest.mark.parametrize("position", [0, 3, 6])
+def test_a_failure_that_does_not_repeat_names_its_model_in_one_engine_call(position):
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(6)]
+    models.insert(position, _FlakyHead())
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=rf"model {position} \(_FlakyHead\) raised"):
+        parsum.sum_models(models, torch.randn(5, IN), n_jobs=1).pow(2).sum().backward()
