@@ -61,3 +61,12 @@ def cores(monkeypatch):
 
     yield set_cores
     torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def swapping():
+    """PyTorch's swap of tensors on conversion and load on (``torch.__future__``), off after."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)

@@ -613,15 +613,6 @@ def test_repr():
     )
 
 
-@pytest.fixture
-def swapping():
-    """PyTorch's swap of tensors on conversion and load on (``torch.__future__``), off after."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 def test_a_checkpoint_loads_into_a_flatgrad_with_the_swap_off_around_it(swapping):
     # docs/limits.md ("Conversions that swap tensors"): a FlatGrad holds its parameters weakly,
     # and torch.utils.swap_tensors refuses a tensor with a weak reference. Loading with the
@@ -637,12 +628,9 @@ def test_a_checkpoint_loads_into_a_flatgrad_with_the_swap_off_around_it(swapping
             p.add_(1.0)
     with pytest.raises(RuntimeError, match="weakref"):  # (after copying the values in)
         models[0].load_state_dict(checkpoint[0])
-    torch.__future__.set_swap_module_params_on_conversion(False)
-    try:
-        for m, state in zip(models, checkpoint):
-            m.load_state_dict(state)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(True)
+    torch.__future__.set_swap_module_params_on_conversion(False)  # the fixture restores it
+    for m, state in zip(models, checkpoint):
+        m.load_state_dict(state)
     ref = [mlp([8]), mlp([6])]
     for m, state in zip(ref, checkpoint):
         m.load_state_dict(state)

@@ -242,7 +242,7 @@ def test_tables_are_forgotten_with_their_weights():
     assert len(_sparse._tables) <= before
 
 
-def test_a_table_loads_with_the_swap_off_around_it():
+def test_a_table_loads_with_the_swap_off_around_it(swapping):
     # docs/limits.md ("Conversions that swap tensors"): take_rows holds the weights it read
     # weakly, which torch.utils.swap_tensors refuses; with the swap off the load copies in
     # place and the table's hook keeps coalescing its gradients.
@@ -252,15 +252,10 @@ def test_a_table_loads_with_the_swap_off_around_it():
     parsum.sum_models(models, x).sum().backward()
     with torch.no_grad():
         models[0].table.add_(1.0)
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        with pytest.raises(RuntimeError, match="weakref"):
-            models[0].load_state_dict(checkpoint)
-        torch.__future__.set_swap_module_params_on_conversion(False)
+    with pytest.raises(RuntimeError, match="weakref"):
         models[0].load_state_dict(checkpoint)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
+    torch.__future__.set_swap_module_params_on_conversion(False)  # the fixture restores it
+    models[0].load_state_dict(checkpoint)
     assert torch.equal(models[0].table, checkpoint["table"])
     ref = dense_copy(models)
     for m in (*models, *ref):
