@@ -30,7 +30,15 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import HandSplit, TwoPhase, interleaved_rounds, loss_of, workload, zero_grads
+from common import (
+    HandSplit,
+    TwoPhase,
+    interleaved_rounds,
+    loss_of,
+    workload,
+    workload_spec,
+    zero_grads,
+)
 
 import parsum
 
@@ -99,9 +107,9 @@ WARMUP = 3
 
 def _case(item: str) -> tuple[str, int | None]:
     """A workload named on the command line, ``name[:batch]`` (an unknown name raises)."""
-    name, _, batch = item.partition(":")
+    name, batch = workload_spec(item)
     workload(name, None)  # raises for an unknown name, before any timing
-    return name, int(batch) if batch else None
+    return name, batch
 
 
 def _record(into: list[tuple[float, float]], fn: Callable[[], tuple[float, float]]) -> None:

@@ -70,6 +70,7 @@ from common import (
     synchronized,
     vmap_step,
     workload,
+    workload_spec,
 )
 
 import parsum
@@ -274,11 +275,11 @@ def named_cases(spec: str, all_cases: list[tuple[str, int | None]]) -> list:
     known = {name for name, _ in all_cases + NAMED_ONLY}
     cases: list[tuple[str, int | None]] = []
     for item in spec.split(","):
-        name, _, batch = item.partition(":")
+        name, batch = workload_spec(item)
         if name not in known:
             raise SystemExit(f"unknown workload {name!r}; expected one of {sorted(known)}")
-        if batch:
-            cases.append((name, int(batch)))
+        if batch is not None:
+            cases.append((name, batch))
         else:
             cases += [c for c in all_cases + NAMED_ONLY if c[0] == name]
     return cases

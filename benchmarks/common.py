@@ -229,12 +229,17 @@ def workload(name: str, batch: int | None = None) -> Workload:
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
 
+def workload_spec(item: str) -> tuple[str, int | None]:
+    """A workload's name and batch from ``name[:batch]``, as ``--workloads`` names them."""
+    name, _, batch = item.partition(":")
+    return name, int(batch) if batch else None
+
+
 def workloads_of(spec: str) -> Iterator[Workload]:
     """The workloads of a comma-separated ``name[:batch]`` list (``--workloads``), each built
     when its turn comes."""
     for item in spec.split(","):
-        name, _, batch = item.partition(":")
-        yield workload(name, int(batch) if batch else None)
+        yield workload(*workload_spec(item))
 
 
 WORKLOADS = (
