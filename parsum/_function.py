@@ -1214,12 +1214,15 @@ def _graph_pullback(plan: SumPlan, u: int, pullback: UnitPullback | None) -> Gra
 
 @dataclass
 class BatchFailure:
-    """A unit's share in an engine call over several that failed: the call's error, and the
+    """A unit's share in an engine call over several that failed: the call's error; the
     model found to reach a graph freed before the call, if the error is such a graph's
-    (NOTE [ Graphs freed before the call ])."""
+    (NOTE [ Graphs freed before the call ]), else the model the call was running, where its
+    graphs tell (NOTE [ A failure that does not repeat ] in _inline); and the call's last
+    unit, after whose pullback a failure that passed again in every unit is raised."""
 
     error: Exception
     culprit: int | None
+    last: int
 
 
 Batched = dict[int, tuple[list[Tensor | None], list[Tensor | None]] | BatchFailure]
@@ -1266,22 +1269,27 @@ def _pull_back_batched(
             results = pull_back_together(items, retain_graph=keep_graph, accumulate=accumulate)
             together.update(zip([u for u, _, _ in members], results))
         except Exception as exc:  # the failing model is found one at a time, by the caller
-            culprit = None
-            if freed_by_the_failed_call(exc):
-                edges = [[e for e in graph.roots if e is not None] for _, graph, _ in members]
-                found = reaching_a_graph_freed_before(edges)
-                if found is not None:
-                    culprit = plan.units[members[found][0]].models[0]
+            edges = [[e for e in graph.roots if e is not None] for _, graph, _ in members]
+            found = reaching_a_graph_freed_before(edges) if freed_by_the_failed_call(exc) else None
+            if found is None and not keep_graph:
+                found = running_when_failed(edges)  # read before anything runs again
+            culprit = None if found is None else plan.units[members[found][0]].models[0]
             for u, _, _ in members:
-                together[u] = BatchFailure(exc, culprit)
+                together[u] = BatchFailure(exc, culprit, members[-1][0])
             if failures is not None and accumulate:
                 failures.append(exc)
-                continue
-            for u, _, _ in members if accumulate else ():
-                for s in plan.param_slots[plan.units[u].models[0]]:
-                    plan.params[s].grad = None  # what it was: none of it stays
+            else:
+                for u, _, _ in members if accumulate else ():
+                    for s in plan.param_slots[plan.units[u].models[0]]:
+                        plan.params[s].grad = None  # what it was: none of it stays
         del items, members
-    return together
+    # This frame lives on in a failure's traceback, which ``together`` and ``failures`` hold:
+    # with their names here, the graphs of units not yet pulled back again stayed until the
+    # garbage collector ran.
+    try:
+        return together
+    finally:
+        del together, failures, groups
 
 
 def _pull_back_chunk(
@@ -1330,6 +1338,14 @@ def _pull_back_chunk(
             i = unit.models[0] if done.culprit is None else done.culprit
             raise plan.model_error(i, "backward", done.error) from done.error
         del pullback
+        if done is not None and (
+            done.culprit == unit.models[0] or (done.culprit is None and u == done.last)
+        ):
+            # It passed again: a failure that does not repeat (NOTE [ A failure that does
+            # not repeat ] in _inline), named where the graphs told.
+            if done.culprit is None:
+                raise done.error
+            raise plan.model_error(done.culprit, "backward", done.error) from done.error
         yield unit, arg_grads, model_grads
 
 
@@ -1410,7 +1426,7 @@ def reaching_a_graph_freed_before(
     bound: int | None = None
     for i, edges in enumerate(output_edges):
         if bound is not None and any(
-            leaf_of(node) is None and node._sequence_nr() <= bound and _saved_freed(node)
+            leaf_of(node) is None and node._sequence_nr() <= bound and _saved_state(node) is True
             for node in graph_nodes(edges)
         ):
             return i
@@ -1420,40 +1436,101 @@ def reaching_a_graph_freed_before(
     return None
 
 
-def _saved_freed(node: Any) -> bool:
-    """Whether ``node``'s saved tensors were freed by a backward."""
-    names = [a for a in dir(node) if a.startswith("_saved_")]
-    if hasattr(type(node), "saved_tensors"):  # a custom Function's node
-        names.append("saved_tensors")
-    for name in names:
+def _saved_state(node: Any) -> bool | None:
+    """Whether ``node``'s saved tensors were freed by a backward (True) or are kept (False);
+    None where it saved none. A kept one is not unpacked: it is seen by its data or its hooks
+    (an unpacked tensor would be one more reference to the graph), a freed one by the error of
+    reading it, where an undefined one (a None saved) reads None."""
+    try:
+        if hasattr(type(node), "saved_tensors"):  # a custom Function's node
+            raw = {"saved_tensors": node._raw_saved_tensors}
+        else:
+            raw = {
+                n[len("_raw") :]: getattr(node, n) for n in dir(node) if n.startswith("_raw_saved_")
+            }
+    except Exception as exc:  # only a failure's naming hangs on it: never raise instead
+        return True if freed_by_the_failed_call(exc) else None
+    for saved in raw.values():
+        for one in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if one.data is not None or one.unpack_hook is not None:
+                return False
+    for name in raw:
         try:
-            getattr(node, name)
-        except RuntimeError as exc:
+            getattr(node, name)  # nothing defined: reads None, or raises where freed
+        except Exception as exc:
             if freed_by_the_failed_call(exc):
                 return True
-    return False
+    return None
+
+
+def running_when_failed(output_edges: Sequence[Sequence[GradientEdge]]) -> int | None:
+    """Of models pulled back in one engine call that failed, freeing their graphs as it went
+    (each given by its output leaves' edges; their forwards ran on one thread in this order),
+    the one it was pulling back, or None where their saved tensors do not tell
+    (NOTE [ A failure that does not repeat ] in _inline)."""
+    states: list[tuple[int, bool, bool]] = []  # (model, some freed, some kept)
+    bound: int | None = None  # the last output node of the model before
+    for i, edges in enumerate(output_edges):
+        if not edges:
+            continue
+        freed = kept = False
+        seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
+        stack: list[Any] = [e.node for e in edges]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen or leaf_of(node) is not None:
+                continue
+            seen[id(node)] = node
+            if bound is not None and node._sequence_nr() <= bound:
+                continue  # made before the model ran: not its own
+            state = _saved_state(node)
+            freed, kept = freed or state is True, kept or state is False
+            stack.extend(n for n, _ in node.next_functions)
+        states.append((i, freed, kept))
+        numbers = [e.node._sequence_nr() for e in edges if leaf_of(e.node) is None]
+        if numbers:
+            bound = max(numbers)
+    for i, freed, kept in states:
+        if freed and kept:  # run in part
+            return i
+    first_done = next((k for k, (_, freed, _) in enumerate(states) if freed), len(states))
+    if first_done == 0 or any(kept for _, _, kept in states[first_done:]):
+        return None  # no model before the ones run through, or not run from the last
+    i, _, kept = states[first_done - 1]
+    return i if kept else None  # else it saved nothing: no telling whether it ran
 
 
 def raise_first_failing_model(
-    plan: SumPlan, attempts: Sequence[tuple[int, Callable[[], object]]], original: Exception
+    plan: SumPlan,
+    attempts: Sequence[tuple[int, Callable[[], object]]],
+    original: Exception,
+    running: int | None = None,
 ) -> None:
     """Run each model's attempt in order and raise the error of the first that fails, named:
-    its own, or ``original`` where the failed call freed part of its graph; return if none
-    fails (the caller raises ``original``)."""
+    its own, or ``original`` where the failed call freed part of its graph; named ``running``
+    (the model the failed call was running, where known) where the failure does not repeat
+    or the call freed part of a graph; return if none fails and ``running`` is None (the
+    caller raises ``original``)."""
     for i, attempt in attempts:
         error = None
         try:
             attempt()
         except Exception as exc:
             # The exception is its cause (no local may hold it: a cycle through its frame).
-            error = plan.model_error(
-                i, "backward", original if freed_by_the_failed_call(exc) else exc
-            )
+            if not freed_by_the_failed_call(exc):
+                error = plan.model_error(i, "backward", exc)
+            else:
+                error = plan.model_error(i if running is None else running, "backward", original)
         if error is not None:
             try:
                 raise error
             finally:
                 error = None
+    if running is not None:
+        try:
+            raise plan.model_error(running, "backward", original)
+        finally:
+            original = None  # type: ignore[assignment]
 
 
 class ParallelSum(torch.autograd.Function):
@@ -1903,6 +1980,10 @@ class _Backward:
 
     def undo(self) -> None:
         """After a failure: what the pullbacks wrote, undone; the failure announced."""
+        # The units not pulled back again hold the failed call's error, whose traceback holds
+        # this object (its methods' frames): a cycle that kept their graphs until the garbage
+        # collector ran.
+        self.all_chunks = None
         if self.flat is not None:
             self.flat.rollback()
         for p, was_none in zip(self.plan.params, self.direct):

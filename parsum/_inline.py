@@ -37,8 +37,22 @@
 # each thread, so models run one after the other from the last to the first, and when model k
 # fails, the models after it are done (freed), the ones before it untouched. Each model is then
 # pulled back alone in model order, its graph kept: the first that fails is the one a run on one
-# thread would name, whose error is its own, or, where that is model k whose graph the failed
-# call partly freed, the original error (``_raise_first_failure``).
+# thread would name, with its own error (``_raise_first_failure``), unless the failure does not
+# repeat (NOTE [ A failure that does not repeat ]).
+#
+# NOTE [ A failure that does not repeat ]
+# A failure that does not repeat (an out-of-memory error the retry survives, a flaky check)
+# passes when model k is pulled back again: searched that way alone, the first model to fail
+# was k + 1, whose graph the failed call freed, or none where k was the last (7 models at
+# n_jobs=1, the flaky one placed at 0, 3 or 6: named 1, 4 and none). So before anything runs
+# again, the failed call's graphs are read for how far it went (``running_when_failed``): each
+# model's nodes (those numbered above the model before it's outputs) with their saved tensors
+# freed or kept, seen without unpacking a kept one (an unpacked tensor held by the error's
+# frames kept the graphs alive without the garbage collector). A model with both is k; else k
+# is the model before the first one freed throughout (its own failing node ran before any that
+# saves a tensor); it is named with the original error where the pull back again fails with a
+# freed graph's error or none fails. Where the graphs do not tell (a graph the caller retains,
+# a model whose nodes save no tensor), the search names as before.
 #
 # NOTE [ Pullbacks in runs of chunks ]
 # Models too small for workers in forward (NOTE [ Pullbacks of small models ] in _grouping) run
@@ -158,6 +172,7 @@ from ._function import (
     reaching_a_graph_freed_before,
     reports_failures,
     run_forward,
+    running_when_failed,
     stack_weight_grads,
     under_vmap,
 )
@@ -539,7 +554,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 if len(running) == 1:
                     raise plan.model_error(running[0], "backward", error)
                 mine = [e if i in running else [] for i, e in enumerate(graphs)]
-                _raise_first_failure(plan, mine, grad_outputs, weight_tensor, error, aliases)
+                _raise_first_failure(
+                    plan, mine, grad_outputs, weight_tensor, error, aliases, not keep_graph
+                )
             raise error
         finally:
             error = None  # type: ignore[assignment]
@@ -698,12 +715,13 @@ def _raise_first_failure(
     weight_tensor: Tensor | None,
     original: Exception,
     aliases: list[list[Tensor]] | None,
+    freed_as_it_went: bool,
 ) -> None:
-    """Pull each model back alone, in order, and raise naming the first that fails: with its
-    own error, or ``original`` where the failed call freed part of its graph (NOTE [ Engine
-    calls of the caller's graph ]); or, where ``original`` is itself a freed graph's error,
-    the model whose graph reaches one freed before the call (NOTE [ Graphs freed before the
-    call ])."""
+    """Pull each model back alone, in order, and raise naming the first that fails, with its
+    own error; or, where none fails again or a graph the failed call freed does, name with
+    ``original`` the model the failed call was running (NOTE [ A failure that does not
+    repeat ]); or, where ``original`` is itself a freed graph's error, the model whose graph
+    reaches one freed before the call (NOTE [ Graphs freed before the call ])."""
     if freed_by_the_failed_call(original):
         culprit = reaching_a_graph_freed_before([[e for e, _ in m] for m in edges])
         if culprit is not None:
@@ -711,6 +729,8 @@ def _raise_first_failure(
                 raise plan.model_error(culprit, "backward", original)
             finally:
                 original = None  # type: ignore[assignment]  # no cycle through this frame
+    # Read before anything runs again. With the graphs kept, their saved tensors say nothing.
+    running = running_when_failed([[e for e, _ in m] for m in edges]) if freed_as_it_went else None
     attempts = []
     for i, model_edges in enumerate(edges):
         wrt = [*plan.model_params[i].tensors, *(aliases[i] if aliases is not None else ())]
@@ -719,4 +739,4 @@ def _raise_first_failure(
         cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
         outs, cots = [e for e, _ in model_edges], [cotangents[j] for _, j in model_edges]
         attempts.append((i, functools.partial(pull_back, outs, wrt, cots, True)))
-    raise_first_failing_model(plan, attempts, original)
+    raise_first_failing_model(plan, attempts, original, running)

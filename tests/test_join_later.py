@@ -10,6 +10,7 @@ from torch import nn
 
 import parsum
 from parsum import _function, _pool
+from tests.test_callers_graph import _ARMED, _FlakyHead, _FlakyInside
 from tests.test_errors import BoomBackward
 from tests.zoo import IN, mlp, param_grads
 
@@ -183,6 +184,28 @@ def test_a_failure_in_pullbacks_handed_over_changes_no_grad(path, handed_over, c
     del models[4]
     parsum.sum_models(models, torch.randn(16, IN), n_jobs=2).sum().backward()  # usable after
     assert all(g is not None for g in param_grads(models))
+
+
+@pytest.mark.parametrize("position", [0, 3, 6])
+@pytest.mark.parametrize("flaky", [_FlakyHead, _FlakyInside])
+@pytest.mark.parametrize("path", ["caller's graph", "stacked"])
+def test_a_failure_that_does_not_repeat_in_pullbacks_handed_over_is_named(
+    path, flaky, position, handed_over, cores
+):
+    # NOTE [ A failure that does not repeat ] in parsum._inline, on the helpers' threads: the
+    # model the failed engine call was running is named, every .grad as it was.
+    cores(2)
+    make, kwargs, _ = PATHS[path]
+    torch.manual_seed(0)
+    models = make()
+    models.insert(position, flaky())
+    y = parsum.sum_models(models, torch.randn(16, IN), n_jobs=2, **kwargs)
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=rf"model {position} \({flaky.__name__}\)"):
+        y.pow(2).mean().backward()
+    assert not _ARMED[0]
+    assert handed_over == {"started": 1, "joined": 1}
+    assert all(g is None for g in param_grads(models))
 
 
 def test_not_where_the_engine_does_not_accumulate_or_arguments_need_gradients(handed_over, cores):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import parsum
+from tests.test_callers_graph import _ARMED, _FlakyHead, _FlakyInside
 from tests.zoo import IN, OUT, TwoHeads, clone_models, mlp, plain_sum, zoo
 
 pytestmark = pytest.mark.timeout(60)
@@ -356,6 +357,34 @@ def test_a_failure_names_exactly_the_models_that_stepped():
         stepped = {i for i, moved in enumerate(changed(models, before)) if moved}
         assert stepped == named and seed % 7 not in stepped
         assert all(p.grad is None for p in trainable(models))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("flaky", [_FlakyHead, _FlakyInside])
+@pytest.mark.parametrize("position", [0, 3, 6])
+def test_a_failure_that_does_not_repeat_names_its_model_and_the_models_that_stepped(
+    position, flaky, n_jobs
+):
+    # NOTE [ A failure that does not repeat ] in parsum._inline: the failing model passes when
+    # pulled back again; it is named all the same (before: the model after it, or no error at
+    # all, the steps taken), and the models that stepped are named, none other changed.
+    import re
+
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(6)]
+    models.insert(position, flaky())
+    before = snapshot(models)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    y = parsum.sum_models(models, torch.randn(5, IN), step_in_backward=sib, n_jobs=n_jobs)
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=rf"model {position} \({flaky.__name__}\)") as info:
+        y.pow(2).sum().backward()
+    assert not _ARMED[0]
+    found = re.search(r"already ran for models \[([0-9, ]*)\]", str(info.value))
+    named = set() if found is None else {int(i) for i in found.group(1).split(", ")}
+    stepped = {i for i, moved in enumerate(changed(models, before)) if moved}
+    assert stepped == named and position not in stepped
+    assert all(p.grad is None for p in trainable(models))
 
 
 def test_failing_step_is_named():
