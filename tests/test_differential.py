@@ -169,18 +169,42 @@ class _RaiseInBackward(torch.autograd.Function):
         raise RuntimeError("a model's backward failed")
 
 
+class _RaiseOnceInBackward(torch.autograd.Function):
+    """Raises the first time a backward reaches one of a call's outputs, then passes: a
+    failure that does not repeat (NOTE [ A failure that does not repeat ] in parsum._inline)."""
+
+    @staticmethod
+    def forward(x, left):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.left = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.left:
+            ctx.left.pop()
+            raise RuntimeError("a model's backward failed")
+        return grad, None
+
+
 class Failing(nn.Module):
-    """A model that fails in forward or in backward while ``armed``."""
+    """A model that fails in forward or in backward while ``armed`` (in backward, with
+    ``once``, only the first time a backward reaches it)."""
 
     def __init__(self, inner: nn.Module, where: str) -> None:
         super().__init__()
-        self.inner, self.where, self.armed = inner, where, False
+        self.inner, self.where, self.armed, self.once = inner, where, False, False
 
     def forward(self, x, **kwargs):
         if self.armed and self.where == "forward":
             raise RuntimeError("a model's forward failed")
         y = self.inner(x, **kwargs)
         if self.armed and self.where == "backward":
+            if self.once:
+                left = [True]
+                return pytree.tree_map(lambda t: _RaiseOnceInBackward.apply(t, left), y)
             return pytree.tree_map(_RaiseInBackward.apply, y)
         return y
 
@@ -478,6 +502,10 @@ class Case:
         if not case.module and rng.random() < 0.25:
             case.members = True
             case.steps = max(case.steps, 4)
+        if case.failing_in == "backward" and rng.random() < 0.5:
+            failing = case.models[case.failing_model]  # type: ignore[index]
+            failing.once = True
+            case.kinds[case.failing_model] += " once"  # type: ignore[index]
         return case
 
     @property
