@@ -12,6 +12,15 @@ class ParsumError(RuntimeError):
     """
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)`` for a message, or what it is where its ``__str__`` raises: a user's
+    exception that cannot say itself must still be named and chained, not replaced."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose str() raised>"
+
+
 def a_kind_of(value: object) -> str:
     """``value``'s type name with its article, for messages: "an int", "a Linear"."""
     name = type(value).__name__

@@ -67,7 +67,7 @@ from ._engines import (
     unit_forward,
     wrote_shared,
 )
-from ._errors import ParsumError
+from ._errors import ParsumError, message_of
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._random import (
@@ -189,7 +189,7 @@ class SumPlan:
     ) -> ParsumError:
         model = self.models[i]
         hint = who = ""
-        if self.engine == "vjp" and "mutate" in str(exc):
+        if self.engine == "vjp" and "mutate" in message_of(exc):
             hint = (
                 "; engine='vjp' cannot run a model that updates buffers in forward (BatchNorm "
                 "in training mode): use engine='autograd' or 'auto'"
@@ -208,7 +208,7 @@ class SumPlan:
         kind = "ParsumError" if isinstance(exc, ParsumError) else type(exc).__name__
         err = ParsumError(
             f"{self.where}: model {i} ({model_kind(model)}){who} raised "
-            f"{kind} in {phase}: {exc}{hint}"
+            f"{kind} in {phase}: {message_of(exc)}{hint}"
         )
         err.__cause__ = exc
         return err
@@ -1390,7 +1390,8 @@ def freed_by_the_failed_call(exc: Exception) -> bool:
     """Whether ``exc`` is autograd's error, or a nested sum_models', for a graph whose saved
     tensors were freed."""
     return isinstance(exc, FreedGraphError) or (
-        isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
+        isinstance(exc, RuntimeError)
+        and "backward through the graph a second time" in message_of(exc)
     )
 
 
@@ -1970,8 +1971,8 @@ class _Backward:
             self.undo()
             if self.stepped:
                 raise ParsumError(
-                    f"{exc}; the optimizer step (step_in_backward) already ran for models "
-                    f"{sorted(self.stepped)}, whose parameters changed"
+                    f"{message_of(exc)}; the optimizer step (step_in_backward) already ran for "
+                    f"models {sorted(self.stepped)}, whose parameters changed"
                 ) from (exc.__cause__ or exc)
             raise
         if flat is not None:

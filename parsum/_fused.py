@@ -72,7 +72,7 @@ import torch
 from torch import Tensor, nn
 
 from ._config import check_model_sequence
-from ._errors import ParsumError, a_kind_of
+from ._errors import ParsumError, a_kind_of, message_of
 from ._sparse import OwnPostHook
 
 _WHERE = "StepInBackward"
@@ -181,7 +181,7 @@ class StepInBackward:
                 raise ParsumError(
                     f"{_WHERE}: optimizer_cls {name}(params of models[{i}] "
                     f"({type(model).__name__}), **{optimizer_kwargs!r}) raised "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {message_of(exc)}"
                 ) from exc
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ParsumError(

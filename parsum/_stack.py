@@ -126,7 +126,7 @@ from ._engines import (
     runs_as_program,
     stacked_tensors,
 )
-from ._errors import ParsumError, a_kind_of
+from ._errors import ParsumError, a_kind_of, message_of
 from ._function import _engine_keeps_graph
 from ._fused import StepInBackward, step_stacked
 from ._grads import (
@@ -1212,7 +1212,8 @@ class _Stepping:
             except Exception as exc:
                 raise ParsumError(
                     f"sum_models: the optimizer step of the {len(order)} stacked models, as one "
-                    f"(NOTE [ One step over stacked models ]), raised {type(exc).__name__}: {exc}"
+                    f"(NOTE [ One step over stacked models ]), raised {type(exc).__name__}: "
+                    f"{message_of(exc)}"
                 ) from exc
             if done_as_one:
                 return
@@ -1226,7 +1227,7 @@ class _Stepping:
                     done = f"; the optimizer step already ran for models {stepped}"
                     raise ParsumError(
                         f"sum_models: model {k} ({type(model).__name__}) raised "
-                        f"{type(exc).__name__} in its optimizer step: {exc}"
+                        f"{type(exc).__name__} in its optimizer step: {message_of(exc)}"
                         f"{done if stepped else ''}"
                     ) from exc
                 stepped.append(k)

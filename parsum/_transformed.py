@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ._engines import CallArgs, ModelParams, model_kind
-from ._errors import ParsumError
+from ._errors import ParsumError, message_of
 from ._grads import has_compensated_flat_grads
 from ._summation import WIDE, sum_dtype
 
@@ -65,7 +65,7 @@ def sum_in_transform(
         except Exception as exc:
             raise ParsumError(
                 f"{where}: model {i} ({model_kind(model)}) raised {type(exc).__name__} in "
-                f"forward: {exc}"
+                f"forward: {message_of(exc)}"
             ) from exc
         leaves, out_spec = pytree.tree_flatten(out)
         bad = [

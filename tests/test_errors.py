@@ -215,6 +215,64 @@ def test_model_raising_in_backward_changes_no_grad(monkeypatch, n_jobs, costlies
     assert x.grad is not None
 
 
+class Unprintable(Exception):
+    """An exception whose ``str()`` raises."""
+
+    def __str__(self):
+        raise ValueError("no message")
+
+
+class _UnprintableInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Unprintable()
+
+
+class RaisesUnprintable(nn.Module):
+    def __init__(self, phase):
+        super().__init__()
+        self.lin, self.phase = nn.Linear(IN, OUT), phase
+
+    def forward(self, x):
+        if self.phase == "forward":
+            raise Unprintable()
+        if self.phase == "backward":
+            return _UnprintableInBackward.apply(self.lin(x))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("callers_graph", [True, False])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("phase", ["forward", "backward", "its optimizer step"])
+def test_an_exception_that_cannot_say_itself_is_named_and_chained(phase, n_jobs, callers_graph):
+    # Its message was formatted with str(): the ValueError that raised replaced it, unchained,
+    # the model unnamed.
+    models = [mlp([4]), RaisesUnprintable(phase), mlp([5])]
+    kwargs = {}
+    if phase == "its optimizer step":
+
+        class Broken(torch.optim.SGD):
+            def step(self, closure=None):
+                if self.param_groups[0]["params"][0] is models[1].lin.weight:
+                    raise Unprintable()
+                return super().step(closure)
+
+        kwargs["step_in_backward"] = parsum.StepInBackward(models, Broken, lr=0.1)
+    elif not callers_graph:
+        models[0][0].weight.register_hook(lambda g: g)  # ParallelSum
+    with pytest.raises(parsum.ParsumError) as info:
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, **kwargs).sum().backward()
+    message = info.value.args[0]
+    assert f"model 1 (RaisesUnprintable) raised Unprintable in {phase}" in message
+    assert "<Unprintable whose str() raised>" in message
+    assert isinstance(info.value.__cause__, Unprintable)
+    assert all(g is None for g in param_grads(models))
+
+
 def test_failed_forward_restores_batchnorm_buffers():
     models = [
         nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Linear(5, OUT)) for _ in range(5)
