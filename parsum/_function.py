@@ -1453,7 +1453,7 @@ def _saved_state(node: Any) -> bool | None:
         return True if freed_by_the_failed_call(exc) else None
     for saved in raw.values():
         for one in saved if isinstance(saved, (list, tuple)) else (saved,):
-            if one.data is not None or one.unpack_hook is not None:
+            if one.unpack_hook is not None or one.data is not None:
                 return False
     for name in raw:
         try:

@@ -1,6 +1,7 @@
 """The one-thread path (NOTE [ The caller's graph ]): the same bits as ParallelSum on any number
 of workers, the plain loop's gradients, autograd.grad, hooks, failures undone and named."""
 
+import contextlib
 import gc
 import threading
 import time
@@ -1149,6 +1150,44 @@ def test_a_failure_that_does_not_repeat_names_its_model_and_changes_no_grad(
     assert not _ARMED[0]  # it did fail once
     for p, grad in zip(params, before):
         assert p.grad is grad and (grad is None or torch.equal(grad, torch.ones_like(p)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("flaky", [_FlakyHead, _FlakyInside])
+@pytest.mark.parametrize("position", [0, 3, 6])
+@pytest.mark.parametrize("saving", ["saved tensor hooks", "checkpoint"])
+def test_a_failure_that_does_not_repeat_is_named_where_tensors_are_saved_by_hooks(
+    saving, position, flaky, n_jobs
+):
+    # A saved tensor packed by hooks keeps no data: kept, it is seen by its hooks; checkpoints
+    # pack every tensor so, and recompute in backward.
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(6)]
+    models.insert(position, flaky())
+    kind = flaky.__name__
+    if saving == "checkpoint":
+        models, kind = [_Checkpointed(m) for m in models], "_Checkpointed"
+    x = torch.randn(5, IN)
+    with contextlib.ExitStack() as stack:
+        if saving == "saved tensor hooks":
+            stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(lambda t: (t * 1,), lambda p: p[0])
+            )
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=rf"model {position} \({kind}\)"):
+        y.pow(2).sum().backward()
+    assert not _ARMED[0]
+    assert all(p.grad is None for m in models for p in m.parameters())
 
 
 @pytest.mark.parametrize("callers_graph", [True, False])
