@@ -36,9 +36,12 @@
 # the ready node of highest sequence number first, and sequence numbers grow in creation order on
 # each thread, so models run one after the other from the last to the first, and when model k
 # fails, the models after it are done (freed), the ones before it untouched. Each model is then
-# pulled back alone in model order, its graph kept: the first that fails is the one a run on one
-# thread would name, with its own error (``_raise_first_failure``), unless the failure does not
-# repeat (NOTE [ A failure that does not repeat ]).
+# pulled back alone in model order: the first that fails is the one a run on one thread would
+# name, with its own error (``_raise_first_failure``), unless the failure does not repeat
+# (NOTE [ A failure that does not repeat ]). Its graph is kept only where the failed call kept
+# them: a backward torch.compile made with donated buffers refuses to keep it ("requires
+# create_graph=False and retain_graph=False"), which named the first compiled model, with that
+# refusal, for any later model's failure.
 #
 # NOTE [ A failure that does not repeat ]
 # A failure that does not repeat (an out-of-memory error the retry survives, a flaky check)
@@ -738,5 +741,8 @@ def _raise_first_failure(
             continue
         cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
         outs, cots = [e for e, _ in model_edges], [cotangents[j] for _, j in model_edges]
-        attempts.append((i, functools.partial(pull_back, outs, wrt, cots, True)))
+        # Freed as they go where the failed call freed its graphs, which no backward can run
+        # through again: a compiled model's backward (donated buffers) refuses to keep its
+        # graph, and named, with its own error, a model that did not fail.
+        attempts.append((i, functools.partial(pull_back, outs, wrt, cots, not freed_as_it_went)))
     raise_first_failing_model(plan, attempts, original, running)

@@ -1152,6 +1152,53 @@ def test_a_failure_that_does_not_repeat_names_its_model_and_changes_no_grad(
         assert p.grad is grad and (grad is None or torch.equal(grad, torch.ones_like(p)))
 
 
+class _RefusesToKeepItsGraph(torch.autograd.Function):
+    """Identity whose backward refuses a graph kept, as a backward that torch.compile made
+    with donated buffers does ("requires create_graph=False and retain_graph=False")."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            raise RuntimeError("compiled with donated buffers: retain_graph=False only")
+        return g
+
+
+class _LikeCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return _RefusesToKeepItsGraph.apply(self.lin(x))
+
+
+@pytest.mark.parametrize("callers_graph", [True, False])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("failing", [BoomBackward, _FlakyInside])
+def test_a_failure_after_models_that_refuse_to_keep_their_graph_names_its_model(
+    failing, n_jobs, callers_graph
+):
+    # The failing model was searched for by pulling each model back again with its graph
+    # kept, which torch.compile's backwards refuse: the first compiled model was named, with
+    # that refusal as the cause, and the model's own error was lost (found 2026-12-01).
+    models: list[nn.Module] = [_LikeCompiled() for _ in range(5)]
+    models.insert(3, failing())
+    if not callers_graph:
+        models[4].lin.weight.register_hook(lambda g: g)
+    y = parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs)
+    assert in_callers_graph(y) == callers_graph
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=rf"model 3 \({failing.__name__}\)") as info:
+        y.sum().backward()
+    assert "donated" not in str(info.value)
+    assert all(p.grad is None for m in models for p in m.parameters())
+    _ARMED[0] = False
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, inner):
         super().__init__()

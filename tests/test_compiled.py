@@ -4,6 +4,7 @@ in parsum._engines)."""
 
 import copy
 import functools
+import shutil
 import warnings
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import param_grads
+from tests.test_errors import BoomBackward
+from tests.zoo import IN, mlp, param_grads
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -251,3 +253,21 @@ def test_traced_and_exported_models_sum_and_train_as_their_plain_twins(transform
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
     assert_same_grads(param_grads(models), param_grads(plain))
+
+
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")), reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_failure_after_models_compiled_by_inductor_names_its_model(n_jobs):
+    # Inductor's backwards free their saved tensors as they go (donated buffers) and refuse a
+    # backward that keeps the graph: the search for the failing model, which pulled each back
+    # again keeping its graph, named the first compiled model with that refusal, the failing
+    # model's own error lost (tests/test_callers_graph.py has the same without a compiler).
+    torch.manual_seed(0)
+    models = [torch.compile(mlp([8])) for _ in range(3)]
+    models.insert(2, BoomBackward())
+    y = parsum.sum_models(models, torch.randn(5, IN), n_jobs=n_jobs)
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(BoomBackward\) raised ValueError"):
+        y.pow(2).sum().backward()
+    assert all(g is None for g in param_grads(models))
