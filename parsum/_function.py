@@ -1446,9 +1446,7 @@ def _saved_state(node: Any) -> bool | None:
         if hasattr(type(node), "saved_tensors"):  # a custom Function's node
             raw = {"saved_tensors": node._raw_saved_tensors}
         else:
-            raw = {
-                n[len("_raw") :]: getattr(node, n) for n in dir(node) if n.startswith("_raw_saved_")
-            }
+            raw = {n[len("_raw") :]: getattr(node, n) for n in _raw_saved_names(type(node))}
     except Exception as exc:  # only a failure's naming hangs on it: never raise instead
         return True if freed_by_the_failed_call(exc) else None
     for saved in raw.values():
@@ -1462,6 +1460,19 @@ def _saved_state(node: Any) -> bool | None:
             if freed_by_the_failed_call(exc):
                 return True
     return None
+
+
+_RAW_SAVED_NAMES: dict[type, list[str]] = {}
+
+
+def _raw_saved_names(node_type: type) -> list[str]:
+    """The ``_raw_saved_*`` attributes of a kind of autograd node, kept (``dir`` on every
+    node of a large graph took 20 us a node)."""
+    names = _RAW_SAVED_NAMES.get(node_type)
+    if names is None:
+        names = [n for n in dir(node_type) if n.startswith("_raw_saved_")]
+        _RAW_SAVED_NAMES[node_type] = names
+    return names
 
 
 def running_when_failed(output_edges: Sequence[Sequence[GradientEdge]]) -> int | None:
