@@ -1441,12 +1441,13 @@ def _saved_state(node: Any) -> bool | None:
     """Whether ``node``'s saved tensors were freed by a backward (True) or are kept (False);
     None where it saved none. A kept one is not unpacked: it is seen by its data or its hooks
     (an unpacked tensor would be one more reference to the graph), a freed one by the error of
-    reading it, where an undefined one (a None saved) reads None."""
+    reading it, where an undefined one (a None saved) reads None. A custom Function's node
+    tells even where it saved nothing: its buffers are marked freed once it ran."""
     try:
         if hasattr(type(node), "saved_tensors"):  # a custom Function's node
-            raw = {"saved_tensors": node._raw_saved_tensors}
-        else:
-            raw = {n[len("_raw") :]: getattr(node, n) for n in _raw_saved_names(type(node))}
+            node._raw_saved_tensors  # noqa: B018  # raises once freed
+            return False
+        raw = {n[len("_raw") :]: getattr(node, n) for n in _raw_saved_names(type(node))}
     except Exception as exc:  # only a failure's naming hangs on it: never raise instead
         return True if freed_by_the_failed_call(exc) else None
     for saved in raw.values():
@@ -1506,10 +1507,13 @@ def running_when_failed(output_edges: Sequence[Sequence[GradientEdge]]) -> int |
         if freed and kept:  # run in part
             return i
     first_done = next((k for k, (_, freed, _) in enumerate(states) if freed), len(states))
-    if first_done == 0 or any(kept for _, _, kept in states[first_done:]):
-        return None  # no model before the ones run through, or not run from the last
-    i, _, kept = states[first_done - 1]
-    return i if kept else None  # else it saved nothing: no telling whether it ran
+    if any(kept for _, _, kept in states[first_done:]):
+        return None  # not run from the last to the first
+    # The failing model is the last before the first run through that did not finish: the
+    # last kept one, or a model after it whose nodes save nothing (no telling whether it ran).
+    last_kept = max((k for k in range(first_done) if states[k][2]), default=0)
+    suspects = states[last_kept:first_done]
+    return suspects[0][0] if len(suspects) == 1 else None
 
 
 def raise_first_failing_model(
