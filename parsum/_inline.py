@@ -51,11 +51,13 @@
 # again, the failed call's graphs are read for how far it went (``running_when_failed``): each
 # model's nodes (those numbered above the model before it's outputs) with their saved tensors
 # freed or kept, seen without unpacking a kept one (an unpacked tensor held by the error's
-# frames kept the graphs alive without the garbage collector). A model with both is k; else k
-# is the model before the first one freed throughout (its own failing node ran before any that
-# saves a tensor); it is named with the original error where the pull back again fails with a
-# freed graph's error or none fails. Where the graphs do not tell (a graph the caller retains,
-# a model whose nodes save no tensor), the search names as before.
+# frames kept the graphs alive without the garbage collector; a custom Function's node tells
+# whether it ran though it saved nothing). A model with both is k; else k is the last model
+# before the first one freed throughout that did not finish: the last one kept (its failing
+# node ran before any that saves a tensor), or a model after it whose nodes save nothing where
+# it is the only one. It is named with the original error where the pull back again fails with
+# a freed graph's error or none fails. Where the graphs do not tell (a graph the caller
+# retains, two models in a row whose nodes save nothing), the search names as before.
 #
 # NOTE [ Pullbacks in runs of chunks ]
 # Models too small for workers in forward (NOTE [ Pullbacks of small models ] in _grouping) run
