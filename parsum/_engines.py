@@ -30,6 +30,7 @@ import functools
 import inspect
 import itertools
 import operator
+import threading
 import types
 import weakref
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -661,6 +662,21 @@ def pull_back(
     the checks and conversions of ``autograd.grad``'s Python wrapper (about 10 us a call here,
     a tenth of a tiny model's pullback) are skipped where the engine can be called directly.
     """
+    try:
+        return _pull_back(outputs, inputs, cotangents, retain_graph, accumulate, create_graph)
+    except BaseException:
+        _drop_tasks_left()
+        raise
+
+
+def _pull_back(
+    outputs: Sequence[GradientEdge],
+    inputs: Sequence[Tensor],
+    cotangents: Sequence[Tensor],
+    retain_graph: bool,
+    accumulate: bool,
+    create_graph: bool,
+) -> tuple[Tensor | None, ...]:
     if len(outputs) == 1:  # NOTE [ One root edge ]
         outputs, cotangents = _with_a_root_pad(outputs, cotangents)
     if _run_engine is None or has_torch_function([*cotangents, *inputs]):
@@ -686,6 +702,39 @@ def pull_back(
         True,
         accumulate_grad=accumulate,
     )
+
+
+# NOTE [ Tasks a failed engine call leaves ]
+# A failed engine call leaves the tasks it had queued (the other models' roots, ready from the
+# start) in the thread's ready queue, each holding its node and the graph behind it, until the
+# thread's next engine call pops them: a helper's held a failed call's graphs until its next
+# job, and a process whose last backward that was aborted at exit ("terminate called without
+# an active exception"; a model summing models inside, failing last of 5 at n_jobs=2). The
+# queue pops the task of highest sequence number first (at one reentrant depth), and each
+# thread numbers its nodes from 0 in creation order, so a call through a node numbered 0 (made
+# at import in a thread of its own) runs after every task left: those of a call that is gone
+# are dropped as they are popped.
+def _numbered_first() -> tuple[Tensor, Tensor]:
+    made: list[Tensor] = []
+
+    def make() -> None:
+        leaf = torch.zeros((), requires_grad=True)
+        made.extend((leaf, leaf * 1))
+
+    thread = threading.Thread(target=make, name="parsum-drain-node")
+    thread.start()
+    thread.join()
+    return made[0], made[1]
+
+
+_DRAIN_LEAF, _DRAIN_ROOT = _numbered_first()
+
+
+def _drop_tasks_left() -> None:
+    """Pop what a failed engine call left in this thread's ready queue (NOTE [ Tasks a failed
+    engine call leaves ])."""
+    with contextlib.suppress(Exception):
+        torch.autograd.grad(_DRAIN_ROOT, _DRAIN_LEAF, retain_graph=True)
 
 
 # NOTE [ One root edge ]

@@ -3,6 +3,11 @@ of workers, the plain loop's gradients, autograd.grad, hooks, failures undone an
 
 import contextlib
 import gc
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -1293,3 +1298,48 @@ def test_a_failure_that_does_not_repeat_in_a_retained_graph_raises_and_changes_n
     for m, r in zip(models, ref):
         for p, q in zip(m.parameters(), r.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+_LAST_BACKWARD_FAILED = """
+import pytest, torch, parsum
+from torch import nn
+from tests.test_errors import _FailingBackward
+from tests.zoo import IN, mlp
+
+
+class NestedBoom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.ModuleList([mlp([4]), mlp([5])])
+
+    def forward(self, x):
+        return _FailingBackward.apply(parsum.sum_models(list(self.inner), x, n_jobs=1))
+
+
+def test_fails():
+    models = [mlp([6 + i]) for i in range(4)] + [NestedBoom()]
+    y = parsum.sum_models(models, torch.randn(3, IN), n_jobs=2)
+    with pytest.raises(parsum.ParsumError, match="model 4"):
+        y.pow(2).sum().backward()
+"""
+
+
+def test_a_process_whose_last_backward_failed_exits_cleanly(tmp_path):
+    # NOTE [ Tasks a failed engine call leaves ] in parsum._engines: the tasks a failed call
+    # left in a helper's ready queue were destroyed after the interpreter finalized, and the
+    # process aborted at exit ("terminate called without an active exception", status 134).
+    test = tmp_path / "test_last_backward_failed.py"
+    test.write_text(textwrap.dedent(_LAST_BACKWARD_FAILED))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "terminate" not in done.stderr
