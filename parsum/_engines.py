@@ -712,9 +712,11 @@ def _pull_back(
 # an active exception"; a model summing models inside, failing last of 5 at n_jobs=2). The
 # queue pops the task of highest sequence number first (at one reentrant depth), and each
 # thread numbers its nodes from 0 in creation order, so a call through a node numbered 0 (made
-# at import in a thread of its own) runs after every task left: those of a call that is gone
-# are dropped as they are popped.
+# once, in a thread of its own) runs after every task left: those of a call that is gone are
+# dropped as they are popped.
+@functools.cache
 def _numbered_first() -> tuple[Tensor, Tensor]:
+    """A leaf and a node through it numbered 0, made once, when first needed."""
     made: list[Tensor] = []
 
     def make() -> None:
@@ -727,14 +729,12 @@ def _numbered_first() -> tuple[Tensor, Tensor]:
     return made[0], made[1]
 
 
-_DRAIN_LEAF, _DRAIN_ROOT = _numbered_first()
-
-
 def _drop_tasks_left() -> None:
     """Pop what a failed engine call left in this thread's ready queue (NOTE [ Tasks a failed
     engine call leaves ])."""
     with contextlib.suppress(Exception):
-        torch.autograd.grad(_DRAIN_ROOT, _DRAIN_LEAF, retain_graph=True)
+        leaf, root = _numbered_first()
+        torch.autograd.grad(root, leaf, retain_graph=True)
 
 
 # NOTE [ One root edge ]
@@ -952,10 +952,13 @@ def foreign_leaves(roots: Iterable[GradientEdge | None], own: Sequence[Tensor]) 
 
 
 def graph_nodes(
-    roots: Iterable[GradientEdge | None], skip: Container[tuple[int, int]] = ()
+    roots: Iterable[GradientEdge | None],
+    skip: Container[tuple[int, int]] = (),
+    newer_than: int | None = None,
 ) -> Iterator[Any]:
     """Every node of the graph behind ``roots``, once, not through an edge in ``skip`` (by its
-    node's id and input number)."""
+    node's id and input number), nor, with ``newer_than``, through a node other than a leaf's
+    numbered at or below it (made earlier on the thread that numbered it)."""
     seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
     stack: list[Any] = [
         edge.node
@@ -967,6 +970,8 @@ def graph_nodes(
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
+        if newer_than is not None and node._sequence_nr() <= newer_than and leaf_of(node) is None:
+            continue
         yield node
         stack.extend(
             next_node for next_node, nr in node.next_functions if (id(next_node), nr) not in skip

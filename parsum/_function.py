@@ -1431,10 +1431,16 @@ def reaching_a_graph_freed_before(
             for node in graph_nodes(edges)
         ):
             return i
-        numbers = [e.node._sequence_nr() for e in edges if leaf_of(e.node) is None]
-        if numbers:
-            bound = max(numbers)
+        bound = _last_output_number(edges, bound)
     return None
+
+
+def _last_output_number(edges: Sequence[GradientEdge], before: int | None) -> int | None:
+    """The highest number of a model's output nodes (its leaves' aside), or ``before`` where
+    it has none: a bound on the numbers of the nodes the model made, for the model after it
+    (NOTE [ Graphs freed before the call ])."""
+    numbers = [e.node._sequence_nr() for e in edges if leaf_of(e.node) is None]
+    return max(numbers) if numbers else before
 
 
 def _saved_state(node: Any) -> bool | None:
@@ -1487,22 +1493,12 @@ def running_when_failed(output_edges: Sequence[Sequence[GradientEdge]]) -> int |
         if not edges:
             continue
         freed = kept = False
-        seen: dict[int, Any] = {}  # keeps the nodes alive, so that their ids stay theirs
-        stack: list[Any] = [e.node for e in edges]
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen or leaf_of(node) is not None:
-                continue
-            seen[id(node)] = node
-            if bound is not None and node._sequence_nr() <= bound:
-                continue  # made before the model ran: not its own
-            state = _saved_state(node)
-            freed, kept = freed or state is True, kept or state is False
-            stack.extend(n for n, _ in node.next_functions)
+        for node in graph_nodes(edges, newer_than=bound):  # the model's own nodes
+            if leaf_of(node) is None:
+                state = _saved_state(node)
+                freed, kept = freed or state is True, kept or state is False
         states.append((i, freed, kept))
-        numbers = [e.node._sequence_nr() for e in edges if leaf_of(e.node) is None]
-        if numbers:
-            bound = max(numbers)
+        bound = _last_output_number(edges, bound)
     for i, freed, kept in states:
         if freed and kept:  # run in part
             return i

@@ -727,15 +727,16 @@ def _raise_first_failure(
     ``original`` the model the failed call was running (NOTE [ A failure that does not
     repeat ]); or, where ``original`` is itself a freed graph's error, the model whose graph
     reaches one freed before the call (NOTE [ Graphs freed before the call ])."""
+    outputs = [[e for e, _ in m] for m in edges]
     if freed_by_the_failed_call(original):
-        culprit = reaching_a_graph_freed_before([[e for e, _ in m] for m in edges])
+        culprit = reaching_a_graph_freed_before(outputs)
         if culprit is not None:
             try:
                 raise plan.model_error(culprit, "backward", original)
             finally:
                 original = None  # type: ignore[assignment]  # no cycle through this frame
     # Read before anything runs again. With the graphs kept, their saved tensors say nothing.
-    running = running_when_failed([[e for e, _ in m] for m in edges]) if freed_as_it_went else None
+    running = running_when_failed(outputs) if freed_as_it_went else None
     attempts = []
     for i, model_edges in enumerate(edges):
         wrt = [*plan.model_params[i].tensors, *(aliases[i] if aliases is not None else ())]
