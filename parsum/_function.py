@@ -1044,9 +1044,10 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # to the join, where the caller's thread stores them, added to what the engine stored meanwhile
 # (a + b = b + a: the bits of one thread); 64 tiny MLPs at n_jobs=2, whose stacked groups' 382
 # gradients are stored so, took 0.97-1.00x a step against a helper's stores (three runs in one
-# process; still 1.10x the pullbacks joined in the node). Nor does a node join later where it
-# returns a gradient for the weights or arguments (``may_join_later``): the engine would
-# accumulate it before a failing pullback is joined.
+# process; still 1.10x the pullbacks joined in the node). A FlatGrad's hook, which moves a fresh
+# gradient into its slot, raced the same way: NOTE [ Slots filled after the join ] in _grads.
+# Nor does a node join later where it returns a gradient for the weights or arguments
+# (``may_join_later``): the engine would accumulate it before a failing pullback is joined.
 # Those AccumulateGrads also run the hooks on the nodes themselves, before the pullbacks' own:
 # DistributedDataParallel's, which count each parameter ready once per backward, saw the None
 # first and then raised on the pullback's gradient ("marked as ready twice"; after the
@@ -1057,7 +1058,7 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 class PendingJoin:
     """What a join node runs: the caller's part of pullbacks handed to helpers, if any."""
 
-    __slots__ = ("finish",)
+    __slots__ = ("__weakref__", "finish")
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None

@@ -197,6 +197,7 @@ class FlatGrad:
                     slot.view.copy_(_dense(p.grad))
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
+        self._held: set[int] = set()  # NOTE [ Slots filled after the join ]
         self._note_written()
         for index, p in enumerate(params):
             self._take_over(index, p)
@@ -327,6 +328,8 @@ class FlatGrad:
 
     def _reattach(self, index: int, param: Tensor) -> None:
         """After autograd accumulated into a fresh tensor, move it into the slot."""
+        if index in self._held:  # NOTE [ Slots filled after the join ]
+            return
         slot = self._slots[index]
         grad = param.grad
         if grad is None or grad is slot.view or _is_view_of(grad, slot.view):
@@ -665,6 +668,42 @@ def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
             return None
         views.append(slot.view)
     return views
+
+
+# NOTE [ Slots filled after the join ]
+# Where a backward hands its pullbacks to helpers and joins them later (NOTE [ Pullbacks joined
+# later ] in _function), the calling thread's engine runs the parameters' AccumulateGrads
+# meanwhile: with None from the node, and with a gradient where a term of the loss outside the
+# sum (an L2 penalty) reads the parameter. AccumulateGrad writes ``.grad`` under a lock of its
+# own but runs the post-accumulate hooks after it, so a FlatGrad's hook moving a fresh gradient
+# into its slot (``param.grad = view``, where ``.grad`` was None: ``optimizer.zero_grad()``)
+# wrote ``.grad`` while the other thread's AccumulateGrad wrote it too: gradients lost, and a
+# segmentation fault or "free(): corrupted unsorted chunks" (32 MLPs at n_jobs=2 with an L2
+# term, the example of docs/gradients.md; found by tests/test_differential.py). So those
+# slots are held: their hook does nothing until the join, where the calling thread, the
+# AccumulateGrads done, moves each gradient in (``release_slots``). A failed backward sets
+# their ``.grad`` back to None and leaves the slots as they were. A graph freed without its join
+# (a hook on an AccumulateGrad node that raised) releases them when it goes.
+def hold_unset_slots(params: Sequence[Tensor]) -> list[tuple[FlatGrad, int, Tensor]]:
+    """The FlatGrad slots of ``params`` whose ``.grad`` is None, their hooks held until
+    ``release_slots`` (NOTE [ Slots filled after the join ])."""
+    held: list[tuple[FlatGrad, int, Tensor]] = []
+    for p in params:
+        if p.grad is None and (owner := owner_of(p)) is not None:
+            flat, index = owner
+            flat._held.add(index)
+            held.append((flat, index, p))
+    return held
+
+
+def release_slots(held: list[tuple[FlatGrad, int, Tensor]], fill: bool) -> None:
+    """Let the hooks of slots held by ``hold_unset_slots`` act again; with ``fill``, move each
+    fresh ``.grad`` into its slot first, as they would have."""
+    for flat, index, _ in held:
+        flat._held.discard(index)
+    if fill:
+        for flat, index, p in held:
+            flat._reattach(index, p)
 
 
 def _hooked_by_user(param: Tensor) -> bool:

@@ -140,6 +140,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -185,6 +186,8 @@ from ._grads import (
     engine_runs_all,
     has_compensated_flat_grads,
     has_flat_grads,
+    hold_unset_slots,
+    release_slots,
     zeroed_slot_views,
 )
 from ._sparse import (
@@ -413,7 +416,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # Accumulating in the pullback must be undone on a failure: every .grad None, or a
     # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
     zeroed: list[Tensor] | None = []
-    if has_flat_grads(params):
+    flat_grads = has_flat_grads(params)
+    if flat_grads:
         zeroed = zeroed_slot_views(params)
     # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
     # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
@@ -584,11 +588,16 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         return pull_back_chunks(k, chunks)
 
     if pending is not None and accumulate and aliases is None:
-        # NOTE [ Pullbacks joined later ]
+        # NOTE [ Pullbacks joined later ]; NOTE [ Slots filled after the join ] in _grads
+        held = hold_unset_slots(params) if flat_grads else []
         job = _pool.start_ordered(
             pull_back_one, n_chunks, workers, add_in_order, claim_order, callers_last
         )
-        if job is not None:
+        if job is None:
+            release_slots(held, fill=False)  # nothing ran
+        else:
+            # Released when the graph goes, where the join never runs.
+            unjoined = weakref.finalize(pending, release_slots, held, False) if held else None
 
             def finish() -> None:
                 failure: BaseException | None = None
@@ -597,6 +606,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 except BaseException as exc:
                     undo()
                     failure = exc
+                if unjoined is not None:
+                    unjoined.detach()
+                    release_slots(held, fill=failure is None)
                 if failure is not None:
                     try:
                         raise_failure(failure)

@@ -3,13 +3,14 @@
 the parameters' AccumulateGrads: the bits of one thread, failures undone and named."""
 
 import copy
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import parsum
-from parsum import _function, _pool
+from parsum import _engines, _function, _pool
 from tests.test_callers_graph import _ARMED, _FlakyHead, _FlakyInside
 from tests.test_errors import BoomBackward
 from tests.zoo import IN, mlp, param_grads
@@ -132,6 +133,116 @@ def test_gradients_from_outside_the_sum_add_to_its_own(path, made, handed_over, 
         got, want = step(models, 2), step(alone, 1)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert handed_over["started"] == handed_over["joined"] == 3
+
+
+def flat_grad_step(models, flat, x, n_jobs, penalty=True):
+    """One step of docs/gradients.md's loop, with an L2 term of the loss outside the sum:
+    gradients into unset ``.grad`` of FlatGrad slots (``zero_grad()`` left None)."""
+    params = [p for m in models for p in m.parameters()]
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    loss = y.pow(2).mean()
+    if penalty:
+        loss = loss + 1e-3 * sum(p.pow(2).sum() for p in params)
+    loss.backward()
+    grads = [p.grad.clone() for p in params]
+    assert all(p.grad is v for p, v in zip(params, flat_views(flat)))  # in the slots
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def flat_views(flat):
+    return [slot.view for slot in flat._slots]
+
+
+def test_flat_grad_slots_filled_at_the_join_beside_a_term_outside_the_sum(handed_over, cores):
+    # NOTE [ Slots filled after the join ] in parsum._grads: the FlatGrad's hook moving a fresh
+    # gradient into its slot wrote .grad while the engine in the calling thread accumulated the
+    # L2 term's gradient into it: gradients lost, or a segmentation fault (found by
+    # tests/test_differential.py; each of 6 runs of this loop failed before, 2 by a crash).
+    cores(2)
+    torch.manual_seed(3)
+    models = [mlp([8 + i % 5, 4 + i % 3]) for i in range(12)]
+    alone = copy.deepcopy(models)
+    flat, flat_alone = parsum.FlatGrad(models), parsum.FlatGrad(alone)
+    for p in (p for m in [*models, *alone] for p in m.parameters()):
+        p.grad = None  # as optimizer.zero_grad() leaves them
+    x = torch.randn(16, IN)
+    for _ in range(100):
+        got = flat_grad_step(models, flat, x, 2)
+        want = flat_grad_step(alone, flat_alone, x, 1)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert handed_over["started"] == handed_over["joined"] == 100
+    assert not flat._held
+
+
+def test_a_failure_with_flat_grad_slots_held_sets_them_back(handed_over, cores):
+    cores(2)
+    torch.manual_seed(4)
+    models = heterogeneous()
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(16, IN)
+    flat_grad_step(models, flat, x, 2)  # the slots hold a gradient; every .grad None
+    before = flat.flat.clone()
+    models.insert(4, BoomBackward())
+    y = parsum.sum_models(models, x, n_jobs=2)
+    loss = y.pow(2).mean() + sum(p.pow(2).sum() for p in flat.params)
+    with pytest.raises(parsum.ParsumError, match=r"model 4 \(BoomBackward\)"):
+        loss.backward()
+    assert handed_over == {"started": 2, "joined": 2}
+    assert all(p.grad is None for p in flat.params) and torch.equal(flat.flat, before)
+    assert not flat._held
+    del models[4]
+    flat_grad_step(models, flat, x, 2)  # the hooks act again
+
+
+def test_slots_held_for_a_join_that_never_runs_are_let_go_with_the_graph(cores, monkeypatch):
+    # A hook on an AccumulateGrad node that raises ends the backward before the join
+    # (docs/limits.md): the slots are let go when the graph goes, not held for good.
+    import gc
+
+    cores(2)
+    jobs = []
+    start_ordered = _pool.start_ordered
+    monkeypatch.setattr(
+        _pool, "start_ordered", lambda *a: jobs.append(start_ordered(*a)) or jobs[-1]
+    )
+    models = heterogeneous()
+    flat = parsum.FlatGrad(models)
+    for p in flat.params:
+        p.grad = None
+    x = torch.randn(16, IN)
+    y = parsum.sum_models(models, x, n_jobs=2)
+    loss = y.pow(2).mean()
+    first = flat.params[0]
+    node = first.view_as(first).grad_fn.next_functions[0][0]  # its AccumulateGrad
+
+    caller = threading.current_thread()
+
+    def boom(grad_inputs, grad_outputs):
+        # In the engine's visit with None only, not in a pullback's (the helpers' or, left
+        # behind, the one this test joins).
+        if threading.current_thread() is caller and not jobs_joined:
+            raise RuntimeError("boom")
+
+    jobs_joined = []
+
+    node.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    assert len(jobs) == 1 and jobs[0] is not None
+    jobs_joined.append(True)
+    _pool.join(jobs.pop())  # the helpers done with the pullbacks left behind
+    assert flat._held  # the graph still here
+    del y, loss, node
+    # The tasks the failed backward left queued hold its graph until this thread's next
+    # engine call (NOTE [ Tasks a failed engine call leaves ] in parsum._engines).
+    _engines._drop_tasks_left()
+    gc.collect()
+    assert not flat._held
+    for p in flat.params:
+        p.grad = None
+    flat_grad_step(models, flat, x, 2, penalty=False)
 
 
 def test_not_where_the_weights_need_a_gradient(handed_over, cores):
