@@ -880,11 +880,15 @@ def _assert_apart(grads: list[torch.Tensor]) -> None:
         assert start >= end, f"the .grad of parameters {k} and {j} share memory"
 
 
-def _compare(got: Any, want: Any, what: str, exact: bool, dtype=torch.float32) -> None:
+def _compare(
+    got: Any, want: Any, what: str, exact: bool, dtype=torch.float32, scale: float = 0.0
+) -> None:
+    """``got`` against ``want``: bit for bit, or within rounding, which ``scale`` widens in
+    proportion (the largest value the compared values were computed beside)."""
     if isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), what
         for k, (g, w) in enumerate(zip(got, want)):
-            _compare(g, w, f"{what}[{k}]", exact, dtype)
+            _compare(g, w, f"{what}[{k}]", exact, dtype, scale)
         return
     assert (got is None) == (want is None), f"{what}: {got is None} against {want is None}"
     if got is None:
@@ -894,8 +898,14 @@ def _compare(got: Any, want: Any, what: str, exact: bool, dtype=torch.float32) -
     if exact:
         assert torch.equal(got.nan_to_num(), want.nan_to_num()), what
     else:
-        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)
-        assert torch.allclose(got, want, **tol), what  # type: ignore[arg-type]
+        rtol, atol, eps = (1e-4, 1e-5, 2e-6) if dtype == torch.float32 else (1e-9, 1e-11, 1e-14)
+        assert torch.allclose(got, want, rtol=rtol, atol=atol + eps * scale), what
+
+
+def _largest(values: list[Any]) -> float:
+    """The largest magnitude among ``values`` (tensors or None)."""
+    return max((float(v.to_dense().abs().max()) for v in values if v is not None and v.numel()),
+               default=0.0)  # fmt: skip
 
 
 def check(seed: int) -> None:
@@ -922,9 +932,14 @@ def check(seed: int) -> None:
             want = [w if w is not None or g is None else torch.zeros_like(g)
                     for w, g in zip(want, runs[1][what])]  # fmt: skip
         if not case.plain_differs:
+            # A gradient that cancels to about zero (a Linear's bias before a BatchNorm) is
+            # rounding of the terms it cancels, as large as the model's other gradients (seed
+            # 171576 at a budget of 2: 3.3e-5 in the plain loop, -6.4e-5 here, beside 101).
+            scale = _largest(want) if what == "grads" else 0.0
             _compare(
-                runs[1][what], want, f"{case}: {what} against the plain loop", False, case.dtype
-            )
+                runs[1][what], want, f"{case}: {what} against the plain loop", False, case.dtype,
+                scale,
+            )  # fmt: skip
         for n in N_JOBS[1:]:
             _compare(runs[n][what], runs[1][what], f"{case}: {what} at n_jobs={n}", True)
 
