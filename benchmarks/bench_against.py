@@ -14,14 +14,16 @@ saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
 the loss's gradient in the parameters by ``torch.autograd.grad`` (functional training loops,
 optimizers that take gradients as values: nothing written to ``.grad``), ``--step accumulate``
 a micro-batch's forward and backward into gradients that earlier micro-batches set (gradient
-accumulation: every ``.grad`` set, never zeroed). ``--members 0.75``
+accumulation: every ``.grad`` set, never zeroed), ``--step flat`` docs/gradients.md's loop with
+an L2 term: a ``FlatGrad`` over the models (none for the plain loop), the loss plus the
+parameters' squares, ``.grad`` set to None after each backward (``zero_grad()``). ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|accumulate|penalty] [--members 0.75] [--first 16]
+        [--step train|grad-x|grad-params|accumulate|penalty|flat] [--members 0.75] [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -85,12 +87,15 @@ def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
+    if args.step == "flat" and package is not None:
+        package.FlatGrad(models)
     if args.step != "train":
         total = _plain_total if package is None else package.sum_models
         step = {
             "grad-x": _gradient_in_x,
             "grad-params": _gradient_in_params,
             "accumulate": _micro_batch,
+            "flat": _with_l2_term,
         }.get(args.step, _penalty_step)
         return functools.partial(step, total, models, x, args.n_jobs)
     if package is None:
@@ -125,6 +130,13 @@ def _micro_batch(total: Callable[..., Any], models: list, x: torch.Tensor, n_job
     loss_of(total(models, x, n_jobs=n_jobs)).backward()  # .grad set by the steps before
 
 
+def _with_l2_term(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    params = [p for m in models for p in m.parameters()]
+    loss = loss_of(total(models, x, n_jobs=n_jobs)) + 1e-4 * sum(p.pow(2).sum() for p in params)
+    loss.backward()
+    zero_grads(models)  # .grad None: a FlatGrad's views come back at the next backward
+
+
 def _penalty_step(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
     zero_grads(models)
     x = x.detach().requires_grad_()
@@ -146,7 +158,7 @@ def main() -> None:
     parser.add_argument("--n-jobs", type=int, default=None)
     parser.add_argument(
         "--step",
-        choices=["train", "grad-x", "grad-params", "accumulate", "penalty"],
+        choices=["train", "grad-x", "grad-params", "accumulate", "penalty", "flat"],
         default="train",
     )
     parser.add_argument("--rounds", type=int, default=20)

@@ -135,14 +135,20 @@ def test_gradients_from_outside_the_sum_add_to_its_own(path, made, handed_over, 
     assert handed_over["started"] == handed_over["joined"] == 3
 
 
-def flat_grad_step(models, flat, x, n_jobs, penalty=True):
-    """One step of docs/gradients.md's loop, with an L2 term of the loss outside the sum:
-    gradients into unset ``.grad`` of FlatGrad slots (``zero_grad()`` left None)."""
+def flat_grad_step(models, flat, x, n_jobs, penalty="after"):
+    """One step of docs/gradients.md's loop, with an L2 term of the loss outside the sum made
+    before or after it (``penalty``): gradients into unset ``.grad`` of FlatGrad slots
+    (``zero_grad()`` left None)."""
     params = [p for m in models for p in m.parameters()]
+
+    def l2():
+        return 1e-3 * sum(p.pow(2).sum() for p in params)
+
+    before = l2() if penalty == "before" else 0
     y = parsum.sum_models(models, x, n_jobs=n_jobs)
-    loss = y.pow(2).mean()
-    if penalty:
-        loss = loss + 1e-3 * sum(p.pow(2).sum() for p in params)
+    loss = y.pow(2).mean() + before
+    if penalty == "after":
+        loss = loss + l2()
     loss.backward()
     grads = [p.grad.clone() for p in params]
     assert all(p.grad is v for p, v in zip(params, flat_views(flat)))  # in the slots
@@ -155,7 +161,10 @@ def flat_views(flat):
     return [slot.view for slot in flat._slots]
 
 
-def test_flat_grad_slots_filled_at_the_join_beside_a_term_outside_the_sum(handed_over, cores):
+@pytest.mark.parametrize("penalty", ["after", "before"])
+def test_flat_grad_slots_filled_at_the_join_beside_a_term_outside_the_sum(
+    penalty, handed_over, cores
+):
     # NOTE [ Slots filled after the join ] in parsum._grads: the FlatGrad's hook moving a fresh
     # gradient into its slot wrote .grad while the engine in the calling thread accumulated the
     # L2 term's gradient into it: gradients lost, or a segmentation fault (found by
@@ -169,8 +178,8 @@ def test_flat_grad_slots_filled_at_the_join_beside_a_term_outside_the_sum(handed
         p.grad = None  # as optimizer.zero_grad() leaves them
     x = torch.randn(16, IN)
     for _ in range(100):
-        got = flat_grad_step(models, flat, x, 2)
-        want = flat_grad_step(alone, flat_alone, x, 1)
+        got = flat_grad_step(models, flat, x, 2, penalty)
+        want = flat_grad_step(alone, flat_alone, x, 1, penalty)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert handed_over["started"] == handed_over["joined"] == 100
     assert not flat._held
@@ -242,7 +251,7 @@ def test_slots_held_for_a_join_that_never_runs_are_let_go_with_the_graph(cores, 
     assert not flat._held
     for p in flat.params:
         p.grad = None
-    flat_grad_step(models, flat, x, 2, penalty=False)
+    flat_grad_step(models, flat, x, 2, penalty=None)
 
 
 def test_not_where_the_weights_need_a_gradient(handed_over, cores):
