@@ -469,6 +469,43 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
     parsum.sum_models(models, x).sum().backward()  # and it keeps working
 
 
+@pytest.mark.parametrize("written", [3.0, 1e-40, -1e-40, float("nan")])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_value_written_through_data_after_zero_survives_a_failed_backward(written, n_jobs):
+    # A write through .grad.data bumps no version: a buffer is taken as zero (its pullbacks
+    # then accumulate into the views, and a failure zeroes them again) only if every value
+    # reads as zero, a denormal and a NaN included (NOTE [ Buffer versions ]).
+    models = [mlp([8]), FailsInBackward(), mlp([4])]
+    flat = parsum.FlatGrad(models)
+    flat.zero_()
+    target = flat.params[-1]
+    target.grad.data[0] = written
+    before = [p.grad.clone() for p in flat.params]
+    models[1].armed = True
+    y = parsum.sum_models(models, torch.randn(3, IN), n_jobs=n_jobs, chunk_size=1)
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(FailsInBackward\)"):
+        y.sum().backward()
+    for p, b in zip(flat.params, before):
+        assert torch.equal(p.grad.view(-1).view(torch.int32), b.view(-1).view(torch.int32))
+        assert is_view_into(p.grad, flat.flat)
+
+
+@pytest.mark.parametrize("size", [10, (1 << 20) + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_buffer_reads_as_zero_only_when_every_value_is(size, dtype):
+    from parsum._grads import _all_zero
+
+    buffer = torch.zeros(size, dtype=dtype)
+    buffer[-1] = -0.0
+    assert _all_zero(buffer)
+    for value in (1e-40 if dtype != torch.bfloat16 else 1e-38, -3.0, float("nan"), float("inf")):
+        buffer[size // 2] = value
+        assert not _all_zero(buffer), value
+        buffer[size // 2] = 0
+    assert _all_zero(torch.zeros(size, dtype=torch.complex64))
+    assert not _all_zero(torch.tensor([0j, 1e-3j]))
+
+
 @pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
 def test_the_callers_graph_serves_a_flatgrad_that_is_not_compensated(state, monkeypatch):
     """NOTE [ FlatGrad in the caller's graph ]: the same bits as ParallelSum's slot writes, on
