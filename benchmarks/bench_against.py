@@ -16,14 +16,17 @@ optimizers that take gradients as values: nothing written to ``.grad``), ``--ste
 a micro-batch's forward and backward into gradients that earlier micro-batches set (gradient
 accumulation: every ``.grad`` set, never zeroed), ``--step flat`` docs/gradients.md's loop with
 an L2 term: a ``FlatGrad`` over the models (none for the plain loop), the loss plus the
-parameters' squares, ``.grad`` set to None after each backward (``zero_grad()``). ``--members 0.75``
+parameters' squares, ``.grad`` set to None after each backward (``zero_grad()``), ``--step
+flat-zero`` the same FlatGrad zeroed in place after each backward (``FlatGrad.zero_()``; the
+plain loop's ``.grad`` set to None), without the L2 term. ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|accumulate|penalty|flat] [--members 0.75] [--first 16]
+        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero] [--members 0.75]
+        [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -87,6 +90,9 @@ def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
+    if args.step == "flat-zero":
+        flat = package.FlatGrad(models) if package is not None else None
+        return functools.partial(_zeroed_in_place, package, flat, models, x, args.n_jobs)
     if args.step == "flat" and package is not None:
         package.FlatGrad(models)
     if args.step != "train":
@@ -137,6 +143,14 @@ def _with_l2_term(total: Callable[..., Any], models: list, x: torch.Tensor, n_jo
     zero_grads(models)  # .grad None: a FlatGrad's views come back at the next backward
 
 
+def _zeroed_in_place(package: Any, flat: Any, models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    if package is None:
+        plain_step(models, x)
+    else:
+        loss_of(package.sum_models(models, x, n_jobs=n_jobs)).backward()
+        flat.zero_()  # every .grad its view, zeroed
+
+
 def _penalty_step(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
     zero_grads(models)
     x = x.detach().requires_grad_()
@@ -158,7 +172,7 @@ def main() -> None:
     parser.add_argument("--n-jobs", type=int, default=None)
     parser.add_argument(
         "--step",
-        choices=["train", "grad-x", "grad-params", "accumulate", "penalty", "flat"],
+        choices=["train", "grad-x", "grad-params", "accumulate", "penalty", "flat", "flat-zero"],
         default="train",
     )
     parser.add_argument("--rounds", type=int, default=20)

@@ -229,8 +229,9 @@ def test_bench_against_a_folder_holding_a_parsum(tmp_path):
     assert f"this checkout against {tmp_path}" in out and f"this / {tmp_path} " in out
 
 
-def test_bench_against_with_a_flat_grad_and_an_l2_term():
-    args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--step", "flat"]
+@pytest.mark.parametrize("step", ["flat", "flat-zero"])
+def test_bench_against_with_a_flat_grad(step):
+    args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--step", step]
     out = run("benchmarks/bench_against.py", *args, "--workloads", "distinct-tiny:8")
     assert "this / HEAD " in out.splitlines()[-1]
 
