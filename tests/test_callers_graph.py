@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -195,15 +196,38 @@ def test_gradients_accumulate_over_calls_as_in_the_plain_loop():
     assert all(h is p.grad for h, p in zip(held, [p for m in models for p in m.parameters()]))
 
 
-class BoomInside(nn.Module):
-    """Fails in backward after its last layers' nodes ran (and were freed)."""
+class _LinearThen(nn.Module):
+    """A Linear, then ``function`` (a custom autograd Function) on its output: first in the
+    model's backward."""
 
-    def __init__(self):
+    function: Any
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.function.apply(self.lin(x))
+
+
+class _ThroughInside(nn.Module):
+    """``function`` between two Linears: run in backward after the last layers' nodes ran
+    (and freed their tensors)."""
+
+    function: Any
+
+    def __init__(self) -> None:
         super().__init__()
         self.first, self.last = nn.Linear(IN, 5), nn.Linear(5, OUT)
 
     def forward(self, x):
-        return self.last(torch.tanh(_FailingBackward.apply(self.first(x))))
+        return self.last(torch.tanh(self.function.apply(self.first(x))))
+
+
+class BoomInside(_ThroughInside):
+    """Fails in backward after its last layers' nodes ran (and were freed)."""
+
+    function = _FailingBackward
 
 
 _ARMED = [False]  # _FailsOnce's next backward raises
@@ -225,24 +249,14 @@ class _FailsOnce(torch.autograd.Function):
         return g
 
 
-class _FlakyHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-
-    def forward(self, x):
-        return _FailsOnce.apply(self.lin(x))
+class _FlakyHead(_LinearThen):
+    function = _FailsOnce
 
 
-class _FlakyInside(nn.Module):
+class _FlakyInside(_ThroughInside):
     """Fails once in backward after its last layers' nodes ran (and freed their tensors)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.last = nn.Linear(IN, 5), nn.Linear(5, OUT)
-
-    def forward(self, x):
-        return self.last(torch.tanh(_FailsOnce.apply(self.first(x))))
+    function = _FailsOnce
 
 
 # One engine call for every model (the forwards ran in order on one thread), one per chunk
@@ -1172,13 +1186,8 @@ class _RefusesToKeepItsGraph(torch.autograd.Function):
         return g
 
 
-class _LikeCompiled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(IN, OUT)
-
-    def forward(self, x):
-        return _RefusesToKeepItsGraph.apply(self.lin(x))
+class _LikeCompiled(_LinearThen):
+    function = _RefusesToKeepItsGraph
 
 
 @pytest.mark.parametrize("callers_graph", [True, False])
