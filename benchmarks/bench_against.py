@@ -18,15 +18,17 @@ accumulation: every ``.grad`` set, never zeroed), ``--step flat`` docs/gradients
 an L2 term: a ``FlatGrad`` over the models (none for the plain loop), the loss plus the
 parameters' squares, ``.grad`` set to None after each backward (``zero_grad()``), ``--step
 flat-zero`` the same FlatGrad zeroed in place after each backward (``FlatGrad.zero_()``; the
-plain loop's ``.grad`` set to None), without the L2 term. ``--members 0.75``
+plain loop's ``.grad`` set to None), without the L2 term, ``--step flat-both`` the same with the
+plain loop over a FlatGrad of its own too (this checkout's), zeroed the same way: what parsum
+costs a user who keeps gradients in a flat buffer either way. ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero] [--members 0.75]
-        [--first 16]
+        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both]
+        [--members 0.75] [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -90,8 +92,12 @@ def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
-    if args.step == "flat-zero":
-        flat = package.FlatGrad(models) if package is not None else None
+    if args.step in ("flat-zero", "flat-both"):
+        flat = None
+        if package is not None:
+            flat = package.FlatGrad(models)
+        elif args.step == "flat-both":
+            flat = parsum.FlatGrad(models)
         return functools.partial(_zeroed_in_place, package, flat, models, x, args.n_jobs)
     if args.step == "flat" and package is not None:
         package.FlatGrad(models)
@@ -144,7 +150,10 @@ def _with_l2_term(total: Callable[..., Any], models: list, x: torch.Tensor, n_jo
 
 
 def _zeroed_in_place(package: Any, flat: Any, models: list, x: torch.Tensor, n_jobs: Any) -> None:
-    if package is None:
+    if package is None and flat is not None:
+        loss_of(sum(m(x) for m in models)).backward()  # type: ignore[arg-type]
+        flat.zero_()
+    elif package is None:
         plain_step(models, x)
     else:
         loss_of(package.sum_models(models, x, n_jobs=n_jobs)).backward()
@@ -172,7 +181,16 @@ def main() -> None:
     parser.add_argument("--n-jobs", type=int, default=None)
     parser.add_argument(
         "--step",
-        choices=["train", "grad-x", "grad-params", "accumulate", "penalty", "flat", "flat-zero"],
+        choices=[
+            "train",
+            "grad-x",
+            "grad-params",
+            "accumulate",
+            "penalty",
+            "flat",
+            "flat-zero",
+            "flat-both",
+        ],
         default="train",
     )
     parser.add_argument("--rounds", type=int, default=20)

@@ -668,8 +668,10 @@ def _no_gradient_after_step(
 ) -> None:
     """Raise when a gradient reaches a parameter after its fused step in the same backward
     (NOTE [ Gradients from outside the sum ])."""
+    if param.grad is None:  # the usual case, first: called for every parameter, every backward
+        return
     sib = sib_ref()
-    if sib is None or param.grad is None or id(param) not in sib._stepped:
+    if sib is None or id(param) not in sib._stepped:
         return
     param.grad = None
     model = sib.models[i]

@@ -34,12 +34,14 @@ import operator
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import compress, repeat
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import UninitializedParameter
+from torch.utils.hooks import RemovableHandle
 
 from ._engines import model_kind
 from ._errors import ParsumError, a_kind_of
@@ -80,6 +82,7 @@ def _forget(ids: list[int]) -> None:
         entry = _owners.get(key)
         if entry is not None and entry[0]() is None:
             del _owners[key]
+    _owners_changed[0] += 1  # a FlatGrad gone: ParamSlots find their slots again
 
 
 @dataclass
@@ -195,6 +198,9 @@ class FlatGrad:
             for p, slot in zip(params, self._slots):
                 if p.grad is not None:
                     slot.view.copy_(_dense(p.grad))
+        self._views = [slot.view for slot in self._slots]
+        # What zero_() compares in C before it looks at each slot (NOTE [ Stale slots ])
+        self._fitted: tuple[list[Any], ...] | None = None
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
         self._held: set[int] = set()  # NOTE [ Slots filled after the join ]
@@ -228,17 +234,21 @@ class FlatGrad:
 
     def zero_(self) -> FlatGrad:
         """Zero every buffer and point every ``.grad`` at its view again."""
-        for index, slot in enumerate(self._slots):
-            p = slot.param
-            if p is not None:
-                self._check_slot(index, p, f"{_WHERE}.zero_")
+        params = list(map(_deref, [slot.ref for slot in self._slots]))
+        alive = not any(map(operator.is_, params, repeat(None)))
+        fitted = self._fingerprint(cast(list[Tensor], params)) if alive else None
+        if fitted is None or fitted != self._fitted:
+            for index, p in enumerate(params):
+                if p is not None:
+                    self._check_slot(index, p, f"{_WHERE}.zero_")
+            self._fitted = fitted
         with torch.no_grad():
             for buffer in (*self._buffers.values(), *self._comps.values()):
                 buffer.zero_()
-        for slot in self._slots:
-            p = slot.param
-            if p is not None and p.grad is not slot.view:  # assigning checks; reading is cheap
-                p.grad = slot.view
+        if not alive or not all(map(operator.is_, map(_grad_of, params), self._views)):
+            for p, view in zip(params, self._views):
+                if p is not None and p.grad is not view:  # assigning checks; reading is cheap
+                    p.grad = view
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
         return self
@@ -294,7 +304,7 @@ class FlatGrad:
         _owners[id(p)] = (weakref.ref(self), index)
         _owners_changed[0] += 1
         p.grad = self._slots[index].view
-        hook = OwnPostHook(self._reattach, index)
+        hook = OwnPostHook(_after_accumulate, self, index, self._slots[index].view)
         self._hooks[index] = p.register_post_accumulate_grad_hook(hook)
 
     def _release(self, index: int) -> None:
@@ -326,6 +336,17 @@ class FlatGrad:
                 ".half()"
             )
 
+    def _fingerprint(self, params: list[Tensor]) -> tuple[list[Any], ...]:
+        """Where the parameters' and the views' data are, and the parameters' dtypes, read in C:
+        a cast, a move or data assigned changes one of them (NOTE [ Stale slots ]). Where none
+        changed since ``_check_slot`` passed on every slot, ``zero_()`` does not look at each
+        (that took 0.4 ms of its 0.7, 382 parameters, 2 cores)."""
+        return (
+            list(map(Tensor.data_ptr, params)),
+            list(map(Tensor.data_ptr, self._views)),
+            list(map(_dtype_of, params)),
+        )
+
     def _reattach(self, index: int, param: Tensor) -> None:
         """After autograd accumulated into a fresh tensor, move it into the slot."""
         if index in self._held:  # NOTE [ Slots filled after the join ]
@@ -354,6 +375,20 @@ class FlatGrad:
         sure."""
         buffer = self._buffers[key]
         return self._zero_versions.get(key) == buffer._version and _all_zero(buffer)
+
+
+_deref = weakref.ref.__call__
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _after_accumulate(flat: FlatGrad, index: int, view: Tensor, param: Tensor) -> None:
+    """A FlatGrad's post-accumulate hook: autograd calls it for every parameter in every
+    backward, twice in ``sum_models``' (the pullback's accumulation, then the None its node
+    returns), so the usual case, ``.grad`` still the slot's view, returns at once (the call
+    through the bound method cost 2 us against 1 for this, 64 tiny MLP classes, 2 cores)."""
+    if param.grad is not view:
+        flat._reattach(index, param)
 
 
 def _all_zero(buffer: Tensor) -> bool:
@@ -653,6 +688,111 @@ def has_compensated_flat_grads(params: Sequence[Tensor]) -> bool:
     if not _owners:
         return False
     return any((o := owner_of(p)) is not None and o[0].compensated for p in params)
+
+
+class ParamSlots:
+    """Where the parameters of a kept walk (a fixed list) have FlatGrad slots, as runs of
+    consecutive slots of one FlatGrad (a FlatGrad over the models in their order: one run),
+    found again only where a FlatGrad took one over or one of theirs is gone
+    (``owners_generation``); and whether none has a hook of the user's, looked at again only
+    where a hook was registered since. Per parameter and call, ``zeroed_slot_views`` took 1.1
+    ms of a 10 ms backward (64 tiny MLP classes, 382 parameters, 2 cores)."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self._generation = -1
+        # (FlatGrad or None, first slot, length), covering the parameters in order
+        self._runs: list[tuple[weakref.ref[FlatGrad] | None, int, int]] = []
+        self._compensated = False
+        self._hookless_at: tuple[int, int] | None = None
+
+    def _find(self) -> None:
+        self._generation = _owners_changed[0]  # read first: a change while finding shows next
+        runs: list[tuple[weakref.ref[FlatGrad] | None, int, int]] = []
+        compensated = False
+        last: tuple[FlatGrad | None, int] = (None, -1)
+        for p in self.params:
+            owner = owner_of(p)
+            flat, index = owner if owner is not None else (None, -1)
+            compensated = compensated or (flat is not None and flat.compensated)
+            if runs and last[0] is flat and (flat is None or index == last[1] + 1):
+                ref, first, n = runs[-1]
+                runs[-1] = (ref, first, n + 1)
+            else:
+                runs.append((None if flat is None else weakref.ref(flat), index, 1))
+            last = (flat, index)
+        self._runs = runs
+        self._compensated = compensated
+        self._hookless_at = None
+
+    def views(self) -> list[Tensor | None] | None:
+        """Each parameter's slot view (None where it has none); None where none has one."""
+        if self._generation != _owners_changed[0]:
+            self._find()
+        if all(ref is None for ref, _, _ in self._runs):
+            return None
+        views: list[Tensor | None] = []
+        for ref, first, n in self._runs:
+            if ref is None:
+                views.extend(repeat(None, n))
+                continue
+            flat = ref()
+            if flat is None:  # gone after the generation was read: looked up again
+                self._generation = -1
+                return self.views()
+            views.extend(flat._views[first : first + n])
+        return views
+
+    def compensated(self) -> bool:
+        """Whether a parameter has a slot in a compensated FlatGrad."""
+        if self._generation != _owners_changed[0]:
+            self._find()
+        return self._compensated
+
+    def _hookless(self, views: list[Tensor | None]) -> bool:
+        """Whether no parameter with a slot has a hook of the user's and none without one has
+        a post-accumulate hook (``zeroed_slot_views``' condition)."""
+        seen = (getattr(RemovableHandle, "next_id", -1), self._generation)
+        if seen[0] >= 0 and seen == self._hookless_at:
+            return True
+        for p, view in zip(self.params, views):
+            if view is None:
+                if p._post_accumulate_grad_hooks is not None:
+                    return False
+            elif _hooked_by_user(p):
+                return False
+        self._hookless_at = seen
+        return True
+
+    def zeroed_views(self) -> list[Tensor] | None:
+        """``zeroed_slot_views(self.params)``, the same answer in fewer steps where the
+        ``.grad`` are the slots' views or None."""
+        views = self.views()
+        if views is None or not self._hookless(views):
+            return zeroed_slot_views(self.params)
+        grads = list(map(_grad_of, self.params))
+        every = all(map(operator.is_, grads, views))
+        if not every:
+            # Allowed besides: None where a slot is; anything else is looked at one by one.
+            for grad, view in zip(grads, views):
+                if grad is not view and (grad is not None or view is None):
+                    return zeroed_slot_views(self.params)
+        # The buffers written into must be known zero: every one of the slots' where every
+        # .grad is a view, else those of the slots whose .grad is set.
+        at = 0
+        for ref, first, n in self._runs:
+            flat = None if ref is None else ref()
+            if flat is not None:
+                slots = flat._slots[first : first + n]
+                if not every:
+                    slots = list(
+                        compress(slots, map(operator.is_not, grads[at : at + n], repeat(None)))
+                    )
+                for key in {slot.key for slot in slots}:
+                    if not flat._known_zero(key):
+                        return None
+            at += n
+        return list(compress(grads, map(operator.is_not, grads, repeat(None))))
 
 
 def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:

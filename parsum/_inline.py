@@ -184,11 +184,8 @@ from ._function import (
 )
 from ._grads import (
     engine_runs_all,
-    has_compensated_flat_grads,
-    has_flat_grads,
     hold_unset_slots,
     release_slots,
-    zeroed_slot_views,
 )
 from ._sparse import (
     add_grad,
@@ -210,7 +207,7 @@ def fits_callers_graph(plan: SumPlan) -> bool:
         and not any(plan.shared)
         and not reports_failures()
         and all(module_of(m) is not None for m in plan.models)
-        and not has_compensated_flat_grads(plan.params)
+        and not plan.walk.slots_in_flat_grads.compensated()
         and plan.walk.no_user_tensor_hooks()
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
     )
@@ -416,9 +413,10 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # Accumulating in the pullback must be undone on a failure: every .grad None, or a
     # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
     zeroed: list[Tensor] | None = []
-    flat_grads = has_flat_grads(params)
+    flat_slots = plan.walk.slots_in_flat_grads
+    flat_grads = flat_slots.views() is not None
     if flat_grads:
-        zeroed = zeroed_slot_views(params)
+        zeroed = flat_slots.zeroed_views()
     # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
     # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
     elif (

@@ -428,18 +428,21 @@ def test_compensated_inf_and_nan_as_in_plain_accumulation():
 
 
 def bring_grads_to(state, models, flat, accumulate) -> None:
-    """Every .grad None ("none"), the views of a zeroed buffer ("zeroed"), or holding what
-    ``accumulate()`` accumulated ("accumulated")."""
+    """Every .grad None ("none"), the views of a zeroed buffer ("zeroed"), every other one of
+    them None ("mixed"), or holding what ``accumulate()`` accumulated ("accumulated")."""
     if state == "none":
         for m in models:
             m.zero_grad()
-    elif state == "zeroed":
+    elif state in ("zeroed", "mixed"):
         flat.zero_()
+        if state == "mixed":
+            for p in flat.params[::2]:
+                p.grad = None
     else:
         accumulate()
 
 
-@pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
+@pytest.mark.parametrize("state", ["none", "zeroed", "mixed", "accumulated"])
 @pytest.mark.parametrize("compensated", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
@@ -506,7 +509,7 @@ def test_a_buffer_reads_as_zero_only_when_every_value_is(size, dtype):
     assert not _all_zero(torch.tensor([0j, 1e-3j]))
 
 
-@pytest.mark.parametrize("state", ["none", "zeroed", "accumulated"])
+@pytest.mark.parametrize("state", ["none", "zeroed", "mixed", "accumulated"])
 def test_the_callers_graph_serves_a_flatgrad_that_is_not_compensated(state, monkeypatch):
     """NOTE [ FlatGrad in the caller's graph ]: the same bits as ParallelSum's slot writes, on
     one thread and on several, from every state of the .grad."""
@@ -531,6 +534,78 @@ def test_the_callers_graph_serves_a_flatgrad_that_is_not_compensated(state, monk
         assert all(is_view_into(p.grad, flat.flat) for p in flat.params)
         results.append(flat.flat.clone())
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def _steps_match_plain(models, x, steps, flat=None):
+    """``steps`` backward passes of ``sum_models`` against the plain sum's, zeroed between."""
+    ref = clone_models(models)
+    for _ in range(steps):
+        for m in [*models, *ref]:
+            m.zero_grad()
+        if flat is not None:
+            flat.zero_()
+        parsum.sum_models(models, x, n_jobs=1).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+        for got, want in zip(param_grads(models), param_grads(ref)):
+            torch.testing.assert_close(got, want)
+
+
+def test_a_kept_plan_sees_flatgrads_made_and_taking_over():
+    """ParamSlots: a plan kept across calls finds its parameters' slots again when a FlatGrad
+    is made over them or takes some over."""
+    torch.manual_seed(0)
+    models = [mlp([8]), mlp([4]), mlp([6])]
+    x = torch.randn(5, IN)
+    _steps_match_plain(models, x, 2)  # the plan kept, no slots
+    first = parsum.FlatGrad(models)
+    _steps_match_plain(models, x, 2, first)
+    assert all(is_view_into(p.grad, first.flat) for p in trainable(models))
+    second = parsum.FlatGrad(models[1])  # the middle run of slots moves to another buffer
+    _steps_match_plain(models, x, 2, first)
+    second.zero_()
+    parsum.sum_models(models, x, n_jobs=1).sum().backward()
+    assert all(is_view_into(p.grad, second.flat) for p in trainable(models[1:2]))
+    assert all(is_view_into(p.grad, first.flat) for p in trainable([models[0], models[2]]))
+    third = parsum.FlatGrad(models)  # all of them again, in a third buffer
+    _steps_match_plain(models, x, 2, third)
+    assert all(is_view_into(p.grad, third.flat) for p in trainable(models))
+
+
+@pytest.mark.parametrize("kind", ["post_accumulate", "tensor"])
+def test_a_hook_registered_after_the_plan_is_kept_runs_once(kind):
+    """ParamSlots: whether a parameter has a hook of the user's is looked at again after a
+    hook was registered anywhere."""
+    torch.manual_seed(0)
+    models = [mlp([8]), mlp([4])]
+    flat = parsum.FlatGrad(models)
+    x = torch.randn(5, IN)
+    _steps_match_plain(models, x, 2, flat)
+    seen = []
+    weight = models[1][0].weight
+    if kind == "tensor":
+        weight.register_hook(lambda g: seen.append(g.clone()))
+    else:
+        weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    flat.zero_()
+    parsum.sum_models(models, x, n_jobs=1).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(weight.grad, seen[0])
+    assert is_view_into(weight.grad, flat.flat)
+
+
+def test_zero_with_a_parameter_gone_or_a_grad_replaced():
+    models = [mlp([8]), mlp([4])]
+    flat = parsum.FlatGrad(models)
+    kept = trainable(models[:1])
+    kept[0].grad = torch.ones_like(kept[0])  # not the view: zero_() puts the view back
+    del models[1]
+    import gc
+
+    gc.collect()
+    assert len(flat.params) == len(kept)
+    flat.zero_()
+    assert all(is_view_into(p.grad, flat.flat) for p in kept)
+    assert flat.flat.abs().sum() == 0
 
 
 def test_a_compensated_flatgrad_is_written_by_parallel_sum():
