@@ -715,6 +715,43 @@ def test_a_plain_backward_after_a_move_is_named_by_the_hook():
         model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
 
 
+def test_a_hook_after_the_data_moved():
+    """The hook looks at a slot whole only where the parameter's or the view's data moved:
+    data swapped in and out (an EMA's weights for evaluation) still lands in the slot, and a
+    cast after it is named."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    flat = parsum.FlatGrad(model)
+    shadow = [p.detach().clone() + 1 for p in model.parameters()]
+    x = torch.ones(4, 3)
+    for _ in range(2):  # swapped in, then back
+        for p, s in zip(model.parameters(), shadow):
+            p.data, s.data = s.data, p.data
+        model.zero_grad()
+        model(x).sum().backward()
+        assert all(is_view_into(p.grad, flat.flat) for p in model.parameters())
+        torch.testing.assert_close(model.bias.grad, torch.full((2,), 4.0))
+    model.zero_grad()
+    model.double()
+    with pytest.raises(parsum.ParsumError, match="cast, moved or resized after the FlatGrad"):
+        model(x.double()).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_hook_under_create_graph_copies_the_value_alone():
+    model = mlp([4])
+    flat = parsum.FlatGrad(model)
+    model.zero_grad()
+    x = torch.randn(3, IN)
+    model(x).pow(2).sum().backward(create_graph=True)
+    ref = clone_models([model])[0]
+    ref.zero_grad()
+    ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert is_view_into(p.grad, flat.flat) and not p.grad.requires_grad
+        torch.testing.assert_close(p.grad, r.grad)
+
+
 def dtype_name(change):
     return {"double": "float64", "half": "float16"}[change]
 
