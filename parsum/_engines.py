@@ -1829,7 +1829,8 @@ def batched_forward(
 # otherwise is kept only where it holds no module: such an object may hold the models, and a
 # walk lives as long as they do. The walk runs its first call's forwards in model order and
 # looks after them for a write into any of these (``wrote_shared``: the same objects by
-# identity no longer in it, a tensor's version moved; a container of more than ``_LONG``
+# identity no longer in it, a tensor's version moved, or an inference tensor's values, which
+# keep no version, by a copy of up to ``_INFERENCE_VALUES``; a container of more than ``_LONG``
 # items by its length; and the same for its first ``_INNER`` items that can be written into,
 # a log two levels deep, ``self.tally.log.append``, but not a module's own dicts, which a
 # plan's check sees); where one was written, the walk's calls run their forwards in model
@@ -2021,8 +2022,21 @@ class _Contents(NamedTuple):
     inner: list[tuple[Any, Any]]
 
 
+class _Values(NamedTuple):
+    """What an inference tensor held (``torch.inference_mode``), which keeps no version: a copy
+    of its values where it has at most ``_INFERENCE_VALUES`` (a counter a forward adds to), else
+    None: a large one (a table made under inference_mode) is taken as unchanged."""
+
+    values: Tensor | None
+
+
+_INFERENCE_VALUES = 1024
+
+
 def _held_now(value: Any, long: int = _LONG, inner: bool = True) -> Any:
     if isinstance(value, Tensor):
+        if value.is_inference():
+            return _Values(value.clone() if value.numel() <= _INFERENCE_VALUES else None)
         return value._version
     if isinstance(value, _MUTABLE_CONTAINERS) and _length(value) > long:
         return _Length(_length(value))
@@ -2040,6 +2054,10 @@ def _held_now(value: Any, long: int = _LONG, inner: bool = True) -> Any:
 
 def _written_since(value: Any, kept: Any) -> bool:
     if isinstance(value, Tensor):
+        if isinstance(kept, _Values):
+            return kept.values is not None and not (
+                kept.values.shape == value.shape and torch.equal(kept.values, value)
+            )
         return bool(value._version != kept)
     if isinstance(kept, _Length):
         return _length(value) != kept.n

@@ -1042,6 +1042,8 @@ class SharesState(nn.Module):
         y = self.body(x)
         if self.kind == "log":
             self.shared.append(y.shape[1] * 0 + self.body[0].out_features)
+        elif self.kind == "tensor-log":  # an output's sum, an inference tensor under it
+            self.shared.append(y.detach().sum())
         elif self.kind == "dict":
             self.shared[dict.__len__(self.shared)] = self.body[0].out_features
         elif self.kind == "set":
@@ -1070,6 +1072,7 @@ class CountingModule(nn.Module):
 def shares_state(kind, seen):
     shared = {
         "log": [],
+        "tensor-log": [],
         "dict": {},
         "object": Tally(),
         "read": Tally(),
@@ -1119,6 +1122,37 @@ def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind,
                 assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
             else:
                 assert shared_of(models[0]) == shared_of(ref[0])
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tensor-log"])
+def test_state_they_share_made_under_inference_mode_is_looked_at_by_its_values(cores, kind):
+    # An inference tensor keeps no version: reading one in the state the models share raised
+    # "Inference tensors do not track version counter" (found by tests/test_differential.py,
+    # models logging their outputs under inference_mode). A small one is compared by value.
+    cores(2)
+    seen: list[str] = []
+    models = shares_state(kind, seen)
+    if kind == "tensor":
+        with torch.inference_mode():
+            counter = torch.zeros(2)
+        for m in models:
+            m.shared = counter
+    ref = clone_models(models)
+    x = torch.randn(5, IN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            with torch.inference_mode():
+                y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+                y_ref = plain_sum(ref, x)
+            torch.testing.assert_close(y, y_ref)
+            if kind == "tensor":
+                assert torch.equal(models[0].shared, ref[0].shared)
+            else:  # logged under inference_mode, then read by a call that trains
+                assert torch.equal(torch.stack(models[0].shared), torch.stack(ref[0].shared))
+                parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+                plain_sum(ref, x).sum().backward()
     assert not any(name.startswith("parsum-worker") for name in seen)
 
 
