@@ -165,7 +165,13 @@ class FlatGrad:
         self._build(_collect_params(params_or_modules), compensated)
 
     def _build(self, params: list[Tensor], compensated: bool) -> None:
-        """Slots for ``params`` (collected and checked), in their order."""
+        """Slots for ``params`` (collected and checked), in their order; the buffers and views
+        normal tensors also under ``torch.inference_mode`` (an inference tensor keeps no
+        version, and autograd could not write into it)."""
+        with torch.inference_mode(False):
+            self._build_here(params, compensated)
+
+    def _build_here(self, params: list[Tensor], compensated: bool) -> None:
         sizes: dict[BufferKey, int] = {}
         for p in params:
             key = (p.dtype, p.device)

@@ -390,7 +390,12 @@ class Stack(Sequence[nn.Module]):
     # -- storage -------------------------------------------------------------------------
     def _place(self, infos: list[ModelParams]) -> None:
         """Copy the models' tensors (``infos``, one per model) into fresh stacked storage and
-        make them its slices."""
+        make them its slices: normal tensors also under ``torch.inference_mode`` (parameters
+        made inference tensors there could no longer be trained)."""
+        with torch.inference_mode(False):
+            self._place_here(infos)
+
+    def _place_here(self, infos: list[ModelParams]) -> None:
         first = infos[0]
         held, frozen = self._held_gradients(infos)
         values: dict[str, Tensor] = {}

@@ -593,6 +593,20 @@ def test_a_hook_registered_after_the_plan_is_kept_runs_once(kind):
     assert is_view_into(weight.grad, flat.flat)
 
 
+def test_a_flatgrad_made_under_inference_mode():
+    # Its buffers were inference tensors, which keep no version: the FlatGrad raised
+    # "Inference tensors do not track version counter" as it was made.
+    models = [mlp([8]), mlp([4])]
+    with torch.inference_mode():
+        flat = parsum.FlatGrad(models)
+        flat.zero_()
+        parsum.sum_models(models, torch.randn(5, IN))
+    x = torch.randn(5, IN)
+    _steps_match_plain(models, x, 2, flat)
+    assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
+    assert not flat.flat.is_inference()
+
+
 def test_zero_with_a_parameter_gone_or_a_grad_replaced():
     models = [mlp([8]), mlp([4])]
     flat = parsum.FlatGrad(models)

@@ -105,6 +105,27 @@ def test_sum_and_gradients_equal_the_plain_loop(kind):
     assert_grads_close(models, plain)
 
 
+def test_a_stack_made_under_inference_mode_trains():
+    # Its stacked tensors were inference tensors: the first training call raised "Setting
+    # requires_grad=True on inference tensor outside InferenceMode is not allowed". It trains
+    # as a stack made outside it does, to the bit.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(4)]
+    twins = copy.deepcopy(models)
+    x = torch.randn(5, IN)
+    with torch.inference_mode():
+        stack = parsum.stack_(models)
+        torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(twins, x))
+    assert not any(v.is_inference() for v in stack.values.values())
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.1) for s in (stack, parsum.stack_(twins))]
+    for _ in range(3):
+        for ms, opt in zip((models, twins), optimizers):
+            parsum.sum_models(ms, x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(map(torch.equal, unique_params(models), unique_params(twins)))
+
+
 def test_sum_is_closer_to_float64_than_the_plain_float32_sum():
     models, plain, _ = stacked_and_plain(n=64)
     exact = copy.deepcopy(plain)
