@@ -376,6 +376,33 @@ class FlatGrad:
         view.copy_(_dense(grad))
         param.grad = view
 
+    def _reattach_all(self, pairs: list[tuple[int, Tensor]]) -> None:
+        """``_reattach`` of each ``(index, param)``, the usual ones' copies in one foreach call
+        (one by one, the 382 parameters of 64 tiny MLPs took 1.3 ms after a join)."""
+        views: list[Tensor] = []
+        grads: list[Tensor] = []
+        params: list[Tensor] = []
+        for index, param in pairs:
+            view, grad = self._views[index], param.grad
+            if grad is None or grad is view:
+                continue
+            if (
+                grad.layout != torch.strided  # sparse: densified, one by one
+                or grad.requires_grad
+                or param.data_ptr() != self._param_ptrs[index]
+                or view.data_ptr() != self._ptrs[index]
+                or _is_view_of(grad, view)
+            ):
+                self._reattach(index, param)
+                continue
+            views.append(view)
+            grads.append(grad)
+            params.append(param)
+        if views:
+            torch._foreach_copy_(views, grads)
+            for param, view in zip(params, views):
+                param.grad = view
+
     def _note_written(self) -> None:
         self._comp_versions = {k: b._version for k, b in self._buffers.items()}
 
@@ -872,9 +899,13 @@ def release_slots(held: list[tuple[FlatGrad, int, Tensor]], fill: bool) -> None:
     fresh ``.grad`` into its slot first, as they would have."""
     for flat, index, _ in held:
         flat._held.discard(index)
-    if fill:
-        for flat, index, p in held:
-            flat._reattach(index, p)
+    if not fill:
+        return
+    by_flat: dict[int, tuple[FlatGrad, list[tuple[int, Tensor]]]] = {}
+    for flat, index, p in held:
+        by_flat.setdefault(id(flat), (flat, []))[1].append((index, p))
+    for flat, pairs in by_flat.values():
+        flat._reattach_all(pairs)
 
 
 def _hooked_by_user(param: Tensor) -> bool:

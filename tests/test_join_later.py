@@ -13,7 +13,7 @@ import parsum
 from parsum import _engines, _function, _pool
 from tests.test_callers_graph import _ARMED, _FlakyHead, _FlakyInside
 from tests.test_errors import BoomBackward
-from tests.zoo import IN, mlp, param_grads
+from tests.zoo import IN, OUT, mlp, param_grads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -182,6 +182,38 @@ def test_flat_grad_slots_filled_at_the_join_beside_a_term_outside_the_sum(
         want = flat_grad_step(alone, flat_alone, x, 1, penalty)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert handed_over["started"] == handed_over["joined"] == 100
+    assert not flat._held
+
+
+class SparseRows(nn.Module):
+    """Rows of a table with sparse gradients (``nn.Embedding(sparse=True)``), scaled by x."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(10, OUT, sparse=True)
+        self.rows = torch.tensor([1, 3, 3, 7])
+
+    def forward(self, x):
+        return x[:, :1] * self.table(self.rows).sum(0)
+
+
+def test_flat_grad_slots_filled_at_the_join_with_a_sparse_gradient(handed_over, cores):
+    # The slots filled after the join are copied in one foreach call; a sparse gradient
+    # (nn.Embedding(sparse=True)) beside them is densified into its slot on its own.
+    cores(2)
+    torch.manual_seed(5)
+    models = [*(mlp([8 + i % 5, 4 + i % 3]) for i in range(6)), SparseRows()]
+    alone = copy.deepcopy(models)
+    flat, flat_alone = parsum.FlatGrad(models), parsum.FlatGrad(alone)
+    x = torch.randn(16, IN)
+    for _ in range(3):
+        for p in (p for m in [*models, *alone] for p in m.parameters()):
+            p.grad = None
+        got = flat_grad_step(models, flat, x, 2, "after")
+        want = flat_grad_step(alone, flat_alone, x, 1, "after")
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert models[-1].table.weight.grad is None  # flat_grad_step set it back
+    assert handed_over["started"] == handed_over["joined"] == 3
     assert not flat._held
 
 
