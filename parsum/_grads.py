@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Iterable, Sequence
@@ -786,6 +787,24 @@ class ParamSlots:
             views.extend(flat._views[first : first + n])
         return views
 
+    def hold_unset(self) -> list[tuple[FlatGrad, int, Tensor]]:
+        """The slots of the parameters whose ``.grad`` is None, their hooks held until
+        ``release_slots`` (NOTE [ Slots filled after the join ])."""
+        if self._generation != _owners_changed[0]:
+            self._find()
+        held: list[tuple[FlatGrad, int, Tensor]] = []
+        at = 0
+        for ref, first, n in self._runs:
+            flat = None if ref is None else ref()
+            if flat is not None:
+                grads = map(_grad_of, self.params[at : at + n])
+                for index, p, grad in zip(itertools.count(first), self.params[at : at + n], grads):
+                    if grad is None:
+                        flat._held.add(index)
+                        held.append((flat, index, p))
+            at += n
+        return held
+
     def compensated(self) -> bool:
         """Whether a parameter has a slot in a compensated FlatGrad."""
         if self._generation != _owners_changed[0]:
@@ -882,20 +901,8 @@ def zeroed_slot_views(params: Sequence[Tensor]) -> list[Tensor] | None:
 # AccumulateGrads done, moves each gradient in (``release_slots``). A failed backward sets
 # their ``.grad`` back to None and leaves the slots as they were. A graph freed without its join
 # (a hook on an AccumulateGrad node that raised) releases them when it goes.
-def hold_unset_slots(params: Sequence[Tensor]) -> list[tuple[FlatGrad, int, Tensor]]:
-    """The FlatGrad slots of ``params`` whose ``.grad`` is None, their hooks held until
-    ``release_slots`` (NOTE [ Slots filled after the join ])."""
-    held: list[tuple[FlatGrad, int, Tensor]] = []
-    for p in params:
-        if p.grad is None and (owner := owner_of(p)) is not None:
-            flat, index = owner
-            flat._held.add(index)
-            held.append((flat, index, p))
-    return held
-
-
 def release_slots(held: list[tuple[FlatGrad, int, Tensor]], fill: bool) -> None:
-    """Let the hooks of slots held by ``hold_unset_slots`` act again; with ``fill``, move each
+    """Let the hooks of slots held by ``ParamSlots.hold_unset`` act again; with ``fill``, move each
     fresh ``.grad`` into its slot first, as they would have."""
     for flat, index, _ in held:
         flat._held.discard(index)

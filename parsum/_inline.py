@@ -184,7 +184,6 @@ from ._function import (
 )
 from ._grads import (
     engine_runs_all,
-    hold_unset_slots,
     release_slots,
 )
 from ._sparse import (
@@ -587,7 +586,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
 
     if pending is not None and accumulate and aliases is None:
         # NOTE [ Pullbacks joined later ]; NOTE [ Slots filled after the join ] in _grads
-        held = hold_unset_slots(params) if flat_grads else []
+        held = flat_slots.hold_unset() if flat_grads else []
         job = _pool.start_ordered(
             pull_back_one, n_chunks, workers, add_in_order, claim_order, callers_last
         )
