@@ -840,7 +840,9 @@ class ParamSlots:
                 if grad is not view and (grad is not None or view is None):
                     return zeroed_slot_views(self.params)
         # The buffers written into must be known zero: every one of the slots' where every
-        # .grad is a view, else those of the slots whose .grad is set.
+        # .grad is a view, else those of the slots whose .grad is set; each buffer read once
+        # (a FlatGrad over the models in another order: a run a model).
+        looked: set[tuple[int, BufferKey]] = set()
         at = 0
         for ref, first, n in self._runs:
             flat = None if ref is None else ref()
@@ -851,8 +853,10 @@ class ParamSlots:
                         compress(slots, map(operator.is_not, grads[at : at + n], repeat(None)))
                     )
                 for key in {slot.key for slot in slots}:
-                    if not flat._known_zero(key):
-                        return None
+                    if (id(flat), key) not in looked:
+                        looked.add((id(flat), key))
+                        if not flat._known_zero(key):
+                            return None
             at += n
         return list(compress(grads, map(operator.is_not, grads, repeat(None))))
 

@@ -571,6 +571,24 @@ def test_a_kept_plan_sees_flatgrads_made_and_taking_over():
     assert all(is_view_into(p.grad, third.flat) for p in trainable(models))
 
 
+def test_a_flatgrad_over_the_models_in_another_order_reads_its_buffer_once(monkeypatch):
+    """ParamSlots: slots in another order than the sum's make a run a model; the buffer is
+    still read once a backward to know it is zero."""
+    from parsum import _grads
+
+    torch.manual_seed(0)
+    models = [mlp([4 + i]) for i in range(6)]
+    flat = parsum.FlatGrad(models[::-1])
+    x = torch.randn(5, IN)
+    reads = []
+    all_zero = _grads._all_zero
+    monkeypatch.setattr(_grads, "_all_zero", lambda b: reads.append(b) or all_zero(b))
+    _steps_match_plain(models, x, 3, flat)
+    assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
+    assert len(flat._views) == len(trainable(models))
+    assert len(reads) == 3  # one a backward, not one a model
+
+
 @pytest.mark.parametrize("kind", ["post_accumulate", "tensor"])
 def test_a_hook_registered_after_the_plan_is_kept_runs_once(kind):
     """ParamSlots: whether a parameter has a hook of the user's is looked at again after a
