@@ -549,9 +549,20 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 if id(p.grad) not in kept:
                     p.grad = None
 
+    def pulled_back(i: int) -> bool:
+        """Whether the engine call that pulled model ``i`` back could run its graph."""
+        if accumulate or flipped or (aliases is not None and arguments_wanted and aliases[i]):
+            return True
+        return any(wanted is None or wanted[n_args + s] for s in plan.param_slots[i])
+
     def raise_failure(error: BaseException) -> None:
         """Raise ``error``, or the error of the first model that fails, named."""
         running = failing[min(failing)] if failing else []
+        # Capturing, the failed engine call ran only what leads to an input it wanted: a model
+        # with none (a constant times an argument whose gradient is not asked) was never run,
+        # and its kept graph had said that the call did not run from the last model to the
+        # first (NOTE [ A failure that does not repeat ]; a model before it was then named).
+        running = [i for i in running if pulled_back(i)]
         # The frames' references dropped: an error whose traceback holds a frame that
         # holds it is a cycle, which keeps the models' graphs alive until the garbage
         # collector runs.

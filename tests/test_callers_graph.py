@@ -1171,6 +1171,53 @@ def test_a_failure_that_does_not_repeat_names_its_model_and_changes_no_grad(
         assert p.grad is grad and (grad is None or torch.equal(grad, torch.ones_like(p)))
 
 
+class _TimesScale(nn.Module):
+    """Its inner model's output times a keyword argument; with no inner model, a constant."""
+
+    def __init__(self, inner=None):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, scale):
+        out = self.inner(x) if self.inner is not None else torch.ones(x.shape[0], OUT)
+        return out * scale
+
+
+class _FailsOnceOnTop(nn.Module):
+    """Its inner model's output through _FailsOnce: the failure comes before any node of the
+    model ran."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, scale):
+        return _FailsOnce.apply(self.inner(x, scale))
+
+
+@pytest.mark.parametrize("callers_graph", [True, False])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_failure_that_does_not_repeat_beside_a_model_the_call_never_ran(n_jobs, callers_graph):
+    # Found by tests/test_differential.py (seed 209640 at a budget of 2): under
+    # autograd.grad in the parameters alone, the engine call never ran the last model, a
+    # constant times an argument that needs a gradient nobody asked for; its graph, kept
+    # whole, said that the call had not run from the last model to the first, and the model
+    # after the failing one was named.
+    torch.manual_seed(0)
+    models = [_FailsOnceOnTop(_TimesScale(mlp([6]))), _TimesScale(mlp([8])), _TimesScale()]
+    params = [p for m in models for p in m.parameters()]
+    if not callers_graph:  # a tensor hook on a parameter: ParallelSum
+        params[-1].register_hook(lambda g: g)
+    scale = torch.tensor(1.5, requires_grad=True)
+    y = parsum.sum_models(models, torch.randn(5, IN), scale=scale, n_jobs=n_jobs, chunk_size=3)
+    assert in_callers_graph(y) == callers_graph
+    _ARMED[0] = True
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(_FailsOnceOnTop\)") as info:
+        torch.autograd.grad(y.pow(2).sum(), params)
+    assert "fails once" in str(info.value)
+    assert not _ARMED[0]
+
+
 class _RefusesToKeepItsGraph(torch.autograd.Function):
     """Identity whose backward refuses a graph kept, as a backward that torch.compile made
     with donated buffers does ("requires create_graph=False and retain_graph=False")."""
