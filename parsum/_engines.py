@@ -33,6 +33,7 @@ import operator
 import threading
 import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -1658,6 +1659,20 @@ def _own_rows(grad: Tensor) -> Tensor:
     return grad
 
 
+def _own_rows_in_backward(stacked: Tensor) -> None:
+    """Hand ``stacked``'s gradient to its stack's backward (which cuts it into each model's
+    ``.grad``) through ``_own_rows``. In the caller's graph a batched bias's gradient at one
+    batch row was the sum's gradient expanded over the models: every model's ``.grad`` was
+    one memory, and a second backward over the retained graph added into it once per model
+    (found by tests/test_differential.py, complex seed 214681). Set as ``register_hook``
+    does, without its handle: a handle made on every call would tell the plans' checks that
+    a hook was registered somewhere (``_handle_count``)."""
+    node = stacked.grad_fn
+    assert node is not None
+    stacked._backward_hooks = OrderedDict(own_rows=_own_rows)
+    node._register_hook_dict(stacked)
+
+
 def _first_weight(program: list[Step]) -> str:
     return next(step[0] for step in program if isinstance(step, tuple))
 
@@ -1699,6 +1714,9 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
             name: torch.stack([mp.tensors[t] for mp in params])
             for t, name in enumerate(first.names)
         }
+    for stacked in trainable.values():
+        if stacked.grad_fn is not None:
+            _own_rows_in_backward(stacked)
         with torch.no_grad():
             state = {
                 name: torch.stack([mp.state[t] for mp in params])

@@ -1157,3 +1157,24 @@ def test_a_copied_stack_zeroes_a_frozen_layers_flatgrad_block_with_its_optimizer
     parsum.sum_models(models, x).pow(2).mean().backward()
     assert all(not m[0].weight.grad.any() for m in models)  # zeroed, as None in the plain loop
     assert all(m[0].bias.grad.any() for m in models)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_retained_graph_backed_twice_at_one_batch_row_gives_each_model_its_own_grad(n_jobs):
+    # In the caller's graph a stacked bias's gradient at one batch row was the sum's gradient
+    # expanded over the models, so every model's .grad was one memory: the second backward
+    # over the retained graph added into it once per model ((1 + M) / 2 times the plain
+    # loop's; tests/test_differential.py, complex seed 214681).
+    torch.manual_seed(0)
+    models = [mlp([5]).double() for _ in range(5)]
+    ref = copy.deepcopy(models)
+    x = torch.randn(1, IN, dtype=torch.float64)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, engine="stacked")
+    y_ref = sum(m(x) for m in ref)
+    for _ in range(2):
+        y.pow(2).sum().backward(retain_graph=True)
+        y_ref.pow(2).sum().backward(retain_graph=True)
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    ptrs = {m[-1].bias.grad.data_ptr() for m in models}
+    assert len(ptrs) == len(models)
