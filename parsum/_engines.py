@@ -1659,9 +1659,10 @@ def _own_rows(grad: Tensor) -> Tensor:
     return grad
 
 
-def _own_rows_in_backward(stacked: Tensor) -> None:
+def own_rows_in_backward(stacked: Tensor) -> None:
     """Hand ``stacked``'s gradient to its stack's backward (which cuts it into each model's
-    ``.grad``) through ``_own_rows``. In the caller's graph a batched bias's gradient at one
+    ``.grad``) through ``_own_rows``, where nothing captures it first (the captured path
+    applies ``_own_rows`` itself). In the caller's graph a batched bias's gradient at one
     batch row was the sum's gradient expanded over the models: every model's ``.grad`` was
     one memory, and a second backward over the retained graph added into it once per model
     (found by tests/test_differential.py, complex seed 214681). Set as ``register_hook``
@@ -1714,9 +1715,6 @@ def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], d
             name: torch.stack([mp.tensors[t] for mp in params])
             for t, name in enumerate(first.names)
         }
-    for stacked in trainable.values():
-        if stacked.grad_fn is not None:
-            _own_rows_in_backward(stacked)
         with torch.no_grad():
             state = {
                 name: torch.stack([mp.state[t] for mp in params])

@@ -122,6 +122,7 @@ from ._engines import (
     batched_forward,
     forward_on_copies,
     module_of,
+    own_rows_in_backward,
     program_of,
     runs_as_program,
     stacked_tensors,
@@ -1121,6 +1122,9 @@ def group_in_callers_graph(
     """The weighted sum of identical models run as one batched forward in the caller's own
     graph (NOTE [ One group in the caller's graph ])."""
     trainable, state = stacked_tensors(model_params)
+    for stacked in trainable.values():
+        if stacked.grad_fn is not None:
+            own_rows_in_backward(stacked)
     args, kwargs = call.build()
     leaves, spec = forward_on_copies(models[0], trainable, state, args, kwargs)
     summed = _sum_over_models(leaves, weights, weight_tensor)
