@@ -769,6 +769,12 @@ class ParamSlots:
         self._compensated = compensated
         self._hookless_at = None
 
+    def any_slot(self) -> bool:
+        """Whether a parameter has a slot (``views()`` without making the list)."""
+        if self._generation != _owners_changed[0]:
+            self._find()
+        return any(ref is not None for ref, _, _ in self._runs)
+
     def views(self) -> list[Tensor | None] | None:
         """Each parameter's slot view (None where it has none); None where none has one."""
         if self._generation != _owners_changed[0]:

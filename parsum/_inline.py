@@ -413,7 +413,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
     zeroed: list[Tensor] | None = []
     flat_slots = plan.walk.slots_in_flat_grads
-    flat_grads = flat_slots.views() is not None
+    flat_grads = flat_slots.any_slot()
     if flat_grads:
         zeroed = flat_slots.zeroed_views()
     # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
