@@ -1667,7 +1667,7 @@ def own_rows_in_backward(stacked: Tensor) -> None:
     one memory, and a second backward over the retained graph added into it once per model
     (found by tests/test_differential.py, complex seed 214681). Set as ``register_hook``
     does, without its handle: a handle made on every call would tell the plans' checks that
-    a hook was registered somewhere (``_handle_count``)."""
+    a hook was registered somewhere (``handle_count``)."""
     node = stacked.grad_fn
     assert node is not None
     stacked._backward_hooks = OrderedDict(own_rows=_own_rows)

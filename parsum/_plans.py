@@ -72,8 +72,14 @@ from ._engines import (
 from ._grads import ParamSlots
 from ._grouping import structure_key
 from ._pace import Pace
-from ._sparse import any_sampled, has_user_hooks, post_accumulate_hooks, sampled_elements
-from ._stack import _data_ptr, _handle_count, _tensor_hooks
+from ._sparse import (
+    any_sampled,
+    handle_count,
+    has_user_hooks,
+    post_accumulate_hooks,
+    sampled_elements,
+)
+from ._stack import _data_ptr, _tensor_hooks
 
 MAX_PLANS = 8
 MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ] in _random)
@@ -209,7 +215,7 @@ class Walk:
         """Whether no parameter has a gradient hook or a post-accumulate-grad hook. Looked for
         again only where a hook was registered somewhere since (a handle made): a call's
         checks read two attributes of every parameter otherwise (NOTE [ Reused plans ])."""
-        handles = _handle_count()  # read first: a hook registered while looking shows next time
+        handles = handle_count()  # read first: a hook registered while looking shows next time
         if handles is not None and handles == self._hookless_at:
             return True
         # A set joined from models' own walks (NOTE [ Models planned one by one ]): its
@@ -306,7 +312,7 @@ class Walk:
         """Whether a walk now would find what this one found (NOTE [ Reused plans ])."""
         if self._handles is None:
             return False
-        handles = _handle_count()
+        handles = handle_count()
         modules = [ref() for ref in self._module_refs]
         if None in modules:
             return False
@@ -420,7 +426,7 @@ class Walk:
                         return False
         if any(type(t) not in _PLAIN_TENSORS for t in tensors):
             return False
-        self._handles = _handle_count()
+        self._handles = handle_count()
         self._hook_ids = _hook_ids(modules)
         self._module_refs = list(map(weakref.ref, modules))
         self._custom = custom

@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils.hooks import RemovableHandle
 
 from ._errors import ParsumError, a_kind_of
 from ._summation import WIDE, CompensatedAccumulator
@@ -151,6 +152,12 @@ def has_user_post_hooks(p: Tensor) -> bool:
     """Whether ``p`` has post-accumulate-grad hooks other than parsum's own."""
     hooks = p._post_accumulate_grad_hooks
     return hooks is not None and any(not isinstance(h, OwnPostHook) for h in hooks.values())
+
+
+def handle_count() -> int | None:
+    """Hooks registered so far in this process, of every kind (module, tensor, global): every
+    registration makes a ``RemovableHandle``, whose ids come from one counter."""
+    return getattr(RemovableHandle, "next_id", None)
 
 
 def take_rows(weight: Tensor, index: Tensor) -> Tensor:

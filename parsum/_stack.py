@@ -107,7 +107,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-from torch.utils.hooks import RemovableHandle
 
 from ._config import check_model_sequence
 from ._engines import (
@@ -140,7 +139,7 @@ from ._grads import (
 )
 from ._grouping import Batch, structure_key
 from ._pool import autocast_states
-from ._sparse import has_user_post_hooks, post_accumulate_hooks
+from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
 from ._summation import sum_dtype, weigh_models, wide_sum_over_models
 
 _WHERE = "stack_"
@@ -611,7 +610,7 @@ class Stack(Sequence[nn.Module]):
             self._check_slots()
         if self._frozen_grads or self._frozen_given:
             self._drop_zeroed_frozen()
-        if self._handles_seen is None or _handle_count() != self._handles_seen:
+        if self._handles_seen is None or handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)) or any(map(len, GLOBAL_HOOKS)):
                 return "a module hook was registered"
@@ -1049,7 +1048,7 @@ def stacked_sum(
     """
     if autocast_states() and not runs_as_program(stack._program, *call.build()):
         return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
-    handles = _handle_count()  # before the check: a hook registered after it is seen next time
+    handles = handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:
         reason = stack._check()
         if reason is not None:
@@ -1092,7 +1091,7 @@ def stacked_sum(
         )
     except Exception as exc:
         raise StackedForwardFailed() from exc
-    if handles is not None and _handle_count() == handles + hooked:
+    if handles is not None and handle_count() == handles + hooked:
         stack._handles_seen = handles + hooked  # no hook but ours since the check
     return pytree.tree_unflatten(_sum_over_models(leaves, weights, weight_tensor), spec)
 
@@ -1129,12 +1128,6 @@ def group_in_callers_graph(
     leaves, spec = forward_on_copies(models[0], trainable, state, args, kwargs)
     summed = _sum_over_models(leaves, weights, weight_tensor)
     return pytree.tree_unflatten(summed, spec)
-
-
-def _handle_count() -> int | None:
-    """Hooks registered so far in this process, of every kind (module, tensor, global): every
-    registration makes a ``RemovableHandle``, whose ids come from one counter."""
-    return getattr(RemovableHandle, "next_id", None)
 
 
 def _own_storage(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
