@@ -1178,3 +1178,34 @@ def test_a_retained_graph_backed_twice_at_one_batch_row_gives_each_model_its_own
         torch.testing.assert_close(got, want)
     ptrs = {m[-1].bias.grad.data_ptr() for m in models}
     assert len(ptrs) == len(models)
+
+
+class _ReturnsItsScale(nn.Module):
+    """A model one of whose outputs is a parameter itself: its gradient is the sum's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, 2)
+        self.scale = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        return self.lin(x), self.scale
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_parameter_given_out_whole_keeps_a_grad_of_its_own_in_a_retained_graph(rows):
+    # The aliasing above is not one of one batch row: a parameter that is an output (or
+    # reaches one through views) has the sum's gradient, expanded over the models, as its
+    # gradient at any batch size; before the fix every model's .grad was one memory here too.
+    torch.manual_seed(0)
+    models = [_ReturnsItsScale().double() for _ in range(5)]
+    ref = copy.deepcopy(models)
+    x = torch.randn(rows, IN, dtype=torch.float64)
+    a, b = parsum.sum_models(models, x, engine="stacked")
+    ref_a, ref_b = sum(m(x)[0] for m in ref), sum(m(x)[1] for m in ref)
+    for _ in range(2):
+        (a.pow(2).sum() + b.pow(3).sum()).backward(retain_graph=True)
+        (ref_a.pow(2).sum() + ref_b.pow(3).sum()).backward(retain_graph=True)
+    for got, want in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(got, want)
+    assert len({m.scale.grad.data_ptr() for m in models}) == len(models)
