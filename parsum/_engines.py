@@ -1652,7 +1652,8 @@ def _own_rows(grad: Tensor) -> Tensor:
     """A stacked gradient whose models' rows are memory of their own. Without weights the
     cotangent is the sum's gradient expanded over the models (stride 0), and where a
     parameter's gradient is a view of it (a bias at one batch row: ``sum_to_size`` gives a
-    view), every model's ``.grad`` was the same memory: a second backward's in-place
+    view; a parameter given out as an output, or a view of one, at any batch size), every
+    model's ``.grad`` was the same memory: a second backward's in-place
     accumulation, or an in-place clip or weight decay, then counted once per model."""
     if grad.dim() > 0 and grad.shape[0] > 1 and grad.stride(0) == 0:
         return grad.contiguous()
@@ -1663,9 +1664,11 @@ def own_rows_in_backward(stacked: Tensor) -> None:
     """Hand ``stacked``'s gradient to its stack's backward (which cuts it into each model's
     ``.grad``) through ``_own_rows``, where nothing captures it first (the captured path
     applies ``_own_rows`` itself). In the caller's graph a batched bias's gradient at one
-    batch row was the sum's gradient expanded over the models: every model's ``.grad`` was
-    one memory, and a second backward over the retained graph added into it once per model
-    (found by tests/test_differential.py, complex seed 214681). Set as ``register_hook``
+    batch row, or a parameter's given out as an output at any batch size, was the sum's
+    gradient expanded over the models: every model's ``.grad`` was one memory, and a second
+    backward over the retained graph added into it once per model (found by
+    tests/test_differential.py, complex seed 214681). Hence on every call, not only at one
+    row. Set as ``register_hook``
     does, without its handle: a handle made on every call would tell the plans' checks that
     a hook was registered somewhere (``handle_count``)."""
     node = stacked.grad_fn
