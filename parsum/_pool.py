@@ -131,6 +131,19 @@
 # cores. Helpers on one intra-op thread (many models a call, or a budget of 2) hold no team and
 # stay.
 #
+# NOTE [ Helpers at exit ]
+# A thread that ends while the interpreter finalizes may abort the process. torch 2.12 leaves a
+# Python object in every thread that ran a backward pass (the autograd engine's stashed context),
+# released by a C++ thread-local destructor when the thread ends, after Python's ``join`` has
+# returned; where the main thread is finalizing by then, that destructor's wait for the GIL
+# exits the thread inside it and the process ends in "terminate called without an active
+# exception". Ending the helpers at exit did that: on torch 2.12.1 a script of parsum calls
+# (tests/test_concurrency.py's ``_EXIT_SCRIPT`` kind) aborted 5 times in 40 with the helpers
+# ended at exit, 0 in 40 without. At exit the pool parks them instead: each finishes what it
+# runs and then blocks for good, and the process ends around it without running its thread's
+# destructors; a helper that handed over (NOTE [ Helpers' OpenMP teams ]) is waited for until
+# the kernel lists it no more, and later jobs (other exit handlers) run in the caller alone.
+#
 # NOTE [ Saved-tensor hooks ]
 # Saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are
 # thread-local too, but a call made under them runs in the calling thread instead
@@ -174,11 +187,13 @@ import atexit
 import contextlib
 import contextvars
 import ctypes
+import enum
 import functools
 import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -444,10 +459,7 @@ class _Job:
 class _Pool:
     def __init__(self) -> None:
         self._forget_helpers()
-        # Helpers left running into interpreter shutdown would meet it wherever they are; stop
-        # them first. (Aborts at exit with a gloo group turned out to come mostly from a
-        # pinned process group: NOTE [ Releasing the process group ] in distributed.py.)
-        atexit.register(self.stop)
+        atexit.register(self.park)  # NOTE [ Helpers at exit ]
         # A forked child has only the thread that forked: without this it would count the
         # parent's helpers as its own and run every job alone, or wait forever on the pool's
         # lock if another thread held it at the fork.
@@ -455,23 +467,44 @@ class _Pool:
             os.register_at_fork(after_in_child=self._forget_helpers)
 
     def _forget_helpers(self) -> None:
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | _Signal] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._leaving: list[threading.Thread] = []  # helpers that handed over and end
         self._lock = threading.Lock()
+        self._parked = threading.Semaphore(0)
+        self.is_parked = False
 
     def stop(self) -> None:
-        """End every helper thread (at exit); a later job starts new ones."""
+        """End every helper thread; a later job starts new ones."""
         with self._lock:
             threads, self._threads = self._threads, []
             for _ in threads:
-                self._queue.put(None)
+                self._queue.put(_Signal.END)
         for thread in threads:
-            if thread.ident is not None:  # a successor not started yet meets its None later
+            if thread.ident is not None:  # a successor not started yet meets its END later
                 thread.join(timeout=5)
+
+    def park(self, timeout: float = 5.0) -> None:
+        """At exit: wait until every helper is idle and leave it blocked for good, and until
+        every helper that handed over has ended; later jobs run in the caller alone (NOTE
+        [ Helpers at exit ])."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self.is_parked = True
+            threads, self._threads = self._threads, []
+            leaving, self._leaving = self._leaving, []
+            for _ in threads:
+                self._queue.put(_Signal.PARK)
+        for _ in threads:
+            if not self._parked.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+        for thread in leaving:
+            _wait_until_ended(thread, deadline)
 
     def ensure_helpers(self, n: int) -> None:
         _rebuild_engine_here()  # NOTE [ A forked child's autograd engine ]
         with self._lock:
+            self._leaving = [t for t in self._leaving if not _has_ended(t)]
             # A helper that ended on a stop() meant for one that handed over (NOTE [ Helpers'
             # OpenMP teams ]) is replaced; a successor not started yet is kept.
             self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
@@ -495,8 +528,12 @@ class _Pool:
         _local.in_task = True
         while True:
             job = self._queue.get()
-            if job is None:
+            if job is _Signal.END:
                 return
+            if job is _Signal.PARK:
+                self._parked.release()
+                threading.Event().wait()  # never set: the process ends around this thread
+            assert isinstance(job, _Job)
             if job.done.is_set():
                 continue
             _set_threads(job.intra_threads)
@@ -510,18 +547,21 @@ class _Pool:
             del context
             teamed = job.intra_threads > 1
             del job
-            if teamed:  # NOTE [ Helpers' OpenMP teams ]
-                self._hand_over()
+            if teamed and self._hand_over():  # NOTE [ Helpers' OpenMP teams ]
                 return
 
-    def _hand_over(self) -> None:
-        """Put a new helper in this one's place in the pool; this one then ends."""
+    def _hand_over(self) -> bool:
+        """Put a new helper in this one's place in the pool; whether this one then ends (not
+        once parked: it takes its PARK instead)."""
         me = threading.current_thread()
         with self._lock:
+            if self.is_parked:
+                return False
             if me not in self._threads:  # stop() took every helper out
-                return
+                return True
             successor = self._new_helper(me.name)
             self._threads[self._threads.index(me)] = successor
+            self._leaving.append(me)
         # Started here, not by the next call: a thread's start waits for a core, which the
         # caller's intra-op threads may still be spinning on.
         try:
@@ -530,6 +570,29 @@ class _Pool:
             with self._lock:
                 if successor in self._threads:
                     self._threads.remove(successor)
+        return True
+
+
+class _Signal(enum.Enum):
+    """What a helper takes from the queue instead of a job."""
+
+    END = "end"
+    PARK = "park"
+
+
+def _has_ended(thread: threading.Thread) -> bool:
+    """Whether ``thread`` has ended, its thread-local destructors run: on Linux, once the
+    kernel lists it no more (it is no longer alive for Python once its Python state is gone,
+    before those)."""
+    if thread.is_alive():
+        return False
+    return thread.native_id is None or not os.path.exists(f"/proc/self/task/{thread.native_id}")
+
+
+def _wait_until_ended(thread: threading.Thread, deadline: float) -> None:
+    thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    while not _has_ended(thread) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 _pool = _Pool()
@@ -549,7 +612,7 @@ def intra_op_threads(n_tasks: int, budget: int | None = None) -> int:
 
 def threads_for(n_tasks: int, n_workers: int) -> int:
     """Threads a job of ``n_tasks`` chunks runs on, caller included (1 inside a task)."""
-    if _local.in_task or _modes_stay_here():
+    if _local.in_task or _modes_stay_here() or _pool.is_parked:
         return 1
     return min(n_workers, n_tasks, _config.usable_cores())
 

@@ -11,6 +11,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -742,6 +743,61 @@ def test_helpers_stop_at_exit_and_start_again(cores):
     assert not any(t.is_alive() for t in helpers)
     torch.testing.assert_close(parsum.sum_models(models, x, n_jobs=2), want, rtol=0, atol=0)
     assert _pool.pool_size() >= 1
+
+
+_EXIT_SCRIPT = """
+import atexit, threading
+
+
+def after_parsums_exit_handler():  # registered first: runs last (atexit is last in, first out)
+    helpers = [t for t in threading.enumerate() if t.name.startswith("parsum-worker")]
+    print("parked", len(helpers), all(t.is_alive() for t in helpers), _pool.pool_size(),
+          _pool._pool.is_parked)
+    print("ended", len(left), all(_pool._has_ended(t) for t in left))
+    y = parsum.sum_models(models, x, n_jobs=2)  # another exit handler's call
+    print("later call", torch.equal(y, want),
+          sum(t.name.startswith("parsum-worker") for t in threading.enumerate()))
+
+
+atexit.register(after_parsums_exit_handler)
+import torch
+import parsum
+from parsum import _config, _pool
+
+torch.manual_seed(0)
+models = [torch.nn.Sequential(torch.nn.Linear(8, 16 + 4 * i), torch.nn.Tanh(),
+                              torch.nn.Linear(16 + 4 * i, 3)) for i in range(4)]
+x = torch.randn(5, 8)
+want = parsum.sum_models(models, x, n_jobs=1).detach()
+# A budget of 4 over 2 chunks: the helper runs on 2 intra-op threads and hands over.
+_config.usable_cores = lambda: 4
+torch.set_num_threads(4)
+parsum.sum_models(models, x, n_jobs=2, chunk_size=2).sum().backward()
+left = list(_pool._pool._leaving)
+# A budget of 2: helpers that stay.
+_config.usable_cores = lambda: 2
+torch.set_num_threads(2)
+parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+assert _pool.pool_size() >= 1
+"""
+
+
+def test_helpers_are_parked_at_exit_not_ended(tmp_path):
+    # NOTE [ Helpers at exit ]: at exit the helpers are left blocked, not ended (a thread ending
+    # while the interpreter finalizes aborted processes on torch 2.12), helpers that handed over
+    # have ended, and a call from a later exit handler runs in the caller alone, the same bits.
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr
+    parked, ended, later = done.stdout.splitlines()
+    n_parked, all_alive, pool_size, is_parked = parked.split()[1:]
+    assert int(n_parked) >= 1 and all_alive == "True", parked
+    assert (pool_size, is_parked) == ("0", "True"), parked
+    assert ended.split()[1:] == [ended.split()[1], "True"] and int(ended.split()[1]) >= 1, ended
+    assert later.split()[2:] == ["True", n_parked], later  # no new helper
 
 
 @pytest.mark.parametrize("budget, helpers_stay", [(4, False), (2, True)])
