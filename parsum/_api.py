@@ -175,6 +175,7 @@ def sum_models(
             index and type, with the original exception chained). A failed call changes no
             ``.grad`` and restores the buffers of modules in training mode.
     """
+    _pool.abandon_unjoined()  # NOTE [ Interrupted callers ] in _pool
     models = _check_models(models)
     settings = _config.current_settings()
     engine = _config.check_engine(engine, _WHERE)

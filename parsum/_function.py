@@ -1753,6 +1753,7 @@ class _Backward:
         # by slot, and what batched engine calls failed, both for the caller's thread.
         self.to_store: list[tuple[int, Tensor]] | None = None
         self.failures: list[BaseException] | None = None
+        self.finish: Callable[[], None] | None = None  # the join node's, while pending
 
     def route(
         self,
@@ -1924,6 +1925,7 @@ class _Backward:
         parameters with hooks.)
         """
         plan, flat = self.plan, self.flat
+        _pool.abandon_unjoined()  # a backward interrupted before: NOTE [ Interrupted callers ]
         try:
             with torch.no_grad():
                 # NOTE [ Device threads ]
@@ -1963,9 +1965,10 @@ class _Backward:
                 if plan.join is not None and self.returns_none():
                     # NOTE [ Pullbacks joined later ]
                     self.to_store, self.failures = [], []
-                    job = _pool.start_ordered(*job_args, plan.callers_last)
+                    job = _pool.start_ordered(*job_args, plan.callers_last, self.abandoned)
                     if job is not None:
-                        plan.join.finish = functools.partial(self.join, job, looked)
+                        self.finish = functools.partial(self.join, job, looked)
+                        plan.join.finish = self.finish
                         return
                     self.to_store = self.failures = None
                 if plan.ordered_pullbacks and not self.one_call:  # one call: in that order
@@ -1980,6 +1983,7 @@ class _Backward:
                         else:
                             self.param_grads[slot] = acc.result()
         except BaseException as exc:
+            _pool.abandon_unjoined()  # NOTE [ Interrupted callers ] in _pool
             self.undo()
             if self.stepped:
                 raise ParsumError(
@@ -1999,11 +2003,25 @@ class _Backward:
         self.all_chunks = None
         if self.flat is not None:
             self.flat.rollback()
+        self.undo_direct()
+        if self.ctx.announce_failure is not None:
+            self.ctx.announce_failure()
+
+    def undo_direct(self) -> None:
         for p, was_none in zip(self.plan.params, self.direct):
             if was_none:  # accumulated in a pullback, or about to be: None before
                 p.grad = None
-        if self.ctx.announce_failure is not None:
-            self.ctx.announce_failure()
+
+    def abandoned(self) -> None:
+        """Pullbacks handed to helpers and never joined, cancelled (NOTE [ Interrupted
+        callers ] in _pool): what they wrote undone, the join forgotten."""
+        assert self.plan.join is not None
+        if self.plan.join.finish is self.finish:
+            self.plan.join.finish = None
+        self.finish = None
+        self.to_store = self.failures = None
+        self.all_chunks = None
+        self.undo_direct()
 
     def returns_none(self) -> bool:
         """Whether every gradient this backward returns is None whatever its pullbacks give

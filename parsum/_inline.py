@@ -141,7 +141,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -598,9 +598,25 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     if pending is not None and accumulate and aliases is None:
         # NOTE [ Pullbacks joined later ]; NOTE [ Slots filled after the join ] in _grads
         held = flat_slots.hold_unset() if flat_grads else []
-        job = _pool.start_ordered(
-            pull_back_one, n_chunks, workers, add_in_order, claim_order, callers_last
-        )
+        unjoined: weakref.finalize | None = None
+        joins: list[Callable[[], None]] = []  # the finish below, once made
+
+        def abandoned() -> None:  # NOTE [ Interrupted callers ] in _pool
+            if joins and pending.finish is joins[0]:
+                pending.finish = None
+            undo()
+            if unjoined is not None:
+                unjoined.detach()
+            release_slots(held, fill=False)
+
+        try:
+            job = _pool.start_ordered(
+                pull_back_one, n_chunks, workers, add_in_order, claim_order, callers_last,
+                abandoned,
+            )  # fmt: skip
+        except BaseException:
+            _pool.abandon_unjoined()
+            raise
         if job is None:
             release_slots(held, fill=False)  # nothing ran
         else:
@@ -624,6 +640,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                         failure = None
                 learn_pullback_writes(plan, looked)
 
+            joins.append(finish)
             pending.finish = finish
             return (None, None, None, *weight_part, *param_grads, *joined)
     try:

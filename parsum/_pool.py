@@ -21,6 +21,15 @@
 # caller, waiting for the helpers' chunks to finish before it raised, waited forever (CI,
 # tests/test_concurrency.py, once in six runs; forced in tests/test_reliability.py). The count
 # is the helpers' chunks alone: the caller waits only after leaving ``work``, when it runs none.
+# Nor may the interrupt leave a job that helpers took with nobody to wait for it: its chunks
+# would write gradients after the caller raised, into the next step's (the gradients of a call
+# after a Ctrl-C came out doubled, 1 call in 100-400 interrupted on 2 cores, on the interrupt
+# landing in the queue's ``put``). A job goes to the helpers inside the ``try`` that cancels
+# it and waits (``_work_and_wait``). A job joined later (``start_ordered``; NOTE [ Pullbacks
+# joined later ] in _function) is listed in its thread until joined: an interrupt anywhere in
+# between, in parsum's code or in torch's between the two nodes, leaves it listed, and the
+# caller's ``except`` or, failing that, the thread's next ``sum_models`` call cancels it, waits
+# for it and undoes its writes (``abandon_unjoined``).
 #
 # NOTE [ The caller's last chunk ]
 # At a job's end one thread runs the last chunk while the others have nothing left. Where that
@@ -221,6 +230,10 @@ def autocast_states() -> list[tuple[str, torch.dtype]]:
 class _Local(threading.local):
     in_task = False
 
+    def __init__(self) -> None:
+        # Jobs from ``start_ordered`` not joined yet (NOTE [ Interrupted callers ]).
+        self.unjoined: list[_Job] = []
+
 
 _local = _Local()
 
@@ -352,6 +365,9 @@ class _Job:
         self.n_tasks = n_tasks
         self.state = state
         self.intra_threads = intra_threads
+        self.helpers = 0  # the helpers it goes to: set by ``_new_job``
+        self.handed = False  # whether it went to them
+        self.on_abandon: Callable[[], None] | None = None  # NOTE [ Interrupted callers ]
         self.failures: dict[int, BaseException] = {}
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -659,7 +675,7 @@ def run_ordered(
     already running finish, and the exception of the smallest failing chunk is raised in the
     caller. See NOTE [ Caller runs, no deadlock ] and NOTE [ Thread control ].
     """
-    job = _start_job(task, n_tasks, n_workers, consume, order, callers_last)
+    job = _new_job(task, n_tasks, n_workers, consume, order, callers_last)
     with as_one_task(n_tasks):
         if job is None:  # one thread (or nested): no job, no locks, no state to hand over
             _run_here(task, n_tasks, consume)
@@ -815,21 +831,53 @@ def start_ordered(
     consume: Callable[[int, Any], None],
     order: Sequence[int] | None = None,
     callers_last: bool = False,
+    on_abandon: Callable[[], None] | None = None,
 ) -> _Job | None:
     """``run_ordered``'s job handed to helpers, for the caller to join later with ``join``
     (NOTE [ Pullbacks joined later ] in _function); None where it would run on one thread (or
-    nested): then ``run_ordered`` runs it here."""
-    return _start_job(task, n_tasks, n_workers, consume, order, callers_last)
+    nested): then ``run_ordered`` runs it here. Where it is never joined, ``abandon_unjoined``
+    cancels it and then calls ``on_abandon``."""
+    job = _new_job(task, n_tasks, n_workers, consume, order, callers_last)
+    if job is None:
+        return None
+    job.on_abandon = on_abandon
+    _local.unjoined.append(job)  # NOTE [ Interrupted callers ]
+    _give_to_helpers(job)
+    return job
 
 
 def join(job: _Job) -> None:
     """Work on ``job`` (from ``start_ordered``) in this thread, under its intra-op threads,
     until none of its chunks is left, and wait for the others; as ``run_ordered`` ends."""
-    with as_one_task(job.n_tasks):
-        _work_and_wait(job)
+    try:
+        with as_one_task(job.n_tasks):
+            _work_and_wait(job)
+    except BaseException:
+        # Interrupted before ``_work_and_wait`` waited (NOTE [ Interrupted callers ]): the
+        # caller undoes what the chunks wrote once they have finished.
+        job.cancel()
+        job.done.wait()
+        job.close()
+        raise
+    finally:
+        if job in _local.unjoined:
+            _local.unjoined.remove(job)
 
 
-def _start_job(
+def abandon_unjoined() -> None:
+    """Cancel the jobs of ``start_ordered`` that this thread did not join (an interrupt left
+    them), wait for their running chunks and undo what they wrote (NOTE [ Interrupted
+    callers ]). Not inside a task: the job this thread is joining may be running it."""
+    while _local.unjoined and not _local.in_task:
+        job = _local.unjoined.pop()
+        job.cancel()
+        job.done.wait()
+        job.close()
+        if job.on_abandon is not None:
+            job.on_abandon()
+
+
+def _new_job(
     task: Callable[[int], Any],
     n_tasks: int,
     n_workers: int,
@@ -837,9 +885,9 @@ def _start_job(
     order: Sequence[int] | None,
     callers_last: bool,
 ) -> _Job | None:
-    """A job with the caller's state, handed to its helpers (started where missing); None
-    where it would run on one thread. Its last chunk is left to the caller where
-    ``callers_last`` and each thread has more than two (NOTE [ The caller's last chunk ])."""
+    """A job with the caller's state, for helpers (not handed to them yet); None where it
+    would run on one thread. Its last chunk is left to the caller where ``callers_last`` and
+    each thread has more than two (NOTE [ The caller's last chunk ])."""
     threads = threads_for(n_tasks, n_workers)
     if threads <= 1:
         return None
@@ -848,15 +896,24 @@ def _start_job(
         release_callers_team()  # NOTE [ The caller's OpenMP team ]
     last = callers_last and order is not None and n_tasks > 2 * threads
     job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
-    _pool.ensure_helpers(threads - 1)
-    _pool.submit(job, threads - 1)
+    job.helpers = threads - 1
     return job
 
 
+def _give_to_helpers(job: _Job) -> None:
+    """Give ``job`` to its helpers, started where missing."""
+    job.handed = True
+    _pool.ensure_helpers(job.helpers)
+    _pool.submit(job, job.helpers)
+
+
 def _work_and_wait(job: _Job) -> None:
-    """The caller's part of a job that helpers have: its chunks, then the wait."""
+    """The caller's part of a job (handed to helpers here unless it was): its chunks, then
+    the wait."""
     try:
         try:
+            if not job.handed:
+                _give_to_helpers(job)
             job.work(caller=True)
             job.done.wait()
         except BaseException:

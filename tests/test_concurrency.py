@@ -1792,6 +1792,61 @@ def ctrl_c_lands():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_interrupt_as_a_job_goes_to_the_helpers_leaves_nothing_running(
+    cores, monkeypatch, phase
+):
+    # NOTE [ Interrupted callers ]: a KeyboardInterrupt landing in the queue's put, the job
+    # already taken by a helper, left its chunks running after the call raised; their
+    # gradients landed in the next step's (twice the plain loop's, 1 call in 100-400).
+    cores(2)
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(4)]
+
+    def slowly(model, *_):  # writes the model's own state alone: the hooks run on the threads
+        time.sleep(0.02)
+        model.ran_at = time.monotonic()
+
+    for m in models:
+        (m.register_forward_hook if phase == "forward" else m.register_full_backward_hook)(slowly)
+    x = torch.randn(5, IN, requires_grad=True)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()  # learns, in order
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    for m in models:
+        m.ran_at = 0.0
+    submit = _pool._Pool.submit  # patched on the class: an instance's attribute would stay
+    submits = {"n": 0, "at": 0 if phase == "forward" else 1}
+
+    def interrupted_submit(self, job, helpers):
+        submit(self, job, helpers)
+        submits["n"] += 1
+        if submits["n"] - 1 == submits["at"]:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_pool._Pool, "submit", interrupted_submit)
+    with pytest.raises(KeyboardInterrupt):
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+    raised = time.monotonic()
+    time.sleep(0.2)
+    assert submits["n"] == submits["at"] + 1
+    ran = [m.ran_at for m in models]
+    assert max(ran) <= raised, ran  # nothing ran after the call raised
+    if phase == "backward":
+        assert all(p.grad is None for m in models for p in m.parameters())  # as before
+    monkeypatch.setattr(_pool._Pool, "submit", submit)
+    x.grad = None
+    y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+    y.sum().backward()
+    got = [*param_grads(models), x.grad]
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    x.grad = None
+    plain_sum(models, x).sum().backward()
+    for g, w in zip(got, [*param_grads(models), x.grad]):
+        torch.testing.assert_close(g, w)
+
+
 def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_lands):
     # Ctrl-C in a notebook: a KeyboardInterrupt raised in the calling thread at any point of a
     # call (checks, forwards on the threads, the ordered sum, the pullbacks) must leave the pool,

@@ -286,6 +286,43 @@ def test_slots_held_for_a_join_that_never_runs_are_let_go_with_the_graph(cores, 
     flat_grad_step(models, flat, x, 2, penalty=None)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_an_interrupt_before_the_join_is_undone_by_the_next_call(
+    path, handed_over, cores, monkeypatch
+):
+    # NOTE [ Interrupted callers ] in parsum._pool: a Ctrl-C between the node and its join
+    # (in torch's Python that applies the join node) ended the backward with the helpers still
+    # pulling back, and their gradients landed in the next step's. The thread's next call
+    # cancels them, waits, and sets back what they wrote: the .grad None it was.
+    cores(2)
+    make, kwargs, _ = PATHS[path]
+    torch.manual_seed(0)
+    models = make()
+    alone = copy.deepcopy(models)
+    x = torch.randn(16, IN)
+    grads_after(models, x, 2, **kwargs)  # planned
+    clear_grads(models)
+    y = parsum.sum_models(models, x, n_jobs=2, **kwargs)
+    join_backward = _function.JoinPullbacks.backward
+
+    def interrupted(ctx, grad):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_function.JoinPullbacks, "backward", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        y.pow(2).mean().backward()
+    monkeypatch.setattr(_function.JoinPullbacks, "backward", staticmethod(join_backward))
+    assert handed_over == {"started": 2, "joined": 1} and len(_pool._local.unjoined) == 1
+    y = parsum.sum_models(models, x, n_jobs=2, **kwargs)
+    assert not _pool._local.unjoined
+    assert all(p.grad is None for m in models for p in m.parameters())
+    y.pow(2).mean().backward()
+    assert handed_over == {"started": 3, "joined": 2}
+    want, _ = grads_after(alone, x, 1, **kwargs)
+    for g, w in zip(param_grads(models), want):
+        assert torch.equal(g, w)
+
+
 def test_not_where_the_weights_need_a_gradient(handed_over, cores):
     # The node returns the weights' gradient, which the engine would accumulate before a
     # failing pullback is joined: a failed call changed weights.grad (found by
