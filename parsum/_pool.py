@@ -453,7 +453,7 @@ class _Job:
         """After the job: hold no models, tensors or errors (a helper may still hold the job
         in the queue); give the failure of the smallest chunk, if any."""
         with self._lock:
-            self.task = self.consume = None
+            self.task = self.consume = self.on_abandon = None
             failures, self.failures = self.failures, {}
             self._pending.clear()
         return failures[min(failures)] if failures else None
@@ -872,9 +872,10 @@ def abandon_unjoined() -> None:
         job = _local.unjoined.pop()
         job.cancel()
         job.done.wait()
+        undo = job.on_abandon
         job.close()
-        if job.on_abandon is not None:
-            job.on_abandon()
+        if undo is not None:
+            undo()
 
 
 def _new_job(
