@@ -746,7 +746,7 @@ def test_helpers_stop_at_exit_and_start_again(cores):
 
 
 _EXIT_SCRIPT = """
-import atexit, threading
+import atexit, threading, time
 
 
 def after_parsums_exit_handler():  # registered first: runs last (atexit is last in, first out)
@@ -769,11 +769,21 @@ models = [torch.nn.Sequential(torch.nn.Linear(8, 16 + 4 * i), torch.nn.Tanh(),
                               torch.nn.Linear(16 + 4 * i, 3)) for i in range(4)]
 x = torch.randn(5, 8)
 want = parsum.sum_models(models, x, n_jobs=1).detach()
-# A budget of 4 over 2 chunks: the helper runs on 2 intra-op threads and hands over.
+# A budget of 4 over 2 chunks: the helper runs on 2 intra-op threads and hands over (the
+# forwards sleep, so that it takes a chunk; it hands over once its job is done).
 _config.usable_cores = lambda: 4
 torch.set_num_threads(4)
-parsum.sum_models(models, x, n_jobs=2, chunk_size=2).sum().backward()
-left = list(_pool._pool._leaving)
+hooks = [m.register_forward_hook(lambda *_: time.sleep(0.05)) for m in models]
+for _ in range(20):  # until a helper took a chunk (on a loaded machine it may start late)
+    parsum.sum_models(models, x, n_jobs=2, chunk_size=2).sum().backward()
+    deadline = time.monotonic() + 1
+    while not _pool._pool._leaving and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = list(_pool._pool._leaving)
+    if left:
+        break
+for hook in hooks:
+    hook.remove()
 # A budget of 2: helpers that stay.
 _config.usable_cores = lambda: 2
 torch.set_num_threads(2)
