@@ -28,8 +28,8 @@
 # it and waits (``_work_and_wait``). A job joined later (``start_ordered``; NOTE [ Pullbacks
 # joined later ] in _function) is listed in its thread until joined: an interrupt anywhere in
 # between, in parsum's code or in torch's between the two nodes, leaves it listed, and the
-# caller's ``except`` or, failing that, the thread's next ``sum_models`` call cancels it, waits
-# for it and undoes its writes (``abandon_unjoined``).
+# caller's ``except`` or, failing that, the thread's next ``sum_models`` call or sum's backward
+# (a retained graph's) cancels it, waits for it and undoes its writes (``abandon_unjoined``).
 #
 # NOTE [ The caller's last chunk ]
 # At a job's end one thread runs the last chunk while the others have nothing left. Where that
@@ -358,6 +358,7 @@ class _Job:
         intra_threads: int,
         order: Sequence[int] | None = None,
         callers_last: bool = False,
+        helpers: int = 0,
     ) -> None:
         self.task: Callable[[int], Any] | None = task
         self.order = order
@@ -365,7 +366,7 @@ class _Job:
         self.n_tasks = n_tasks
         self.state = state
         self.intra_threads = intra_threads
-        self.helpers = 0  # the helpers it goes to: set by ``_new_job``
+        self.helpers = helpers  # the helpers it goes to
         self.handed = False  # whether it went to them
         self.on_abandon: Callable[[], None] | None = None  # NOTE [ Interrupted callers ]
         self.failures: dict[int, BaseException] = {}
@@ -416,12 +417,23 @@ class _Job:
         first = min(self.failures)
         return all((at if self.order is None else self.order[at]) > first for at in rest)
 
-    def cancel(self) -> None:
-        """Start no chunk any more; ``done`` is set once the running ones have finished."""
+    def cancel(self, wait: bool = False) -> None:
+        """Start no chunk any more; ``done`` is set once the running ones have finished
+        (waited for here where ``wait``)."""
         with self._lock:
             self._cancelled = True
             if self._running == 0:
                 self.done.set()
+        if wait:
+            self.done.wait()
+
+    def abandon(self) -> Callable[[], None] | None:
+        """Cancel, wait for the running chunks and close (NOTE [ Interrupted callers ]); give
+        what undoes their writes (``on_abandon``)."""
+        self.cancel(wait=True)
+        undo = self.on_abandon
+        self.close()
+        return undo
 
     def _fail(self, k: int, exc: BaseException) -> None:
         with self._lock:
@@ -855,9 +867,7 @@ def join(job: _Job) -> None:
     except BaseException:
         # Interrupted before ``_work_and_wait`` waited (NOTE [ Interrupted callers ]): the
         # caller undoes what the chunks wrote once they have finished.
-        job.cancel()
-        job.done.wait()
-        job.close()
+        job.abandon()
         raise
     finally:
         if job in _local.unjoined:
@@ -869,11 +879,7 @@ def abandon_unjoined() -> None:
     them), wait for their running chunks and undo what they wrote (NOTE [ Interrupted
     callers ]). Not inside a task: the job this thread is joining may be running it."""
     while _local.unjoined and not _local.in_task:
-        job = _local.unjoined.pop()
-        job.cancel()
-        job.done.wait()
-        undo = job.on_abandon
-        job.close()
+        undo = _local.unjoined.pop().abandon()
         if undo is not None:
             undo()
 
@@ -896,9 +902,8 @@ def _new_job(
     if torch.get_num_threads() > intra_threads:
         release_callers_team()  # NOTE [ The caller's OpenMP team ]
     last = callers_last and order is not None and n_tasks > 2 * threads
-    job = _Job(task, n_tasks, consume, ThreadState.capture(), intra_threads, order, last)
-    job.helpers = threads - 1
-    return job
+    state = ThreadState.capture()
+    return _Job(task, n_tasks, consume, state, intra_threads, order, last, threads - 1)
 
 
 def _give_to_helpers(job: _Job) -> None:
@@ -921,8 +926,7 @@ def _work_and_wait(job: _Job) -> None:
             # Interrupted in the caller (KeyboardInterrupt, an exception from a signal handler):
             # the chunks that helpers are running finish before the error leaves, so that none
             # writes gradients, statistics or optimizer steps after the caller rolled back.
-            job.cancel()
-            job.done.wait()
+            job.cancel(wait=True)
             raise
     finally:
         failure = job.close()
