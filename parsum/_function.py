@@ -1602,6 +1602,7 @@ class ParallelSum(torch.autograd.Function):
         plan: SumPlan = ctx.plan
         if ctx.pullbacks is None:
             raise freed_graph_error(plan)
+        _pool.abandon_unjoined()  # a backward interrupted before: NOTE [ Interrupted callers ]
         run = _Backward(ctx, grad_outputs)
         try:
             run.pull_back_all()
@@ -1925,7 +1926,6 @@ class _Backward:
         parameters with hooks.)
         """
         plan, flat = self.plan, self.flat
-        _pool.abandon_unjoined()  # a backward interrupted before: NOTE [ Interrupted callers ]
         try:
             with torch.no_grad():
                 # NOTE [ Device threads ]

@@ -367,6 +367,7 @@ class CallerGraphSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        _pool.abandon_unjoined()  # a backward interrupted before: NOTE [ Interrupted callers ]
         if torch.is_grad_enabled() and second_order_fits(ctx):  # NOTE [ Double backward ]
             return differentiable_backward(ctx, grad_outputs)
         return _pull_back_models(ctx, *grad_outputs)
@@ -599,10 +600,10 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         # NOTE [ Pullbacks joined later ]; NOTE [ Slots filled after the join ] in _grads
         held = flat_slots.hold_unset() if flat_grads else []
         unjoined: weakref.finalize | None = None
-        joins: list[Callable[[], None]] = []  # the finish below, once made
+        finish: Callable[[], None] | None = None  # made below
 
         def abandoned() -> None:  # NOTE [ Interrupted callers ] in _pool
-            if joins and pending.finish is joins[0]:
+            if finish is not None and pending.finish is finish:
                 pending.finish = None
             undo()
             if unjoined is not None:
@@ -623,7 +624,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             # Released when the graph goes, where the join never runs.
             unjoined = weakref.finalize(pending, release_slots, held, False) if held else None
 
-            def finish() -> None:
+            def join() -> None:
                 failure: BaseException | None = None
                 try:
                     _pool.join(job)
@@ -640,8 +641,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                         failure = None
                 learn_pullback_writes(plan, looked)
 
-            joins.append(finish)
-            pending.finish = finish
+            pending.finish = finish = join
             return (None, None, None, *weight_part, *param_grads, *joined)
     try:
         if plan.ordered_pullbacks and (

@@ -60,6 +60,14 @@ PATHS = {
 }
 
 
+def two_copies(path, seed=0):
+    """The path's models, a copy of them, an input and the call's keyword arguments."""
+    make, kwargs, _ = PATHS[path]
+    torch.manual_seed(seed)
+    models = make()
+    return models, copy.deepcopy(models), torch.randn(16, IN), kwargs
+
+
 def clear_grads(models):
     for p in (p for m in models for p in m.parameters()):
         p.grad = None
@@ -77,14 +85,10 @@ def grads_after(models, x, n_jobs, times=1, **kwargs):
 @pytest.mark.parametrize("path", PATHS)
 def test_handed_over_and_joined_with_the_bits_of_one_thread(path, handed_over, cores):
     cores(2)
-    make, kwargs, node = PATHS[path]
-    torch.manual_seed(0)
-    models = make()
-    alone = copy.deepcopy(models)
-    x = torch.randn(16, IN)
+    models, alone, x, kwargs = two_copies(path)
     # The second call adds to gradients already there: not handed over (captured).
     got, y = grads_after(models, x, 2, times=2, **kwargs)
-    assert type(y.grad_fn).__name__ == node
+    assert type(y.grad_fn).__name__ == PATHS[path][2]
     assert handed_over == {"started": 1, "joined": 1}
     want, _ = grads_after(alone, x, 1, times=2, **kwargs)
     assert handed_over["started"] == 1  # one thread: nothing handed over
@@ -111,11 +115,7 @@ def test_gradients_from_outside_the_sum_add_to_its_own(path, made, handed_over, 
     # raced the engine's (found by tests/test_differential.py); the caller stores them, at the
     # join.
     cores(2)
-    make, kwargs, _ = PATHS[path]
-    torch.manual_seed(1)
-    models = make()
-    alone = copy.deepcopy(models)
-    x = torch.randn(16, IN)
+    models, alone, x, kwargs = two_copies(path, seed=1)
 
     def outside(params):
         return 0.3 * sum(p.pow(2).sum() for p in params) + 0.7 * sum(p.sin().sum() for p in params)
@@ -286,23 +286,22 @@ def test_slots_held_for_a_join_that_never_runs_are_let_go_with_the_graph(cores, 
     flat_grad_step(models, flat, x, 2, penalty=None)
 
 
+@pytest.mark.parametrize("then", ["a new call", "the retained graph's backward"])
 @pytest.mark.parametrize("path", PATHS)
 def test_an_interrupt_before_the_join_is_undone_by_the_next_call(
-    path, handed_over, cores, monkeypatch
+    path, then, handed_over, cores, monkeypatch
 ):
     # NOTE [ Interrupted callers ] in parsum._pool: a Ctrl-C between the node and its join
     # (in torch's Python that applies the join node) ended the backward with the helpers still
-    # pulling back, and their gradients landed in the next step's. The thread's next call
-    # cancels them, waits, and sets back what they wrote: the .grad None it was.
+    # pulling back, and their gradients landed in the next step's. The thread's next call, or
+    # the next backward of a graph kept, cancels them, waits, and sets back what they wrote:
+    # the .grad None it was.
     cores(2)
-    make, kwargs, _ = PATHS[path]
-    torch.manual_seed(0)
-    models = make()
-    alone = copy.deepcopy(models)
-    x = torch.randn(16, IN)
+    models, alone, x, kwargs = two_copies(path)
     grads_after(models, x, 2, **kwargs)  # planned
     clear_grads(models)
     y = parsum.sum_models(models, x, n_jobs=2, **kwargs)
+    loss = y.pow(2).mean()
     join_backward = _function.JoinPullbacks.backward
 
     def interrupted(ctx, grad):
@@ -310,13 +309,15 @@ def test_an_interrupt_before_the_join_is_undone_by_the_next_call(
 
     monkeypatch.setattr(_function.JoinPullbacks, "backward", staticmethod(interrupted))
     with pytest.raises(KeyboardInterrupt):
-        y.pow(2).mean().backward()
+        loss.backward(retain_graph=True)
     monkeypatch.setattr(_function.JoinPullbacks, "backward", staticmethod(join_backward))
     assert handed_over == {"started": 2, "joined": 1} and len(_pool._local.unjoined) == 1
-    y = parsum.sum_models(models, x, n_jobs=2, **kwargs)
+    if then == "a new call":
+        loss = parsum.sum_models(models, x, n_jobs=2, **kwargs).pow(2).mean()
+        assert not _pool._local.unjoined
+        assert all(p.grad is None for m in models for p in m.parameters())
+    loss.backward()
     assert not _pool._local.unjoined
-    assert all(p.grad is None for m in models for p in m.parameters())
-    y.pow(2).mean().backward()
     assert handed_over == {"started": 3, "joined": 2}
     want, _ = grads_after(alone, x, 1, **kwargs)
     for g, w in zip(param_grads(models), want):
