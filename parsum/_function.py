@@ -1983,7 +1983,7 @@ class _Backward:
                         else:
                             self.param_grads[slot] = acc.result()
         except BaseException as exc:
-            _pool.abandon_unjoined()  # NOTE [ Interrupted callers ] in _pool
+            _pool.abandon_unjoined(leaving=True)  # NOTE [ Interrupted callers ] in _pool
             self.undo()
             if self.stepped:
                 raise ParsumError(

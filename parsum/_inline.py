@@ -616,7 +616,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 abandoned,
             )  # fmt: skip
         except BaseException:
-            _pool.abandon_unjoined()
+            _pool.abandon_unjoined(leaving=True)
             raise
         if job is None:
             release_slots(held, fill=False)  # nothing ran

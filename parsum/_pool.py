@@ -30,6 +30,9 @@
 # between, in parsum's code or in torch's between the two nodes, leaves it listed, and the
 # caller's ``except`` or, failing that, the thread's next ``sum_models`` call or sum's backward
 # (a retained graph's) cancels it, waits for it and undoes its writes (``abandon_unjoined``).
+# Those waits last as long as the helpers' running chunks (seconds for large models), long
+# enough for a second Ctrl-C, which would leave them writing as the first would have: they wait
+# through interrupts and raise the first once the chunks have ended (``_Job.wait_out``).
 #
 # NOTE [ The caller's last chunk ]
 # At a job's end one thread runs the last chunk while the others have nothing left. Where that
@@ -417,23 +420,32 @@ class _Job:
         first = min(self.failures)
         return all((at if self.order is None else self.order[at]) > first for at in rest)
 
-    def cancel(self, wait: bool = False) -> None:
-        """Start no chunk any more; ``done`` is set once the running ones have finished
-        (waited for here where ``wait``)."""
+    def cancel(self) -> None:
+        """Start no chunk any more; ``done`` is set once the running ones have finished."""
         with self._lock:
             self._cancelled = True
             if self._running == 0:
                 self.done.set()
-        if wait:
-            self.done.wait()
 
-    def abandon(self) -> Callable[[], None] | None:
-        """Cancel, wait for the running chunks and close (NOTE [ Interrupted callers ]); give
-        what undoes their writes (``on_abandon``)."""
-        self.cancel(wait=True)
+    def wait_out(self) -> BaseException | None:
+        """Wait for ``done`` through interrupts, which would leave chunks writing after the
+        caller left (NOTE [ Interrupted callers ]); give the first, to raise once done."""
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                self.done.wait()
+                return interrupt
+            except BaseException as exc:
+                interrupt = interrupt or exc
+
+    def abandon(self) -> tuple[Callable[[], None] | None, BaseException | None]:
+        """Cancel, wait out the running chunks and close (NOTE [ Interrupted callers ]); give
+        what undoes their writes (``on_abandon``) and an interrupt met while waiting."""
+        self.cancel()
+        interrupt = self.wait_out()
         undo = self.on_abandon
         self.close()
-        return undo
+        return undo, interrupt
 
     def _fail(self, k: int, exc: BaseException) -> None:
         with self._lock:
@@ -866,7 +878,8 @@ def join(job: _Job) -> None:
             _work_and_wait(job)
     except BaseException:
         # Interrupted before ``_work_and_wait`` waited (NOTE [ Interrupted callers ]): the
-        # caller undoes what the chunks wrote once they have finished.
+        # caller undoes what the chunks wrote once they have finished (a second interrupt
+        # while it waits goes with the first).
         job.abandon()
         raise
     finally:
@@ -874,14 +887,25 @@ def join(job: _Job) -> None:
             _local.unjoined.remove(job)
 
 
-def abandon_unjoined() -> None:
+def abandon_unjoined(leaving: bool = False) -> None:
     """Cancel the jobs of ``start_ordered`` that this thread did not join (an interrupt left
     them), wait for their running chunks and undo what they wrote (NOTE [ Interrupted
-    callers ]). Not inside a task: the job this thread is joining may be running it."""
+    callers ]); then raise an interrupt met while waiting, unless ``leaving`` (called as an
+    error leaves, which goes with it). Not inside a task: the job this thread is joining may be
+    running it."""
+    interrupt: BaseException | None = None
     while _local.unjoined and not _local.in_task:
-        undo = _local.unjoined.pop().abandon()
+        job = _local.unjoined[-1]  # listed until abandoned: an interrupt may come in between
+        undo, met = job.abandon()
+        _local.unjoined.remove(job)
         if undo is not None:
             undo()
+        interrupt = interrupt or met
+    if interrupt is not None and not leaving:  # raised once every job's writes are undone
+        try:
+            raise interrupt
+        finally:
+            interrupt = None
 
 
 def _new_job(
@@ -925,8 +949,10 @@ def _work_and_wait(job: _Job) -> None:
         except BaseException:
             # Interrupted in the caller (KeyboardInterrupt, an exception from a signal handler):
             # the chunks that helpers are running finish before the error leaves, so that none
-            # writes gradients, statistics or optimizer steps after the caller rolled back.
-            job.cancel(wait=True)
+            # writes gradients, statistics or optimizer steps after the caller rolled back;
+            # a second interrupt while it waits goes with the first.
+            job.cancel()
+            job.wait_out()
             raise
     finally:
         failure = job.close()

@@ -1,5 +1,6 @@
 import faulthandler
 import os
+import signal
 import sys
 
 import pytest
@@ -70,3 +71,20 @@ def swapping():
     torch.__future__.set_swap_module_params_on_conversion(True)
     yield
     torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.fixture
+def ctrl_c_lands():
+    """For the test's length: Python's own SIGINT handler (a process started with SIGINT
+    ignored, as a shell's background job or ``nohup`` starts it, never saw
+    ``_thread.interrupt_main``: no interrupt at all), and a short switch interval, so that a
+    timer thread takes the GIL within 0.1 ms of its time rather than 5 (on one core, the calls
+    it was to interrupt had mostly ended: 6 interrupts in 200 calls)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+        signal.signal(signal.SIGINT, previous)

@@ -1785,23 +1785,6 @@ def test_state_the_models_share_that_holds_them_lets_them_go(cores):
     assert gone() is None
 
 
-@pytest.fixture
-def ctrl_c_lands():
-    """For the test's length: Python's own SIGINT handler (a process started with SIGINT
-    ignored, as a shell's background job or ``nohup`` starts it, never saw
-    ``_thread.interrupt_main``: no interrupt at all), and a short switch interval, so that a
-    timer thread takes the GIL within 0.1 ms of its time rather than 5 (on one core, the calls
-    it was to interrupt had mostly ended: 6 interrupts in 200 calls)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-        signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_an_interrupt_as_a_job_goes_to_the_helpers_leaves_nothing_running(
     cores, monkeypatch, phase
@@ -1855,6 +1838,93 @@ def test_an_interrupt_as_a_job_goes_to_the_helpers_leaves_nothing_running(
     plain_sum(models, x).sum().backward()
     for g, w in zip(got, [*param_grads(models), x.grad]):
         torch.testing.assert_close(g, w)
+
+
+@pytest.fixture
+def interrupts_while_a_helper_runs(ctrl_c_lands):
+    """A job's task for the pool, whose chunks sleep 0.5 s in helpers and wait in the caller
+    until a helper runs one, and ``arm()``, which sends the caller 3 interrupts 50 ms apart once
+    a helper runs a chunk. Interrupts raise only while armed: one landing after the pool
+    returned (on the code before the fix, which returned early) is counted instead of ending the
+    test run. Real signals: ``_thread.interrupt_main`` only flags one, which a thread blocked
+    on a lock sees once it wakes."""
+    caller = threading.current_thread()
+    state = {"armed": False, "stray": 0, "ended": []}
+    running = threading.Event()
+
+    def on_sigint(*_):
+        if not state["armed"]:
+            state["stray"] += 1
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+    def task(k):
+        if threading.current_thread() is caller:
+            running.wait(timeout=5)
+        else:
+            running.set()
+            time.sleep(0.5)
+            state["ended"].append(time.monotonic())
+        return k
+
+    def interrupt():
+        if running.wait(timeout=5):
+            for _ in range(3):
+                time.sleep(0.05)
+                signal.pthread_kill(caller.ident, signal.SIGINT)
+
+    def arm():
+        state["armed"] = True
+        sender = threading.Thread(target=interrupt)
+        sender.start()
+        return sender
+
+    state["task"], state["arm"] = task, arm
+    return state
+
+
+def test_more_interrupts_while_the_caller_waits_for_the_helpers_leave_nothing_running(
+    cores, interrupts_while_a_helper_runs
+):
+    # NOTE [ Interrupted callers ]: after a Ctrl-C the caller waits for the chunks the helpers
+    # are running, as long as they take (seconds for large models); another Ctrl-C in that wait
+    # left them running, and writing after the call raised, as the first would have.
+    cores(2)
+    state = interrupts_while_a_helper_runs
+    sender = state["arm"]()
+    with pytest.raises(KeyboardInterrupt):
+        _pool.run_ordered(state["task"], 4, 2, lambda k, r: None)
+    raised = time.monotonic()
+    state["armed"] = False
+    sender.join()
+    time.sleep(0.6)
+    assert state["ended"] and max(state["ended"]) <= raised and state["stray"] == 0, state
+
+
+def test_more_interrupts_while_an_unjoined_job_is_abandoned_undo_it_all(
+    cores, interrupts_while_a_helper_runs
+):
+    # The job an interrupt left unjoined is abandoned by the thread's next call: its wait for
+    # the helpers' chunks, interrupted, had dropped the job before its writes were undone.
+    cores(2)
+    state = interrupts_while_a_helper_runs
+    undone = []
+    job = _pool.start_ordered(
+        state["task"], 4, 2, lambda k, r: None, on_abandon=lambda: undone.append(time.monotonic())
+    )
+    assert job is not None and _pool._local.unjoined == [job]
+    sender = state["arm"]()
+    with pytest.raises(KeyboardInterrupt):
+        _pool.abandon_unjoined()
+    raised = time.monotonic()
+    state["armed"] = False
+    sender.join()
+    time.sleep(0.6)
+    assert not _pool._local.unjoined and undone, (state, undone)
+    assert state["ended"] and max(state["ended"]) <= undone[0] <= raised, (state, undone)
+    assert state["stray"] == 0
 
 
 def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_lands):
