@@ -76,8 +76,8 @@ def swapping():
 @pytest.fixture
 def ctrl_c_lands():
     """For the test's length: Python's own SIGINT handler (a process started with SIGINT
-    ignored, as a shell's background job or ``nohup`` starts it, never saw
-    ``_thread.interrupt_main``: no interrupt at all), and a short switch interval, so that a
+    ignored, as a shell's background job or ``nohup`` starts it, never saw a SIGINT: no
+    interrupt at all), and a short switch interval, so that a
     timer thread takes the GIL within 0.1 ms of its time rather than 5 (on one core, the calls
     it was to interrupt had mostly ended: 6 interrupts in 200 calls)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
