@@ -32,7 +32,9 @@
 # (a retained graph's) cancels it, waits for it and undoes its writes (``abandon_unjoined``).
 # Those waits last as long as the helpers' running chunks (seconds for large models), long
 # enough for a second Ctrl-C, which would leave them writing as the first would have: they wait
-# through interrupts and raise the first once the chunks have ended (``_Job.wait_out``).
+# through one interrupt and raise it once the chunks have ended (``_Job.wait_out``). One more
+# leaves them running, with a warning: a chunk that never ends (a model waiting on something
+# that never comes) must not hold the caller beyond the user's insistence.
 #
 # NOTE [ The caller's last chunk ]
 # At a job's end one thread runs the last chunk while the others have nothing left. Where that
@@ -206,6 +208,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -348,6 +351,12 @@ def _function_modes() -> bool:
     return count is None or count() > 0
 
 
+_LEFT_RUNNING = (
+    "parsum: interrupted again while waiting for the chunks its helper threads are running; "
+    "left them running: they may still write gradients, statistics or optimizer steps"
+)
+
+
 class _Job:
     """One call's chunks: claimed by any thread in ``order`` (default: chunk order), results
     consumed in chunk order."""
@@ -428,15 +437,19 @@ class _Job:
                 self.done.set()
 
     def wait_out(self) -> BaseException | None:
-        """Wait for ``done`` through interrupts, which would leave chunks writing after the
-        caller left (NOTE [ Interrupted callers ]); give the first, to raise once done."""
+        """Wait for ``done`` through an interrupt, which would leave chunks writing after the
+        caller left (NOTE [ Interrupted callers ]), and give it, to raise once done; a second
+        one leaves them running (a chunk that never ends), with a warning."""
         interrupt: BaseException | None = None
         while True:
             try:
                 self.done.wait()
                 return interrupt
             except BaseException as exc:
-                interrupt = interrupt or exc
+                if interrupt is not None:
+                    warnings.warn(_LEFT_RUNNING, RuntimeWarning, stacklevel=2)
+                    raise
+                interrupt = exc
 
     def abandon(self) -> tuple[Callable[[], None] | None, BaseException | None]:
         """Cancel, wait out the running chunks and close (NOTE [ Interrupted callers ]); give
