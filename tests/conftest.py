@@ -79,7 +79,10 @@ def ctrl_c_lands():
     ignored, as a shell's background job or ``nohup`` starts it, never saw a SIGINT: no
     interrupt at all), and a short switch interval, so that a
     timer thread takes the GIL within 0.1 ms of its time rather than 5 (on one core, the calls
-    it was to interrupt had mostly ended: 6 interrupts in 200 calls)."""
+    it was to interrupt had mostly ended: 6 interrupts in 200 calls). The tests send real
+    signals to their thread (``signal.pthread_kill``): POSIX only."""
+    if not hasattr(signal, "pthread_kill"):
+        pytest.skip("needs signal.pthread_kill (POSIX)")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)

@@ -1887,6 +1887,7 @@ def interrupts_while_a_helper_runs(ctrl_c_lands):
         time.sleep(0.6)  # every chunk has ended
 
     state["task"], state["arm"], state["disarm"] = task, arm, disarm
+    state["running"] = running
     return state
 
 
@@ -1929,6 +1930,7 @@ def test_an_interrupt_while_an_unjoined_job_is_abandoned_waits_and_undoes_it_all
         state["task"], 4, 2, lambda k, r: None, on_abandon=lambda: undone.append(time.monotonic())
     )
     assert job is not None and _pool._local.unjoined == [job]
+    assert state["running"].wait(timeout=5)  # a helper runs a chunk (else none would start)
     sender = state["arm"](interrupts)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
