@@ -890,10 +890,12 @@ def join(job: _Job) -> None:
         with as_one_task(job.n_tasks):
             _work_and_wait(job)
     except BaseException:
-        # Interrupted before ``_work_and_wait`` waited (NOTE [ Interrupted callers ]): the
-        # caller undoes what the chunks wrote once they have finished (a second interrupt
-        # while it waits goes with the first).
-        job.abandon()
+        # Interrupted before ``_work_and_wait`` waited, which closes the job (NOTE
+        # [ Interrupted callers ]): the caller undoes what the chunks wrote once they have
+        # finished (a second interrupt while it waits goes with the first). Not again where it
+        # waited: a third interrupt there left the chunks running.
+        if job.task is not None:
+            job.abandon()
         raise
     finally:
         if job in _local.unjoined:
