@@ -844,3 +844,29 @@ def test_models_without_a_flatgrad_load_and_cast_with_the_swap_on(swapping):
     for got, want in zip(param_grads(models), param_grads(ref)):
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_models_moved_to_shared_memory_keep_their_flatgrad(n_jobs):
+    # Module.share_memory() moves every parameter and its .grad to shared memory (as Hogwild
+    # training does); a .grad that is a FlatGrad's view moves the whole buffer, in place.
+    models = zoo()
+    twins = clone_models(models)
+    flat = parsum.FlatGrad(models)
+    for m in models:
+        m.share_memory()
+    assert flat.flat.is_shared()
+    x = torch.randn(5, IN)
+    opt = torch.optim.SGD(trainable(models), lr=0.01)
+    opt_twins = torch.optim.SGD(trainable(twins), lr=0.01)
+    for step in range(3):
+        flat.zero_()
+        opt_twins.zero_grad()
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+        plain_sum(twins, x).pow(2).sum().backward()
+        for got, want in zip(param_grads(models), param_grads(twins), strict=True):
+            torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
+        assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
+        opt.step()
+        opt_twins.step()
+    assert all(p.is_shared() for p in trainable(models))
