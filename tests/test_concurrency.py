@@ -156,6 +156,40 @@ def test_concurrent_callers(teams):
             assert torch.equal(y, expected[t][0]) and torch.equal(g, expected[t][1])
 
 
+def test_concurrent_callers_each_keep_their_own_thread_count(cores):
+    # torch.set_num_threads is per thread: callers with budgets of 2, 1, 2 and 1 each find
+    # theirs after every call (NOTE [ Thread control ] in parsum._pool), and the plain loop's
+    # results.
+    cores(2)
+    n_threads, rounds = 4, 25
+    sets = [zoo(seed=s) for s in range(n_threads)]
+    twins = clone_models(sets)
+    x = torch.randn(6, IN)
+
+    def caller(t):
+        torch.set_num_threads(2 - t % 2)
+        counts = []
+        for _ in range(rounds):
+            y = parsum.sum_models(sets[t], x)
+            counts.append(torch.get_num_threads())
+            y.sum().backward()
+            counts.append(torch.get_num_threads())
+        return counts, y.detach()
+
+    results = _together(caller, n_threads)
+    for t in range(n_threads):
+        counts, y = results[t]
+        assert counts == [2 - t % 2] * (2 * rounds)
+        torch.testing.assert_close(y, plain_sum(twins[t], x))
+        for m in twins[t]:
+            for p in m.parameters():
+                p.grad = None
+        for _ in range(rounds):
+            plain_sum(twins[t], x).sum().backward()
+        for got, want in zip(param_grads(sets[t]), param_grads(twins[t]), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_concurrent_training_with_step_in_backward():
     # Two threads train their own models, each with its StepInBackward, small models stepping
     # as one in chunks of 3 on the pool: the same parameters, bit for bit, as training them
