@@ -731,6 +731,36 @@ def test_models_drawn_with_a_shared_buffer_run_their_forwards_in_order():
         torch.testing.assert_close(a[1].running_var, b[1].running_var)
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_a_module_without_parameters_shared_by_every_model_trains_as_in_the_plain_loop(n_jobs):
+    """One BatchNorm1d(affine=False), its statistics the only state, inside 8 models: their
+    forwards write it in model order, as the plain loop's, over 20 steps of SGD."""
+    torch.manual_seed(8)
+    norm = nn.BatchNorm1d(5, affine=False)
+    models = [nn.Sequential(nn.Linear(IN, 5), norm, nn.Tanh(), nn.Linear(5, OUT)) for _ in range(8)]
+    ref = clone_models(models)  # one deep copy: its models share one copy of the norm
+    assert ref[0][1] is ref[7][1]
+    optimizers = [torch.optim.SGD(unique(ms), lr=0.01) for ms in (models, ref)]
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        x = torch.randn(6, IN, generator=generator)
+        for opt in optimizers:
+            opt.zero_grad()
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+        plain_sum(ref, x).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+    assert int(norm.num_batches_tracked) == int(ref[0][1].num_batches_tracked) == 160
+    torch.testing.assert_close(norm.running_mean, ref[0][1].running_mean)
+    torch.testing.assert_close(norm.running_var, ref[0][1].running_var)
+    for got, want in zip(unique(models), unique(ref), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def unique(models: list[nn.Module]) -> list[torch.Tensor]:
+    return list(dict.fromkeys(p for m in models for p in m.parameters()))
+
+
 # NOTE [ Shared state of models planned one by one ] in _plans: a set joined from its models'
 # own walks finds what they share from what each walk keeps.
 
