@@ -78,7 +78,34 @@ CHANGES = {
     "state loaded with assign": lambda ms: ms[2].load_state_dict(
         {k: v + 1 for k, v in ms[2].state_dict().items()}, assign=True
     ),
+    "layer appended": lambda ms: ms[1].append(nn.Tanh()),
+    "submodules swapped": lambda ms: swap(ms[2], 1, 2),  # LayerNorm(10) and SiLU
+    "forward pre-hook": lambda ms: ms[6].register_forward_pre_hook(lambda m, a: (2 * a[0],)),
+    "parameter data made non-contiguous": lambda ms: setattr(
+        ms[0][0].weight, "data", randn(IN, 8).t()
+    ),
 }
+
+
+def swap(sequential: nn.Sequential, i: int, j: int) -> None:
+    first, second = sequential[i], sequential[j]
+    sequential[i], sequential[j] = second, first
+
+
+# Changes after which a plan may hold or not: the calls after them must still be right.
+CHANGES_UNDONE_OR_IN_PLACE = {
+    "forward hook added then removed": lambda ms: (
+        ms[6].register_forward_hook(lambda m, i, out: 2 * out).remove()
+    ),
+    "bias frozen then unfrozen": lambda ms: ms[1][0].bias.requires_grad_(False).requires_grad_(),
+    "weights changed in place under no_grad": lambda ms: scale_in_place(ms[3], 1.5),
+}
+
+
+@torch.no_grad()
+def scale_in_place(module: nn.Module, factor: float) -> None:
+    for p in module.parameters():
+        p.mul_(factor)
 
 
 @pytest.mark.parametrize("through", ["modules", "bound methods"])
@@ -101,6 +128,23 @@ def test_a_change_between_calls_is_noticed(change, n_jobs, through):
     y.pow(2).mean().backward()
     # Through m.forward a module's own hooks do not run, in the plain loop either.
     y_ref = plain_sum(ref, x) if through == "modules" else sum(m.forward(x) for m in ref)
+    y_ref.pow(2).mean().backward()
+    torch.testing.assert_close(y, y_ref)
+    assert_changed_grads_match(models, ref, change)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("change", list(CHANGES_UNDONE_OR_IN_PLACE))
+def test_a_change_undone_or_made_in_place_between_calls(change, n_jobs):
+    models = models_under_test()
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+    ref = changed_alike(models, CHANGES_UNDONE_OR_IN_PLACE[change])
+    for m in [*models, *ref]:
+        m.zero_grad(set_to_none=True)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    y.pow(2).mean().backward()
+    y_ref = plain_sum(ref, x)
     y_ref.pow(2).mean().backward()
     torch.testing.assert_close(y, y_ref)
     assert_changed_grads_match(models, ref, change)
