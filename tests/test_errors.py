@@ -3,6 +3,8 @@ a failed call changes nothing and the pool stays usable."""
 
 import functools
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -516,3 +518,70 @@ def test_config_rejects_bad_values_and_changes_nothing():
     ):
         pass
     assert parsum._config.current_settings() == parsum._config._Settings()
+
+
+class _ExitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, owner):
+        ctx.owner = owner
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.owner.threads.append(threading.current_thread().name)
+        time.sleep(0.01)  # long enough for a helper to take the other chunks
+        if ctx.owner.exit:
+            raise SystemExit(3)
+        return g, None
+
+
+class ExitsWhenTold(nn.Module):
+    """Raises SystemExit in forward or backward once ``exit`` names it, noting the threads it
+    ran in there."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.exit: str | None = None
+        self.threads: list[str] = []
+
+    def forward(self, x):
+        if self.exit == "forward":
+            self.threads.append(threading.current_thread().name)
+            time.sleep(0.01)
+            raise SystemExit(3)
+        return _ExitInBackward.apply(self.lin(x), self)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_system_exit_in_a_model_reaches_the_caller_as_itself(where, cores):
+    # SystemExit is no Exception: it must not be named and wrapped as a model's failure, nor
+    # end the helper thread a pullback ran it in; the call changes no .grad.
+    cores(2)
+    models = [*(mlp([4 + i]) for i in range(3)), ExitsWhenTold()]
+    # A tensor hook takes the call through ParallelSum, whose pullbacks run chunk by chunk on
+    # the pool (small models in the caller's graph are pulled back in the calling thread).
+    models[0][0].weight.register_hook(lambda g: g)
+    x = torch.randn(3, IN)
+    caller = threading.current_thread().name
+    in_a_helper = False
+    for _ in range(50):  # until the last model's pullback runs in a helper
+        models[-1].exit = None
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        models[-1].threads.clear()
+        models[-1].exit = where
+        with pytest.raises(SystemExit) as exited:
+            parsum.sum_models(models, x, n_jobs=2, chunk_size=1).sum().backward()
+        assert exited.value.code == 3
+        assert all(g is None for g in param_grads(models))
+        if set(models[-1].threads) - {caller}:
+            in_a_helper = True
+            break
+    assert in_a_helper
+    models[-1].exit = None
+    for _ in range(3):  # the pool still serves calls
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        torch.testing.assert_close(y, plain_sum(models, x))
+        y.sum().backward()
