@@ -987,3 +987,54 @@ def test_models_of_the_kinds_users_train_match_the_plain_loop(kind, n_jobs):
             (b for m in ours for b in m.buffers()), (b for m in theirs for b in m.buffers())
         ):
             torch.testing.assert_close(got, want)
+
+
+class KeepsItsActivation(nn.Module):
+    """Calls ``retain_grad`` on a hidden activation, to read its gradient after backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, 5), nn.Linear(5, OUT)
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.retain_grad()
+        self.hidden = h
+        return self.b(h)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_an_activation_that_retains_its_grad(n_jobs):
+    models = [KeepsItsActivation() for _ in range(4)]
+    ref = clone_models(models)
+    x = torch.randn(3, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs, weights=[0.5] * 4).pow(2).sum().backward()
+    plain_sum(ref, x, weights=[0.5] * 4).pow(2).sum().backward()
+    for m, r in zip(models, ref, strict=True):
+        assert m.hidden is not None and r.hidden is not None
+        torch.testing.assert_close(m.hidden.grad, r.hidden.grad)
+    for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_averaged_models_as_members(n_jobs):
+    # torch.optim.swa_utils: each member's running average, updated between calls, summed as
+    # the plain loop sums them.
+    from torch.optim.swa_utils import AveragedModel
+
+    members = zoo()
+    averaged = [AveragedModel(m) for m in members]
+    x = torch.randn(4, IN)
+    for _ in range(3):
+        with torch.no_grad():
+            for m in members:
+                for p in m.parameters():
+                    p.add_(0.1 * torch.randn_like(p))
+        for a, m in zip(averaged, members, strict=True):
+            a.update_parameters(m)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                parsum.sum_models(averaged, x, n_jobs=n_jobs), plain_sum(averaged, x)
+            )
