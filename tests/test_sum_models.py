@@ -20,6 +20,7 @@ from tests.zoo import (
     mlp,
     param_grads,
     plain_sum,
+    unique_params,
     zoo,
 )
 
@@ -1038,3 +1039,34 @@ def test_averaged_models_as_members(n_jobs):
             torch.testing.assert_close(
                 parsum.sum_models(averaged, x, n_jobs=n_jobs), plain_sum(averaged, x)
             )
+
+
+class TaggedParameter(nn.Parameter):
+    """A subclass of nn.Parameter, as libraries make to tag parameters."""
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_parameters_of_a_subclass_and_a_non_contiguous_input(n_jobs):
+    models = zoo()
+    for m in models[:3]:
+        for name, p in list(m.named_parameters()):
+            owner = m.get_submodule(name.rpartition(".")[0])
+            setattr(owner, name.rpartition(".")[2], TaggedParameter(p.detach().clone()))
+    ref = clone_models(models)
+    assert isinstance(ref[0][0].weight, TaggedParameter)
+    x = torch.randn(IN, 5).t()  # a transposed view, not contiguous
+    assert not x.is_contiguous()
+    opts = [torch.optim.SGD(unique_params(ms), lr=0.01) for ms in (models, ref)]
+    for _ in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+        y_ref = plain_sum(ref, x)
+        torch.testing.assert_close(y, y_ref)
+        y.pow(2).sum().backward()
+        y_ref.pow(2).sum().backward()
+        for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+            # gradients of tens: float32's rounding of two sums a few ulps from float64's
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
+        for opt in opts:
+            opt.step()
