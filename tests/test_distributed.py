@@ -22,7 +22,7 @@ from parsum import _function, _host_exchange
 from parsum._function import JOIN_LATER_PARAMS
 from parsum.distributed import balanced_shares
 from tests.test_errors import Boom, BoomBackward
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, unique_params, zoo
 
 WORLD = 2
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -642,6 +642,36 @@ def _per_model_parts(models: list[nn.Module], share: list[int]) -> dict[str, lis
     return parts
 
 
+def _data_parallel(rank: int) -> None:
+    """``DistributedDataParallel`` around a ``SumOfModels`` (data parallelism, every rank all
+    the models, its half of the batch): three SGD steps give, on every rank, the parameters
+    of the plain loop over the whole batch in one process."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for identical in (False, True):
+        members = [mlp([8]) for _ in range(6)] if identical else zoo(torch.float64)
+        members = [m.double() for m in members]
+        ref = clone_models(members)
+        ensemble = DistributedDataParallel(
+            parsum.SumOfModels(members, weights=[0.5] * 6 if identical else None)
+        )
+        opt = torch.optim.SGD(ensemble.parameters(), lr=0.05)
+        opt_ref = torch.optim.SGD(unique_params(ref), lr=0.05)
+        generator = torch.Generator().manual_seed(9)
+        for _ in range(3):
+            x = torch.randn(8, IN, dtype=torch.float64, generator=generator)
+            opt.zero_grad()
+            ensemble(x.chunk(WORLD)[rank]).pow(2).mean().backward()  # DDP averages the ranks'
+            opt.step()
+            opt_ref.zero_grad()
+            weights = [0.5] * 6 if identical else None
+            plain_sum(ref, x, weights=weights).pow(2).mean().backward()
+            opt_ref.step()
+        for got, want in zip(unique_params(members), unique_params(ref), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+            _same_on_every_rank(got.detach())
+
+
 SCENARIOS = {
     "second_backward": _second_backward,
     "random_cases": _random_cases,
@@ -664,6 +694,7 @@ SCENARIOS = {
     "two_hosts": _two_hosts,
     "uneven_hosts": _uneven_hosts,
     "host_leader_ends": _host_leader_ends,
+    "data_parallel": _data_parallel,
 }
 
 
@@ -684,6 +715,7 @@ SCENARIOS = {
         "one_rank_cannot_map",
         "no_room",
         "group_made_anew",
+        "data_parallel",
     ],
 )
 def test_two_processes(scenario):
