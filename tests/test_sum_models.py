@@ -1070,3 +1070,41 @@ def test_parameters_of_a_subclass_and_a_non_contiguous_input(n_jobs):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
         for opt in opts:
             opt.step()
+
+
+class Votes(nn.Module):
+    """An output of ``dtype``: rounded, scaled logits (large enough to wrap int8 and uint8
+    around in a sum), or a boolean vote."""
+
+    def __init__(self, dtype: torch.dtype, scale: float):
+        super().__init__()
+        self.lin, self.dtype, self.scale = nn.Linear(IN, OUT), dtype, scale
+
+    def forward(self, x):
+        if self.dtype == torch.bool:
+            return self.lin(x) > 0
+        return (self.lin(x) * self.scale).round().clamp(-128, 255).to(self.dtype)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64])
+def test_integer_and_boolean_outputs_sum_as_pythons_sum(dtype, n_jobs):
+    # docs/sum-models.md: integers in their dtype, wrapping around as the plain sum does;
+    # booleans counted in int64 (sum starts from 0); a float weight makes them float, an int
+    # weight keeps them integer.
+    models = [Votes(dtype, 60.0 + 10 * i) for i in range(7)]
+    x = torch.randn(5, IN)
+    with torch.no_grad():
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+        expected = sum(m(x) for m in models)
+        assert y.dtype == expected.dtype == (torch.int64 if dtype == torch.bool else dtype)
+        assert torch.equal(y, expected)
+        floats = [0.5 + 0.25 * i for i in range(7)]
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, weights=floats)
+        expected = sum(w * m(x) for w, m in zip(floats, models))
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, expected)
+        ints = list(range(1, 8))
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, weights=ints)
+        expected = sum(w * m(x) for w, m in zip(ints, models))
+        assert y.dtype == expected.dtype and torch.equal(y, expected)
