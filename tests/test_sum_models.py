@@ -1108,3 +1108,33 @@ def test_integer_and_boolean_outputs_sum_as_pythons_sum(dtype, n_jobs):
         y = parsum.sum_models(models, x, n_jobs=n_jobs, weights=ints)
         expected = sum(w * m(x) for w, m in zip(ints, models))
         assert y.dtype == expected.dtype and torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_backward_hooks_that_change_gradients(n_jobs):
+    # A module's full backward hook that scales its input's gradient, and a pre-hook that
+    # clips its output's: every layer before it, and the argument, get the changed gradients.
+    calls = []
+
+    def halve_input_grad(module, grad_input, grad_output):
+        calls.append(module)
+        return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+    def clip_output_grad(module, grad_output):
+        calls.append(module)
+        return tuple(g.clamp(-0.1, 0.1) for g in grad_output)
+
+    models = zoo()
+    for m in models[:3]:
+        m[-1].register_full_backward_hook(halve_input_grad)
+    models[6][2].register_full_backward_pre_hook(clip_output_grad)
+    ref = clone_models(models)  # a deep copy keeps the hooks
+    x = torch.randn(4, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+    hooked = {id(m[-1]) for m in models[:3]} | {id(models[6][2])}
+    assert len(calls) == 4 and {id(m) for m in calls} == hooked  # each hook once
+    plain_sum(ref, x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+        torch.testing.assert_close(got, want)
