@@ -1138,3 +1138,27 @@ def test_backward_hooks_that_change_gradients(n_jobs):
     torch.testing.assert_close(x.grad, x_ref.grad)
     for got, want in zip(param_grads(models), param_grads(ref), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize("path", ["caller's graph", "ParallelSum"])
+def test_the_sum_changed_in_place_before_its_backward(path, n_jobs):
+    models = zoo()
+    if path == "ParallelSum":  # a tensor hook takes the call there
+        models[0][0].weight.register_hook(lambda g: g)
+    ref = clone_models(models)
+    x = torch.randn(4, IN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w = torch.linspace(0.2, 1.0, 7, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, weights=w)
+    y_ref = plain_sum(ref, x_ref, weights=w_ref)
+    for t in (y, y_ref):
+        t.mul_(2).add_(1)
+    torch.testing.assert_close(y, y_ref)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+        torch.testing.assert_close(got, want)
