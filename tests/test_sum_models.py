@@ -1162,3 +1162,40 @@ def test_the_sum_changed_in_place_before_its_backward(path, n_jobs):
     torch.testing.assert_close(w.grad, w_ref.grad)
     for got, want in zip(param_grads(models), param_grads(ref), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_train_and_eval_toggled_every_step(n_jobs):
+    # Dropout draws the plain loop's masks in training mode and none in eval; BatchNorm's
+    # statistics are updated, then read: the plain loop's outputs, gradients and statistics.
+    def member(i):
+        width = 8 + i
+        return nn.Sequential(
+            nn.Linear(IN, width), nn.Dropout(0.3), nn.Tanh(), nn.BatchNorm1d(width),
+            nn.Linear(width, OUT),
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    models = [member(i) for i in range(5)]
+    ref = clone_models(models)
+    opts = [torch.optim.SGD(unique_params(ms), lr=0.01) for ms in (models, ref)]
+    for step in range(8):
+        for m in [*models, *ref]:
+            m.train(step % 2 == 0)
+        x = torch.randn(6, IN)
+        for opt in opts:
+            opt.zero_grad()
+        torch.manual_seed(100 + step)
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+        torch.manual_seed(100 + step)
+        y_ref = plain_sum(ref, x)
+        torch.testing.assert_close(y, y_ref)
+        y.pow(2).sum().backward()
+        y_ref.pow(2).sum().backward()
+        for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
+        for opt in opts:
+            opt.step()
+    for m, r in zip(models, ref, strict=True):
+        torch.testing.assert_close(m[3].running_mean, r[3].running_mean)
+        torch.testing.assert_close(m[3].running_var, r[3].running_var)
