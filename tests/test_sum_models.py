@@ -1058,18 +1058,28 @@ def test_parameters_of_a_subclass_and_a_non_contiguous_input(n_jobs):
     assert not x.is_contiguous()
     opts = [torch.optim.SGD(unique_params(ms), lr=0.01) for ms in (models, ref)]
     for _ in range(3):
-        for opt in opts:
-            opt.zero_grad()
-        y = parsum.sum_models(models, x, n_jobs=n_jobs)
-        y_ref = plain_sum(ref, x)
-        torch.testing.assert_close(y, y_ref)
-        y.pow(2).sum().backward()
-        y_ref.pow(2).sum().backward()
-        for got, want in zip(param_grads(models), param_grads(ref), strict=True):
-            # gradients of tens: float32's rounding of two sums a few ulps from float64's
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
-        for opt in opts:
-            opt.step()
+        step_alike(models, ref, x, n_jobs, opts)
+
+
+def step_alike(models, ref, x, n_jobs, opts, seed=None):
+    """One step of ``opts`` (the models', then the plain twins') after ``sum_models`` and the
+    plain loop, each from ``seed`` where given: outputs and gradients compared."""
+    for opt in opts:
+        opt.zero_grad()
+    if seed is not None:
+        torch.manual_seed(seed)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    if seed is not None:
+        torch.manual_seed(seed)
+    y_ref = plain_sum(ref, x)
+    torch.testing.assert_close(y, y_ref)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    for got, want in zip(param_grads(models), param_grads(ref), strict=True):
+        # gradients of tens: float32's rounding of two sums a few ulps from float64's
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
+    for opt in opts:
+        opt.step()
 
 
 class Votes(nn.Module):
@@ -1182,20 +1192,7 @@ def test_train_and_eval_toggled_every_step(n_jobs):
     for step in range(8):
         for m in [*models, *ref]:
             m.train(step % 2 == 0)
-        x = torch.randn(6, IN)
-        for opt in opts:
-            opt.zero_grad()
-        torch.manual_seed(100 + step)
-        y = parsum.sum_models(models, x, n_jobs=n_jobs)
-        torch.manual_seed(100 + step)
-        y_ref = plain_sum(ref, x)
-        torch.testing.assert_close(y, y_ref)
-        y.pow(2).sum().backward()
-        y_ref.pow(2).sum().backward()
-        for got, want in zip(param_grads(models), param_grads(ref), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * (1 + want.abs().max()))
-        for opt in opts:
-            opt.step()
+        step_alike(models, ref, torch.randn(6, IN), n_jobs, opts, seed=100 + step)
     for m, r in zip(models, ref, strict=True):
         torch.testing.assert_close(m[3].running_mean, r[3].running_mean)
         torch.testing.assert_close(m[3].running_var, r[3].running_var)
