@@ -8,8 +8,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 import weakref
 from typing import Any
 
@@ -20,7 +18,17 @@ from torch import nn
 import parsum
 from parsum import _api, _inline
 from tests.test_errors import BoomBackward, _FailingBackward
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, tiny_mlps, zoo
+from tests.zoo import (
+    IN,
+    OUT,
+    SlowBackward,
+    clone_models,
+    mlp,
+    param_grads,
+    plain_sum,
+    tiny_mlps,
+    zoo,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -590,21 +598,6 @@ def test_failed_backward_frees_the_graphs_without_the_collector(failing, n_jobs,
         _ARMED[0] = False
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward notes its thread and sleeps (releasing the GIL)."""
-
-    @staticmethod
-    def forward(ctx, x, record):
-        ctx.record = record
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.record(threading.current_thread().name)
-        time.sleep(0.05)
-        return g, None
-
-
 class _Slow(nn.Module):
     def __init__(self, seen):
         super().__init__()
@@ -614,7 +607,7 @@ class _Slow(nn.Module):
         self.record = seen.append
 
     def forward(self, x):
-        return _SlowBackward.apply(self.lin(x), self.record)
+        return SlowBackward.apply(self.lin(x), self.record)
 
 
 def test_several_threads_pull_back_on_several_threads(cores):

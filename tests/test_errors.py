@@ -4,7 +4,6 @@ a failed call changes nothing and the pool stays usable."""
 import functools
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,17 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import (
+    IN,
+    OUT,
+    SlowBackward,
+    clone_models,
+    mlp,
+    param_grads,
+    plain_sum,
+    thread_recorder,
+    zoo,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -520,21 +529,6 @@ def test_config_rejects_bad_values_and_changes_nothing():
     assert parsum._config.current_settings() == parsum._config._Settings()
 
 
-class _ExitInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, owner):
-        ctx.owner = owner
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.owner.threads.append(threading.current_thread().name)
-        time.sleep(0.01)  # long enough for a helper to take the other chunks
-        if ctx.owner.exit:
-            raise SystemExit(3)
-        return g, None
-
-
 class ExitsWhenTold(nn.Module):
     """Raises SystemExit in forward or backward once ``exit`` names it, noting the threads it
     ran in there."""
@@ -544,13 +538,18 @@ class ExitsWhenTold(nn.Module):
         self.lin = nn.Linear(IN, OUT)
         self.exit: str | None = None
         self.threads: list[str] = []
+        self.record = thread_recorder(self.threads, 0.01)
+
+    def pulled_back_in(self, thread: str) -> None:
+        self.threads.append(thread)
+        if self.exit == "backward":
+            raise SystemExit(3)
 
     def forward(self, x):
         if self.exit == "forward":
-            self.threads.append(threading.current_thread().name)
-            time.sleep(0.01)
+            self.record()
             raise SystemExit(3)
-        return _ExitInBackward.apply(self.lin(x), self)
+        return SlowBackward.apply(self.lin(x), self.pulled_back_in)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])

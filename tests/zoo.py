@@ -108,6 +108,22 @@ class Probe(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward calls ``record`` with its thread's name, then sleeps (releasing
+    the GIL, so that a helper takes other chunks meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.record(threading.current_thread().name)
+        time.sleep(0.05)
+        return g, None
+
+
 def thread_recorder(seen: list[str], seconds: float):
     """A ``record`` for Probe: note the running thread in ``seen``, then sleep (releasing the
     GIL) long enough for the other threads of a job to take chunks too."""
