@@ -20,6 +20,32 @@
 # since ``zero_()``. The latter makes a failed backward cheap to undo after ``zero_()``; in
 # every other case the slots about to be accumulated into are copied first.
 #
+# NOTE [ Backward passes in several threads ]
+# Threads training the same models (Hogwild in threads) run backward passes through one
+# FlatGrad at once. Two hazards, found by 4 threads x 10-12 backward passes through 7 models:
+# - A ``FlatWrites`` decides when it starts how it writes each slot (a copy where ``.grad`` was
+#   None, else an add) and how it undoes them (saved values written back): two at once copied
+#   over each other's gradients and one's undo over the other's (the worst parameter kept
+#   2.5-48% of its gradient with a compensated FlatGrad, 90-100% without). So only the first
+#   FlatWrites of a FlatGrad to start writes its slots; one that starts while another runs
+#   (another thread's, or a nested call's in a helper) keeps its gradients and hands them in
+#   at its commit, and the last FlatWrites to end (commit or rollback) adds in every gradient
+#   handed in. A rollback of one that kept its gradients drops them: nothing of it was written.
+#   The lock is held only around those few writes, never while anything else runs: no
+#   deadlock, whatever nests.
+# - In the caller's graph, autograd's AccumulateGrad makes a fresh ``.grad`` (under a lock of
+#   its own, without the GIL) that the post-accumulate hook then moves into the slot, setting
+#   ``.grad`` from Python while another thread's AccumulateGrad reads or adds to it: gradients
+#   lost (8-17 of 100 runs) and a segmentation fault (2 of 3 processes of 100 runs). Python
+#   cannot take that lock. So from the first call over its parameters in a thread other than
+#   the one that made the FlatGrad, calls take ParallelSum (``ParamSlots.used_by_threads``),
+#   whose backward gives their AccumulateGrads None (which touches no ``.grad``) and writes the
+#   slots through FlatWrites, under the GIL; a FlatGrad made and trained in one thread keeps
+#   the caller's graph. A fresh ``.grad`` the hook meets while a FlatWrites runs (a backward
+#   of the user's own beside it) is left to that FlatWrites' commit or to the last to end.
+# A backward of the user's own that accumulates into the same parameters in another thread at
+# the same time can still meet a FlatWrites' commit or the hook (docs/limits.md).
+#
 # NOTE [ Sparse gradients in a slot ]
 # A parameter with a slot may get a row-sparse gradient (``parsum.take_rows``,
 # ``nn.Embedding(sparse=True)``). ``sum_models`` adds its rows into the slot in place, at a cost
@@ -32,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -215,6 +242,15 @@ class FlatGrad:
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
         self._held: set[int] = set()  # NOTE [ Slots filled after the join ]
+        # NOTE [ Backward passes in several threads ]: FlatWrites running, the gradients
+        # handed in by those that ran beside another, the slots whose fresh .grad waits.
+        self._lock = threading.RLock()  # reentrant: a FlatWrites' __del__ may end it
+        self._writing = 0
+        self._handed_in: list[tuple[_Slot, Tensor, Tensor]] = []
+        self._unmoved: set[int] = set()
+        # The threads that made it and called sum_models over it, counted up to 2
+        self._first_caller = threading.get_ident()
+        self._callers = 1
         self._note_written()
         for index, p in enumerate(params):
             self._take_over(index, p)
@@ -375,8 +411,18 @@ class FlatGrad:
         """After autograd accumulated into a fresh tensor, move it into the slot."""
         if index in self._held:  # NOTE [ Slots filled after the join ]
             return
-        slot = self._slots[index]
-        view, grad = slot.view, param.grad
+        view, grad = self._slots[index].view, param.grad
+        if grad is None or grad is view or _is_view_of(grad, view):
+            return
+        with self._lock:
+            if self._writing:  # NOTE [ Backward passes in several threads ]
+                self._unmoved.add(index)
+            else:
+                self._move_in(index, param)
+
+    def _move_in(self, index: int, param: Tensor) -> None:
+        """``_reattach``'s move, the lock held."""
+        view, grad = self._slots[index].view, param.grad
         if grad is None or grad is view or _is_view_of(grad, view):
             return
         # Every optimizer's zero_grad() leaves .grad None, so this runs for every parameter of
@@ -397,25 +443,76 @@ class FlatGrad:
         views: list[Tensor] = []
         grads: list[Tensor] = []
         params: list[Tensor] = []
-        for index, param in pairs:
-            view, grad = self._views[index], param.grad
-            if grad is None or grad is view:
-                continue
-            if (
-                grad.layout != torch.strided  # sparse: densified, one by one
-                or grad.requires_grad
-                or self._moved(index, param)
-                or _is_view_of(grad, view)
-            ):
-                self._reattach(index, param)
-                continue
-            views.append(view)
-            grads.append(grad)
-            params.append(param)
-        if views:
-            torch._foreach_copy_(views, grads)
-            for param, view in zip(params, views):
-                param.grad = view
+        with self._lock:
+            for index, param in pairs:
+                view, grad = self._views[index], param.grad
+                if grad is None or grad is view:
+                    continue
+                if self._writing:  # NOTE [ Backward passes in several threads ]
+                    self._unmoved.add(index)
+                elif (
+                    grad.layout != torch.strided  # sparse: densified, one by one
+                    or grad.requires_grad
+                    or self._moved(index, param)
+                    or _is_view_of(grad, view)
+                ):
+                    self._move_in(index, param)
+                else:
+                    views.append(view)
+                    grads.append(grad)
+                    params.append(param)
+            if views:
+                torch._foreach_copy_(views, grads)
+                for param, view in zip(params, views):
+                    param.grad = view
+
+    def _called_from(self, thread: int) -> bool:
+        """Note a call of ``sum_models`` from ``thread`` over these parameters; whether calls
+        from more than one thread have used them (NOTE [ Backward passes in several threads ])."""
+        if self._callers == 1 and self._first_caller != thread:
+            self._callers = 2
+        return self._callers > 1
+
+    def _start_writes(self) -> bool:
+        """Count a FlatWrites in; whether it runs alone, so writes the slots itself (NOTE
+        [ Backward passes in several threads ])."""
+        with self._lock:
+            self._writing += 1
+            return self._writing == 1
+
+    def _end_writes(self, kept: list[tuple[_Slot, Tensor, Tensor]]) -> None:
+        """Count a FlatWrites out, handing in the gradients it kept; the last one out adds in
+        every gradient handed in and moves in every fresh ``.grad`` that waited."""
+        with self._lock:
+            self._handed_in.extend(kept)
+            self._writing -= 1
+            if self._writing or not (self._handed_in or self._unmoved):
+                return
+            handed_in, self._handed_in = self._handed_in, []
+            unmoved, self._unmoved = self._unmoved, set()
+            for key in self._buffers:
+                self._drop_stale_compensation(key)
+            with torch.no_grad():
+                for slot, param, grad in handed_in:
+                    self._add_in(slot, param, grad)
+                for index in sorted(unmoved):
+                    waiting = self._slots[index].param
+                    if waiting is not None and index not in self._held:
+                        self._move_in(index, waiting)
+            self._note_written()
+
+    def _add_in(self, slot: _Slot, param: Tensor, grad: Tensor) -> None:
+        """Add ``grad`` to ``param``'s gradient in its slot, which becomes its ``.grad``, the
+        lock held."""
+        view, current = slot.view, param.grad
+        if current is None or not (current is view or _is_view_of(current, view)):
+            view.copy_(_dense(grad if current is None else current.detach()))
+            if slot.comp is not None:
+                slot.comp.zero_()
+            param.grad = view
+            if current is None:
+                return
+        _add_to_slot(slot, _dense(grad))
 
     def _note_written(self) -> None:
         self._comp_versions = {k: b._version for k, b in self._buffers.items()}
@@ -446,6 +543,14 @@ def _after_accumulate(flat: FlatGrad, index: int, view: Tensor, param: Tensor) -
     through the bound method cost 2 us against 1 for this, 64 tiny MLP classes, 2 cores)."""
     if param.grad is not view:
         flat._reattach(index, param)
+
+
+def _add_to_slot(slot: _Slot, grad: Tensor) -> None:
+    """Add a dense gradient into a slot in place, compensated where the FlatGrad is."""
+    if slot.comp is None:
+        slot.view.add_(grad)
+    else:
+        compensated_add_([slot.view], [slot.comp], [grad])
 
 
 def _all_zero(buffer: Tensor) -> bool:
@@ -826,6 +931,17 @@ class ParamSlots:
             at += n
         return held
 
+    def used_by_threads(self) -> bool:
+        """Note the calling thread in each FlatGrad of the parameters; whether calls from more
+        than one thread have used any (NOTE [ Backward passes in several threads ])."""
+        self._refresh()
+        thread, used = threading.get_ident(), False
+        for ref, _, _ in self._runs:
+            flat = None if ref is None else ref()
+            if flat is not None:
+                used = flat._called_from(thread) or used
+        return used
+
     def compensated(self) -> bool:
         """Whether a parameter has a slot in a compensated FlatGrad."""
         self._refresh()
@@ -952,6 +1068,8 @@ class _Write:
     owner: FlatGrad
     fresh: bool  # .grad was None or is known zero: the write copies
     undo: str = "nothing"  # after a failure: "nothing", "zero" the slot, or copy "saved" back
+    keep: bool = False  # another FlatWrites of its FlatGrad runs: kept, handed in at commit
+    taken: Tensor | None = None  # the .grad of another tensor whose value the slot took over
 
 
 class FlatWrites:
@@ -959,7 +1077,9 @@ class FlatWrites:
 
     ``write(k, g)`` may run in any worker, at most once per parameter; ``commit()`` after every
     write succeeded, ``rollback()`` instead after a failure (NOTE [ Buffer versions ]), which
-    ``undoable=False`` gives up: nothing is saved to restore.
+    ``undoable=False`` gives up: nothing is saved to restore. One of the two must end every
+    FlatWrites (else its FlatGrads keep what others hand in until it is collected: NOTE
+    [ Backward passes in several threads ]).
     """
 
     def __init__(
@@ -967,6 +1087,7 @@ class FlatWrites:
     ) -> None:
         self._writes: dict[int, _Write] = {}
         self._saved: list[tuple[Tensor, Tensor]] = []
+        self._kept: list[tuple[_Write, Tensor]] = []
         owners: dict[int, FlatGrad] = {}
         for k, (p, acc) in enumerate(zip(params, accumulates)):
             owner = owner_of(p) if acc else None
@@ -974,20 +1095,30 @@ class FlatWrites:
                 continue
             flat, index = owner
             owners[id(flat)] = flat
-            self._writes[k] = _Write(p, flat._slots[index], flat, fresh=p.grad is None)
+            self._writes[k] = _Write(p, flat._slots[index], flat, fresh=False)
+        # NOTE [ Backward passes in several threads ]: where another runs, keep the gradients.
+        # Read .grad only now: the last FlatWrites to end may have set it before this started.
+        self._owners = list(owners.values())
+        self._alone = {id(flat): flat._start_writes() for flat in self._owners}
+        self._ended = False
+        for write in self._writes.values():
+            write.keep = not self._alone[id(write.owner)]
+            write.fresh = write.param.grad is None
         # Decide from the versions before anything below writes.
         known_zero: dict[tuple[int, BufferKey], bool] = {}
-        for flat in owners.values():
-            for key in flat._buffers:
-                known_zero[id(flat), key] = flat._known_zero(key)
-                flat._drop_stale_compensation(key)
+        for flat in self._owners:
+            if self._alone[id(flat)]:
+                for key in flat._buffers:
+                    known_zero[id(flat), key] = flat._known_zero(key)
+                    flat._drop_stale_compensation(key)
         for write in self._writes.values():
             slot, grad = write.slot, write.param.grad
-            if grad is None:
+            if grad is None or write.keep:
                 continue
             if grad is not slot.view and not _is_view_of(grad, slot.view):
                 # .grad was replaced by another tensor: take its value over; until commit()
                 # points .grad at the slot, the slot is nobody's .grad, so nothing to undo.
+                write.taken = grad
                 slot.view.copy_(_dense(grad))
                 if slot.comp is not None:
                     slot.comp.zero_()
@@ -1011,6 +1142,9 @@ class FlatWrites:
         zeroed: list[Tensor] = []
         for k, grad in pairs:
             slot = self._writes[k].slot
+            if self._writes[k].keep:  # NOTE [ Backward passes in several threads ]
+                self._kept.append((self._writes[k], grad))
+                continue
             if grad.layout == torch.sparse_coo and grad.sparse_dim() == 1:
                 self._write_rows(self._writes[k], grad)
                 continue
@@ -1057,10 +1191,27 @@ class FlatWrites:
             comp.index_copy_(0, rows, comps[0])
 
     def commit(self) -> None:
+        kept: dict[int, list[tuple[_Slot, Tensor, Tensor]]] = {}
+        for write, grad in self._kept:
+            kept.setdefault(id(write.owner), []).append((write.slot, write.param, grad))
         for write in self._writes.values():
-            write.param.grad = write.slot.view
-        for flat in {id(w.owner): w.owner for w in self._writes.values()}.values():
-            flat._note_written()
+            if write.keep:
+                continue
+            view, current = write.slot.view, write.param.grad
+            if not (
+                current is None
+                or current is view
+                or current is write.taken
+                or _is_view_of(current, view)
+            ):
+                # a fresh .grad that autograd made while this ran (NOTE [ Backward passes in
+                # several threads ]), added in
+                _add_to_slot(write.slot, _dense(current.detach()))
+            write.param.grad = view
+        for flat in self._owners:
+            if self._alone[id(flat)]:
+                flat._note_written()
+        self._end(kept)
 
     def rollback(self) -> None:
         for write in self._writes.values():
@@ -1070,3 +1221,17 @@ class FlatWrites:
                     write.slot.comp.zero_()
         for view, value in self._saved:
             view.copy_(value)
+        self._end({})  # the kept gradients dropped: nothing of them was written
+
+    def _end(self, kept: dict[int, list[tuple[_Slot, Tensor, Tensor]]]) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._kept = []
+        for flat in self._owners:
+            flat._end_writes(kept.get(id(flat), []))
+
+    def __del__(self) -> None:
+        if not getattr(self, "_ended", True):  # never ended (an error on no path's watch)
+            with torch.no_grad():
+                self.rollback()

@@ -209,6 +209,8 @@ def fits_callers_graph(plan: SumPlan) -> bool:
         and not plan.walk.slots_in_flat_grads.compensated()
         and plan.walk.no_user_tensor_hooks()
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
+        # NOTE [ Backward passes in several threads ] in _grads
+        and not plan.walk.slots_in_flat_grads.used_by_threads()
     )
 
 
