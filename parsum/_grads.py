@@ -1070,6 +1070,7 @@ class _Write:
     undo: str = "nothing"  # after a failure: "nothing", "zero" the slot, or copy "saved" back
     keep: bool = False  # another FlatWrites of its FlatGrad runs: kept, handed in at commit
     taken: Tensor | None = None  # the .grad of another tensor whose value the slot took over
+    written: bool = False
 
 
 class FlatWrites:
@@ -1145,6 +1146,7 @@ class FlatWrites:
             if self._writes[k].keep:  # NOTE [ Backward passes in several threads ]
                 self._kept.append((self._writes[k], grad))
                 continue
+            self._writes[k].written = True
             if grad.layout == torch.sparse_coo and grad.sparse_dim() == 1:
                 self._write_rows(self._writes[k], grad)
                 continue
@@ -1198,6 +1200,16 @@ class FlatWrites:
             if write.keep:
                 continue
             view, current = write.slot.view, write.param.grad
+            if write.fresh and write.undo != "zero" and not write.written:
+                # .grad was None and no gradient came: the slot holds stale values (after
+                # ``zero_grad()``, the last step's), which were .grad (stepped again) until
+                # 2026-12-03; None stays, as in plain PyTorch
+                if current is not None and current is not view:  # made meanwhile: moved in
+                    view.copy_(_dense(current.detach()))
+                    if write.slot.comp is not None:
+                        write.slot.comp.zero_()
+                    write.param.grad = view
+                continue
             if not (
                 current is None
                 or current is view

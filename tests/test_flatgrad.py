@@ -550,6 +550,45 @@ def _steps_match_plain(models, x, steps, flat=None):
             torch.testing.assert_close(got, want)
 
 
+class HalfUsed(nn.Module):
+    """A model with a parameter its forward does not use on this input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+        self.idle = nn.Parameter(torch.ones(OUT))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("path", ["caller's graph", "ParallelSum", "compensated"])
+def test_a_parameter_without_a_gradient_keeps_grad_none(path, n_jobs):
+    # Through ParallelSum, every parameter written by FlatWrites had its view set as .grad at
+    # the commit, also one that got no gradient: after optimizer.zero_grad() its view held
+    # the last step's gradient, which an optimizer stepped again. Plain PyTorch leaves None.
+    models = [HalfUsed(), mlp([4]), HalfUsed()]
+    if path == "ParallelSum":  # a tensor hook takes the call there
+        models[1][0].weight.register_hook(lambda g: g)
+    twins = clone_models(models)
+    flat = parsum.FlatGrad(models, compensated=path == "compensated")
+    for _ in range(3):
+        x = torch.randn(5, IN)
+        for group in (models, twins):
+            for m in group:
+                m.zero_grad(set_to_none=True)
+        parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()
+        plain_sum(twins, x).pow(2).sum().backward()
+        assert models[0].idle.grad is None and models[2].idle.grad is None
+        for got, want in zip(param_grads(models), param_grads(twins), strict=True):
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want)
+        flat.flat.fill_(7.0)  # what a step's gradients leave behind, .grad None or not
+
+
 def test_a_kept_plan_sees_flatgrads_made_and_taking_over():
     """ParamSlots: a plan kept across calls finds its parameters' slots again when a FlatGrad
     is made over them or takes some over."""
