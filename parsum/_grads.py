@@ -1244,6 +1244,9 @@ class FlatWrites:
             flat._end_writes(kept.get(id(flat), []))
 
     def __del__(self) -> None:
-        if not getattr(self, "_ended", True):  # never ended (an error on no path's watch)
+        # Never ended (an error on no path's watch): counted out, its kept gradients dropped;
+        # the slots are left as they are, since restoring values saved so long ago could
+        # write over what others have written since.
+        if not getattr(self, "_ended", True):
             with torch.no_grad():
-                self.rollback()
+                self._end({})
