@@ -38,7 +38,8 @@
 #   ``.grad`` from Python while another thread's AccumulateGrad reads or adds to it: gradients
 #   lost (8-17 of 100 runs) and a segmentation fault (2 of 3 processes of 100 runs). Python
 #   cannot take that lock. So from the first call over its parameters in a thread other than
-#   the one that made the FlatGrad, calls take ParallelSum (``ParamSlots.used_by_threads``),
+#   the one that made the FlatGrad (a nested call in a chunk counts as its caller's, whose
+#   backward runs it), calls take ParallelSum (``ParamSlots.used_by_threads``),
 #   whose backward gives their AccumulateGrads None (which touches no ``.grad``) and writes the
 #   slots through FlatWrites, under the GIL; a FlatGrad made and trained in one thread keeps
 #   the caller's graph. A fresh ``.grad`` the hook meets while a FlatWrites runs (a backward
@@ -931,15 +932,16 @@ class ParamSlots:
             at += n
         return held
 
-    def used_by_threads(self) -> bool:
-        """Note the calling thread in each FlatGrad of the parameters; whether calls from more
-        than one thread have used any (NOTE [ Backward passes in several threads ])."""
+    def used_by_threads(self, for_a_caller: bool) -> bool:
+        """Note the calling thread in each FlatGrad of the parameters, unless it runs a task
+        ``for_a_caller`` (a nested call in a chunk, part of its caller's call); whether calls
+        from more than one thread have used any (NOTE [ Backward passes in several threads ])."""
         self._refresh()
         thread, used = threading.get_ident(), False
         for ref, _, _ in self._runs:
             flat = None if ref is None else ref()
             if flat is not None:
-                used = flat._called_from(thread) or used
+                used = (flat._callers > 1 if for_a_caller else flat._called_from(thread)) or used
         return used
 
     def compensated(self) -> bool:

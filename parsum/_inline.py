@@ -210,7 +210,7 @@ def fits_callers_graph(plan: SumPlan) -> bool:
         and plan.walk.no_user_tensor_hooks()
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
         # NOTE [ Backward passes in several threads ] in _grads
-        and not plan.walk.slots_in_flat_grads.used_by_threads()
+        and not plan.walk.slots_in_flat_grads.used_by_threads(_pool.in_a_task())
     )
 
 

@@ -828,6 +828,11 @@ def torchs_libgomp(paths: set[str]) -> str | None:
     return next(iter(paths)) if not ours and len(paths) == 1 else None
 
 
+def in_a_task() -> bool:
+    """Whether this thread runs a chunk of a job (a helper, or a caller running its own)."""
+    return _local.in_task
+
+
 @contextlib.contextmanager
 def as_one_task(n_tasks: int) -> Iterator[int]:
     """Run the block in this thread as a task of a job of ``n_tasks`` chunks: with the tasks'

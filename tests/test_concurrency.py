@@ -294,20 +294,25 @@ def test_flatgrad_used_from_another_thread_leaves_the_callers_graph(cores):
     assert node_name().startswith("CallerGraphSum")
 
 
-def test_flatgrad_written_by_a_nested_call_and_its_caller_at_once(cores):
-    # The nested calls' backward passes run in helpers while the caller's runs: theirs hand
-    # their gradients in, added when the caller's ends (NOTE [ Backward passes in several
-    # threads ]); the plain loop's gradients, in the buffer.
+@pytest.mark.parametrize("compensated", [False, True], ids=["plain", "compensated"])
+def test_flatgrad_written_by_a_nested_call_and_its_caller_at_once(compensated, cores):
+    # The nested calls' backward passes run in helpers while the caller's runs: through
+    # ParallelSum theirs hand their gradients in, added when the caller's ends (NOTE [ Backward
+    # passes in several threads ]); the plain loop's gradients, in the buffer. A nested call
+    # in a helper is part of its caller's: the caller's graph stays where it served.
     cores(2)
     torch.manual_seed(0)
     models = [Nested(3, n_jobs=2), Nested(2, n_jobs=1), mlp([5])]
     twins = clone_models(models)
-    flat = parsum.FlatGrad(models, compensated=True)
+    flat = parsum.FlatGrad(models, compensated=compensated)
     for m in models:
         m.zero_grad(set_to_none=True)
     x = torch.randn(5, IN)
     for _ in range(3):
-        parsum.sum_models(models, x, n_jobs=2).pow(2).sum().backward()
+        y = parsum.sum_models(models, x, n_jobs=2)
+        node = "ParallelSum" if compensated else "CallerGraphSum"
+        assert type(y.grad_fn).__name__.startswith(node)
+        y.pow(2).sum().backward()
         plain_sum(twins, x).pow(2).sum().backward()
     for p, want in zip(flat.params, param_grads(twins), strict=True):
         assert p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
