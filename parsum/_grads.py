@@ -36,14 +36,15 @@
 # - In the caller's graph, autograd's AccumulateGrad makes a fresh ``.grad`` (under a lock of
 #   its own, without the GIL) that the post-accumulate hook then moves into the slot, setting
 #   ``.grad`` from Python while another thread's AccumulateGrad reads or adds to it: gradients
-#   lost (8-17 of 100 runs) and a segmentation fault (2 of 3 processes of 100 runs). Python
-#   cannot take that lock. So from the first call over its parameters in a thread other than
-#   the one that made the FlatGrad (a nested call in a chunk counts as its caller's, whose
-#   backward runs it), calls take ParallelSum (``ParamSlots.used_by_threads``),
-#   whose backward gives their AccumulateGrads None (which touches no ``.grad``) and writes the
-#   slots through FlatWrites, under the GIL; a FlatGrad made and trained in one thread keeps
-#   the caller's graph. A fresh ``.grad`` the hook meets while a FlatWrites runs (a backward
-#   of the user's own beside it) is left to that FlatWrites' commit or to the last to end.
+#   lost (1 of 40 runs) and a segmentation fault (within 100 runs; 2 of 3 processes of 100
+#   runs with the first part alone). Python cannot take that lock. So from the first call
+#   over its parameters in a thread other than the one that made the FlatGrad (a nested call
+#   in a chunk counts as its caller's, whose backward runs it), calls take ParallelSum
+#   (``ParamSlots.used_by_threads``), whose backward gives their AccumulateGrads None (which
+#   touches no ``.grad``) and writes the slots through FlatWrites, under the GIL; a FlatGrad
+#   made and trained in one thread keeps the caller's graph. A fresh ``.grad`` the hook
+#   meets while a FlatWrites runs (a backward of the user's own beside it) is left to that
+#   FlatWrites' commit or to the last to end.
 # A backward of the user's own that accumulates into the same parameters in another thread at
 # the same time can still meet a FlatWrites' commit or the hook (docs/limits.md).
 #

@@ -239,7 +239,7 @@ def test_concurrent_backward_passes_into_one_flatgrad_keep_every_gradient(path, 
     # (the worst parameter kept 2.5-48% of its gradient with a compensated FlatGrad, 90-100%
     # without), and in the caller's graph the FlatGrad's hook, moving the .grad autograd made
     # into its slot, raced with another thread's AccumulateGrad: gradients lost, and a
-    # segmentation fault in 2 of 3 processes of 100 such runs (NOTE [ Backward passes in
+    # segmentation fault within 100 such runs (NOTE [ Backward passes in
     # several threads ] in parsum._grads). One thread's failed backward passes must drop their
     # own gradients and nobody else's.
     cores(2)
