@@ -250,9 +250,9 @@ class FlatGrad:
         self._writing = 0
         self._handed_in: list[tuple[_Slot, Tensor, Tensor]] = []
         self._unmoved: set[int] = set()
-        # The threads that made it and called sum_models over it, counted up to 2
-        self._first_caller = threading.get_ident()
-        self._callers = 1
+        # The thread that made it; whether sum_models was called over it from another
+        self._maker = threading.get_ident()
+        self._other_threads = False
         self._note_written()
         for index, p in enumerate(params):
             self._take_over(index, p)
@@ -471,9 +471,9 @@ class FlatGrad:
     def _called_from(self, thread: int) -> bool:
         """Note a call of ``sum_models`` from ``thread`` over these parameters; whether calls
         from more than one thread have used them (NOTE [ Backward passes in several threads ])."""
-        if self._callers == 1 and self._first_caller != thread:
-            self._callers = 2
-        return self._callers > 1
+        if thread != self._maker:
+            self._other_threads = True
+        return self._other_threads
 
     def _start_writes(self) -> bool:
         """Count a FlatWrites in; whether it runs alone, so writes the slots itself (NOTE
@@ -508,9 +508,7 @@ class FlatGrad:
         lock held."""
         view, current = slot.view, param.grad
         if current is None or not (current is view or _is_view_of(current, view)):
-            view.copy_(_dense(grad if current is None else current.detach()))
-            if slot.comp is not None:
-                slot.comp.zero_()
+            _copy_to_slot(slot, grad if current is None else current.detach())
             param.grad = view
             if current is None:
                 return
@@ -545,6 +543,13 @@ def _after_accumulate(flat: FlatGrad, index: int, view: Tensor, param: Tensor) -
     through the bound method cost 2 us against 1 for this, 64 tiny MLP classes, 2 cores)."""
     if param.grad is not view:
         flat._reattach(index, param)
+
+
+def _copy_to_slot(slot: _Slot, grad: Tensor) -> None:
+    """Copy a gradient into a slot in place, its compensation zeroed."""
+    slot.view.copy_(_dense(grad))
+    if slot.comp is not None:
+        slot.comp.zero_()
 
 
 def _add_to_slot(slot: _Slot, grad: Tensor) -> None:
@@ -942,7 +947,7 @@ class ParamSlots:
         for ref, _, _ in self._runs:
             flat = None if ref is None else ref()
             if flat is not None:
-                used = (flat._callers > 1 if for_a_caller else flat._called_from(thread)) or used
+                used = (flat._other_threads if for_a_caller else flat._called_from(thread)) or used
         return used
 
     def compensated(self) -> bool:
@@ -1123,9 +1128,7 @@ class FlatWrites:
                 # .grad was replaced by another tensor: take its value over; until commit()
                 # points .grad at the slot, the slot is nobody's .grad, so nothing to undo.
                 write.taken = grad
-                slot.view.copy_(_dense(grad))
-                if slot.comp is not None:
-                    slot.comp.zero_()
+                _copy_to_slot(slot, grad)
             elif known_zero[id(write.owner), slot.key]:
                 write.fresh = True  # adding to zero is a copy: skip the compensated add
                 write.undo = "zero"
@@ -1208,9 +1211,7 @@ class FlatWrites:
                 # ``zero_grad()``, the last step's), which were .grad (stepped again) until
                 # 2026-12-03; None stays, as in plain PyTorch
                 if current is not None and current is not view:  # made meanwhile: moved in
-                    view.copy_(_dense(current.detach()))
-                    if write.slot.comp is not None:
-                        write.slot.comp.zero_()
+                    _copy_to_slot(write.slot, current.detach())
                     write.param.grad = view
                 continue
             if not (
