@@ -472,6 +472,9 @@ def _one_stacked_group(plan: SumPlan) -> bool:
         and plan.step_in_backward is None
         and not reports_failures()
         and not has_compensated_flat_grads(plan.params)
+        # NOTE [ Backward passes in several threads ] in _grads: autograd's accumulation
+        # into a FlatGrad's parameters from two threads lost gradients, and crashed
+        and not plan.walk.slots_in_flat_grads.used_by_threads(_pool.in_a_task())
     )
 
 

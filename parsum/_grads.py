@@ -42,7 +42,11 @@
 #   in a chunk counts as its caller's, whose backward runs it), calls take ParallelSum
 #   (``ParamSlots.used_by_threads``), whose backward gives their AccumulateGrads None (which
 #   touches no ``.grad``) and writes the slots through FlatWrites, under the GIL; a FlatGrad
-#   made and trained in one thread keeps the caller's graph. A fresh ``.grad`` the hook
+#   made and trained in one thread keeps the caller's graph. Identical models run as one
+#   group in the caller's graph (NOTE [ One group in the caller's graph ] in _stack) go the
+#   same way: their ``torch.stack``'s backward feeds the same AccumulateGrads (lost gradients
+#   in 7 of 8 runs, and a crash, before). Models in ``stack_`` storage keep their path: their
+#   aliases' hooks write the block under the stack's lock. A fresh ``.grad`` the hook
 #   meets while a FlatWrites runs (a backward of the user's own beside it) is left to that
 #   FlatWrites' commit or to the last to end.
 # A backward of the user's own that accumulates into the same parameters in another thread at
