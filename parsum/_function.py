@@ -909,6 +909,14 @@ def _on_device_thread(grad_outputs: Sequence[Tensor | None]) -> bool:
     return any(g is not None and g.device.type != "cpu" for g in grad_outputs)
 
 
+def _notes_a_trainer(grad_outputs: Sequence[Tensor | None]) -> bool:
+    """Whether this backward's thread is to be noted as one that trains the parameters (NOTE
+    [ Parameters trained in several threads ] in _grads): not a device thread, which pulls
+    back the graphs of every thread using the device, nor a task of a call, part of its
+    caller's."""
+    return not _pool.in_a_task() and not _on_device_thread(grad_outputs)
+
+
 _BATCHED_CHECKS = tuple(
     getattr(torch._C._functorch, name)
     for name in ("is_legacy_batchedtensor", "is_batchedtensor")
@@ -1755,7 +1763,10 @@ class _Backward:
         # NOTE [ Steps after a failure ]: set once a chunk failed
         self.failed = False
         # NOTE [ Accumulating in the pullback ] (per parameter on every call: plain reads)
-        plainly = not ctx.create_graph and plan.walk.params_are_leaves
+        # NOTE [ Parameters trained in several threads ] in _grads (noted on every backward)
+        self.trainers = plan.walk.trainers
+        several_threads = self.trainers.several(_notes_a_trainer(grad_outputs))
+        plainly = not ctx.create_graph and plan.walk.params_are_leaves and not several_threads
         self.direct = [
             acc
             and plainly
@@ -2029,6 +2040,10 @@ class _Backward:
             self.ctx.announce_failure()
 
     def undo_direct(self) -> None:
+        # Another thread trains them since this backward started: setting .grad could meet
+        # its engine (NOTE [ Parameters trained in several threads ] in _grads).
+        if self.trainers.several(note=False):
+            return
         for p, was_none in zip(self.plan.params, self.direct):
             if was_none:  # accumulated in a pullback, or about to be: None before
                 p.grad = None

@@ -52,6 +52,27 @@
 # A backward of the user's own that accumulates into the same parameters in another thread at
 # the same time can still meet a FlatWrites' commit or the hook (docs/limits.md).
 #
+# NOTE [ Parameters trained in several threads ]
+# Without a FlatGrad, a pullback accumulates into the ``.grad`` that are None (NOTE [
+# Accumulating in the pullback ] in _function) and a failed backward sets them back to None
+# from Python. Threads training the same models (Hogwild in threads), one of them failing now
+# and then, lost the others' gradients that way (the failed one reset a ``.grad`` they had
+# added to) and crashed the process (a segmentation fault or a corrupted heap in most runs of
+# 15 of 4 threads x 12 backward passes, every third of one thread failing): another thread's
+# AccumulateGrad writes that ``.grad`` under a lock of its own, which Python cannot take. So
+# each call that builds a graph, and each backward, notes its thread as one that trains the
+# call's parameters (``ParamTrainers``; a nested call in a chunk is part of its caller's, and
+# autograd's device thread pulls back every thread's graphs); once a parameter is trained by a
+# second thread, the calls over it neither accumulate in a pullback nor store a gradient: they
+# return their gradients, which the engine accumulates under that lock, and a failed backward
+# returns nothing and so changes nothing (capturing, a whole step at 2 threads in two runs:
+# 0.98-1.02x the time of accumulating for 16 medium MLPs, 1.15-1.22x for 64 tiny ones, which
+# also lose the join of NOTE [ Pullbacks joined later ] in _function). Threads that train
+# models of their own keep accumulating. A backward that accumulates when a second thread's
+# first call over its parameters comes leaves, if it fails, what it accumulated: setting it
+# back could meet the other thread's engine. A parameter trained by one thread after another
+# (the first gone) counts as trained by several.
+
 # NOTE [ Sparse gradients in a slot ]
 # A parameter with a slot may get a row-sparse gradient (``parsum.take_rows``,
 # ``nn.Embedding(sparse=True)``). ``sum_models`` adds its rows into the slot in place, at a cost
@@ -861,6 +882,106 @@ def has_compensated_flat_grads(params: Sequence[Tensor]) -> bool:
     if not _owners:
         return False
     return any((o := owner_of(p)) is not None and o[0].compensated for p in params)
+
+
+# NOTE [ Parameters trained in several threads ]: while one thread alone has trained, nothing
+# is recorded per parameter (a walk made for every call would pay for it on every call: 0.09
+# ms for 384 parameters, recorded and released; 0.6 ms in a WeakIdKeyDictionary); the
+# trainers that thread noted wait in _first_noted and are recorded when a second thread comes. Then each parameter's trainer is recorded by
+# id, with the count of live walks that recorded it: a walk holds its parameters, so no other
+# tensor can take that id while the record stands, and no weak reference to a parameter is
+# made (``torch.utils.swap_tensors``, which ``load_state_dict`` uses with the swap on, refuses
+# a tensor that has one). Two threads training a parameter at once both hold a walk over it.
+_first_thread: list[int | None] = [None]  # while one thread alone has trained, that thread
+_first_noted: weakref.WeakSet[ParamTrainers] = weakref.WeakSet()
+_trainer_of: dict[int, list[int]] = {}  # id(p) -> [thread or _SEVERAL, walks recording it]
+_released: list[list[int]] = []  # the ids recorded by walks gone, dropped at the next look
+_SEVERAL = -1  # thread identifiers are not negative
+_trainers_changed = [0]  # bumped whenever a parameter is found trained by a second thread
+_TRAINERS_LOCK = threading.Lock()
+
+
+def trainer_of(p: Tensor) -> int | None:
+    """The thread that trains ``p``, ``_SEVERAL``, or None where none is recorded."""
+    found = _trainer_of.get(id(p))
+    return None if found is None else found[0]
+
+
+class ParamTrainers:
+    """The threads that train a walk's parameters (NOTE [ Parameters trained in several
+    threads ]): looked at again only when this walk is used from another thread or some
+    parameter anywhere got a second trainer."""
+
+    __slots__ = ("__weakref__", "_params", "_recorded", "_seen", "_several", "_thread")
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self._params = params
+        self._thread: int | None = None  # the thread noted last
+        self._seen = -1  # _trainers_changed when last looked
+        self._several = False
+        self._recorded = False  # counted in _trainer_of
+
+    def __del__(self) -> None:
+        if self._recorded:  # a list's append: no lock, which a collection here may hold
+            _released.append(list(map(id, self._params)))
+
+    def several(self, note: bool) -> bool:
+        """Note the calling thread as one that trains the parameters (``note``); whether some
+        parameter is trained by more than one thread."""
+        if self._several:
+            return True
+        thread = threading.get_ident() if note else None
+        if self._seen != _trainers_changed[0] or (note and thread != self._thread):
+            with _TRAINERS_LOCK:
+                self._look(thread)
+        return self._several
+
+    def _look(self, thread: int | None) -> None:
+        while _released:
+            for key in _released.pop():
+                found = _trainer_of.get(key)
+                if found is not None:
+                    found[1] -= 1
+                    if found[1] <= 0:
+                        del _trainer_of[key]
+        first = _first_thread[0]
+        if first is not None or not _trainer_of:  # one thread alone has trained, or none
+            if thread is None or first in (None, thread):
+                if thread is not None:
+                    _first_thread[0] = self._thread = thread
+                    _first_noted.add(self)
+                self._seen = _trainers_changed[0]
+                return
+            # A second thread: what the first trained is recorded now.
+            _first_thread[0] = None
+            for noted in list(_first_noted):
+                noted._record(first)
+            _first_noted.clear()
+        self._record(thread)
+
+    def _record(self, thread: int | None) -> None:
+        several = changed = False
+        counting = thread is not None and not self._recorded
+        for p in self._params:
+            found = _trainer_of.get(id(p))
+            if found is None:
+                if counting:
+                    _trainer_of[id(p)] = [thread, 1]  # type: ignore[list-item]
+                continue
+            if counting:
+                found[1] += 1
+            if found[0] == _SEVERAL:
+                several = True
+            elif thread is not None and found[0] != thread:
+                found[0] = _SEVERAL
+                several = changed = True
+        self._recorded = self._recorded or counting
+        if changed:
+            _trainers_changed[0] += 1
+        if thread is not None:
+            self._thread = thread
+        self._seen = _trainers_changed[0]
+        self._several = several
 
 
 class ParamSlots:

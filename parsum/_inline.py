@@ -164,6 +164,7 @@ from ._errors import ParsumError
 from ._function import (
     PendingJoin,
     SumPlan,
+    _notes_a_trainer,
     _on_device_thread,
     _once_differentiable,
     direct_apply,
@@ -412,6 +413,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     merged = merge_first_order(ctx, grad_outputs, weight_tensor, runs_all)
     if merged is not None:
         return (None, None, None, *merged[0], *weight_part, *merged[1], *joined)
+    # NOTE [ Parameters trained in several threads ] in _grads (noted on every backward)
+    trainers = plan.walk.trainers
+    several_threads = trainers.several(_notes_a_trainer(grad_outputs))
     # Accumulating in the pullback must be undone on a failure: every .grad None, or a
     # FlatGrad's view known to be zero (NOTE [ FlatGrad in the caller's graph ]).
     zeroed: list[Tensor] | None = []
@@ -431,6 +435,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     accumulate = zeroed is not None and not ctx.create_graph and runs_all
     # Accumulated into, a flipped argument's .grad must be None for a failure to undo it.
     accumulate = accumulate and all(f.grad is None for f in flipped)
+    accumulate = accumulate and (state.made_in_forward is not None or not several_threads)
     # NOTE [ Gradients not wanted ]
     wanted = None if runs_all else wanted_of_sum(ctx, n_args)
     arguments_wanted = wanted is None or any(wanted[:n_args])
@@ -541,7 +546,9 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         """What the pullbacks accumulated, undone after a failure."""
         for alias in (a for mine in aliases or () for a in mine):
             alias.grad = None  # what a model that ran accumulated
-        if accumulate:  # what they were: none of it stays
+        # What they were, none of it stays; unless another thread trains them since this
+        # backward started (NOTE [ Parameters trained in several threads ] in _grads)
+        if accumulate and not trainers.several(note=False):
             for f in flipped:
                 f.grad = None
             assert zeroed is not None

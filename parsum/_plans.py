@@ -69,7 +69,7 @@ from ._engines import (
     own_calls,
     shared_state,
 )
-from ._grads import ParamSlots
+from ._grads import ParamSlots, ParamTrainers
 from ._grouping import structure_key
 from ._pace import Pace
 from ._sparse import (
@@ -189,6 +189,7 @@ class Walk:
         # gradients must be returned, never accumulated (NOTE [ Accumulating in the pullback ]).
         self.params_are_leaves = all(p.is_leaf for p in params)
         self.slots_in_flat_grads = ParamSlots(params)  # where they have FlatGrad slots
+        self.trainers = ParamTrainers(params)  # the threads that train them
         # Each model's direct program (NOTE [ Direct programs ] in _engines), made when the
         # walk is kept: [] for a walk made for one call.
         self.programs: list[DirectProgram | None] = []

@@ -2,12 +2,14 @@
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import parsum
+from parsum import _grads
 from tests.zoo import (
     IN,
     OUT,
@@ -862,15 +864,23 @@ def test_a_checkpoint_loads_into_a_flatgrad_with_the_swap_off_around_it(swapping
     assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
 
 
-def test_models_without_a_flatgrad_load_and_cast_with_the_swap_on(swapping):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_models_without_a_flatgrad_load_and_cast_with_the_swap_on(threads, swapping):
     # What sum_models keeps of the models it ran (their plans) holds no weak reference to a
     # parameter: loading and casting with the swap on work, and the next call trains them.
+    # Also once a second thread has trained them, which the plans record (NOTE [ Parameters
+    # trained in several threads ] in parsum._grads; a weak reference failed there).
     torch.manual_seed(0)
     models = [mlp([8]), mlp([6])]
     ref = clone_models(models)
     checkpoint = [copy.deepcopy(m.state_dict()) for m in models]
     x = torch.randn(5, IN)
     parsum.sum_models(models, x).pow(2).sum().backward()
+    if threads == 2:
+        other = threading.Thread(target=lambda: parsum.sum_models(models, x))
+        other.start()
+        other.join(timeout=30)
+        assert all(_grads.trainer_of(p) == _grads._SEVERAL for p in trainable(models))
     for m, state in zip(models, checkpoint):
         m.load_state_dict(state)
         m.zero_grad()
