@@ -887,11 +887,15 @@ def has_compensated_flat_grads(params: Sequence[Tensor]) -> bool:
 # NOTE [ Parameters trained in several threads ]: while one thread alone has trained, nothing
 # is recorded per parameter (a walk made for every call would pay for it on every call: 0.09
 # ms for 384 parameters, recorded and released; 0.6 ms in a WeakIdKeyDictionary); the
-# trainers that thread noted wait in _first_noted and are recorded when a second thread comes. Then each parameter's trainer is recorded by
-# id, with the count of live walks that recorded it: a walk holds its parameters, so no other
-# tensor can take that id while the record stands, and no weak reference to a parameter is
-# made (``torch.utils.swap_tensors``, which ``load_state_dict`` uses with the swap on, refuses
-# a tensor that has one). Two threads training a parameter at once both hold a walk over it.
+# trainers that thread noted wait in _first_noted and are recorded when a second thread
+# comes. Then each parameter's trainer is recorded by id, with the count of live walks that
+# recorded it: a walk holds its parameters, so no other tensor can take that id while the
+# record stands, and no weak reference to a parameter is made (``torch.utils.swap_tensors``,
+# which ``load_state_dict`` uses with the swap on, refuses a tensor that has one). Two threads
+# training a parameter at once both hold a walk over it. Calls that plan anew every time
+# (NOTE [ Reused plans ] in _plans) hold theirs for the call alone: where no walk over a
+# parameter is alive, its record is gone, and the next thread to train it starts as a first
+# thread (with the window told above).
 _first_thread: list[int | None] = [None]  # while one thread alone has trained, that thread
 _first_noted: weakref.WeakSet[ParamTrainers] = weakref.WeakSet()
 _trainer_of: dict[int, list[int]] = {}  # id(p) -> [thread or _SEVERAL, walks recording it]

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
 import parsum
-from parsum import ParsumError, _config, _grads, _pool
+from parsum import ParsumError, _config, _grads, _plans, _pool
 from tests.zoo import (
     IN,
     OUT,
@@ -447,6 +447,25 @@ def _together(work, n_threads):
     assert not any(th.is_alive() for th in threads), "concurrent callers deadlocked"
     assert not errors, errors
     return results
+
+
+def test_records_of_threads_training_parameters_go_with_their_plans(cores):
+    # Once two threads train, each plan records its parameters' thread by id (NOTE [
+    # Parameters trained in several threads ] in parsum._grads): the records of models gone
+    # go with the plans that held them.
+    cores(2)
+    x = torch.randn(4, IN)
+
+    def train(t):
+        for _ in range(30):
+            models = [mlp([3 + t]) for _ in range(2)]
+            parsum.sum_models(models, x, n_jobs=1 + t).sum().backward()
+
+    _together(train, 2)  # without the release, 447 records stayed
+    gc.collect()
+    train(0)  # the records of plans gone are dropped at the next look
+    kept = (_plans.MAX_PLANS + 2) * 2 * 4  # plans kept, and the last call's: 4 tensors a model
+    assert len(_grads._trainer_of) <= kept
 
 
 def test_repeated_calls_free_graphs_and_grow_nothing():
