@@ -1177,7 +1177,8 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 # measured here against the plain loop, 16 medium MLPs took 0.79x and 4 wide ones 0.88x, and
 # the capture alone 0.95x and 0.93x. Where the running backward would itself accumulate into a
 # parameter's ``.grad`` (``backward()``), the parameter is used by this one model, its ``.grad``
-# is None (``zero_grad()``'s default), and nothing else wants to see its gradient first (a
+# is None (``zero_grad()``'s default), no second thread trains it (NOTE [ Parameters trained
+# in several threads ] in _grads), and nothing else wants to see its gradient first (a
 # FlatGrad slot, step_in_backward, a tensor or post-accumulate hook, create_graph), the
 # pullback's engine call accumulates it into ``.grad`` itself, as the plain loop's backward
 # does, and ParallelSum returns None for it. The values are the ones a capture would give: no
@@ -1197,9 +1198,10 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 # shared models) each found ``.grad`` None and stored their gradient over the others': 4
 # threads x 30 backward passes through ParallelSum kept 117 of 120 contributions. Stores are
 # made under one lock: set where ``.grad`` is still None, else added by the parameter's
-# AccumulateGrad (under its own lock, in place, as the engine adds). (A store can still race
-# with another thread's engine setting an unset ``.grad`` itself, outside this lock:
-# docs/limits.md.)
+# AccumulateGrad (under its own lock, in place, as the engine adds). (Another thread's engine
+# sets an unset ``.grad`` outside this lock: once a second thread trains a parameter, nothing
+# is stored into its ``.grad`` any more, NOTE [ Parameters trained in several threads ] in
+# _grads.)
 _STORE_LOCK = threading.Lock()
 
 
