@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 import parsum
-from parsum import _config, _function
+from parsum import _config, _function, _grads
 from tests.zoo import (
     IN,
     OUT,
@@ -999,6 +999,17 @@ def three_cores(cores):
 
 @pytest.mark.parametrize("seed", range(200))
 def test_random_calls_match_the_plain_loop_with_the_same_bits_at_any_n_jobs(seed, three_cores):
+    check(seed)
+
+
+@pytest.mark.parametrize("seed", range(2000, 2030))
+def test_random_calls_over_parameters_trained_in_two_threads_match_the_plain_loop(
+    seed, three_cores, monkeypatch
+):
+    # Over parameters a second thread trains, the pullbacks return every gradient instead of
+    # accumulating it (NOTE [ Parameters trained in several threads ] in parsum._grads): the
+    # same checks, every parameter counted as such (300 runner cases so, none failed).
+    monkeypatch.setattr(_grads.ParamTrainers, "several", lambda self, note: True)
     check(seed)
 
 
