@@ -23,6 +23,15 @@
 # The hook holds the StepInBackward weakly: a strong reference would be a cycle through C++
 # (parameter, hook, optimizer, parameter) that the garbage collector cannot see.
 #
+# NOTE [ Steps of one model in several threads ]
+# Threads training the same models with one StepInBackward step each model in their own
+# backward passes. Steps of one model at once (its ``.grad`` set, stepped and dropped by two
+# threads; one merged optimizer stepped by both) crashed a process in 3 of 13 probe runs (4
+# threads x 15 calls over 6 MLPs with SGD; a segmentation fault in SGD's step): each model's
+# steps take its lock (a merged step, those of its models in their order), so steps of one
+# model follow each other and those of different models still run at once. (Such threads
+# mostly fail anyway: a step changes the parameters other threads' graphs saved.)
+#
 # NOTE [ One step over a chunk's small models ]
 # An optimizer's step costs about 40 us of Python before its first parameter (its hooks, the
 # profiler's record, the group's scan), which a tiny model's update does not repay: 64 MLPs of
@@ -60,10 +69,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import inspect
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -167,6 +178,8 @@ class StepInBackward:
         # NOTE [ One step over a chunk's small models ]: per tuple of models, the optimizer
         # that steps them as one.
         self._merged: dict[tuple[int, ...], torch.optim.Optimizer] = {}
+        # NOTE [ Steps of one model in several threads ]: one lock per model.
+        self._step_locks = [threading.Lock() for _ in models]
         self._watch_gradients()
         self.optimizers: list[torch.optim.Optimizer | None] = []
         for i, model in enumerate(models):
@@ -214,8 +227,14 @@ class StepInBackward:
     # (made again at the next step from the models' states), takes as shared the step counts
     # that several of its states hold (NOTE [ One step over stacked models ]: copied once, they
     # stay shared in the copy), and hooks its parameters, whose copies have no hooks.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_step_locks"]  # a lock is neither copied nor pickled: made anew
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._step_locks = [threading.Lock() for _ in self.models]
         self._index = {id(model): i for i, model in enumerate(self.models)}
         self._stepped = set()
         self._stacked = {}
@@ -257,12 +276,17 @@ class StepInBackward:
     def step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Step model ``j`` with this backward's gradients (added to any ``.grad``), drop them.
 
-        Runs in a worker; the parameters are that model's alone, so no other thread touches
-        them.
+        Runs in a worker; the parameters are that model's alone, and another thread's backward
+        steps them only once this step is done (NOTE [ Steps of one model in several threads ]).
         """
-        optimizer = self.optimizers[j]
-        if optimizer is None:
+        if self.optimizers[j] is None:
             return
+        with self._step_locks[j]:
+            self._step(j, params, grads)
+
+    def _step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        optimizer = self.optimizers[j]
+        assert optimizer is not None
         if self._shared_counts:  # a step count shared with other models: its own from now on
             for p in params:
                 state: dict[str, Any] = optimizer.state.get(p) or {}
@@ -290,6 +314,14 @@ class StepInBackward:
         (NOTE [ One step over a chunk's small models ])."""
         if self._shared_counts:  # a stacked model's step count: its own step separates it
             return False
+        with contextlib.ExitStack() as held:  # in one order: no two threads wait on each other
+            for j in sorted({j for j, _, _ in entries}):
+                held.enter_context(self._step_locks[j])
+            return self._step_as_one(entries)
+
+    def _step_as_one(
+        self, entries: Sequence[tuple[int, Sequence[Tensor], Sequence[Tensor | None]]]
+    ) -> bool:
         optimizers: list[Any] = [self.optimizers[j] for j, _, _ in entries]
         hyper = _agreeing(optimizers, [ps for _, ps, _ in entries])
         if hyper is None:
