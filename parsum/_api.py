@@ -344,8 +344,8 @@ def _general_sum(
     build_graph = torch.is_grad_enabled() and (
         bool(params) or any(t.requires_grad for t in differentiable)
     )
-    if build_graph:  # NOTE [ Parameters trained in several threads ] in _grads
-        walk.trainers.several(not _pool.in_a_task())
+    if build_graph and not _pool.in_a_task():  # a nested call in a chunk is its caller's
+        walk.trainers.several(True)  # NOTE [ Parameters trained in several threads ] in _grads
     # NOTE [ Workers that stop paying ] in _pace
     paced = None if derived.pace is None else derived.pace[0 if build_graph else 1]
     if chosen and n_workers > 1 and paced is not None and not paced.choose():

@@ -279,14 +279,18 @@ class StepInBackward:
         Runs in a worker; the parameters are that model's alone, and another thread's backward
         steps them only once this step is done (NOTE [ Steps of one model in several threads ]).
         """
-        if self.optimizers[j] is None:
+        optimizer = self.optimizers[j]
+        if optimizer is None:
             return
         with self._step_locks[j]:
-            self._step(j, params, grads)
+            self._step(optimizer, params, grads)
 
-    def _step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
-        optimizer = self.optimizers[j]
-        assert optimizer is not None
+    def _step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor | None],
+    ) -> None:
         if self._shared_counts:  # a step count shared with other models: its own from now on
             for p in params:
                 state: dict[str, Any] = optimizer.state.get(p) or {}
