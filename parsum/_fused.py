@@ -28,9 +28,9 @@
 # backward passes. Steps of one model at once (its ``.grad`` set, stepped and dropped by two
 # threads; one merged optimizer stepped by both) crashed a process in 3 of 13 probe runs (4
 # threads x 15 calls over 6 MLPs with SGD; a segmentation fault in SGD's step): each model's
-# steps take its lock (a merged step, those of its models in their order), so steps of one
-# model follow each other and those of different models still run at once. (Such threads
-# mostly fail anyway: a step changes the parameters other threads' graphs saved.)
+# steps take its lock (a merged step or a stacked one, those of its models in their order), so
+# steps of one model follow each other and those of different models still run at once. (Such
+# threads mostly fail anyway: a step changes the parameters other threads' graphs saved.)
 #
 # NOTE [ One step over a chunk's small models ]
 # An optimizer's step costs about 40 us of Python before its first parameter (its hooks, the
@@ -76,7 +76,7 @@ import itertools
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -318,10 +318,17 @@ class StepInBackward:
         (NOTE [ One step over a chunk's small models ])."""
         if self._shared_counts:  # a stacked model's step count: its own step separates it
             return False
-        with contextlib.ExitStack() as held:  # in one order: no two threads wait on each other
-            for j in sorted({j for j, _, _ in entries}):
-                held.enter_context(self._step_locks[j])
+        with self.holding(j for j, _, _ in entries):
             return self._step_as_one(entries)
+
+    @contextlib.contextmanager
+    def holding(self, js: Iterable[int]) -> Iterator[None]:
+        """Hold the step locks of models ``js`` (NOTE [ Steps of one model in several
+        threads ]), taken in index order: no two threads wait on each other."""
+        with contextlib.ExitStack() as held:
+            for j in sorted(set(js)):
+                held.enter_context(self._step_locks[j])
+            yield
 
     def _step_as_one(
         self, entries: Sequence[tuple[int, Sequence[Tensor], Sequence[Tensor | None]]]

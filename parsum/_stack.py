@@ -1203,14 +1203,15 @@ class _Stepping:
         try:
             order = [self.sib.index(m) for m in stack.models]
             try:
-                done_as_one = step_stacked(
-                    self.sib,
-                    id(stack),
-                    order,  # type: ignore[arg-type]  # checked by sum_models
-                    [stack._params[name] for name in names],
-                    [stack.values[name] for name in names],
-                    [grads.get(name) for name in names],
-                )
+                with self.sib.holding(order):  # type: ignore[arg-type]  # checked by sum_models
+                    done_as_one = step_stacked(
+                        self.sib,
+                        id(stack),
+                        order,  # type: ignore[arg-type]
+                        [stack._params[name] for name in names],
+                        [stack.values[name] for name in names],
+                        [grads.get(name) for name in names],
+                    )
             except Exception as exc:
                 raise ParsumError(
                     f"sum_models: the optimizer step of the {len(order)} stacked models, as one "
