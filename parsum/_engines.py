@@ -1113,6 +1113,22 @@ def check_own_leaves(
         )
 
 
+def check_no_graph_needed(
+    model: Callable[..., Any], out: Any, params: ModelParams, call: CallArgs
+) -> None:
+    """In a call that builds no graph with grad enabled (neither a parameter nor an argument
+    needs a gradient), raise where the model's output needs one anyway: its graph reaches a
+    tensor it does not own, which the detached sum would leave without its gradient, silently
+    (``lambda x: m(x)`` on data that needs none), as a call that builds a graph raises."""
+    roots = output_edges(out)
+    if not any(roots):
+        return
+    if not params.tensors and module_of(model) is None:
+        _check_no_captured_leaves(roots, [t for t in call.leaves if isinstance(t, Tensor)])
+    else:
+        check_own_leaves(model, roots, params.tensors, (), call)
+
+
 def _storages(tensors: Sequence[Tensor]) -> set[int]:
     """Where the tensors' data lie (their storages' addresses; none for tensors without
     data): a leaf the forward made from an argument's data shares it (NOTE [ Leaves made from

@@ -53,6 +53,7 @@ from ._engines import (
     UnitRun,
     _edge,
     check_argument_hooks,
+    check_no_graph_needed,
     check_own_leaves,
     check_weight_dtype,
     direct_calls_allowed,
@@ -390,6 +391,9 @@ def run_forward(
     )
     # NOTE [ Tensors a module does not own ] in _engines: once for a kept walk.
     check_leaves = not walk.leaves_checked and (build_graph or roots is not None)
+    # Grad enabled, but nothing to differentiate: an output that needs a gradient anyway
+    # reached a tensor its model does not own (check_no_graph_needed).
+    check_no_graph = not build_graph and roots is None and torch.is_grad_enabled()
     states = generator_states() if watch else None
     # The outputs' nodes, to look for recomputation where the models may draw random numbers:
     # once for a kept walk. A walk made for one call would look on every call (1.3 ms a step
@@ -488,6 +492,9 @@ def run_forward(
                         one,
                         check_leaves,
                     )
+                    if check_no_graph:
+                        for i, out in zip(unit.models, run.outs):
+                            check_no_graph_needed(models[i], out, plan.model_params[i], call)
             except _CONTROL_FLOW:
                 raise
             except Exception as exc:

@@ -460,6 +460,36 @@ def test_callables_that_capture_what_needs_a_gradient_raise(n_jobs):
     torch.testing.assert_close(scale.grad, 2 * torch.cos(torch.linspace(0, 1, 5)).sum())
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_models_reaching_what_needs_a_gradient_raise_on_data_that_needs_none(n_jobs):
+    # With no parameter and no argument that needs a gradient the call builds no graph; the
+    # outputs of such models needed one anyway and were summed detached, so the captured
+    # module or table got no gradient, silently (found in the fortieth session).
+    owner = TwoHeads()
+    table = torch.randn(IN, OUT, requires_grad=True)
+
+    class ReadsAGlobal(nn.Module):  # no parameters of its own
+        def forward(self, x):
+            return owner(x)
+
+    x = torch.randn(3, IN)
+    cases = [
+        ([lambda x: owner(x), lambda x: x @ table], r"model 0 \(function <lambda>\).* not one of"),
+        ([ReadsAGlobal(), ReadsAGlobal()], r"model 0 \(ReadsAGlobal\).* not its parameters"),
+    ]
+    for models, message in cases:
+        for engine in ["auto", "autograd"]:
+            with pytest.raises(parsum.ParsumError, match=message):
+                parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine)
+        assert table.grad is None and all(p.grad is None for p in owner.parameters())
+        with torch.no_grad():  # no gradient wanted: the plain sum
+            torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(models, x))
+    fine = [lambda x: x @ table.detach(), lambda x: torch.sin(x) @ table.detach()]
+    y = parsum.sum_models(fine, x, n_jobs=n_jobs)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, plain_sum(fine, x))
+
+
 def test_vjp_engine_refuses_bound_methods_with_what_to_use():
     owner = TwoHeads()
     x = torch.randn(3, IN)
