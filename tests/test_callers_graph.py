@@ -526,7 +526,10 @@ def test_what_takes_the_other_path():
     models = zoo()
     x = torch.randn(2, IN)
     assert not in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))  # shared
-    assert not in_callers_graph(parsum.sum_models([lambda t: models[0](t)], x, n_jobs=1))
+    x_grad = x.clone().requires_grad_()  # a callable that is no module: ParallelSum
+    assert not in_callers_graph(parsum.sum_models([torch.sin, lambda t: t * 2], x_grad, n_jobs=1))
+    with pytest.raises(parsum.ParsumError, match="not one of its arguments"):  # its parameters
+        parsum.sum_models([lambda t: models[0](t)], x, n_jobs=1)
     # Several threads: the caller's graph too, its models pulled back in helpers (on the CPU)
     assert in_callers_graph(parsum.sum_models(models, x, n_jobs=2))
     with torch.no_grad():
