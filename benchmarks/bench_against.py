@@ -20,14 +20,16 @@ parameters' squares, ``.grad`` set to None after each backward (``zero_grad()``)
 flat-zero`` the same FlatGrad zeroed in place after each backward (``FlatGrad.zero_()``; the
 plain loop's ``.grad`` set to None), without the L2 term, ``--step flat-both`` the same with the
 plain loop over a FlatGrad of its own too (this checkout's), zeroed the same way: what parsum
-costs a user who keeps gradients in a flat buffer either way. ``--members 0.75``
+costs a user who keeps gradients in a flat buffer either way; ``--step flat-compensated`` is
+flat-zero with a compensated FlatGrad (its backward through ``ParallelSum``). ``--members 0.75``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both]
+        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
+            flat-compensated]
         [--members 0.75] [--first 16]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
@@ -92,10 +94,10 @@ def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
     """One training step with ``package.sum_models`` (the plain loop where it is None)."""
-    if args.step in ("flat-zero", "flat-both"):
+    if args.step in ("flat-zero", "flat-both", "flat-compensated"):
         flat = None
         if package is not None:
-            flat = package.FlatGrad(models)
+            flat = package.FlatGrad(models, compensated=args.step == "flat-compensated")
         elif args.step == "flat-both":
             flat = parsum.FlatGrad(models)
         return functools.partial(_zeroed_in_place, package, flat, models, x, args.n_jobs)
@@ -190,6 +192,7 @@ def main() -> None:
             "flat",
             "flat-zero",
             "flat-both",
+            "flat-compensated",
         ],
         default="train",
     )

@@ -1070,6 +1070,12 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # exists, only parsum.distributed's own calls hand their pullbacks over.
 
 
+# A chunk's FlatGrad slots are written together once its models are pulled back, or as soon as
+# the gradients waiting reach this many elements (4 MiB of float32): a large model's are not
+# held to its chunk's end.
+FLAT_WRITE_ELEMENTS = 1 << 20
+
+
 class PendingJoin:
     """What a join node runs: the caller's part of pullbacks handed to helpers, if any."""
 
@@ -1764,7 +1770,7 @@ class _Backward:
         }
         to_grad = [acc and k not in stepping for k, acc in enumerate(self.accumulates)]
         self.flat = (
-            FlatWrites(plan.params, to_grad)
+            FlatWrites(plan.params, to_grad, slots=plan.walk.slots_in_flat_grads)
             if any(to_grad) and has_flat_grads(plan.params)
             else None
         )
@@ -1803,10 +1809,11 @@ class _Backward:
         grads: list[Tensor | None],
         shared_accs: dict[int, GradSum],
         waiting: WaitingSteps | None,
+        to_flat: list[tuple[int, Tensor]],
     ) -> None:
         """Model ``i``'s parameter gradients: to its optimizer step (now, or with its chunk's
-        other small models: ``waiting``), a shared parameter's accumulator, a FlatGrad slot,
-        or what backward returns."""
+        other small models: ``waiting``), a shared parameter's accumulator, a FlatGrad slot
+        (``to_flat``, written once its chunk is pulled back), or what backward returns."""
         plan, flat, accumulates = self.plan, self.flat, self.accumulates
         slots = plan.param_slots[i]
         j = None if plan.step_index is None else plan.step_index[i]
@@ -1822,7 +1829,6 @@ class _Backward:
             elif waiting.full:
                 self.step_waiting(waiting)
             grads = [None if accumulates[s] else g for g, s in zip(grads, slots)]
-        to_flat = []
         for slot, g in zip(slots, grads):
             if g is None:
                 continue
@@ -1837,9 +1843,6 @@ class _Backward:
                     _store_grad(plan.params[slot], g)
             else:
                 self.param_grads[slot] = g
-        if to_flat:
-            assert flat is not None
-            flat.write(to_flat)
 
     def step(self, i: int, j: int, params: list[Tensor], grads: list[Tensor | None]) -> None:
         """Model ``i``'s optimizer step (``sib.optimizers[j]``); none after a failure, its
@@ -1921,6 +1924,9 @@ class _Backward:
         one_model = len(units) == 1 and len(plan.units[units[0]].models) == 1
         waiting = None if self.sib is None or one_model else WaitingSteps()
         alone = frozenset() if waiting is None else self.stepping_alone(units)
+        # The chunk's FlatGrad slots, written in one call: a few kernels for the chunk, where
+        # one call a model cost 64 tiny MLP classes 1.0 ms a backward in its 64 calls.
+        to_flat: list[tuple[int, Tensor]] = []
         # NOTE [ Row-sparse gradients ]: shared tables' take_rows gradients go to a
         # RowSparseAccumulator, which coalesces them all at once.
         with coalesce_later(self.shared_params):
@@ -1941,17 +1947,27 @@ class _Backward:
                         (add_term if self.args_at_once else add_grad)(arg_accs, j, g)
                 del arg_grads
                 for i, grads in zip(unit.models, model_grads):
-                    self.route(i, grads, shared_accs, waiting)
+                    self.route(i, grads, shared_accs, waiting, to_flat)
                 del model_grads
+                if to_flat and sum(g.numel() for _, g in to_flat) >= FLAT_WRITE_ELEMENTS:
+                    self.write_flat(to_flat)  # large models' gradients go as they come
                 for i in unit.models if self.ctx.weight_needs_grad else ():
                     out = self.outputs[i]
                     if not self.keep_graph:
                         self.outputs[i] = None
                     assert out is not None
                     self.weight_grads[i] = model_weight_grad(grad_outputs, out)
+        self.write_flat(to_flat)
         if waiting is not None and waiting.entries:
             self.step_waiting(waiting)
         return arg_accs, shared_accs
+
+    def write_flat(self, to_flat: list[tuple[int, Tensor]]) -> None:
+        """Write the FlatGrad slots waiting in ``to_flat``, and empty it."""
+        if to_flat:
+            assert self.flat is not None
+            self.flat.write(to_flat)
+            to_flat.clear()
 
     def consume(self, k: int, partial: tuple[dict[int, Any], dict[int, GradSum]]) -> None:
         arg_accs, shared_accs = partial

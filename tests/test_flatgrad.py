@@ -474,6 +474,58 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
     parsum.sum_models(models, x).sum().backward()  # and it keeps working
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["hookless", "a hooked parameter"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_chunks_slots_written_together_or_as_they_come_hold_the_same_bits(
+    hooked, n_jobs, monkeypatch
+):
+    # ParallelSum writes a chunk's slots once its models are pulled back, or as soon as the
+    # waiting gradients reach FLAT_WRITE_ELEMENTS: the same bits either way, the plain loop's
+    # gradients, a hooked parameter's returned to autograd (its hook runs once; its slots then
+    # looked at one by one), and a model failing in the middle of a chunk leaves every slot as
+    # it was (and the compensations, which autograd's own write into the buffer, the hooked
+    # parameter's, makes stale: dropped by the next backward either way).
+    x = torch.randn(5, IN)
+
+    def make():
+        torch.manual_seed(0)
+        models = [*zoo(seed=3), FailsInBackward(), mlp([6])]
+        if hooked:
+            models[0][0].weight.register_hook(lambda g: 2 * g)
+        return models
+
+    def train(write_elements, armed=False):
+        monkeypatch.setattr(parsum._function, "FLAT_WRITE_ELEMENTS", write_elements)
+        models = make()
+        flat = parsum.FlatGrad(models, compensated=True)
+        for scale in (1.0, 1e-4):
+            y = parsum.sum_models(models, x * scale, n_jobs=n_jobs, chunk_size=3)
+            assert type(y.grad_fn).__name__ == "ParallelSumBackward"
+            y.pow(2).sum().backward()
+        before = [p.grad.clone() for p in flat.params], [c.clone() for c in flat._comps.values()]
+        models[-2].armed = armed
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=3)
+        if armed:
+            with pytest.raises(parsum.ParsumError, match=r"model \d+ \(FailsInBackward\)"):
+                y.pow(2).sum().backward()
+            assert all(map(torch.equal, [p.grad for p in flat.params], before[0]))
+            assert hooked or all(map(torch.equal, flat._comps.values(), before[1]))
+        return models, flat
+
+    together, flat = train(parsum._function.FLAT_WRITE_ELEMENTS)
+    assert all(is_view_into(p.grad, flat.flat) for p in flat.params)
+    one_by_one, _ = train(1)
+    for got, want in zip(param_grads(together), param_grads(one_by_one), strict=True):
+        assert torch.equal(got, want)
+    ref = make()
+    for scale in (1.0, 1e-4):
+        plain_sum(ref, x * scale).pow(2).sum().backward()
+    for got, want in zip(param_grads(together), param_grads(ref), strict=True):
+        torch.testing.assert_close(got, want)
+    train(1, armed=True)
+    train(parsum._function.FLAT_WRITE_ELEMENTS, armed=True)
+
+
 @pytest.mark.parametrize("written", [3.0, 1e-40, -1e-40, float("nan")])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_a_value_written_through_data_after_zero_survives_a_failed_backward(written, n_jobs):
