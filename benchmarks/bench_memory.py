@@ -6,6 +6,9 @@
    loop, parsum, and parsum with StepInBackward, which never stores the gradients of the whole
    set, at the default and at n_jobs=1. Target: the peak falls by at least 80% of the total
    gradient bytes.
+3. two backward passes of the same models adding into a compensated FlatGrad (micro-batches),
+   at the default and at n_jobs=1: the growth over the buffer and its compensations, which
+   exist before, as a multiple of the gradient bytes.
 
 Every figure is the growth of the peak resident set (VmHWM, reset through
 /proc/self/clear_refs) during the measured work, in a new Python process, after one warm-up
@@ -67,6 +70,9 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
 
     opt = None
     sib = None
+    flat = None
+    if mode.startswith("flat-compensated"):
+        flat = parsum.FlatGrad(models, compensated=True)
     if mode.startswith("sib-train"):
         sib = parsum.StepInBackward(models, torch.optim.Adam, lr=1e-3)
     elif mode.endswith("-train"):
@@ -92,6 +98,11 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
             for _ in range(2):
                 y = parsum.sum_models(models, x, step_in_backward=sib, n_jobs=n_jobs)
                 y.pow(2).mean().backward()
+        elif mode.startswith("flat-compensated"):
+            assert flat is not None
+            flat.zero_()
+            for _ in range(2):
+                parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
 
     work()  # warm-up: lazily built state (thread pool, Adam's moments) is not the peak's
     gc.collect()
@@ -181,6 +192,15 @@ def main() -> None:
         f"   at n_jobs=1 by {fall_one / MIB:.1f} MiB = {fall_one / grads:.0%} of the gradient bytes"
     )
     results["train"].append(rows)
+
+    print("\n3. two backward passes of the same models adding into a compensated FlatGrad")
+    flat_rows = {
+        mode: measure(mode, n, width, batch) for mode in ("flat-compensated", "flat-compensated-1")
+    }
+    for mode, label in (("flat-compensated", "default"), ("flat-compensated-1", "n_jobs=1")):
+        growth = flat_rows[mode]["peak_growth"]
+        print(f"   {label:<34}{growth / MIB:>10.1f} MiB = {growth / grads:.2f}x the gradient bytes")
+    results["flat_compensated"] = [flat_rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -108,8 +108,8 @@
 # The path is taken only where its gradients are those of ParallelSum bit for bit and its
 # hooks run as there: no parameter is used by two entries (autograd would add its gradients
 # uncompensated), none has a tensor hook (captured gradients would meet it twice: NOTE
-# [ Hooks run once ] in _engines), no slot in a compensated FlatGrad, take_rows table,
-# step_in_backward or distributed failure announcement (each routes gradients itself), and
+# [ Hooks run once ] in _engines), no take_rows table, step_in_backward or distributed
+# failure announcement (each routes gradients itself), and
 # every model is a module, a method or a partial of one (a plain callable's captured tensors
 # are checked by the other path).
 #
@@ -133,6 +133,23 @@
 # to autograd, which adds them in. Through ParallelSum, which copies every gradient into its
 # slot, 16 medium MLPs took 0.79-0.81x and 64 tiny ones 0.65x a plain loop over the same
 # FlatGrad (2 threads).
+#
+# NOTE [ A compensated FlatGrad in the caller's graph ]
+# A compensated FlatGrad's slots are written by the node itself, as ParallelSum writes them
+# (``FlatWrites``: the same kernels, so the same bits): the pullbacks capture the gradients of
+# the parameters whose AccumulateGrad the running backward runs (all of them under
+# ``backward()``, those it names under ``backward(inputs=...)``, none under
+# ``autograd.grad``), write them, and return None for them; a failure rolls the slots and
+# compensations back. An engine call captures at most FLAT_WRITE_ELEMENTS of them (a larger
+# model alone), which is what ParallelSum holds: capturing a chunk's at once, two backward
+# passes of 32 MLPs of 1M parameters each grew the peak by 326 MiB, against ParallelSum's
+# 300 (2 threads; 296 against 284 at n_jobs=1); so, 296 (280). Under ``create_graph=True``
+# a backward that writes slots returns gradients that are not differentiable, as through
+# ParallelSum (``differentiable_backward`` would hand them to autograd, which adds them
+# uncompensated); one that writes none (``autograd.grad``: a Hessian-vector product, a
+# gradient penalty) is differentiable. Through ParallelSum,
+# which this path replaced, 64 tiny MLP classes took 0.55x and 16 medium classes 0.70x the
+# plain loop (2 threads, zeroed each step).
 """
 
 from __future__ import annotations
@@ -162,6 +179,7 @@ from ._double_backward import (
 from ._engines import INTERNAL_LEAVES, CallArgs, SinglePullback, _edge, module_of, pull_back
 from ._errors import ParsumError
 from ._function import (
+    FLAT_WRITE_ELEMENTS,
     PendingJoin,
     SumPlan,
     _notes_a_trainer,
@@ -184,6 +202,7 @@ from ._function import (
     under_vmap,
 )
 from ._grads import (
+    FlatWrites,
     engine_runs_all,
     release_slots,
 )
@@ -207,7 +226,6 @@ def fits_callers_graph(plan: SumPlan) -> bool:
         and not any(plan.shared)
         and not reports_failures()
         and all(module_of(m) is not None for m in plan.models)
-        and not plan.walk.slots_in_flat_grads.compensated()
         and plan.walk.no_user_tensor_hooks()
         and not (any_sampled() and any(sampled_elements(p) is not None for p in plan.params))
         # NOTE [ Backward passes in several threads ] in _grads
@@ -371,9 +389,29 @@ class CallerGraphSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         _pool.abandon_unjoined()  # a backward interrupted before: NOTE [ Interrupted callers ]
-        if torch.is_grad_enabled() and second_order_fits(ctx):  # NOTE [ Double backward ]
+        if (
+            torch.is_grad_enabled()
+            and second_order_fits(ctx)  # NOTE [ Double backward ]
+            and not any(compensated_writes(ctx) or ())
+        ):
             return differentiable_backward(ctx, grad_outputs)
         return _pull_back_models(ctx, *grad_outputs)
+
+
+def compensated_writes(ctx: Any) -> list[bool] | None:
+    """Whether the running backward accumulates into each parameter of a ``CallerGraphSum``
+    node that has a slot in a compensated FlatGrad, which the node then writes itself (NOTE
+    [ A compensated FlatGrad in the caller's graph ]); None where none has."""
+    plan = ctx.state.plan
+    slots = plan.walk.slots_in_flat_grads
+    if not (slots.any_slot() and slots.compensated()):
+        return None
+    if engine_runs_all([_ANCHOR_NODE])[0]:
+        return [True] * len(plan.params)
+    # backward(inputs=...): those it names; autograd.grad: none
+    first_param = 1 + ctx.n_args + int(plan.has_weight_tensor)
+    nodes = ctx.next_functions[first_param : first_param + len(plan.params)]
+    return engine_runs_all([node for node, _ in nodes])
 
 
 @_once_differentiable
@@ -421,7 +459,10 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     zeroed: list[Tensor] | None = []
     flat_slots = plan.walk.slots_in_flat_grads
     flat_grads = flat_slots.any_slot()
-    if flat_grads:
+    compensated = flat_grads and flat_slots.compensated()
+    if compensated:  # NOTE [ A compensated FlatGrad in the caller's graph ]
+        zeroed = None
+    elif flat_grads:
         zeroed = flat_slots.zeroed_views()
     # Identity tests: ``list.count(None)`` would call Tensor.__eq__ on every .grad that is
     # set, about 9 us each (96 parameters with their .grad set: 0.9 ms a backward).
@@ -455,10 +496,79 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     )
     if not params and aliases is None and not flipped:
         return (None, None, None, *weight_part)
+    writes = None
+    accumulates = compensated_writes(ctx) if compensated else None
+    if accumulates is not None and any(accumulates):
+        writes = FlatWrites(params, accumulates, slots=flat_slots)
+    split = writes is not None and sum(map(Tensor.numel, params)) > FLAT_WRITE_ELEMENTS
     error: BaseException | None = None
     # The models each failing chunk was pulling back when it failed.
     failing: dict[int, list[int]] = {}
     graphs = edges  # as narrowed here, for the function below
+
+    def edges_and_cotangents(running: Sequence[int]) -> tuple[list[Any], list[Tensor]]:
+        """The output edges of models ``running`` and their gradients."""
+        outs = [edge for i in running for edge, _ in graphs[i]]
+        if weighted:
+            cots: list[Tensor] = []
+            for i in running:
+                cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+                cots.extend(cotangents[j] for _, j in graphs[i])
+        else:
+            cots = [grad_outputs[j] for i in running for _, j in graphs[i]]
+        return outs, cots
+
+    def by_elements(running: Sequence[int]) -> list[list[int]]:
+        """``running`` in runs whose parameters hold at most FLAT_WRITE_ELEMENTS together
+        (a larger model alone)."""
+        groups: list[list[int]] = []
+        held = FLAT_WRITE_ELEMENTS
+        for i in running:
+            size = sum(params[s].numel() for s in plan.param_slots[i])
+            if held + size > FLAT_WRITE_ELEMENTS:
+                groups.append([])
+                held = 0
+            groups[-1].append(i)
+            held += size
+        return groups
+
+    def capture(
+        running: Sequence[int], captured: dict[int, Sequence[Tensor | None]]
+    ) -> list[tuple[int, Tensor | None]] | None:
+        """Pull back models ``running`` in one engine call that returns the gradients it
+        wants: the parameters' stored (or written into their slots), the aliases' in
+        ``captured``; the flipped arguments' returned. None where it wants none."""
+        slots = [s for i in running for s in plan.param_slots[i]]
+        if wanted is not None:
+            slots = [s for s in slots if wanted[n_args + s]]
+        mine = []
+        if aliases is not None and arguments_wanted:
+            mine = [a for i in running for a in aliases[i]]
+        flips = [j for j in range(n_aliased, n_args) if wanted is None or wanted[j]]
+        if not slots and not mine and not flips:
+            return None
+        outs, cots = edges_and_cotangents(running)
+        wrt = [*(params[s] for s in slots), *mine, *(flipped[j - n_aliased] for j in flips)]
+        found = pull_back(outs, wrt, cots, keep_graph)
+        del outs, cots
+        to_flat = []
+        for slot, grad in zip(slots, found):
+            if writes is not None and grad is not None and slot in writes:
+                to_flat.append((slot, grad))
+            else:
+                param_grads[slot] = grad
+        if to_flat:
+            assert writes is not None
+            writes.write(to_flat)
+            del to_flat
+        if mine:
+            at = len(slots)
+            for i in running:
+                captured[i] = found[at : at + n_aliased]
+                at += n_aliased
+        # A flipped argument's gradient: the models' parts, added by the engine in the order
+        # of their graphs, one thread
+        return list(zip(flips, found[len(found) - len(flips) :]))
 
     def pull_back_chunks(k: int, chunks: Sequence[int]) -> dict[int, Any] | None:
         """Pull back the models of ``chunks`` in one engine call (NOTE [ Engine calls of
@@ -471,41 +581,22 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         if not running:
             return None
         failing[k] = running
-        outs = [edge for i in running for edge, _ in graphs[i]]
-        if weighted:
-            cots: list[Tensor] = []
-            for i in running:
-                cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
-                cots.extend(cotangents[j] for _, j in graphs[i])
-        else:
-            cots = [grad_outputs[j] for i in running for _, j in graphs[i]]
         if accumulate:  # into every leaf, as the running backward would: no inputs
             # (the arguments' aliases included: each model's are leaves of its own)
+            outs, cots = edges_and_cotangents(running)
             pull_back(outs, (), cots, retain_graph=keep_graph, accumulate=True)
         else:
-            slots = [s for i in running for s in plan.param_slots[i]]
-            if wanted is not None:
-                slots = [s for s in slots if wanted[n_args + s]]
-            mine = []
-            if aliases is not None and arguments_wanted:
-                mine = [a for i in running for a in aliases[i]]
-            flips = [j for j in range(n_aliased, n_args) if wanted is None or wanted[j]]
-            if not slots and not mine and not flips:
+            # A compensated FlatGrad's slots: at most FLAT_WRITE_ELEMENTS captured at once, as
+            # ParallelSum holds them (NOTE [ A compensated FlatGrad in the caller's graph ])
+            groups = by_elements(running) if split and not flipped else [running]
+            ran = []
+            for group in groups:
+                failing[k] = group  # the models whose graphs a failure leaves to search
+                ran.append(capture(group, captured))
+            if all(flips is None for flips in ran):  # nothing wanted
                 del failing[k]
                 return None
-            wrt = [*(params[s] for s in slots), *mine, *(flipped[j - n_aliased] for j in flips)]
-            found = pull_back(outs, wrt, cots, keep_graph)
-            for slot, grad in zip(slots, found):
-                param_grads[slot] = grad
-            if mine:
-                at = len(slots)
-                for i in running:
-                    captured[i] = found[at : at + n_aliased]
-                    at += n_aliased
-            # A flipped argument's gradient: the chunk's models' parts, added by the engine
-            # in the order of their graphs, one thread
-            flip_grads = list(zip(flips, found[len(found) - len(flips) :]))
-            del found
+            flip_grads = [g for flips in ran for g in flips or ()]
         del failing[k]
         if aliases is None and not flip_grads:
             return None
@@ -679,12 +770,16 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             )
     except BaseException as exc:
         undo()
+        if writes is not None:
+            writes.rollback()
         error = exc
     if error is not None:
         try:
             raise_failure(error)
         finally:
             error = edges = None
+    if writes is not None:
+        writes.commit()
     learn_pullback_writes(plan, looked)
     arg_grads: list[Tensor | None] = [None] * n_args
     if aliases is not None or flipped:

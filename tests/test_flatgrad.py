@@ -474,18 +474,24 @@ def test_failed_backward_leaves_grads_as_they_were(state, compensated, n_jobs):
     parsum.sum_models(models, x).sum().backward()  # and it keeps working
 
 
-@pytest.mark.parametrize("hooked", [False, True], ids=["hookless", "a hooked parameter"])
+@pytest.mark.parametrize("route", ["hookless", "a hooked parameter", "ParallelSum"])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_a_chunks_slots_written_together_or_as_they_come_hold_the_same_bits(
-    hooked, n_jobs, monkeypatch
+    route, n_jobs, monkeypatch
 ):
-    # ParallelSum writes a chunk's slots once its models are pulled back, or as soon as the
-    # waiting gradients reach FLAT_WRITE_ELEMENTS: the same bits either way, the plain loop's
-    # gradients, a hooked parameter's returned to autograd (its hook runs once; its slots then
-    # looked at one by one), and a model failing in the middle of a chunk leaves every slot as
-    # it was (and the compensations, which autograd's own write into the buffer, the hooked
-    # parameter's, makes stale: dropped by the next backward either way).
+    # A backward writes a chunk's slots once its models are pulled back, or as soon as the
+    # waiting gradients reach FLAT_WRITE_ELEMENTS (the caller's graph: engine calls capturing
+    # at most that many): the same bits either way, the plain loop's gradients, a hooked
+    # parameter's returned to autograd (its hook runs once; its slots then looked at one by
+    # one), and a model failing
+    # in the middle of a chunk leaves every slot as it was (and the compensations, which
+    # autograd's own write into the buffer, the hooked parameter's, makes stale: dropped by the
+    # next backward either way). Hooked, the models go through ParallelSum.
     x = torch.randn(5, IN)
+    hooked = route == "a hooked parameter"
+    node = "CallerGraphSumBackward" if route == "hookless" else "ParallelSumBackward"
+    if route == "ParallelSum":
+        monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
 
     def make():
         torch.manual_seed(0)
@@ -496,11 +502,12 @@ def test_a_chunks_slots_written_together_or_as_they_come_hold_the_same_bits(
 
     def train(write_elements, armed=False):
         monkeypatch.setattr(parsum._function, "FLAT_WRITE_ELEMENTS", write_elements)
+        monkeypatch.setattr(parsum._inline, "FLAT_WRITE_ELEMENTS", write_elements)
         models = make()
         flat = parsum.FlatGrad(models, compensated=True)
         for scale in (1.0, 1e-4):
             y = parsum.sum_models(models, x * scale, n_jobs=n_jobs, chunk_size=3)
-            assert type(y.grad_fn).__name__ == "ParallelSumBackward"
+            assert type(y.grad_fn).__name__ == node
             y.pow(2).sum().backward()
         before = [p.grad.clone() for p in flat.params], [c.clone() for c in flat._comps.values()]
         models[-2].armed = armed
@@ -733,11 +740,92 @@ def test_zero_with_a_parameter_gone_or_a_grad_replaced():
     assert flat.flat.abs().sum() == 0
 
 
-def test_a_compensated_flatgrad_is_written_by_parallel_sum():
-    models = zoo(seed=2)
-    parsum.FlatGrad(models, compensated=True)
-    y = parsum.sum_models(models, torch.randn(5, IN))
-    assert type(y.grad_fn).__name__ == "ParallelSumBackward"
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_the_callers_graph_captures_a_compensated_flatgrads_slots_a_few_at_a_time(
+    n_jobs, monkeypatch
+):
+    # Its engine calls capture at most FLAT_WRITE_ELEMENTS of the slots' gradients, or one
+    # larger model's, as ParallelSum holds them (a chunk's at once grew the peak of 32 MLPs
+    # of 1M parameters by 8%): the same bits as one call for all.
+    x = torch.randn(5, IN)
+    sizes = [sum(p.numel() for p in mlp([w]).parameters()) for w in (8, 4, 6, 30, 5)]
+    calls: list[int] = []
+    pull_back = parsum._inline.pull_back
+
+    def spy(outs, wrt, *args, **kwargs):
+        calls.append(sum(t.numel() for t in wrt))
+        return pull_back(outs, wrt, *args, **kwargs)
+
+    def train(limit):
+        monkeypatch.setattr(parsum._inline, "FLAT_WRITE_ELEMENTS", limit)
+        torch.manual_seed(0)
+        models = [mlp([w]) for w in (8, 4, 6, 30, 5)]
+        flat = parsum.FlatGrad(models, compensated=True)
+        calls.clear()
+        for scale in (1.0, 1e-4):
+            y = parsum.sum_models(models, x * scale, n_jobs=n_jobs, chunk_size=5)
+            assert type(y.grad_fn).__name__ == "CallerGraphSumBackward"
+            y.pow(2).sum().backward()
+        return flat, list(calls)
+
+    monkeypatch.setattr(parsum._inline, "pull_back", spy)
+    whole, one_call = train(sum(sizes))
+    assert one_call == [sum(sizes)] * 2
+    limit = sizes[0] + sizes[1]
+    parts, split = train(limit)
+    assert split == [limit, sizes[2], sizes[3], sizes[4]] * 2  # the fourth alone: larger
+    assert torch.equal(whole.flat, parts.flat)
+    for a, b in zip(whole._comps.values(), parts._comps.values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["backward", "backward(inputs=)", "autograd.grad"])
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_compensated_flatgrad_in_the_callers_graph_holds_parallel_sums_bits(
+    how, n_jobs, monkeypatch
+):
+    # The caller's graph writes a compensated FlatGrad as ParallelSum does: the same buffer
+    # and compensations, bit for bit, over backward passes whose gradients cancel (where
+    # compensation counts), a gradient from outside the sum, backward(inputs=) naming some
+    # parameters (the others keep theirs) and autograd.grad, which writes nothing.
+    x = torch.randn(5, IN)
+
+    def train(route):
+        torch.manual_seed(0)
+        models = zoo(seed=2)
+        flat = parsum.FlatGrad(models, compensated=True)
+        flat.zero_()
+        monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
+        if route == "callers":
+            monkeypatch.undo()
+        named = trainable(models)[::2]
+        got = []
+        for scale in (1.0, 1e-4, -1.0, 3e-5):
+            y = parsum.sum_models(models, x * scale, n_jobs=n_jobs, chunk_size=2)
+            want = "CallerGraphSumBackward" if route == "callers" else "ParallelSumBackward"
+            assert type(y.grad_fn).__name__ == want
+            loss = y.pow(2).sum() + named[0].sum() * scale  # a gradient from outside the sum
+            if how == "backward":
+                loss.backward()
+            elif how == "backward(inputs=)":
+                loss.backward(inputs=named)
+            else:
+                got.append(torch.autograd.grad(loss, named))
+        return flat, got, {id(p) for p in named}
+
+    (callers, got, named), (parallel, want, _) = train("callers"), train("parallel")
+    assert torch.equal(callers.flat, parallel.flat)
+    for a, b in zip(callers._comps.values(), parallel._comps.values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(got, want, strict=True):
+        assert all(map(torch.equal, a, b))
+    if how == "autograd.grad":
+        assert not callers.flat.any()
+    elif how == "backward(inputs=)":
+        others = [p for p in callers.params if id(p) not in named]
+        assert others and all(p.grad is None or not p.grad.any() for p in others)
+    else:
+        assert callers.flat.any()
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -971,3 +1059,37 @@ def test_models_moved_to_shared_memory_keep_their_flatgrad(n_jobs):
         opt.step()
         opt_twins.step()
     assert all(p.is_shared() for p in trainable(models))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_hessian_vector_product_beside_a_compensated_flatgrad(n_jobs):
+    # autograd.grad(create_graph=True) writes no slot: its gradients are differentiated again,
+    # as the plain loop's (through ParallelSum that raised); backward(create_graph=True) writes
+    # the slots, compensated, and returns gradients that are not differentiable.
+    torch.manual_seed(0)
+    models = [mlp([8]).double(), mlp([5]).double()]
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models, compensated=True)
+    flat.zero_()
+    x = torch.randn(5, IN, dtype=torch.float64)
+    vs = [torch.randn_like(p) for p in trainable(models)]
+
+    def hvp(ms, total):
+        params = trainable(ms)
+        grads = torch.autograd.grad(total.pow(2).sum(), params, create_graph=True)
+        dot = sum((g * v).sum() for g, v in zip(grads, vs))
+        return torch.autograd.grad(dot, params)
+
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    assert type(y.grad_fn).__name__ == "CallerGraphSumBackward"
+    got, want = hvp(models, y), hvp(ref, plain_sum(ref, x))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not flat.flat.any()  # nothing written
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    y.pow(2).sum().backward(create_graph=True)
+    plain_sum(ref, x).pow(2).sum().backward()
+    for p, q in zip(trainable(models), trainable(ref), strict=True):
+        assert is_view_into(p.grad, flat.flat) and not p.grad.requires_grad
+        torch.testing.assert_close(p.grad, q.grad)

@@ -744,12 +744,20 @@ def test_an_argument_a_model_makes_need_a_gradient_gets_the_same_bits_for_any_n_
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize(
     "how",
-    [".grad set", "autograd.grad(x)", "autograd.grad(all)", "backward(inputs=[x])", "retained"],
+    [
+        ".grad set",
+        "autograd.grad(x)",
+        "autograd.grad(all)",
+        "backward(inputs=[x])",
+        "retained",
+        "compensated FlatGrad",
+    ],
 )
 def test_an_argument_a_model_makes_need_a_gradient_gets_it_in_every_backward(how, n_jobs):
     # NOTE [ Arguments made to need a gradient ] in parsum._function: x.grad was left None
     # where the backward captures (a .grad already set, inputs=..., a second backward through
-    # a retained graph), and autograd.grad(loss, x) raised that x was not used in the graph.
+    # a retained graph, a compensated FlatGrad's slots), and autograd.grad(loss, x) raised that
+    # x was not used in the graph.
     torch.manual_seed(0)
     models = [_ForcesInPlace(4 + 2 * i).double() for i in range(5)]
     theirs = clone_models(models)
@@ -758,6 +766,8 @@ def test_an_argument_a_model_makes_need_a_gradient_gets_it_in_every_backward(how
     def step(total, ms):
         x = base.clone()
         params = [p for m in ms for p in m.parameters()]
+        if how == "compensated FlatGrad":
+            parsum.FlatGrad(ms, compensated=True)
         loss = total(ms, x).pow(2).sum()
         if how == ".grad set":
             for p in params:
