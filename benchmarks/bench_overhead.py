@@ -15,7 +15,11 @@
    reduction, returned by one ``torch.autograd.Function`` with an edge to every parameter, whose
    backward pulls every model back in one engine call into ``.grad`` and returns None for the
    parameters. What parsum costs beyond that row is its per-call bookkeeping: checks, the plan's
-   reuse check, the failure handling.
+   reuse check, the failure handling. A fourth, "graph floor, no edges", is the same with the
+   node's edge to every parameter left out (an edge to the argument alone): what the engine's
+   visits to those edges cost, each receiving None, which ``autograd.grad`` with respect to the
+   parameters and ``backward(inputs=...)`` need and no design that pulls the models back inside
+   a node (to name a failing model and undo its gradients) can leave out.
 2. Reduction: summing 16 tensors with parsum's accumulator against a naive add chain, and the
    time the reductions of a medium step take against the whole step.
 3. Large buffers: 8 small models that each hold a 1024 x 1024 constant buffer (a mask), in
@@ -82,6 +86,7 @@ def overhead(w: Workload, rounds: int, zero_grad: bool) -> dict[str, float]:
         "pullbacks only": one_thread(zeroed(lambda: pullbacks_only(models, x))),
         "function floor": one_thread(zeroed(function_floor(models, x))),
         "graph floor": one_thread(zeroed(graph_floor(models, x))),
+        "graph floor, no edges": one_thread(zeroed(graph_floor(models, x, edges=False))),
     }
     for engine in ENGINES:
         if engine == "stacked" and not w.identical:
@@ -90,10 +95,10 @@ def overhead(w: Workload, rounds: int, zero_grad: bool) -> dict[str, float]:
     medians = interleaved(methods, rounds)
     base = medians["plain-1t"]
     print(f"\n{w.name}: {w.description}")
-    print(f"{'method':>18} {'ms/step':>9} {'plain-1t / this':>16} {'extra us/model':>15}")
+    print(f"{'method':>22} {'ms/step':>9} {'plain-1t / this':>16} {'extra us/model':>15}")
     for method, t in medians.items():
         extra = (t - base) / len(models) * 1e6
-        print(f"{method:>18} {t * 1e3:9.2f} {base / t:16.2f} {extra:15.1f}")
+        print(f"{method:>22} {t * 1e3:9.2f} {base / t:16.2f} {extra:15.1f}")
     return medians
 
 
@@ -129,11 +134,16 @@ def function_floor(models: list[torch.nn.Module], x: torch.Tensor) -> Callable[[
     return lambda: loss_of(Floor.apply(x, *everything)).backward()
 
 
-def graph_floor(models: list[torch.nn.Module], x: torch.Tensor) -> Callable[[], None]:
+def graph_floor(
+    models: list[torch.nn.Module], x: torch.Tensor, edges: bool = True
+) -> Callable[[], None]:
     """A step through the caller's-graph design with nothing else: the models run in the
     caller's graph, a node with an edge to every parameter returns their wide sum, and its
-    backward pulls them all back in one engine call, accumulating into ``.grad``."""
+    backward pulls them all back in one engine call, accumulating into ``.grad``. Without
+    ``edges`` the node's one edge is to a leaf of its own."""
     everything = [p for m in models for p in m.parameters()]
+    if not edges:
+        everything = [torch.empty(0, requires_grad=True)]
 
     class Floor(torch.autograd.Function):
         @staticmethod

@@ -349,7 +349,11 @@ def main() -> None:
         results.append(report(name, description, medians, jobs))
     with open(args.json, "w") as f:
         json.dump({"cores": cores, "torch": torch.__version__, "results": results}, f, indent=1)
-    plot(results, jobs, args.png, cores)
+    try:
+        plot(results, jobs, args.png, cores)
+    except ImportError:  # the tables and the JSON stand without the plot
+        print(f"\nwrote {args.json}; no plot: matplotlib is missing (pip install -e '.[examples]')")
+        return
     print(f"\nwrote {args.json} and {args.png}")
 
 
