@@ -71,6 +71,7 @@ from ._plans import (
     stripped,
 )
 from ._random import (
+    drawing_kinds,
     draws_only_dropout,
     has_drawing_layers,
     held_generators,
@@ -270,18 +271,18 @@ def _general_sum(
         findings = joined.model_params if joined is not None else stripped(found)
         walk = Walk(findings, params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk, joined)
-        modules = [m for mp in found for m in mp.modules]
+        may_draw = drawing_kinds([m for mp in found for m in mp.modules])
         # NOTE [ Random numbers in forwards ] in _random: layers that draw say so, whatever
         # the last walk over these models learned (their p may have changed from 0).
-        if has_drawing_layers(modules):
+        if has_drawing_layers(may_draw):
             walk.draws_random = True
         elif walk.draws_random is None and (
             not kept or walk.all_quiet(models)  # NOTE [ Models seen not to draw ] in _random
         ):
             walk.draws_random = False
         # NOTE [ Dropout drawn beforehand ] in _random
-        walk.predraws = kept and None not in walk.programs and draws_only_dropout(modules)
-        idle = idle_dropout(modules) if kept else []
+        walk.predraws = kept and None not in walk.programs and draws_only_dropout(may_draw)
+        idle = idle_dropout(may_draw) if kept else []
         if idle:
             walk._watch_settings(idle)  # a p changed from 0: a new walk, which sees them draw
     model_params, params = walk.model_params, walk.params

@@ -173,6 +173,17 @@ def draws_now(module: nn.Module) -> bool:
     return 0 < p < 1
 
 
+def drawing_kinds(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Those of ``modules`` whose class may draw random numbers (``_DRAWING_LAYERS``), told by
+    their classes at once: a set planned anew on every call (members drawn at random) asks
+    ``has_drawing_layers``, ``draws_only_dropout`` and ``idle_dropout`` of its modules, each
+    a Python call a module (0.10-0.16 ms for 48 tiny MLPs), where most models hold none."""
+    kinds = [k for k in set(map(type, modules)) if issubclass(k, _DRAWING_LAYERS)]
+    if not kinds:
+        return []
+    return [m for m in modules if type(m) in kinds]
+
+
 def has_drawing_layers(modules: Iterable[nn.Module]) -> bool:
     """Whether any of ``modules`` is a torch.nn layer that draws random numbers now."""
     return any(map(draws_now, modules))

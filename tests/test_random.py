@@ -827,3 +827,48 @@ def test_a_generator_passed_to_every_model_is_drawn_from_in_model_order(n_jobs):
         want = sum(m(x, generator=gens[1]) for m in plain)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(gens[0].get_state(), gens[1].get_state())
+
+
+class _MyDropout(nn.Dropout):
+    """A user's dropout class: it draws as its base does."""
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_new_sets_dropout_questions_read_the_layers_that_may_draw_alone(training):
+    # A new set asks its modules three questions about dropout; they are asked of the modules
+    # whose classes may draw alone (drawing_kinds), and must answer as over every module.
+    cases = [
+        [nn.Linear(3, 3), nn.Tanh()],
+        [nn.Linear(3, 3), nn.Dropout(0.2), nn.ReLU()],
+        [nn.Dropout(0.0), nn.Linear(3, 3)],
+        [_MyDropout(0.3), nn.Linear(3, 3)],
+        [nn.RReLU(), nn.Dropout(0.5, inplace=True)],
+        [nn.Dropout1d(0.1), nn.AlphaDropout(0.0), nn.Sequential(nn.Linear(2, 2))],
+    ]
+    for modules in cases:
+        for m in modules:
+            m.train(training)
+        kept = _random.drawing_kinds(modules)
+        assert all(m in modules for m in kept)
+        assert _random.has_drawing_layers(kept) == _random.has_drawing_layers(modules)
+        assert _random.draws_only_dropout(kept) == _random.draws_only_dropout(modules)
+        assert _random.idle_dropout(kept) == _random.idle_dropout(modules)
+    assert _random.drawing_kinds([nn.Linear(3, 3), nn.Tanh()]) == []
+    mine = _MyDropout(0.3)
+    assert _random.drawing_kinds([nn.Linear(3, 3), mine]) == [mine]
+
+
+def test_a_new_set_of_a_users_dropout_class_is_seen_drawing():
+    # Through sum_models: a set planned anew whose models hold a subclass of nn.Dropout runs
+    # its forwards as the plain loop draws them, for any n_jobs.
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), _MyDropout(0.5), nn.Linear(8, 2)) for _ in range(6)]
+    x = torch.randn(5, 4)
+    for n_jobs in (1, 2):
+        for members in ([0, 2, 4], [1, 3, 5], [0, 1, 5]):
+            drawn = [models[i] for i in members]
+            torch.manual_seed(7)
+            got = parsum.sum_models(drawn, x, n_jobs=n_jobs)
+            torch.manual_seed(7)
+            want = sum(m(x) for m in drawn)
+            assert torch.allclose(got, want, atol=1e-6)
