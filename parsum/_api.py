@@ -71,12 +71,12 @@ from ._plans import (
     stripped,
 )
 from ._random import (
-    drawing_kinds,
     draws_only_dropout,
     has_drawing_layers,
     held_generators,
     idle_dropout,
     is_generator,
+    layers_that_may_draw,
     noise_key,
 )
 from ._sparse import has_user_hooks
@@ -271,7 +271,7 @@ def _general_sum(
         findings = joined.model_params if joined is not None else stripped(found)
         walk = Walk(findings, params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk, joined)
-        may_draw = drawing_kinds([m for mp in found for m in mp.modules])
+        may_draw = layers_that_may_draw([m for mp in found for m in mp.modules])
         # NOTE [ Random numbers in forwards ] in _random: layers that draw say so, whatever
         # the last walk over these models learned (their p may have changed from 0).
         if has_drawing_layers(may_draw):

@@ -173,7 +173,7 @@ def draws_now(module: nn.Module) -> bool:
     return 0 < p < 1
 
 
-def drawing_kinds(modules: Sequence[nn.Module]) -> list[nn.Module]:
+def layers_that_may_draw(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """Those of ``modules`` whose class may draw random numbers (``_DRAWING_LAYERS``), told by
     their classes at once: a set planned anew on every call (members drawn at random) asks
     ``has_drawing_layers``, ``draws_only_dropout`` and ``idle_dropout`` of its modules, each

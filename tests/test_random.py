@@ -836,7 +836,7 @@ class _MyDropout(nn.Dropout):
 @pytest.mark.parametrize("training", [True, False])
 def test_a_new_sets_dropout_questions_read_the_layers_that_may_draw_alone(training):
     # A new set asks its modules three questions about dropout; they are asked of the modules
-    # whose classes may draw alone (drawing_kinds), and must answer as over every module.
+    # whose classes may draw alone (layers_that_may_draw), and must answer as over every module.
     cases = [
         [nn.Linear(3, 3), nn.Tanh()],
         [nn.Linear(3, 3), nn.Dropout(0.2), nn.ReLU()],
@@ -848,14 +848,14 @@ def test_a_new_sets_dropout_questions_read_the_layers_that_may_draw_alone(traini
     for modules in cases:
         for m in modules:
             m.train(training)
-        kept = _random.drawing_kinds(modules)
+        kept = _random.layers_that_may_draw(modules)
         assert all(m in modules for m in kept)
         assert _random.has_drawing_layers(kept) == _random.has_drawing_layers(modules)
         assert _random.draws_only_dropout(kept) == _random.draws_only_dropout(modules)
         assert _random.idle_dropout(kept) == _random.idle_dropout(modules)
-    assert _random.drawing_kinds([nn.Linear(3, 3), nn.Tanh()]) == []
+    assert _random.layers_that_may_draw([nn.Linear(3, 3), nn.Tanh()]) == []
     mine = _MyDropout(0.3)
-    assert _random.drawing_kinds([nn.Linear(3, 3), mine]) == [mine]
+    assert _random.layers_that_may_draw([nn.Linear(3, 3), mine]) == [mine]
 
 
 def test_a_new_set_of_a_users_dropout_class_is_seen_drawing():
