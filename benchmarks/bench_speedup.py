@@ -324,7 +324,11 @@ def main() -> None:
         print(f"torch {saved['torch']}, {saved['cores']} usable cores (from {args.replot})")
         for r in saved["results"]:
             report(r["workload"], r["description"], r["seconds"], jobs)
-        plot(saved["results"], jobs, args.png, saved["cores"])
+        try:
+            plot(saved["results"], jobs, args.png, saved["cores"])
+        except ImportError:  # the tables stand without the plot
+            print("\nno plot: matplotlib is missing (pip install -e '.[examples]')")
+            return
         print(f"wrote {args.png}")
         return
     jobs = [int(j) for j in args.jobs.split(",")]
