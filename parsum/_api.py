@@ -296,7 +296,20 @@ def _general_sum(
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
     stepping = step_in_backward is not None
-    key = (engine, batch, chunk_size, chosen, budget, on_device, stepping, vmap_failure_count())
+    # The GIL's state too: a free-threaded build enables it when a module that needs it is
+    # imported (NOTE [ Threads without the GIL ] in _grouping).
+    gil = _config.gil_enabled()
+    key = (
+        engine,
+        batch,
+        chunk_size,
+        chosen,
+        budget,
+        on_device,
+        stepping,
+        gil,
+        vmap_failure_count(),
+    )
     derived = walk.derived.get(key)
     if derived is None:
         # Keys kept by the models' own walks only where their records were just checked

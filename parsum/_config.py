@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, replace
@@ -173,6 +174,14 @@ def thread_budget() -> int:
     (which follows ``OMP_NUM_THREADS``, ``torch.set_num_threads`` and torchrun's setting of one
     per process), capped by the usable cores. NOTE [ Thread budget ] in ``_pool``."""
     return max(1, min(torch.get_num_threads(), usable_cores()))
+
+
+def gil_enabled() -> bool:
+    """Whether this interpreter runs with the GIL now: always before Python 3.13; a
+    free-threaded build runs without it until a module that needs it is imported (NOTE
+    [ Threads without the GIL ] in _grouping)."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
 
 
 def n_jobs_is_default(n_jobs: int | None) -> bool:

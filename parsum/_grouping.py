@@ -117,6 +117,23 @@ whether threads pay.
 #   2 threads than on 1, which counting each weight once (0.07-0.15M parameter-rows a model)
 #   missed.
 #
+# NOTE [ Threads without the GIL ]
+# The rules above count the GIL: a model's Python runs on one thread at a time, so small models
+# keep their forwards in the calling thread and the forwards take fewer workers than the
+# pullbacks. A free-threaded interpreter (Python 3.13t and later, with torch's cp314t wheels)
+# runs that Python side by side, and there the forwards take the pullbacks' workers. Only the
+# workers change, never the chunks, so the bits are those of the GIL's interpreter and of any
+# n_jobs. The GIL's state is read on every call and is part of the plan's key: such an
+# interpreter enables the GIL when a module that needs it is imported (torch.optim imports
+# torch._dynamo, which imports triton where it is installed, as with torch's CUDA wheels; a CPU
+# wheel has none). Measured on 2 cores (2026-12-04, Python 3.14.4 built with --disable-gil,
+# torch 2.13.0, triton removed; benchmarks/bench_against.py --rev HEAD, 30 interleaved rounds,
+# one process): 64 tiny MLPs 1.173x the code before (1.53x the plain loop on 2 intra-op threads,
+# 1.30x before), 64 tiny MLP classes 1.138x; the medium MLPs (workers already) 1.016x and
+# identical tiny MLPs (stacked) 1.018x: unchanged. On that interpreter with PYTHON_GIL=1 the
+# same code keeps its rules. Only 2 cores were measured: the pullbacks' worker counts, and the
+# cap of NOTE [ Threads that pay ] on larger budgets, are still the GIL's.
+#
 # NOTE [ Forwards on fewer workers ]
 # Workers chosen by parsum run the forwards on fewer threads than the pullbacks. A forward
 # holds the GIL for nearly all of the models' GIL-held overhead G (their module calls; a
@@ -230,7 +247,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _pool
-from ._config import thread_budget
+from ._config import gil_enabled, thread_budget
 from ._engines import (
     MODULE_INTERNALS,
     VMAP_FAILED,
@@ -516,7 +533,10 @@ def small_pullback_workers(model_params: Sequence[ModelParams], batch: Batch) ->
 
 def useful_forward_workers(model_params: Sequence[ModelParams], batch: Batch, workers: int) -> int:
     """Of ``workers``, those that pay for the forwards alone: 1 + C / O (NOTE [ Forwards on
-    fewer workers ])."""
+    fewer workers ]); all of them where no GIL holds the models' Python (NOTE [ Threads
+    without the GIL ])."""
+    if not gil_enabled():
+        return workers
     share = _kernel_share(model_params, batch)
     if share < MIN_KERNEL_SHARE:  # NOTE [ Pullbacks of small models ]
         return 1

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from parsum import _config
+from parsum import _config, _grouping
 
 # A deadlock must fail fast with every thread's stack, not hang CI (pytest-timeout also guards).
 faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -48,6 +48,20 @@ def _fresh_seed_and_threads(monkeypatch):
     torch.manual_seed(1234)
     yield
     assert torch.get_num_threads() == threads, "a parsum call changed torch.get_num_threads()"
+
+
+@pytest.fixture
+def gil(monkeypatch):
+    """Worker counts by the GIL's rules, whatever the interpreter (a free-threaded build runs
+    the tests too: NOTE [ Threads without the GIL ] in parsum._grouping); ``gil(False)`` gives
+    a free-threaded interpreter's."""
+
+    def set_gil(enabled: bool) -> None:
+        monkeypatch.setattr(_grouping, "gil_enabled", lambda: enabled)
+        monkeypatch.setattr(_config, "gil_enabled", lambda: enabled)
+
+    set_gil(True)
+    return set_gil
 
 
 @pytest.fixture

@@ -633,7 +633,7 @@ def test_several_threads_pull_back_on_several_threads(cores):
 # NOTE [ Pullbacks in runs of chunks ]
 
 
-def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch):
+def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch, gil):
     cores(2)
     calls = []
     pull_back = _inline.pull_back

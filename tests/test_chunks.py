@@ -687,7 +687,7 @@ def medium_ensemble(batch):
 
 @pytest.mark.parametrize("batch", [64, 1024])
 def test_the_forwards_take_fewer_workers_than_the_pullbacks_where_kernels_are_light(
-    cores, workers_by_job, batch
+    cores, workers_by_job, batch, gil
 ):
     # NOTE [ Forwards on fewer workers ]: 1 + C / O workers for the forwards, 1 + C / G for
     # the pullbacks, where parsum chooses them; the kernels of a large batch pay for all.
@@ -708,7 +708,7 @@ def test_the_forwards_take_fewer_workers_than_the_pullbacks_where_kernels_are_li
     assert sorted(workers_by_job) == [("forward_chunk", 5), ("pull_back_one", 5)]
 
 
-def test_forwards_on_fewer_workers_give_the_bits_of_any_n_jobs(cores, workers_by_job):
+def test_forwards_on_fewer_workers_give_the_bits_of_any_n_jobs(cores, workers_by_job, gil):
     # NOTE [ Forwards on fewer workers ]: the chunks and their order are those of any
     # worker count, so are the bits (the forwards ran on fewer workers: checked).
     cores(16)
@@ -744,7 +744,7 @@ def test_random_sets_under_any_budget_give_the_bits_of_any_n_jobs(cores, seed):
             assert torch.equal(got, want)
 
 
-def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_workers():
+def test_useful_forward_workers_are_one_more_than_the_kernel_share_up_to_the_workers(gil):
     from parsum._grouping import useful_forward_workers
 
     def forward_workers(widths, rows, workers):
@@ -785,7 +785,7 @@ def test_small_pullback_workers_grow_with_the_models_up_to_a_cap():
 
 @pytest.mark.parametrize("n_models", [4, 32])
 def test_small_models_pull_back_on_workers_their_forwards_in_the_caller(
-    cores, workers_by_job, n_models
+    cores, workers_by_job, n_models, gil
 ):
     # NOTE [ Pullbacks of small models ]: the forwards of models too small for workers stay in
     # the calling thread; their pullbacks, GIL-free in the engine, take workers where there is
@@ -803,7 +803,7 @@ def test_small_models_pull_back_on_workers_their_forwards_in_the_caller(
 
 @pytest.mark.parametrize("argument", [False, True])
 def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
-    cores, workers_by_job, argument
+    cores, workers_by_job, argument, gil
 ):
     cores(2)
     models, x = tiny_ensemble(32)
@@ -812,6 +812,34 @@ def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
     for n_jobs in (1, 2, 3):
         for got, want in zip(_step_bits(models, x, argument, n_jobs=n_jobs), bits, strict=True):
             assert torch.equal(got, want)
+
+
+def test_without_the_gil_small_models_run_their_forwards_on_the_workers_too(
+    cores, workers_by_job, gil
+):
+    # NOTE [ Threads without the GIL ]: a free-threaded interpreter runs the models' Python
+    # side by side, so the forwards take the pullbacks' workers; the chunks, hence the bits,
+    # stay. The GIL's state is looked at on every call: an import may enable it.
+    cores(2)
+    models, x = tiny_ensemble(32)
+    with_gil = _step_bits(models, x)
+    assert ("forward_chunk", 1) in workers_by_job and ("pull_back_one", 2) in workers_by_job
+    for enabled in (False, True, False):
+        gil(enabled)
+        workers_by_job.clear()
+        got = _step_bits(models, x)
+        forward = [n for name, n in workers_by_job if name == "forward_chunk"]
+        assert forward == ([1] if enabled else [2])
+        assert ("pull_back_one", 2) in workers_by_job
+        for a, b in zip(got, with_gil, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_gil_is_read_from_the_interpreter():
+    import sys
+
+    check = getattr(sys, "_is_gil_enabled", None)
+    assert parsum._config.gil_enabled() is (True if check is None else check())
 
 
 def _step_bits(models, x, argument=True, **kwargs):
@@ -853,7 +881,7 @@ class _ThreadsSeen(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["tiny", "one medium", "one wide", "stacked", "stacked large"])
-def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind):
+def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind, gil):
     # NOTE [ Kernels too small for intra-op threads ] in parsum._grouping: where no model's
     # kernels are large enough for a second intra-op thread, the default runs the chunks of an
     # explicit n_jobs in the calling thread, one intra-op thread each, with its bits; a model
