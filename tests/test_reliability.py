@@ -1104,11 +1104,32 @@ def test_a_call_leaves_no_reference_cycle_behind(kind, n_jobs):
         for _ in range(5):
             step()
         gc.collect()
-        left = [type(o).__qualname__ for o in gc.garbage]
+        left = [type(o).__qualname__ for o in _in_cycles(gc.garbage)]
     finally:
         gc.set_debug(saved)
         gc.garbage.clear()
     assert left == []
+
+
+def _in_cycles(garbage):
+    """The objects of ``garbage`` on a reference cycle within it. A free-threaded interpreter
+    may also hand the collector objects of no cycle whose last reference another thread dropped
+    (its counts merged later): a chain from a list to an autograd node, made in a worker and
+    dropped by the caller, which no step kept (300 steps: no object more)."""
+    inside = {id(o): o for o in garbage}
+
+    def reaches(start):
+        seen, todo = set(), [start]
+        while todo:
+            for r in gc.get_referents(todo.pop()):
+                if r is start:
+                    return True
+                if id(r) in inside and id(r) not in seen:
+                    seen.add(id(r))
+                    todo.append(r)
+        return False
+
+    return [o for o in garbage if reaches(o)]
 
 
 @pytest.mark.timeout(30)
