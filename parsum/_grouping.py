@@ -246,8 +246,8 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 
-from . import _pool
-from ._config import gil_enabled, thread_budget
+from . import _config, _pool
+from ._config import thread_budget
 from ._engines import (
     MODULE_INTERNALS,
     VMAP_FAILED,
@@ -535,7 +535,7 @@ def useful_forward_workers(model_params: Sequence[ModelParams], batch: Batch, wo
     """Of ``workers``, those that pay for the forwards alone: 1 + C / O (NOTE [ Forwards on
     fewer workers ]); all of them where no GIL holds the models' Python (NOTE [ Threads
     without the GIL ])."""
-    if not gil_enabled():
+    if not _config.gil_enabled():
         return workers
     share = _kernel_share(model_params, batch)
     if share < MIN_KERNEL_SHARE:  # NOTE [ Pullbacks of small models ]

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from parsum import _config, _grouping
+from parsum import _config
 
 # A deadlock must fail fast with every thread's stack, not hang CI (pytest-timeout also guards).
 faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -57,7 +57,6 @@ def gil(monkeypatch):
     a free-threaded interpreter's."""
 
     def set_gil(enabled: bool) -> None:
-        monkeypatch.setattr(_grouping, "gil_enabled", lambda: enabled)
         monkeypatch.setattr(_config, "gil_enabled", lambda: enabled)
 
     set_gil(True)
