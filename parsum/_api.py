@@ -27,6 +27,7 @@ from ._engines import (
     model_kind,
     module_of,
     runs_as_program,
+    shared_state,
     vmap_failure_count,
 )
 from ._errors import ParsumError, a_kind_of
@@ -271,6 +272,14 @@ def _general_sum(
         findings = joined.model_params if joined is not None else stripped(found)
         walk = Walk(findings, params, slots, shared, _forward_in_order(found))
         kept = keep_walk(models, found, walk, joined)
+        if not kept:
+            # NOTE [ State the models share ] in _engines: a walk made for one call learns
+            # nothing, so every call is its first: models that share state run their forwards
+            # in model order and their pullbacks last first.
+            sharing = shared_state(found)
+            walk.writes_shared = walk.pullbacks_write_shared = bool(
+                sharing.named or sharing.reached
+            )
         may_draw = layers_that_may_draw([m for mp in found for m in mp.modules])
         # NOTE [ Random numbers in forwards ] in _random: layers that draw say so, whatever
         # the last walk over these models learned (their p may have changed from 0).

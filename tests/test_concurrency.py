@@ -1507,6 +1507,37 @@ def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind,
     assert not any(name.startswith("parsum-worker") for name in seen)
 
 
+@pytest.mark.parametrize("kind", ["log", "object", "tensor", "module", "dict-log"])
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+def test_models_planned_on_every_call_that_write_into_state_they_share_run_in_model_order(
+    cores, kind, route
+):
+    # Models holding tensors in a list are planned on every call, by a walk that learns
+    # nothing: their forwards ran on the threads, writing in the threads' order (two counts
+    # at once lost one without the GIL, found by tests/test_differential.py on free-threaded
+    # Python). Every call is such a walk's first: in model order.
+    cores(2)
+    seen: list[str] = []
+    models = shares_state(kind, seen)
+    for m in models:
+        m.bank = [torch.zeros(1)]  # NOTE [ Reused plans ] in parsum._plans: not kept
+    ref = clone_models(models)
+    if route == "ParallelSum":
+        models[0].body[0].bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN)
+    for _ in range(3):
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        y.sum().backward()
+        y_ref = plain_sum(ref, x)
+        y_ref.sum().backward()
+        torch.testing.assert_close(y, y_ref)
+        if kind == "tensor":
+            assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
+        else:
+            assert shared_of(models[0]) == shared_of(ref[0])
+    assert not any(name.startswith("parsum-worker") for name in seen)
+
+
 @pytest.mark.parametrize("kind", ["tensor", "tensor-log"])
 def test_state_they_share_made_under_inference_mode_is_looked_at_by_its_values(cores, kind):
     # An inference tensor keeps no version: reading one in the state the models share raised
@@ -1872,6 +1903,36 @@ def test_backward_hooks_that_write_shared_state_run_in_the_plain_loops_order(
         assert torch.equal(x.grad, grad)
     for m, r in zip(models, again):
         assert torch.equal(m.lin.weight.grad, r.lin.weight.grad)
+
+
+@pytest.mark.parametrize("how", ["full", "tensor"])
+@pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
+def test_backward_hooks_of_models_planned_on_every_call_run_in_the_plain_loops_order(
+    cores, how, route
+):
+    # A walk made for one call learns nothing (models holding tensors in a list): its
+    # pullbacks run last model first, as a kept walk's first backward does.
+    cores(2)
+    log: list[int] = []
+    threads: list[str] = []
+    models = logging_pullbacks(how, [], log, threads)
+    ref_log: list[int] = []
+    ref = logging_pullbacks(how, [], ref_log, [])
+    for m in (*models, *ref):
+        m.bank = [torch.zeros(1)]  # NOTE [ Reused plans ] in parsum._plans: not kept
+    if route == "ParallelSum":
+        models[0].out.bias.register_hook(lambda g: g * 1)
+    x = torch.randn(5, IN, requires_grad=True)
+    for call in range(3):
+        log.clear()
+        ref_log.clear()
+        x.grad = None
+        parsum.sum_models(models, x, n_jobs=2, chunk_size=1).pow(2).sum().backward()
+        grad = x.grad
+        x.grad = None
+        plain_sum(ref, x).pow(2).sum().backward()
+        assert log == ref_log == list(range(13, 7, -1)), call
+        torch.testing.assert_close(grad, x.grad)
 
 
 def test_backward_hooks_that_write_nothing_shared_keep_the_pullbacks_on_the_threads(cores):
