@@ -85,9 +85,9 @@ class Pace:
     def choose(self) -> bool:
         """Whether this call runs on the workers; the step since the last call is timed. No
         lock: calls of one plan from several threads at once may mistime a step, which changes
-        no result, where a KeyboardInterrupt landing as a lock was taken would have left it
-        taken, and the plan's next call waiting forever (NOTE [ Interrupted callers ] in
-        _pool)."""
+        no result (a look two of them judge at once is judged by the first), where a
+        KeyboardInterrupt landing as a lock was taken would have left it taken, and the plan's
+        next call waiting forever (NOTE [ Interrupted callers ] in _pool)."""
         now = clock()
         last, self._last = self._last, None
         if last is not None:
@@ -134,6 +134,8 @@ class Pace:
         """After a look: switch where its steps ran faster than the current way's latest, the
         typical step and the fastest alike, or look later."""
         look, self._look = self._look, []
+        if len(look) < LOOK_CALLS:  # judged by another caller of the plan at once
+            return
         steps, typical = self._steps, statistics.median(look)
         if (
             len(steps) >= LOOK_CALLS

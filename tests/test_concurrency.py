@@ -167,6 +167,10 @@ def test_concurrent_callers_each_keep_their_own_thread_count(cores):
     x = torch.randn(6, IN)
 
     def caller(t):
+        # A new thread takes the count any thread set last at its first parallel op (torch's,
+        # get_num_threads included): asked first, then set, it keeps its own (without the GIL
+        # another caller set 1 between the two, and this one then found 1 before any call).
+        torch.get_num_threads()
         torch.set_num_threads(2 - t % 2)
         counts = []
         for _ in range(rounds):

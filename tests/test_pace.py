@@ -115,6 +115,19 @@ def test_steady_steps_still_switch_through_noise(clock):
     assert not pace.on_workers
 
 
+def test_a_look_two_callers_judge_at_once_is_judged_once(clock):
+    # Calls of one plan from several threads take no lock: two that both saw the look's last
+    # step in could both judge it, and the second found it emptied (statistics.median of
+    # nothing raised in the user's call).
+    pace = Pace()
+    drive(pace, clock, FIRST_LOOK + LOOK_CALLS + 1, workers_s=10.0, alone_s=5.0)
+    assert not pace.on_workers  # the first judgement switched
+    pace._look = [1.0] * LOOK_CALLS
+    pace._judge()
+    pace._judge()  # the second caller's, on the emptied look
+    assert not pace._look
+
+
 def helpers_ran(monkeypatch):
     """The jobs handed to helpers from now on (forwards and pullbacks alike), each by its
     helper count: a job handed over is on the workers, whether or not a helper woke in time to
