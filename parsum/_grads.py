@@ -112,10 +112,12 @@ BufferKey = tuple[torch.dtype, torch.device]
 _owners: dict[int, tuple[weakref.ref[FlatGrad], int]] = {}
 
 
-_owners_changed = [0]  # bumped whenever a FlatGrad takes a parameter over
+# A new object whenever a FlatGrad takes a parameter over: two changes at once in two threads
+# give two values, where a count's ``+= 1`` could lose one and a reader miss the second.
+_owners_changed = [object()]
 
 
-def owners_generation() -> int:
+def owners_generation() -> object:
     """A number that changes whenever a parameter gets a new FlatGrad slot (a cache of
     ``owner_of`` answers stays good while it is unchanged and their FlatGrads live)."""
     return _owners_changed[0]
@@ -136,7 +138,7 @@ def _forget(ids: list[int]) -> None:
         entry = _owners.get(key)
         if entry is not None and entry[0]() is None:
             del _owners[key]
-    _owners_changed[0] += 1  # a FlatGrad gone: ParamSlots find their slots again
+    _owners_changed[0] = object()  # a FlatGrad gone: ParamSlots find their slots again
 
 
 @dataclass
@@ -378,7 +380,7 @@ class FlatGrad:
         if previous is not None:
             previous[0]._release(previous[1])
         _owners[id(p)] = (weakref.ref(self), index)
-        _owners_changed[0] += 1
+        _owners_changed[0] = object()
         p.grad = self._slots[index].view
         hook = OwnPostHook(_after_accumulate, self, index, self._slots[index].view)
         self._hooks[index] = p.register_post_accumulate_grad_hook(hook)
@@ -998,11 +1000,11 @@ class ParamSlots:
 
     def __init__(self, params: list[Tensor]) -> None:
         self.params = params
-        self._generation = -1
+        self._generation: object = None  # no generation yet
         # (FlatGrad or None, first slot, length), covering the parameters in order
         self._runs: list[tuple[weakref.ref[FlatGrad] | None, int, int]] = []
         self._compensated = False
-        self._hookless_at: tuple[int | None, int] | None = None
+        self._hookless_at: tuple[int | None, object] | None = None
 
     def _refresh(self) -> None:
         """Find the slots again where a FlatGrad took a parameter over or one is gone."""
@@ -1045,7 +1047,7 @@ class ParamSlots:
                 continue
             flat = ref()
             if flat is None:  # gone after the generation was read: looked up again
-                self._generation = -1
+                self._generation = None
                 return self.views()
             views.extend(flat._views[first : first + n])
         return views

@@ -283,7 +283,7 @@ class Stack(Sequence[nn.Module]):
         # NOTE [ One buffer for a stack ]: per name, the FlatGrad block that holds the models'
         # gradients (or None) as of an owners generation; the names whose stacked .grad was
         # set to their block.
-        self._flat_blocks: dict[str, tuple[int, SlotBlock | None]] = {}
+        self._flat_blocks: dict[str, tuple[object, SlotBlock | None]] = {}
         self._given: set[str] = set()
         self._slots_checked = True  # whether FlatGrad slots fit the models (_check_slots)
         self._trainable: list[str] = []
