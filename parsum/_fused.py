@@ -29,8 +29,11 @@
 # threads; one merged optimizer stepped by both) crashed a process in 3 of 13 probe runs (4
 # threads x 15 calls over 6 MLPs with SGD; a segmentation fault in SGD's step): each model's
 # steps take its lock (a merged step or a stacked one, those of its models in their order), so
-# steps of one model follow each other and those of different models still run at once. (Such
-# threads mostly fail anyway: a step changes the parameters other threads' graphs saved.)
+# steps of one model follow each other and those of different models still run at once. So does
+# the check for a gradient after a step (NOTE [ Gradients from outside the sum ]), which another
+# thread's backward runs: without the GIL it dropped the .grad a step had just set, whose
+# optimizer then met None (3 in about 100 runs of tests/test_concurrency.py's four threads).
+# (Such threads mostly fail anyway: a step changes the parameters other threads' graphs saved.)
 #
 # NOTE [ One step over a chunk's small models ]
 # An optimizer's step costs about 40 us of Python before its first parameter (its hooks, the
@@ -716,7 +719,12 @@ def _no_gradient_after_step(
     sib = sib_ref()
     if sib is None or id(param) not in sib._stepped:
         return
-    param.grad = None
+    # NOTE [ Steps of one model in several threads ]: not while another thread's step of this
+    # model holds the .grad it set (taken away, its optimizer met None)
+    with sib._step_locks[i]:
+        if param.grad is None:
+            return
+        param.grad = None
     model = sib.models[i]
     raise ParsumError(
         f"{_WHERE}: parameter {name!r} of models[{i}] ({type(model).__name__}) got a gradient "

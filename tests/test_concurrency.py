@@ -476,10 +476,41 @@ def test_one_step_in_backward_for_threads_training_at_once_does_not_crash(cores,
                 try:
                     y.pow(2).mean().backward()
                 except RuntimeError as exc:  # a step's change, or the mark of another's
-                    assert any(k in str(exc) for k in ("an inplace operation", "after its"))
+                    assert any(k in str(exc) for k in ("an inplace operation", "after its")), exc
 
         _together(train, 4)
         assert all(torch.isfinite(p).all() for m in models for p in m.parameters())
+
+
+def test_a_gradient_check_waits_for_another_threads_step_of_that_model():
+    # Found on free-threaded Python by the test above (3 runs in about 100): a parameter's
+    # check for a gradient after its step (NOTE [ Gradients from outside the sum ] in
+    # parsum._fused), run by another thread's backward, dropped the .grad a step of that model
+    # had just set, and the step's optimizer met None ("'NoneType' object has no attribute
+    # 'is_sparse'"). The check now takes the model's step lock.
+    from parsum._fused import _no_gradient_after_step
+
+    model = mlp([4])
+    sib = parsum.StepInBackward([model], torch.optim.SGD, lr=0.1)
+    p = model[0].weight
+    sib._stepped.add(id(p))  # stepped earlier in a backward
+    g = torch.ones_like(p)
+    held, seen = threading.Event(), []
+
+    def a_step():
+        with sib._step_locks[0]:
+            p.grad = g  # as StepInBackward._step sets it, then steps
+            held.set()
+            time.sleep(0.05)
+            seen.append(p.grad)
+            p.grad = None
+
+    stepping = threading.Thread(target=a_step)
+    stepping.start()
+    held.wait(10)
+    _no_gradient_after_step(weakref.ref(sib), 0, "0.weight", p)  # finds none once it is done
+    stepping.join(10)
+    assert seen == [g]
 
 
 def test_records_of_threads_training_parameters_go_with_their_plans(cores):
