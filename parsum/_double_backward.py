@@ -38,7 +38,6 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +59,7 @@ from ._function import (
     under_vmap,
 )
 from ._grads import wanted_gradients, wanted_inputs
+from ._locks import Lock
 from ._summation import WIDE, CompensatedAccumulator
 
 
@@ -77,7 +77,7 @@ class Holds:
         # task (NOTE [ One pullback for a sum and its derivatives ]): backward passes through
         # a retained graph may run at once in several threads.
         self.merges: dict[int, Merge] = {}
-        self.lock = threading.Lock()
+        self.lock = Lock()
 
     def __bool__(self) -> bool:
         return any(ref() is not None for ref in self.refs)

@@ -71,6 +71,7 @@ from ._engines import (
 from ._errors import ParsumError, message_of
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
+from ._locks import Lock
 from ._random import (
     Turns,
     draw_noise,
@@ -1215,7 +1216,7 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 # sets an unset ``.grad`` outside this lock: once a second thread trains a parameter, nothing
 # is stored into its ``.grad`` any more, NOTE [ Parameters trained in several threads ] in
 # _grads.)
-_STORE_LOCK = threading.Lock()
+_STORE_LOCK = Lock()
 
 
 def _store_grad(param: Tensor, grad: Tensor) -> None:

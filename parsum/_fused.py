@@ -72,14 +72,12 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import importlib
 import inspect
 import itertools
 import operator
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -87,6 +85,7 @@ from torch import Tensor, nn
 
 from ._config import check_model_sequence
 from ._errors import ParsumError, a_kind_of, message_of
+from ._locks import Lock, T, run_holding
 from ._sparse import OwnPostHook
 
 _WHERE = "StepInBackward"
@@ -182,7 +181,7 @@ class StepInBackward:
         # that steps them as one.
         self._merged: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         # NOTE [ Steps of one model in several threads ]: one lock per model.
-        self._step_locks = [threading.Lock() for _ in models]
+        self._step_locks = [Lock() for _ in models]
         self._watch_gradients()
         self.optimizers: list[torch.optim.Optimizer | None] = []
         for i, model in enumerate(models):
@@ -237,7 +236,7 @@ class StepInBackward:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._step_locks = [threading.Lock() for _ in self.models]
+        self._step_locks = [Lock() for _ in self.models]
         self._index = {id(model): i for i, model in enumerate(self.models)}
         self._stepped = set()
         self._stacked = {}
@@ -321,17 +320,12 @@ class StepInBackward:
         (NOTE [ One step over a chunk's small models ])."""
         if self._shared_counts:  # a stacked model's step count: its own step separates it
             return False
-        with self.holding(j for j, _, _ in entries):
-            return self._step_as_one(entries)
+        return self.holding((j for j, _, _ in entries), lambda: self._step_as_one(entries))
 
-    @contextlib.contextmanager
-    def holding(self, js: Iterable[int]) -> Iterator[None]:
-        """Hold the step locks of models ``js`` (NOTE [ Steps of one model in several
-        threads ]), taken in index order: no two threads wait on each other."""
-        with contextlib.ExitStack() as held:
-            for j in sorted(set(js)):
-                held.enter_context(self._step_locks[j])
-            yield
+    def holding(self, js: Iterable[int], run: Callable[[], T]) -> T:
+        """``run()`` holding the step locks of models ``js`` (NOTE [ Steps of one model in
+        several threads ]), taken in index order: no two threads wait on each other."""
+        return run_holding([self._step_locks[j] for j in sorted(set(js))], run)
 
     def _step_as_one(
         self, entries: Sequence[tuple[int, Sequence[Tensor], Sequence[Tensor | None]]]

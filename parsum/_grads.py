@@ -99,6 +99,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from ._engines import model_kind
 from ._errors import ParsumError, a_kind_of
+from ._locks import Lock
 from ._sparse import OwnPostHook, handle_count, has_user_hooks, has_user_post_hooks
 from ._summation import compensated_add_
 
@@ -273,7 +274,7 @@ class FlatGrad:
         self._held: set[int] = set()  # NOTE [ Slots filled after the join ]
         # NOTE [ Backward passes in several threads ]: FlatWrites running, the gradients
         # handed in by those that ran beside another, the slots whose fresh .grad waits.
-        self._lock = threading.RLock()  # reentrant: a FlatWrites' __del__ may end it
+        self._lock = Lock()  # reentrant: a FlatWrites' __del__ may end it
         self._writing = 0
         self._handed_in: list[tuple[_Slot, Tensor, Tensor]] = []
         self._unmoved: set[int] = set()
@@ -904,7 +905,7 @@ _trainer_of: dict[int, list[int]] = {}  # id(p) -> [thread or _SEVERAL, walks re
 _released: list[list[int]] = []  # the ids recorded by walks gone, dropped at the next look
 _SEVERAL = -1  # thread identifiers are not negative
 _trainers_changed = [0]  # bumped whenever a parameter is found trained by a second thread
-_TRAINERS_LOCK = threading.Lock()
+_TRAINERS_LOCK = Lock()
 
 
 def trainer_of(p: Tensor) -> int | None:

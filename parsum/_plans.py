@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -71,6 +70,7 @@ from ._engines import (
 )
 from ._grads import ParamSlots, ParamTrainers
 from ._grouping import structure_key
+from ._locks import Lock
 from ._pace import Pace
 from ._sparse import (
     any_sampled,
@@ -515,7 +515,7 @@ _plans: OrderedDict[tuple[Hashable, ...], Walk] = OrderedDict()
 _quiet: dict[Hashable, tuple[weakref.ref[Any], tuple[bool, ...]]] = {}
 # Reentrant: a model collected while a thread holds it (the collector runs on any allocation)
 # calls _Forget, which takes it again in the same thread.
-_lock = threading.RLock()
+_lock = Lock()
 
 
 def known_walk(models: Sequence[Callable[..., Any]]) -> Walk | None:

@@ -217,6 +217,7 @@ import torch
 from torch.utils._device import DeviceContext
 
 from . import _config
+from ._locks import Latch, Lock
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -382,8 +383,8 @@ class _Job:
         self.handed = False  # whether it went to them
         self.on_abandon: Callable[[], None] | None = None  # NOTE [ Interrupted callers ]
         self.failures: dict[int, BaseException] = {}
-        self.done = threading.Event()
-        self._lock = threading.Lock()
+        self.done = Latch()
+        self._lock = Lock()
         self._next_claim = 0
         # Chunks that helpers run (NOTE [ Interrupted callers ]): the caller waits only for
         # those, once it has left ``work``.
@@ -523,7 +524,7 @@ class _Pool:
         self._queue: queue.SimpleQueue[_Job | _Signal] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._leaving: list[threading.Thread] = []  # helpers that handed over and end
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._parked = threading.Semaphore(0)
         self.is_parked = False
 

@@ -102,7 +102,6 @@ import contextlib
 import os
 import random
 import sys
-import threading
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -110,6 +109,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from ._locks import Latch, Lock
 
 if TYPE_CHECKING:
     from ._engines import DirectProgram
@@ -240,28 +241,42 @@ class Turns:
     """Chunk k's turn to draw comes once chunks 0 to k - 1 had theirs (NOTE [ Dropout drawn
     beforehand ]); threads claim chunks in chunk order, so each waits on chunks running. A
     wait that ends in an exception (an interrupt) ends every later chunk's wait with an error:
-    its turn would never come."""
+    its turn would never come. Latches, not a Condition, whose Python code an interrupt could
+    leave holding its lock (NOTE [ Locks and interrupts ] in _locks)."""
 
     def __init__(self) -> None:
+        self._lock = Lock()
         self._next = 0
         self._broken = False
-        self._changed = threading.Condition(threading.Lock())
+        self._turns: dict[int, Latch] = {}
+
+    def _turn(self, k: int) -> Latch:
+        with self._lock:
+            turn = self._turns.get(k)
+            if turn is None:
+                turn = self._turns[k] = Latch()
+                if self._next >= k or self._broken:
+                    turn.set()
+            return turn
 
     def wait(self, k: int) -> None:
-        with self._changed:
-            try:
-                self._changed.wait_for(lambda: self._next >= k or self._broken)
-            except BaseException:
+        try:
+            self._turn(k).wait()
+        except BaseException:
+            with self._lock:
                 self._broken = True
-                self._changed.notify_all()
-                raise
-            if self._next < k:
-                raise RuntimeError(f"chunk {k}'s turn to draw never came: an earlier one failed")
+                for turn in self._turns.values():
+                    turn.set()
+            raise
+        if self._next < k:
+            raise RuntimeError(f"chunk {k}'s turn to draw never came: an earlier one failed")
 
     def done(self, k: int) -> None:
-        with self._changed:
+        with self._lock:
             self._next = k + 1
-            self._changed.notify_all()
+            turn = self._turns.get(k + 1)
+            if turn is not None:
+                turn.set()
 
 
 def may_recompute(nodes: Sequence[Any]) -> bool:

@@ -53,6 +53,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import ParsumError, a_kind_of
+from ._locks import Lock
 from ._summation import WIDE, CompensatedAccumulator
 
 _WHERE = "take_rows"
@@ -72,7 +73,7 @@ class _Table:
 
 
 _tables: dict[int, _Table] = {}
-_tables_lock = threading.Lock()
+_tables_lock = Lock()
 
 
 def any_sampled() -> bool:

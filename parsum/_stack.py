@@ -98,7 +98,6 @@ from __future__ import annotations
 import functools
 import operator
 import sys
-import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -138,6 +137,7 @@ from ._grads import (
     slot_block,
 )
 from ._grouping import Batch, structure_key
+from ._locks import Lock
 from ._pool import autocast_states
 from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
 from ._summation import sum_dtype, weigh_models, wide_sum_over_models
@@ -269,7 +269,7 @@ class Stack(Sequence[nn.Module]):
         # round, so that models the user drops are freed with their stack.
         self._refs = tuple(weakref.ref(m) for m in models)
         self.values: dict[str, Tensor] = dict(values or {})
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._warned: set[str] = set()
         self._broken: str | None = None
         self._grad_buffers: dict[str, Tensor] = {}
@@ -1203,15 +1203,17 @@ class _Stepping:
         try:
             order = [self.sib.index(m) for m in stack.models]
             try:
-                with self.sib.holding(order):  # type: ignore[arg-type]  # checked by sum_models
-                    done_as_one = step_stacked(
+                done_as_one = self.sib.holding(
+                    order,  # type: ignore[arg-type]  # checked by sum_models
+                    lambda: step_stacked(
                         self.sib,
                         id(stack),
                         order,  # type: ignore[arg-type]
                         [stack._params[name] for name in names],
                         [stack.values[name] for name in names],
                         [grads.get(name) for name in names],
-                    )
+                    ),
+                )
             except Exception as exc:
                 raise ParsumError(
                     f"sum_models: the optimizer step of the {len(order)} stacked models, as one "

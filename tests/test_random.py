@@ -620,14 +620,15 @@ def test_turns_come_in_chunk_order_and_a_broken_wait_ends_the_later_ones():
     waiter = threading.Thread(target=later)
     waiter.start()
     deadline = time.monotonic() + 10
-    while not broken._changed._waiters and time.monotonic() < deadline:  # it waits for turn 2
+    while 2 not in broken._turns and time.monotonic() < deadline:  # it waits for turn 2
         time.sleep(0.001)
 
-    def interrupted():  # chunk 1 is interrupted while it waits for chunk 0
-        raise KeyboardInterrupt
+    class Interrupted:  # chunk 1 is interrupted while it waits for chunk 0
+        def wait(self):
+            raise KeyboardInterrupt
 
-    with broken._changed:
-        broken._changed.wait_for = lambda predicate: interrupted()
+    turn = broken._turn
+    broken._turn = lambda k: Interrupted() if k == 1 else turn(k)
     with pytest.raises(KeyboardInterrupt):
         broken.wait(1)
     waiter.join(timeout=10)
