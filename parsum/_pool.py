@@ -34,7 +34,9 @@
 # enough for a second Ctrl-C, which would leave them writing as the first would have: they wait
 # through one interrupt and raise it once the chunks have ended (``_Job.wait_out``). One more
 # leaves them running, with a warning: a chunk that never ends (a model waiting on something
-# that never comes) must not hold the caller beyond the user's insistence.
+# that never comes) must not hold the caller beyond the user's insistence. Every lock the
+# caller takes, and a job's ``done``, are _locks' (NOTE [ Locks and interrupts ]): on Python
+# 3.14 an interrupt could leave a plain lock's ``with`` holding it.
 #
 # NOTE [ The caller's last chunk ]
 # At a job's end one thread runs the last chunk while the others have nothing left. Where that
