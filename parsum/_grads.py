@@ -119,7 +119,7 @@ _owners_changed = [object()]
 
 
 def owners_generation() -> object:
-    """A number that changes whenever a parameter gets a new FlatGrad slot (a cache of
+    """A token, a new object whenever a parameter gets a new FlatGrad slot (a cache of
     ``owner_of`` answers stays good while it is unchanged and their FlatGrads live)."""
     return _owners_changed[0]
 

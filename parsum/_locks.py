@@ -7,7 +7,7 @@
 # is set up (CPython issue 148874): the ``with`` raises holding the lock, and the next thread
 # to take it waits forever. A loop of ``with lock: pass`` interrupted every 0.2 ms for 4 s left
 # the lock held after 8361 of 13260 interrupts on 3.14.4 without the GIL, 17 of 724 with it,
-# none on 3.10 and 3.11; a call of sum_models interrupted 20 times hung in about 1 run of 10
+# none on 3.10 to 3.13; a call of sum_models interrupted 20 times hung in about 1 run of 10
 # there (the caller and a helper both waiting on the gradient store's lock). ``threading``'s
 # Condition and Event leak their lock so on any version: their Python code runs holding it.
 #
@@ -15,7 +15,7 @@
 # start, before the lock is taken, and its own acquire raises inside a ``try`` that gives the
 # lock back if this thread took it (an RLock knows its owner; a plain lock does not). Its
 # ``__exit__`` is RLock's, in C: taken back before any check. No leak in 14059 interrupts of
-# the loop above on 3.14 (nor on 3.10, 3.11); 40 ns more a ``with`` than a plain lock's. A
+# the loop above on 3.14 (nor on 3.10 to 3.13); 40 ns more a ``with`` than a plain lock's. A
 # ``Latch`` is an Event built on it and on a plain lock as a gate that only its setter gives
 # back. Both hold when one interrupt lands anywhere: a second one raised inside the handling
 # of the first may still leave a lock held, as in any Python code.

@@ -1513,6 +1513,21 @@ def shared_of(model):
     return copy.copy(vars(state) if isinstance(state, (Tally, nn.Module)) else state)
 
 
+def assert_calls_write_as_the_plain_loop(models, ref, x, kind, calls):
+    """``calls`` steps of ``models`` at n_jobs=2 against ``ref`` in the plain loop: the same
+    outputs and the same state shared after each."""
+    for _ in range(calls):
+        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
+        y.sum().backward()
+        y_ref = plain_sum(ref, x)
+        y_ref.sum().backward()
+        torch.testing.assert_close(y, y_ref)
+        if kind == "tensor":
+            assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
+        else:
+            assert shared_of(models[0]) == shared_of(ref[0])
+
+
 @pytest.mark.parametrize(
     "kind", ["log", "dict", "object", "tensor", "module", "object-log", "dict-log"]
 )
@@ -1529,16 +1544,7 @@ def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind,
     x = torch.randn(5, IN)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(4):
-            y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
-            y.sum().backward()
-            y_ref = plain_sum(ref, x)
-            y_ref.sum().backward()
-            torch.testing.assert_close(y, y_ref)
-            if kind == "tensor":
-                assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
-            else:
-                assert shared_of(models[0]) == shared_of(ref[0])
+        assert_calls_write_as_the_plain_loop(models, ref, x, kind, calls=4)
     assert not any(name.startswith("parsum-worker") for name in seen)
 
 
@@ -1560,16 +1566,7 @@ def test_models_planned_on_every_call_that_write_into_state_they_share_run_in_mo
     if route == "ParallelSum":
         models[0].body[0].bias.register_hook(lambda g: g * 1)
     x = torch.randn(5, IN)
-    for _ in range(3):
-        y = parsum.sum_models(models, x, n_jobs=2, chunk_size=1)
-        y.sum().backward()
-        y_ref = plain_sum(ref, x)
-        y_ref.sum().backward()
-        torch.testing.assert_close(y, y_ref)
-        if kind == "tensor":
-            assert torch.equal(shared_of(models[0]), shared_of(ref[0]))
-        else:
-            assert shared_of(models[0]) == shared_of(ref[0])
+    assert_calls_write_as_the_plain_loop(models, ref, x, kind, calls=3)
     assert not any(name.startswith("parsum-worker") for name in seen)
 
 
