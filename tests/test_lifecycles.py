@@ -337,3 +337,4 @@ if __name__ == "__main__":
                 failed += 1
                 print(f"{kind}: {exc}")
     print(f"{count} lifecycles of each kind ({', '.join(CHECKS)}), {failed} failed")
+    sys.exit(1 if failed else 0)  # a script that plays them sees a failure
