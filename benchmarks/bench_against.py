@@ -27,7 +27,7 @@ experts picked per batch: a set of models not seen before, most steps), the same
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
 the same kinds, where parsum's cost a call weighs more).
 
-    python benchmarks/bench_against.py --rev HEAD~3|FOLDER [--adam] [--sib] [--n-jobs 2]
+    python benchmarks/bench_against.py --rev HEAD~3|FOLDER[,REV2,...] [--adam] [--sib] [--n-jobs 2]
         [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
             flat-compensated]
         [--members 0.75] [--first 16]
@@ -69,10 +69,12 @@ import parsum
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def import_revision(rev: str, into: pathlib.Path) -> Any:
+def import_revision(rev: str, into: pathlib.Path, name: str = "parsum_base") -> Any:
     """The ``parsum`` package of git revision ``rev``, or in folder ``rev`` (a lent machine's
     copy of the tree has no git history: ``git archive REV parsum | tar -x -C FOLDER`` there
-    first), imported as ``parsum_base``."""
+    first), imported as ``name`` from a folder of its own under ``into``."""
+    into = into / name
+    into.mkdir()
     folder = pathlib.Path(rev) / "parsum"
     if folder.is_dir():
         shutil.copytree(folder, into / "parsum")
@@ -85,9 +87,9 @@ def import_revision(rev: str, into: pathlib.Path) -> Any:
                 tar.extractall(into, filter="data")
             else:
                 tar.extractall(into)
-    (into / "parsum").rename(into / "parsum_base")  # its imports are relative: it runs there
+    (into / "parsum").rename(into / name)  # its imports are relative: it runs there
     sys.path.insert(0, str(into))
-    return importlib.import_module("parsum_base")
+    return importlib.import_module(name)
 
 
 def step_of(
@@ -176,7 +178,8 @@ def main() -> None:
         "--rev",
         required=True,
         help="the git revision to compare against, or a folder holding its parsum package; "
-        "none: this checkout against the plain loop alone",
+        "several, comma-separated, each against this checkout in the same rounds (a bisection "
+        "in one process); none: this checkout against the plain loop alone",
     )
     parser.add_argument("--adam", action="store_true", help="an Adam step after each call")
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
@@ -206,8 +209,12 @@ def main() -> None:
     )
     parser.add_argument("--first", type=int, default=None, help="the first N models alone")
     args = parser.parse_args()
+    revs = [] if args.rev == "none" else args.rev.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        base = None if args.rev == "none" else import_revision(args.rev, pathlib.Path(tmp))
+        bases = [
+            (rev, import_revision(rev, pathlib.Path(tmp), f"parsum_base{i}"))
+            for i, rev in enumerate(revs)
+        ]
         plain = "plain+adam" if args.adam or args.sib else "plain"
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
@@ -216,9 +223,7 @@ def main() -> None:
         )
         for w in workloads_of(args.workloads):
             methods = {}
-            packages = [(plain, None), ("this", parsum)] + (
-                [] if base is None else [(args.rev, base)]
-            )
+            packages = [(plain, None), ("this", parsum), *bases]
             chosen = w.models[: args.first]
             for label, pkg in packages:
                 models = copy.deepcopy(chosen)
@@ -231,10 +236,8 @@ def main() -> None:
                 f"{label} {t * 1e3:.2f} ms ({seconds[plain] / t:.3f}x {plain})"
                 for label, t in seconds.items()
             )
-            against = (
-                ""
-                if base is None
-                else (f"; this / {args.rev} {seconds[args.rev] / seconds['this']:.3f}x")
+            against = "".join(
+                f"; this / {rev} {seconds[rev] / seconds['this']:.3f}x" for rev in revs
             )
             which = "" if args.first is None else f" (the first {len(chosen)})"
             print(f"{w.description}{which}: {shown}{against}")

@@ -63,6 +63,14 @@
 #                                           # profile_step.py --members of the default on the
 #                                           # medium and tiny classes (~3 min)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
+#   bash benchmarks/run_16cores.sh bisect   # which commit made the medium MLPs' default step
+#                                           # slower on 16 cores (forty-sixth session: 0.89-
+#                                           # 0.97x the eighteenth's): every parsum revision
+#                                           # since 6c6f94c in one process, a coarse pass then a
+#                                           # fine one (bisect_revs.py; carry build/revs.tar.xz,
+#                                           # made here first by `python benchmarks/
+#                                           # bisect_revs.py prepare 6c6f94c..HEAD
+#                                           # build/revs.tar.xz`; ~3 min)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -129,6 +137,10 @@ team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers
         --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
 }
 case $mode in
+bisect)
+    (cd benchmarks && timeout 420 python bisect_revs.py run ../build/revs.tar.xz --coarse 10 \
+        --rounds 60 --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/bisect.txt" 2>&1
+    ;;
 suite)
     # The whole suite on 16 cores and this torch; -v: a failure's name shows even where the
     # limit cuts the run (2026-11-30: 200 s ran 97% of it on 14 workers).

@@ -245,6 +245,36 @@ def test_bench_against_a_folder_holding_a_parsum(tmp_path):
     assert f"this checkout against {tmp_path}" in out and f"this / {tmp_path} " in out
 
 
+def test_bench_against_several_revisions(tmp_path):
+    shutil.copytree(ROOT / "parsum", tmp_path / "parsum")
+    args = ["--rev", f"HEAD,{tmp_path}", "--rounds", "1", "--settle-ms", "0"]
+    out = run("benchmarks/bench_against.py", *args, "--workloads", "distinct-tiny:8")
+    last = out.splitlines()[-1]
+    assert f"{tmp_path} " in last and "this / HEAD " in last and f"this / {tmp_path} " in last
+
+
+def test_bisect_revisions(tmp_path):
+    # Two revisions that changed parsum: the coarse pass takes both, the fine pass the same two.
+    archive = tmp_path / "revs.tar.xz"
+    done = subprocess.run(
+        ["git", "log", "--format=%h", "-n", "2", "--", "parsum"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0 or len(done.stdout.split()) < 2:
+        pytest.skip("needs this checkout's git history")
+    later, first = done.stdout.split()
+    out = run("benchmarks/bisect_revs.py", "prepare", f"{first}..{later}", str(archive))
+    assert "2 revisions of parsum" in out
+    args = ["--coarse", "5", "--rounds", "1", "--settle-ms", "0"]
+    out = run(
+        "benchmarks/bisect_revs.py", "run", str(archive), *args, "--workloads", "distinct-tiny:8"
+    )
+    assert "coarse pass: 2 revisions" in out and "fine pass: 000-" in out
+    assert f"change point: 000-{first} | 001-{later}, the steps after it " in out, out
+
+
 @pytest.mark.parametrize("step", ["flat", "flat-zero"])
 def test_bench_against_with_a_flat_grad(step):
     args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--step", step]

@@ -1,0 +1,160 @@
+"""Find the commit that made a step slower: many revisions' parsum in one process, in two passes.
+
+A regression seen only on a lent machine (16 cores) needs its bisection there, in few calls, and
+that machine's copy of the tree has no git history. ``prepare`` (here, with git) writes the
+parsum package of every commit in a range that touched it, in order, into one compressed
+archive to carry; ``run`` (there) unpacks it, times every ``--coarse``-th revision and the last
+in one process (bench_against.py's interleaved rounds, each revision's package imported under a
+name of its own with its own pool), then every revision between the two neighbours where the
+step changed (the split with the largest rise of the mean log time after it over before it),
+with those two again. Times are medians of single steps, each after
+``--settle-ms`` of untimed ones; each line gives a revision's step against the first one's.
+
+    python benchmarks/bisect_revs.py prepare 6c6f94c..HEAD build/revs.tar.xz
+    python benchmarks/bisect_revs.py run build/revs.tar.xz [--coarse 10] [--rounds 60]
+        [--workloads heterogeneous-medium:64] [--n-jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import Any
+
+import torch
+from bench_against import import_revision
+from common import interleaved, parsum_step, workloads_of
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def prepare(revisions: str, archive: pathlib.Path) -> None:
+    """The parsum package of the range's first commit and of each later one that changed it,
+    as ``NNN-SHA/parsum`` folders in ``archive``."""
+    first = revisions.split("..")[0]
+    later = subprocess.run(
+        ["git", "log", "--reverse", "--format=%h", revisions, "--", "parsum"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    shas = [first, *later]
+    with tarfile.open(archive, "w:xz") as out:
+        for i, sha in enumerate(shas):
+            tree = subprocess.run(
+                ["git", "archive", sha, "parsum"], cwd=ROOT, capture_output=True, check=True
+            ).stdout
+            with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
+                for member in tar.getmembers():
+                    member.name = f"{i:03d}-{sha}/{member.name}"
+                    data = tar.extractfile(member) if member.isfile() else None
+                    out.addfile(member, data)
+    print(f"{len(shas)} revisions of parsum in {archive}")
+
+
+def measure(
+    folders: list[pathlib.Path], into: pathlib.Path, args: argparse.Namespace, imported: dict
+) -> dict[str, dict[str, float]]:
+    """Each workload's median step of each revision in ``folders``, in one set of rounds."""
+    for folder in folders:
+        if folder.name not in imported:
+            name = "parsum_r" + folder.name.replace("-", "_")
+            imported[folder.name] = import_revision(str(folder), into, name)
+    times = {}
+    for w in workloads_of(args.workloads):
+        methods = {}
+        for folder in folders:
+            models = copy.deepcopy(w.models)
+            package: Any = imported[folder.name]
+            methods[folder.name] = _step(package, models, w.x, args.n_jobs)
+        seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
+        first = seconds[folders[0].name]
+        print(w.description)
+        for label, t in seconds.items():
+            print(f"  {label}: {t * 1e3:.2f} ms, {t / first:.3f}x the first's time")
+        times[w.description] = seconds
+    return times
+
+
+def _step(package: Any, models: list[torch.nn.Module], x: torch.Tensor, n_jobs: Any) -> Any:
+    return lambda: parsum_step(models, x, package, n_jobs=n_jobs)
+
+
+def change_point(folders: list[pathlib.Path], times: dict[str, dict[str, float]]) -> int:
+    """The k that splits ``folders`` where the mean log step time after it exceeds the mean
+    before it the most, averaged over the workloads: a step change stands out of single-step
+    noise of a few percent that picking the largest jump between neighbours would follow.
+    Printed with that rise, to hold against the noise between neighbours."""
+    logs = [[math.log(seconds[f.name]) for f in folders] for seconds in times.values()]
+
+    def rise(k: int) -> float:
+        return statistics.fmean(statistics.fmean(t[k:]) - statistics.fmean(t[:k]) for t in logs)
+
+    k = max(range(1, len(folders)), key=rise)
+    print(
+        f"change point: {folders[k - 1].name} | {folders[k].name}, the steps after it "
+        f"{math.exp(rise(k)):.3f}x as long as before it"
+    )
+    return k
+
+
+def run(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        with tarfile.open(args.archive) as tar:
+            if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+                tar.extractall(root / "revs", filter="data")
+            else:
+                tar.extractall(root / "revs")
+        every = sorted((root / "revs").iterdir())
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; "
+            f"{len(every)} revisions, medians of {args.rounds} interleaved rounds"
+        )
+        imported: dict[str, Any] = {}
+        coarse = every[:: args.coarse]
+        if coarse[-1] != every[-1]:
+            coarse.append(every[-1])
+        print(f"coarse pass: {len(coarse)} revisions")
+        times = measure(coarse, root, args, imported)
+        k = change_point(coarse, times)
+        start, stop = every.index(coarse[k - 1]), every.index(coarse[k])
+        fine = every[start : stop + 1]
+        print(f"fine pass: {coarse[k - 1].name} to {coarse[k].name}, {len(fine)} revisions")
+        times = measure(fine, root, args, imported)
+        change_point(fine, times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="archive the revisions (needs git)")
+    p.add_argument("revisions", help="a git range, FIRST..LAST")
+    p.add_argument("archive", type=pathlib.Path)
+    r = commands.add_parser("run", help="time them, in two passes")
+    r.add_argument("archive", type=pathlib.Path)
+    r.add_argument("--coarse", type=int, default=10, help="every Nth revision first")
+    r.add_argument("--rounds", type=int, default=60)
+    r.add_argument("--settle-ms", type=float, default=20.0)
+    r.add_argument("--n-jobs", type=int, default=None)
+    r.add_argument(
+        "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
+    )
+    args = parser.parse_args()
+    if args.command == "prepare":
+        prepare(args.revisions, args.archive)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
