@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from . import _pool
 from ._engines import (
+    GLOBAL_BACKWARD_HOOKS,
     INTERNAL_LEAVES,
     LEAF_SPEC,
     ArgumentHooked,
@@ -203,6 +204,12 @@ class SumPlan:
                 "; engine='vjp' cannot run TorchScript modules (torch.func.functional_call "
                 "refuses them): use engine='autograd' or 'auto'"
             )
+        if self.engine == "vjp" and _has_backward_hooks(model):
+            hint = (
+                "; engine='vjp' cannot run a module with a backward hook (a full one's "
+                "autograd.Function is refused by torch.func, an old one's module is vjp's "
+                "shadow, gone by backward): use engine='autograd' or 'auto'"
+            )
         if unit is not None and unit.engine == "stacked":
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
             if not isinstance(exc, (ForeignLeaves, ArgumentHooked)):  # which no engine runs
@@ -219,6 +226,14 @@ class SumPlan:
         if weight_tensor is not None:
             return weight_tensor[i].detach()
         return None if self.weights is None else self.weights[i]
+
+
+def _has_backward_hooks(model: Any) -> bool:
+    """Whether a module backward hook or pre-hook runs on some module of ``model`` (its own
+    or a global one)."""
+    return any(GLOBAL_BACKWARD_HOOKS) or any(
+        m._backward_pre_hooks or m._backward_hooks for m in ModelParams.of(model).modules
+    )
 
 
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:

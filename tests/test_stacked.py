@@ -672,6 +672,37 @@ def test_vjp_engine_names_torchscript():
         parsum.sum_models(models, torch.randn(3, IN), engine="vjp")
 
 
+@pytest.mark.filterwarnings("ignore:.*non-full backward hook:UserWarning")
+@pytest.mark.parametrize("hook", ["full", "pre", "old", "global"])
+def test_vjp_engine_names_a_backward_hook(hook):
+    # torch.func refuses a full hook's autograd.Function in forward; an old hook's module is
+    # vjp's shadow, dead by backward. The other engines run both (tested with the models' zoo).
+    models = [mlp([8]) for _ in range(2)]
+    ref = copy.deepcopy(models)
+    layer = models[1][2]
+    handle = {
+        "full": lambda: layer.register_full_backward_hook(lambda m, gi, go: None),
+        "pre": lambda: models[1][0].register_full_backward_pre_hook(lambda m, go: None),
+        "old": lambda: layer.register_backward_hook(lambda m, gi, go: None),
+        "global": lambda: nn.modules.module.register_module_full_backward_hook(
+            lambda m, gi, go: None
+        ),
+    }[hook]()
+    try:
+        first = 0 if hook == "global" else 1  # a global hook runs on every model
+        message = (
+            f"model {first} .*engine='vjp' cannot run a module with a backward hook"
+            ".*use engine='autograd' or 'auto'"
+        )
+        with pytest.raises(parsum.ParsumError, match=message):
+            parsum.sum_models(models, torch.randn(3, IN), engine="vjp").sum().backward()
+        for m, r in zip(models, ref):
+            for p, q in zip(m.parameters(), r.parameters()):
+                assert p.grad is None and torch.equal(p, q)
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("engine", ["stacked", "auto"])
 @pytest.mark.parametrize("how", ["two calls", "retained graph", "clipped"])
