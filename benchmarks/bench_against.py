@@ -83,13 +83,18 @@ def import_revision(rev: str, into: pathlib.Path, name: str = "parsum_base") -> 
             ["git", "archive", rev, "parsum"], cwd=ROOT, capture_output=True, check=True
         ).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
-                tar.extractall(into, filter="data")
-            else:
-                tar.extractall(into)
+            extract_all(tar, into)
     (into / "parsum").rename(into / name)  # its imports are relative: it runs there
     sys.path.insert(0, str(into))
     return importlib.import_module(name)
+
+
+def extract_all(tar: tarfile.TarFile, into: pathlib.Path) -> None:
+    """Every member of ``tar`` into ``into``, through the data filter where Python has it."""
+    if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
+        tar.extractall(into, filter="data")
+    else:
+        tar.extractall(into)
 
 
 def step_of(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import io
 import math
 import pathlib
@@ -30,10 +31,8 @@ import tempfile
 from typing import Any
 
 import torch
-from bench_against import import_revision
+from bench_against import ROOT, extract_all, import_revision
 from common import interleaved, parsum_step, workloads_of
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def prepare(revisions: str, archive: pathlib.Path) -> None:
@@ -74,8 +73,10 @@ def measure(
         methods = {}
         for folder in folders:
             models = copy.deepcopy(w.models)
-            package: Any = imported[folder.name]
-            methods[folder.name] = _step(package, models, w.x, args.n_jobs)
+            package = imported[folder.name]
+            methods[folder.name] = functools.partial(
+                parsum_step, models, w.x, package, n_jobs=args.n_jobs
+            )
         seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
         first = seconds[folders[0].name]
         print(w.description)
@@ -83,10 +84,6 @@ def measure(
             print(f"  {label}: {t * 1e3:.2f} ms, {t / first:.3f}x the first's time")
         times[w.description] = seconds
     return times
-
-
-def _step(package: Any, models: list[torch.nn.Module], x: torch.Tensor, n_jobs: Any) -> Any:
-    return lambda: parsum_step(models, x, package, n_jobs=n_jobs)
 
 
 def change_point(folders: list[pathlib.Path], times: dict[str, dict[str, float]]) -> int:
@@ -111,10 +108,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         with tarfile.open(args.archive) as tar:
-            if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later
-                tar.extractall(root / "revs", filter="data")
-            else:
-                tar.extractall(root / "revs")
+            extract_all(tar, root / "revs")
         every = sorted((root / "revs").iterdir())
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; "
