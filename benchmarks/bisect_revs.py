@@ -9,15 +9,21 @@ name of its own with its own pool), then every revision between the two neighbou
 step changed (the split with the largest rise of the mean log time after it over before it),
 with those two again. Times are medians of single steps, each after
 ``--settle-ms`` of untimed ones; each line gives a revision's step against the first one's.
+``decisions`` (anywhere, no timing) prints what each revision decides a step with ``--cores``
+faked (joblib's count and the intra-op threads): the jobs its pool runs, their chunks, workers,
+order and intra-op threads, each time they differ from the revision before; a slowdown on many
+cores where every revision decides alike is in how the jobs run, not in what they are.
 
     python benchmarks/bisect_revs.py prepare 6c6f94c..HEAD build/revs.tar.xz
     python benchmarks/bisect_revs.py run build/revs.tar.xz [--coarse 10] [--rounds 60]
         [--workloads heterogeneous-medium:64] [--n-jobs N]
+    python benchmarks/bisect_revs.py decisions build/revs.tar.xz [--cores 16] [--steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import io
@@ -28,8 +34,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+import joblib
 import torch
 from bench_against import ROOT, extract_all, import_revision
 from common import interleaved, parsum_step, workloads_of
@@ -66,8 +74,7 @@ def measure(
     """Each workload's median step of each revision in ``folders``, in one set of rounds."""
     for folder in folders:
         if folder.name not in imported:
-            name = "parsum_r" + folder.name.replace("-", "_")
-            imported[folder.name] = import_revision(str(folder), into, name)
+            imported[folder.name] = imported_revision(folder, into)
     times = {}
     for w in workloads_of(args.workloads):
         methods = {}
@@ -104,12 +111,23 @@ def change_point(folders: list[pathlib.Path], times: dict[str, dict[str, float]]
     return k
 
 
-def run(args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def unpacked(archive: pathlib.Path) -> Iterator[tuple[pathlib.Path, list[pathlib.Path]]]:
+    """A temporary folder, and the revisions' folders in order, unpacked under it."""
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        with tarfile.open(args.archive) as tar:
+        with tarfile.open(archive) as tar:
             extract_all(tar, root / "revs")
-        every = sorted((root / "revs").iterdir())
+        yield root, sorted((root / "revs").iterdir())
+
+
+def imported_revision(folder: pathlib.Path, root: pathlib.Path) -> Any:
+    """The parsum package in ``folder``, imported under a name of its own."""
+    return import_revision(str(folder), root, "parsum_r" + folder.name.replace("-", "_"))
+
+
+def run(args: argparse.Namespace) -> None:
+    with unpacked(args.archive) as (root, every):
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; "
             f"{len(every)} revisions, medians of {args.rounds} interleaved rounds"
@@ -128,6 +146,54 @@ def run(args: argparse.Namespace) -> None:
         change_point(fine, times)
 
 
+# The pool's functions whose arguments and results are a step's decisions (its job-making helper
+# was renamed on the way, and decides nothing these do not show).
+DECIDING = ("run_ordered", "start_ordered", "run_last_first", "threads_for", "intra_op_threads")
+
+
+def _shown(value: Any) -> str | None:
+    """``value`` as a decision prints it; None for what is not one (a task, a consumer)."""
+    return repr(value) if isinstance(value, (bool, int, tuple, type(None))) else None
+
+
+def _recorded(function: Any, name: str, calls: list[str]) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        shown = [s for s in map(_shown, [*args, *kwargs.values()]) if s is not None]
+        calls.append(f"{name}({', '.join(shown)}) -> {_shown(result) or type(result).__name__}")
+        return result
+
+    return call
+
+
+def decisions(args: argparse.Namespace) -> None:
+    joblib.cpu_count = lambda *_, **__: args.cores  # before any revision asks (it keeps it)
+    torch.set_num_threads(args.cores)
+    workloads = list(workloads_of(args.workloads))
+    with unpacked(args.archive) as (root, every):
+        print(
+            f"{len(every)} revisions, {args.cores} cores faked; the jobs of step {args.steps} "
+            "where they differ from the revision before"
+        )
+        before: dict[str, str] = {}
+        for folder in every:
+            package = imported_revision(folder, root)
+            pool = sys.modules[f"{package.__name__}._pool"]
+            calls: list[str] = []
+            for name in DECIDING:
+                if hasattr(pool, name):
+                    setattr(pool, name, _recorded(getattr(pool, name), name, calls))
+            for w in workloads:
+                models = copy.deepcopy(w.models)
+                for _ in range(args.steps):
+                    calls.clear()
+                    parsum_step(models, w.x, package)
+                step = "\n".join(f"    {c}" for c in calls)
+                if before.get(w.description) != step:
+                    print(f"{folder.name}, {w.description}:\n{step}")
+                    before[w.description] = step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -143,9 +209,25 @@ def main() -> None:
     r.add_argument(
         "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
     )
+    d = commands.add_parser("decisions", help="what each decides, with cores faked")
+    d.add_argument("archive", type=pathlib.Path)
+    d.add_argument("--cores", type=int, default=16)
+    d.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        help="the step shown (a plan's looks at one thread alone start at its 33rd call)",
+    )
+    d.add_argument(
+        "--workloads",
+        default="heterogeneous-medium:64,distinct-medium:64",
+        help="name[:batch], comma-separated",
+    )
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.revisions, args.archive)
+    elif args.command == "decisions":
+        decisions(args)
     else:
         run(args)
 

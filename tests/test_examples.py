@@ -273,6 +273,10 @@ def test_bisect_revisions(tmp_path):
     )
     assert "coarse pass: 2 revisions" in out and "fine pass: 000-" in out
     assert f"change point: 000-{first} | 001-{later}, the steps after it " in out, out
+    args = ["--cores", "4", "--steps", "2", "--workloads", "distinct-tiny:8"]
+    out = run("benchmarks/bisect_revs.py", "decisions", str(archive), *args)
+    assert "2 revisions, 4 cores faked; the jobs of step 2 " in out
+    assert f"000-{first}, 64 distinct MLP classes" in out and "run_ordered(" in out, out
 
 
 @pytest.mark.parametrize("step", ["flat", "flat-zero"])
