@@ -71,6 +71,12 @@
 #                                           # made here first by `python benchmarks/
 #                                           # bisect_revs.py prepare 6c6f94c..HEAD
 #                                           # build/revs.tar.xz`; ~3 min)
+#   bash benchmarks/run_16cores.sh streams  # whether CUDA streams could pay (issue #19): the
+#                                           # forwards on 2-8 side streams from one thread and
+#                                           # from 2-4 threads, against the plain loop and parsum
+#                                           # (bench_streams.py), then where a CUDA step's host
+#                                           # time goes, the captured backward beside the
+#                                           # default (profile_step.py; ~3 min; forty-eighth)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -140,6 +146,14 @@ case $mode in
 bisect)
     (cd benchmarks && timeout 420 python bisect_revs.py run ../build/revs.tar.xz --coarse 10 \
         --rounds 60 --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/bisect.txt" 2>&1
+    ;;
+streams)
+    (cd benchmarks && timeout 150 python bench_streams.py --device cuda --rounds 10) \
+        > "$out/streams-cuda.txt" 2>&1
+    for w in heterogeneous-medium cnn-ensemble; do
+        (cd benchmarks && timeout 30 python profile_step.py --device cuda --workload "$w" \
+            --steps 10) >> "$out/profile-cuda.txt" 2>&1
+    done
     ;;
 suite)
     # The whole suite on 16 cores and this torch; -v: a failure's name shows even where the

@@ -1,5 +1,6 @@
 """The examples and the sparse benchmark run end to end, in small sizes, and print their figures."""
 
+import contextlib
 import copy
 import pathlib
 import shutil
@@ -164,6 +165,53 @@ def test_bench_overhead_graph_floor_trains_as_the_plain_loop(monkeypatch):
     for m, twin in zip(models, twins):
         for p, q in zip(m.parameters(), twin.parameters()):
             assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6)
+
+
+class _NoStream:
+    """A CUDA stream's calls, doing nothing: the stream methods' control flow on the CPU."""
+
+    def wait_stream(self, other: object) -> None:
+        assert isinstance(other, _NoStream)
+
+
+def test_bench_streams_methods_train_as_the_plain_loop(monkeypatch):
+    """The stream ceilings of bench_streams.py (written for a GPU) compute the plain loop's
+    gradients, with CUDA's stream calls stood in by ones that do nothing; the script itself
+    runs its CPU methods."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_streams
+    from common import loss_of, workload
+
+    monkeypatch.setattr(torch.cuda, "Stream", _NoStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _NoStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)
+    w = workload("heterogeneous-medium", 8)
+    twins = copy.deepcopy(w.models)
+    loss_of(sum(m(w.x) for m in twins)).backward()
+    for step in (
+        bench_streams.streams_step(w.models, w.x, 3),
+        lambda: bench_streams.two_phase_step(
+            bench_streams.StreamedTwoPhase(w.models, 2, w.x), w.models, w.x
+        ),
+    ):
+        step()
+        for m, twin in zip(w.models, twins):
+            for p, q in zip(m.parameters(), twin.parameters()):
+                assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6)
+    monkeypatch.undo()
+    out = run(
+        "benchmarks/bench_streams.py",
+        "--rounds",
+        "1",
+        "--device",
+        "cpu",
+        "--threads",
+        "2",
+        "--workloads",
+        "heterogeneous-tiny:8",
+    )
+    assert "threads 2" in out and "fastest: " in out
 
 
 @pytest.mark.timeout(360)

@@ -1,0 +1,157 @@
+"""Whether CUDA streams would pay for a sum of models on a GPU: the ceilings, outside parsum.
+
+Issue #19 asks to try the forwards of different models on separate CUDA streams, launched from
+the helper threads (kernel launches overlap, small kernels run side by side), and to keep it
+only if it measures faster. Before parsum does any of it, this times what the idea can give at
+best, each method a training step (forward, the sum, the loss, backward) synchronized with the
+device at its end, against the plain loop:
+
+  plain          the plain loop, one stream
+  streams S      the calling thread launches the models' forwards on S side streams (the
+                 models in S shares of about equal cost); autograd runs each backward op on
+                 its forward op's stream, so the pullbacks overlap on the device too
+  threads T      T threads (1 intra-op thread each) each run the forwards of its share and pull
+                 them back (TwoPhase of common.py: the ceiling of parsum's workers), one stream
+  threads+streams T   the same, each thread's forwards on a side stream of its own
+  parsum default, parsum 1   for reference
+
+A method that launches from several threads pays the GIL between launches; autograd runs every
+CUDA backward node on its one device thread whatever thread started the backward.
+
+    python benchmarks/bench_streams.py [--device cuda] [--streams 2,4,8] [--threads 2,4]
+        [--workloads heterogeneous-medium:64,cnn-ensemble,heterogeneous-tiny] [--rounds 20]
+
+On ``--device cpu`` (no GPU) the side streams are left out, and the threads run as on the
+GPU: a check of the script itself, nothing to read about streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import (
+    TwoPhase,
+    balanced_split,
+    interleaved,
+    loss_of,
+    parsum_step,
+    plain_step,
+    synchronized,
+    workloads_of,
+    zero_grads,
+)
+
+
+def streams_step(
+    models: list[torch.nn.Module], x: torch.Tensor, n_streams: int
+) -> Callable[[], None]:
+    """A step whose forwards the calling thread launches on ``n_streams`` side streams, each
+    after the current stream's work (``x`` included); the current stream waits for all of them
+    before it sums, each output marked as used by it (freed after its use, not the side
+    stream's). Every side stream waits before any launch, and the current one only after all:
+    a wait in between would chain the streams one after the other."""
+    shares = [s for s in balanced_split(models, x, n_streams) if s]
+    streams = [torch.cuda.Stream() for _ in shares]
+
+    def step() -> None:
+        zero_grads(models)
+        caller = torch.cuda.current_stream()
+        for stream in streams:
+            stream.wait_stream(caller)
+        outs = []
+        for stream, share in zip(streams, shares):
+            with torch.cuda.stream(stream):
+                outs += [m(x) for m in share]
+        for stream in streams:
+            caller.wait_stream(stream)
+        for o in outs:
+            o.record_stream(caller)
+        loss_of(sum(outs)).backward()  # type: ignore[arg-type]
+
+    return step
+
+
+class StreamedTwoPhase(TwoPhase):
+    """TwoPhase whose threads each launch their forwards on a side stream of their own (on a
+    GPU), waited for as ``streams_step`` waits."""
+
+    def __init__(self, models: list[torch.nn.Module], threads: int, x: torch.Tensor) -> None:
+        super().__init__(models, threads, x)
+        self.streams = [torch.cuda.Stream() for _ in self.shares]
+        self.caller: Any = None
+
+    def _forward(self, p: int, x: torch.Tensor) -> None:
+        stream = self.streams[p]
+        with torch.cuda.stream(stream):
+            self.outs[p] = [m(x) for m in self.shares[p]]
+        for o in self.outs[p]:
+            o.record_stream(self.caller)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.caller = torch.cuda.current_stream()
+        for stream in self.streams:
+            stream.wait_stream(self.caller)
+        self.threads.run(lambda p: self._forward(p, x))
+        for stream in self.streams:
+            self.caller.wait_stream(stream)
+        return sum(o for outs in self.outs for o in outs)  # type: ignore[return-value]
+
+
+def two_phase_step(split: TwoPhase, models: list[torch.nn.Module], x: torch.Tensor) -> None:
+    zero_grads(models)
+    split.backward(split.forward(x))
+
+
+def methods_for(
+    models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Callable[[], None]]:
+    """Every method's step on these models, synchronized on a GPU."""
+    on_gpu = x.is_cuda
+    methods: dict[str, Callable[[], None]] = {
+        "plain": functools.partial(plain_step, models, x),
+        "parsum default": functools.partial(parsum_step, models, x),
+        "parsum 1": functools.partial(parsum_step, models, x, n_jobs=1),
+    }
+    if on_gpu:
+        for s in map(int, args.streams.split(",")):
+            methods[f"streams {s}"] = streams_step(models, x, s)
+    for t in map(int, args.threads.split(",")):
+        methods[f"threads {t}"] = functools.partial(
+            two_phase_step, TwoPhase(models, t, x), models, x
+        )
+        if on_gpu:
+            split = StreamedTwoPhase(models, t, x)
+            methods[f"threads+streams {t}"] = functools.partial(two_phase_step, split, models, x)
+    if on_gpu:
+        methods = {k: synchronized(fn) for k, fn in methods.items()}
+    return methods
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--streams", default="2,4,8")
+    parser.add_argument("--threads", default="2,4")
+    parser.add_argument(
+        "--workloads", default="heterogeneous-medium:64,cnn-ensemble,heterogeneous-tiny"
+    )
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--settle-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__} on {args.device}; medians of {args.rounds} rounds")
+    for w in workloads_of(args.workloads):
+        methods = methods_for([m.to(args.device) for m in w.models], w.x.to(args.device), args)
+        medians = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
+        print(w.description)
+        for name, t in medians.items():
+            print(f"  {name:>20} {t * 1e3:8.3f} ms   plain / this {medians['plain'] / t:5.2f}")
+        best = min(medians, key=medians.__getitem__)
+        print(f"  fastest: {best}, {medians['plain'] / medians[best]:.2f}x the plain loop")
+
+
+if __name__ == "__main__":
+    main()
