@@ -25,12 +25,14 @@ flat-zero with a compensated FlatGrad (its backward through ``ParallelSum``). ``
 sums a new random draw of that share of the models every step (members dropped at random,
 experts picked per batch: a set of models not seen before, most steps), the same draws for
 every method. ``--first 16`` sums the first 16 models of each workload alone (fewer models of
-the same kinds, where parsum's cost a call weighs more).
+the same kinds, where parsum's cost a call weighs more). ``--cpu-time`` times the CPU time of
+every thread of the process instead (``time.process_time``): a step slower in time but not in
+CPU time waits longer for the same work; one slower in both does more work.
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER[,REV2,...] [--adam] [--sib] [--n-jobs 2]
         [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
             flat-compensated]
-        [--members 0.75] [--first 16]
+        [--members 0.75] [--first 16] [--cpu-time]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -213,7 +216,14 @@ def main() -> None:
         "--workloads", default="heterogeneous-medium:64", help="name[:batch], comma-separated"
     )
     parser.add_argument("--first", type=int, default=None, help="the first N models alone")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the CPU time of all threads instead of the time that passed: more work a "
+        "step, or the same work waiting longer",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     revs = [] if args.rev == "none" else args.rev.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         bases = [
@@ -224,6 +234,7 @@ def main() -> None:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
             f"checkout against {args.rev}; medians of {args.rounds} interleaved rounds"
+            + ("; CPU time of all threads" if args.cpu_time else "")
             + ("" if args.members is None else f"; {args.members} of the models drawn a step")
         )
         for w in workloads_of(args.workloads):
@@ -236,7 +247,8 @@ def main() -> None:
                 if args.members is not None:
                     step = Members(models, args.members).around(step)
                 methods[label] = step
-            seconds = interleaved(methods, args.rounds, settle_seconds=args.settle_ms / 1e3)
+            settle = args.settle_ms / 1e3
+            seconds = interleaved(methods, args.rounds, settle_seconds=settle, clock=clock)
             shown = ", ".join(
                 f"{label} {t * 1e3:.2f} ms ({seconds[plain] / t:.3f}x {plain})"
                 for label, t in seconds.items()

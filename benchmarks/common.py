@@ -554,9 +554,10 @@ def interleaved(
     warmup: int = 3,
     settle: int = 0,
     settle_seconds: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[Key, float]:
     """Median seconds per call of each method (see ``interleaved_rounds``)."""
-    times = interleaved_rounds(methods, rounds, warmup, settle, settle_seconds)
+    times = interleaved_rounds(methods, rounds, warmup, settle, settle_seconds, clock)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -566,18 +567,20 @@ def interleaved_rounds(
     warmup: int = 3,
     settle: int = 0,
     settle_seconds: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[Key, list[float]]:
-    """Seconds of each call of each method, the methods run in turn, round by round, so
-    that drift of the machine affects them alike. The order is shuffled every round (seeded):
-    in a fixed order a method's time depended on which method ran before it (the same parsum
-    call measured 0.91x and 0.75x the plain loop in two orders), and a fixed order charges
-    that to the same method in every round. With ``settle``, each method's turn first makes
-    that many calls untimed, so that the timed call runs as it does in a loop of its own: the
-    first call after another method pays for what that one left behind (libgomp's threads
-    spinning for milliseconds after the plain loop's last parallel region, taking a core from
-    the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0 second).
-    With ``settle_seconds``, the untimed calls go on until that long has passed in the turn:
-    libgomp's threads spin for 5-9 ms (NOTE [ Spinning intra-op threads ] in parsum's
+    """Seconds of each call of each method (by ``clock``: ``time.process_time`` counts the CPU
+    time of every thread of the process instead of the time that passed), the methods run in
+    turn, round by round, so that drift of the machine affects them alike. The order is shuffled
+    every round (seeded): in a fixed order a method's time depended on which method ran before
+    it (the same parsum call measured 0.91x and 0.75x the plain loop in two orders), and a fixed
+    order charges that to the same method in every round. With ``settle``, each method's turn
+    first makes that many calls untimed, so that the timed call runs as it does in a loop of its
+    own: the first call after another method pays for what that one left behind (libgomp's
+    threads spinning for milliseconds after the plain loop's last parallel region, taking a core
+    from the next method's threads: 8 CNNs at n_jobs=2, 57.0 ms a step timed first, 55.0
+    second). With ``settle_seconds``, the untimed calls go on until that long has passed in the
+    turn: libgomp's threads spin for 5-9 ms (NOTE [ Spinning intra-op threads ] in parsum's
     _pool), longer than one call of 1 ms steps (64 identical tiny MLPs, parsum in stack_ with
     one settling call: 0.71x vmap in a full run, 0.94-0.95x in blocks of 30 calls)."""
     for fn in methods.values():
@@ -595,9 +598,9 @@ def interleaved_rounds(
                 fn()
             while time.perf_counter() - turn < settle_seconds:
                 fn()
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 

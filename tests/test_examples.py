@@ -6,6 +6,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -332,6 +333,27 @@ def test_bench_against_with_a_flat_grad(step):
     args = ["--rev", "HEAD", "--rounds", "1", "--settle-ms", "0", "--step", step]
     out = run("benchmarks/bench_against.py", *args, "--workloads", "distinct-tiny:8")
     assert "this / HEAD " in out.splitlines()[-1]
+
+
+def test_bench_against_by_cpu_time(monkeypatch):
+    """``--cpu-time`` times the CPU time of the process's threads: a step that sleeps reads
+    almost none, one that computes as long reads its time."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from common import interleaved
+
+    def busy() -> None:
+        end = time.perf_counter() + 0.01
+        while time.perf_counter() < end:
+            pass
+
+    methods = {"sleeps": lambda: time.sleep(0.01), "computes": busy}
+    cpu = interleaved(methods, 3, warmup=0, clock=time.process_time)
+    assert cpu["sleeps"] < 0.3 * cpu["computes"], cpu
+    wall = interleaved(methods, 3, warmup=0)
+    assert wall["sleeps"] > 0.5 * wall["computes"], wall
+    args = ["--rev", "none", "--rounds", "1", "--settle-ms", "0", "--cpu-time"]
+    out = run("benchmarks/bench_against.py", *args, "--workloads", "distinct-tiny:8")
+    assert "CPU time of all threads" in out and "this " in out.splitlines()[-1]
 
 
 def test_bench_against_with_members_drawn_at_random():
