@@ -70,7 +70,8 @@
 #                                           # fine one (bisect_revs.py; carry build/revs.tar.xz,
 #                                           # made here first by `python benchmarks/
 #                                           # bisect_revs.py prepare 6c6f94c..HEAD
-#                                           # build/revs.tar.xz`; ~3 min)
+#                                           # build/revs.tar.xz`; ~3 min), after a control:
+#                                           # this checkout against a copy of itself (~40 s)
 #   bash benchmarks/run_16cores.sh streams  # whether CUDA streams could pay (issue #19): the
 #                                           # forwards on 2-8 side streams from one thread and
 #                                           # from 2-4 threads, against the plain loop and parsum
@@ -144,7 +145,12 @@ team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers
 }
 case $mode in
 bisect)
-    (cd benchmarks && timeout 420 python bisect_revs.py run ../build/revs.tar.xz --coarse 10 \
+    # First the control: this checkout against a copy of itself (on 2 cores this read 0.969-
+    # 0.992x, forty-eighth session), which the forty-sixth session's this / 6c6f94c includes.
+    rm -rf /tmp/self && mkdir -p /tmp/self && cp -r parsum /tmp/self/
+    (cd benchmarks && timeout 60 python bench_against.py --rev /tmp/self --rounds 30 \
+        --workloads heterogeneous-medium:64) > "$out/control.txt" 2>&1
+    (cd benchmarks && timeout 400 python bisect_revs.py run ../build/revs.tar.xz --coarse 10 \
         --rounds 60 --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/bisect.txt" 2>&1
     ;;
 streams)
