@@ -157,6 +157,8 @@ def _shown(value: Any) -> str | None:
 
 
 def _recorded(function: Any, name: str, calls: list[str]) -> Any:
+    """``function``, each call noted in ``calls`` with the decisions among its arguments."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         result = function(*args, **kwargs)
         shown = [s for s in map(_shown, [*args, *kwargs.values()]) if s is not None]
@@ -167,6 +169,8 @@ def _recorded(function: Any, name: str, calls: list[str]) -> Any:
 
 
 def decisions(args: argparse.Namespace) -> None:
+    """Each revision's jobs of a step, with ``args.cores`` faked, printed where they differ
+    from the revision before's."""
     joblib.cpu_count = lambda *_, **__: args.cores  # before any revision asks (it keeps it)
     torch.set_num_threads(args.cores)
     workloads = list(workloads_of(args.workloads))
