@@ -44,6 +44,24 @@
 # MLPs 0.986x and 0.988x, the medium classes 0.979x and 1.005x, the tiny classes 0.982x and 1.005x:
 # the looks of a plan's first hundred calls, 6 of them alone, cost a short run up to 1.5%; a long
 # one about 0.3% of its calls.
+#
+# A look's step that spans a pause (or is PAUSE times the current way's, as the calling thread
+# alone may be on many cores) is not timed: the look takes one more call in its place, up to
+# LOOK_CALLS more, and then changes nothing. Such a look used to be never judged, and the next
+# one came FIRST_LOOK calls later, every time: in runs of 5 calls between other work (an
+# interleaved benchmark's turns, a loop that evaluates often) 8.6% of the calls ran alone,
+# about 1.5 times as slow on 16 cores: the likely cause of the default's 0.89-0.97x against the
+# code before the pace on the medium models there (forty-sixth session, in such turns; not yet
+# measured there since). The machine counts as changed once the median of the latest RECENT_STEPS steps stays
+# RISE from a slow average of that median for more than half as many steps in a row: on the
+# steps' average, a step 3 times as long every 50th brought a look every FIRST_LOOK calls.
+# Simulated (benchmarks/bench_pace.py, 20000 calls, 6.2 ms a step on the workers, 9.1 alone),
+# the share of calls alone before -> after: 10% noise 0.34 -> 0.34%, 20% noise 0.34 -> 0.39%,
+# a step 3x every 50th 4.29 -> 0.36%, runs of 5 calls 8.57 -> 0.40%, runs of 3 calls with 3.5
+# steps' work between 0.50 -> 0.65%, alone 5 times as slow 8.57 -> 0.47%; a busy machine
+# (alone 0.7x) still goes alone, 97.55% either way. In interleaved turns on 2 cores (the medium
+# MLPs at batch 64 beside the plain loop, 20 ms of untimed steps a turn, 300 rounds), the
+# default ran 7.5% of its calls alone before, 2.6% after.
 """
 
 from __future__ import annotations
@@ -59,7 +77,12 @@ SWITCH_BELOW = 0.9
 RISE = 1.3
 PAUSE = 4.0  # a step this many times the recent ones: a pause (an evaluation, a checkpoint)
 RECENT_STEPS = 6  # the current way's latest steps, against which a look is judged
-RECENT, SETTLED = 0.25, 0.03  # the weights of a new step's time in the two averages
+SETTLED = 0.03  # the weight of the latest steps' median in the settled average
+
+
+def _apart(a: float, b: float) -> bool:
+    """Whether ``a`` and ``b`` differ by more than RISE, either way."""
+    return max(a, b) > RISE * min(a, b)
 
 
 def clock() -> float:
@@ -73,11 +96,13 @@ class Pace:
 
     def __init__(self) -> None:
         self.on_workers = True  # the way the calls go, between looks
-        self._recent: float | None = None  # its steps' time, lately and settled
+        self._recent: float | None = None  # its latest steps' median, and a slow average of it
         self._settled: float | None = None
+        self._apart_steps = 0  # steps in a row whose median was RISE from the settled one
         self._calls = 0  # calls that way since the last look
         self._gap = FIRST_LOOK
         self._looks_left = 0  # calls the other way still to make in this look
+        self._retakes = 0  # calls this look added in place of steps it could not time
         self._look: list[float] = []
         self._steps: list[float] = []  # the current way's latest steps (RECENT_STEPS)
         self._last: tuple[bool, float] | None = None  # the last call's way and start
@@ -105,30 +130,38 @@ class Pace:
             return self.on_workers
         self._calls = 0
         self._looks_left = LOOK_CALLS - 1
+        self._retakes = 0
         self._look = []
         return not self.on_workers
 
     def _record(self, on_workers: bool, seconds: float) -> None:
         """A step's time, the way its call went."""
-        if self._recent is not None and seconds > PAUSE * self._recent:
-            return  # a pause between steps, not a step
+        pause = self._recent is not None and seconds > PAUSE * self._recent
         if on_workers != self.on_workers:
+            if pause:
+                self._retake()
+                return
             self._look.append(seconds)
             if len(self._look) == LOOK_CALLS:
                 self._judge()
             return
+        if pause:
+            return  # a pause between steps, not a step
         self._steps.append(seconds)
         del self._steps[:-RECENT_STEPS]
-        if self._recent is None or self._settled is None:
-            self._recent = self._settled = seconds
+        # The latest steps' median, and a slow average of it: a slow step now and then (a
+        # garbage collection, other work between some calls) moves neither.
+        self._recent = typical = sorted(self._steps)[len(self._steps) // 2]
+        if self._settled is None:
+            self._settled = typical
             return
-        self._recent += RECENT * (seconds - self._recent)
-        self._settled += SETTLED * (seconds - self._settled)
-        moved = max(self._recent, self._settled) > RISE * min(self._recent, self._settled)
-        if moved and self._gap > FIRST_LOOK:  # the machine changed: look again soon
-            self._gap = FIRST_LOOK
+        self._settled += SETTLED * (typical - self._settled)
+        # Apart for as many steps in a row as a median takes to move: the machine changed.
+        self._apart_steps = self._apart_steps + 1 if _apart(typical, self._settled) else 0
+        if self._apart_steps > RECENT_STEPS // 2 and self._gap > FIRST_LOOK:
+            self._gap = FIRST_LOOK  # look again soon
             self._calls = 0
-            self._settled = self._recent
+            self._settled = typical
 
     def _judge(self) -> None:
         """After a look: switch where its steps ran faster than the current way's latest, the
@@ -146,6 +179,22 @@ class Pace:
             self._recent = self._settled = typical
             self._steps = look
             self._gap = FIRST_LOOK
+            self._calls = 0
         else:
-            self._gap = min(2 * self._gap, MAX_GAP if self.on_workers else MAX_GAP_ALONE)
+            self._look_later()
+
+    def _retake(self) -> None:
+        """A look's step that was a pause, or PAUSE times the current way's: one more call in
+        its place, up to LOOK_CALLS of them; then the look changes nothing."""
+        if self._retakes < LOOK_CALLS:
+            self._retakes += 1
+            self._looks_left += 1
+            return
+        self._looks_left = 0
+        self._look = []
+        self._look_later()
+
+    def _look_later(self) -> None:
+        """After a look that changed nothing: the next one after twice as many calls."""
+        self._gap = min(2 * self._gap, MAX_GAP if self.on_workers else MAX_GAP_ALONE)
         self._calls = 0

@@ -335,6 +335,14 @@ def test_bench_against_with_a_flat_grad(step):
     assert "this / HEAD " in out.splitlines()[-1]
 
 
+def test_bench_pace():
+    out = run("benchmarks/bench_pace.py", "--rev", "HEAD", "--calls", "400")
+    rows = [line.split() for line in out.splitlines() if line.rstrip().endswith("%")]
+    assert len(rows) == 7 and "this" in out
+    busy = next(r for r in rows if "busy" in r)
+    assert float(busy[-1].rstrip("%")) > 50  # a busy machine still goes alone
+
+
 def test_bench_against_by_cpu_time(monkeypatch):
     """``--cpu-time`` times the CPU time of the process's threads: a step that sleeps reads
     almost none, one that computes as long reads its time."""
