@@ -52,9 +52,10 @@
 # interleaved benchmark's turns, a loop that evaluates often) 8.6% of the calls ran alone,
 # about 1.5 times as slow on 16 cores: the likely cause of the default's 0.89-0.97x against the
 # code before the pace on the medium models there (forty-sixth session, in such turns; not yet
-# measured there since). The machine counts as changed once the median of the latest RECENT_STEPS steps stays
-# RISE from a slow average of that median for more than half as many steps in a row: on the
-# steps' average, a step 3 times as long every 50th brought a look every FIRST_LOOK calls.
+# measured there since). The machine counts as changed once the median of the latest
+# RECENT_STEPS steps stays RISE from a slow average of that median for more than half as many
+# steps in a row: on the steps' average, a step 3 times as long every 50th brought a look every
+# FIRST_LOOK calls.
 # Simulated (benchmarks/bench_pace.py, 20000 calls, 6.2 ms a step on the workers, 9.1 alone),
 # the share of calls alone before -> after: 10% noise 0.34 -> 0.34%, 20% noise 0.34 -> 0.39%,
 # a step 3x every 50th 4.29 -> 0.36%, runs of 5 calls 8.57 -> 0.40%, runs of 3 calls with 3.5
