@@ -25,9 +25,10 @@ import tempfile
 from collections.abc import Callable
 from types import ModuleType
 
+from bench_against import ROOT
+
 from parsum import _pace
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKERS_MS, ALONE_MS = 6.2, 9.1  # 16 cores, the medium MLPs at batch 64
 
 Pattern = Callable[[int, bool, random.Random], float]

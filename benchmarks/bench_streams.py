@@ -46,59 +46,63 @@ from common import (
 )
 
 
+def launched_on(streams: list[Any], launch: Callable[[], list[torch.Tensor]]) -> list:
+    """``launch()``'s outputs, launched on ``streams`` after the current stream's work (``x``
+    included); the current stream waits for all of them, each output marked as used by it
+    (freed after its use, not the side stream's). Every side stream waits before any launch,
+    and the current one only after all: a wait in between would chain the streams one after
+    the other."""
+    caller = torch.cuda.current_stream()
+    for stream in streams:
+        stream.wait_stream(caller)
+    outs = launch()
+    for stream in streams:
+        caller.wait_stream(stream)
+    for o in outs:
+        o.record_stream(caller)
+    return outs
+
+
 def streams_step(
     models: list[torch.nn.Module], x: torch.Tensor, n_streams: int
 ) -> Callable[[], None]:
-    """A step whose forwards the calling thread launches on ``n_streams`` side streams, each
-    after the current stream's work (``x`` included); the current stream waits for all of them
-    before it sums, each output marked as used by it (freed after its use, not the side
-    stream's). Every side stream waits before any launch, and the current one only after all:
-    a wait in between would chain the streams one after the other."""
+    """A step whose forwards the calling thread launches on ``n_streams`` side streams."""
     shares = [s for s in balanced_split(models, x, n_streams) if s]
     streams = [torch.cuda.Stream() for _ in shares]
 
-    def step() -> None:
-        zero_grads(models)
-        caller = torch.cuda.current_stream()
-        for stream in streams:
-            stream.wait_stream(caller)
+    def launch() -> list[torch.Tensor]:
         outs = []
         for stream, share in zip(streams, shares):
             with torch.cuda.stream(stream):
                 outs += [m(x) for m in share]
-        for stream in streams:
-            caller.wait_stream(stream)
-        for o in outs:
-            o.record_stream(caller)
-        loss_of(sum(outs)).backward()  # type: ignore[arg-type]
+        return outs
+
+    def step() -> None:
+        zero_grads(models)
+        loss_of(sum(launched_on(streams, launch))).backward()  # type: ignore[arg-type]
 
     return step
 
 
 class StreamedTwoPhase(TwoPhase):
     """TwoPhase whose threads each launch their forwards on a side stream of their own (on a
-    GPU), waited for as ``streams_step`` waits."""
+    GPU), waited for as ``launched_on`` waits."""
 
     def __init__(self, models: list[torch.nn.Module], threads: int, x: torch.Tensor) -> None:
         super().__init__(models, threads, x)
         self.streams = [torch.cuda.Stream() for _ in self.shares]
-        self.caller: Any = None
 
     def _forward(self, p: int, x: torch.Tensor) -> None:
-        stream = self.streams[p]
-        with torch.cuda.stream(stream):
-            self.outs[p] = [m(x) for m in self.shares[p]]
-        for o in self.outs[p]:
-            o.record_stream(self.caller)
+        with torch.cuda.stream(self.streams[p]):
+            super()._forward(p, x)
+
+    def _launch(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.threads.run(lambda p: self._forward(p, x))
+        return [o for outs in self.outs for o in outs]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.caller = torch.cuda.current_stream()
-        for stream in self.streams:
-            stream.wait_stream(self.caller)
-        self.threads.run(lambda p: self._forward(p, x))
-        for stream in self.streams:
-            self.caller.wait_stream(stream)
-        return sum(o for outs in self.outs for o in outs)  # type: ignore[return-value]
+        outs = launched_on(self.streams, lambda: self._launch(x))
+        return sum(outs)  # type: ignore[return-value]
 
 
 def two_phase_step(split: TwoPhase, models: list[torch.nn.Module], x: torch.Tensor) -> None:
