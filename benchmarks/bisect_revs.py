@@ -15,6 +15,7 @@ order and intra-op threads, each time they differ from the revision before; a sl
 cores where every revision decides alike is in how the jobs run, not in what they are.
 
     python benchmarks/bisect_revs.py prepare 6c6f94c..HEAD build/revs.tar.xz
+    python benchmarks/bisect_revs.py prepare 6c6f94c,ebce91c,HEAD build/few.tar.xz
     python benchmarks/bisect_revs.py run build/revs.tar.xz [--coarse 10] [--rounds 60]
         [--workloads heterogeneous-medium:64] [--n-jobs N]
     python benchmarks/bisect_revs.py decisions build/revs.tar.xz [--cores 16] [--steps 6]
@@ -45,16 +46,20 @@ from common import interleaved, parsum_step, workloads_of
 
 def prepare(revisions: str, archive: pathlib.Path) -> None:
     """The parsum package of the range's first commit and of each later one that changed it,
-    as ``NNN-SHA/parsum`` folders in ``archive``."""
-    first = revisions.split("..")[0]
-    later = subprocess.run(
-        ["git", "log", "--reverse", "--format=%h", revisions, "--", "parsum"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    shas = [first, *later]
+    as ``NNN-SHA/parsum`` folders in ``archive``; or of each commit of a comma-separated list,
+    in its order (a check of a few revisions, each with ``run --coarse 1``)."""
+    if "," in revisions:
+        shas = [_short(rev) for rev in revisions.split(",")]
+    else:
+        first = revisions.split("..")[0]
+        later = subprocess.run(
+            ["git", "log", "--reverse", "--format=%h", revisions, "--", "parsum"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        shas = [first, *later]
     with tarfile.open(archive, "w:xz") as out:
         for i, sha in enumerate(shas):
             tree = subprocess.run(
@@ -66,6 +71,13 @@ def prepare(revisions: str, archive: pathlib.Path) -> None:
                     data = tar.extractfile(member) if member.isfile() else None
                     out.addfile(member, data)
     print(f"{len(shas)} revisions of parsum in {archive}")
+
+
+def _short(rev: str) -> str:
+    """``rev``'s abbreviated commit (``HEAD``, ``abc123^`` are no folder names)."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def measure(
@@ -202,7 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="archive the revisions (needs git)")
-    p.add_argument("revisions", help="a git range, FIRST..LAST")
+    p.add_argument("revisions", help="a git range, FIRST..LAST, or commits A,B,C")
     p.add_argument("archive", type=pathlib.Path)
     r = commands.add_parser("run", help="time them, in two passes")
     r.add_argument("archive", type=pathlib.Path)

@@ -78,6 +78,15 @@
 #                                           # (bench_streams.py), then where a CUDA step's host
 #                                           # time goes, the captured backward beside the
 #                                           # default (profile_step.py; ~3 min; forty-eighth)
+#   bash benchmarks/run_16cores.sh paced    # the pace's fix on 16 cores (forty-ninth session):
+#                                           # 6c6f94c, the pace's parent, the pace, the fix's
+#                                           # parent and this checkout in one process, in turns
+#                                           # of 20 ms and of 150 ms (carry build/pace.tar.xz,
+#                                           # made here by `python benchmarks/bisect_revs.py
+#                                           # prepare 6c6f94c,ebce91c^,ebce91c,f75b356^,HEAD
+#                                           # build/pace.tar.xz`), the CUDA smoke test and
+#                                           # tests, bench_streams.py, the main example (at
+#                                           # most 570 s, about 350)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -152,6 +161,18 @@ bisect)
         --workloads heterogeneous-medium:64) > "$out/control.txt" 2>&1
     (cd benchmarks && timeout 400 python bisect_revs.py run ../build/revs.tar.xz --coarse 10 \
         --rounds 60 --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/bisect.txt" 2>&1
+    ;;
+paced)
+    for settle in 20 150; do
+        rounds=$((settle == 20 ? 150 : 30))
+        (cd benchmarks && timeout $((settle == 20 ? 120 : 90)) python bisect_revs.py run \
+            ../build/pace.tar.xz --coarse 1 --rounds $rounds --settle-ms $settle \
+            --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/pace-$settle.txt" 2>&1
+        [ $settle = 20 ] && cuda_checks 100
+    done
+    (cd benchmarks && timeout 120 python bench_streams.py --device cuda --rounds 10) \
+        > "$out/streams-cuda.txt" 2>&1
+    example 50
     ;;
 streams)
     (cd benchmarks && timeout 150 python bench_streams.py --device cuda --rounds 10) \
