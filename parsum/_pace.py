@@ -50,9 +50,10 @@
 # LOOK_CALLS more, and then changes nothing. Such a look used to be never judged, and the next
 # one came FIRST_LOOK calls later, every time: in runs of 5 calls between other work (an
 # interleaved benchmark's turns, a loop that evaluates often) 8.6% of the calls ran alone,
-# about 1.5 times as slow on 16 cores: the likely cause of the default's 0.89-0.97x against the
-# code before the pace on the medium models there (forty-sixth session, in such turns; not yet
-# measured there since). The machine counts as changed once the median of the latest
+# about 1.5 times as slow on 16 cores. (Taken for the cause of the default's 0.89-0.97x against
+# the code before the pace on the medium models there, forty-sixth session: at 150 rounds there
+# the pace, the code before it and the fix all ran within 5% of each other, so that was noise;
+# docs/benchmarks.md.) The machine counts as changed once the median of the latest
 # RECENT_STEPS steps stays RISE from a slow average of that median for more than half as many
 # steps in a row: on the steps' average, a step 3 times as long every 50th brought a look every
 # FIRST_LOOK calls.
