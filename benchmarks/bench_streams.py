@@ -13,13 +13,18 @@ device at its end, against the plain loop:
   threads T      T threads (1 intra-op thread each) each run the forwards of its share and pull
                  them back (TwoPhase of common.py: the ceiling of parsum's workers), one stream
   threads+streams T   the same, each thread's forwards on a side stream of its own
-  parsum default, parsum 1   for reference
+  forwards T     the forwards on T threads as in "threads T", the backward of their plain sum
+                 in one call from the calling thread: all a backward can be where every CUDA
+                 node runs on the device's one thread (what parsum's pullbacks do there)
+  parsum default, parsum 1, parsum T   for reference
 
 A method that launches from several threads pays the GIL between launches; autograd runs every
 CUDA backward node on its one device thread whatever thread started the backward.
 
     python benchmarks/bench_streams.py [--device cuda] [--streams 2,4,8] [--threads 2,4]
         [--workloads heterogeneous-medium:64,cnn-ensemble,heterogeneous-tiny] [--rounds 20]
+
+``--streams ""`` leaves the stream methods out (the threads' ceilings and parsum's rows alone).
 
 On ``--device cpu`` (no GPU) the side streams are left out, and the threads run as on the
 GPU: a check of the script itself, nothing to read about streams.
@@ -110,6 +115,14 @@ def two_phase_step(split: TwoPhase, models: list[torch.nn.Module], x: torch.Tens
     split.backward(split.forward(x))
 
 
+def threaded_forwards_step(split: TwoPhase, models: list[torch.nn.Module], x: torch.Tensor) -> None:
+    """``split``'s forwards on its threads, then one backward of their sum, here."""
+    zero_grads(models)
+    y = split.forward(x)
+    split.outs = [[] for _ in split.shares]
+    loss_of(y).backward()
+
+
 def methods_for(
     models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, Callable[[], None]]:
@@ -120,14 +133,18 @@ def methods_for(
         "parsum default": functools.partial(parsum_step, models, x),
         "parsum 1": functools.partial(parsum_step, models, x, n_jobs=1),
     }
-    if on_gpu:
+    if on_gpu and args.streams:
         for s in map(int, args.streams.split(",")):
             methods[f"streams {s}"] = streams_step(models, x, s)
     for t in map(int, args.threads.split(",")):
         methods[f"threads {t}"] = functools.partial(
             two_phase_step, TwoPhase(models, t, x), models, x
         )
-        if on_gpu:
+        methods[f"forwards {t}"] = functools.partial(
+            threaded_forwards_step, TwoPhase(models, t, x), models, x
+        )
+        methods[f"parsum {t}"] = functools.partial(parsum_step, models, x, n_jobs=t)
+        if on_gpu and args.streams:
             split = StreamedTwoPhase(models, t, x)
             methods[f"threads+streams {t}"] = functools.partial(two_phase_step, split, models, x)
     if on_gpu:
@@ -138,7 +155,7 @@ def methods_for(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--streams", default="2,4,8")
+    parser.add_argument("--streams", default="2,4,8", help="side streams; '' for none")
     parser.add_argument("--threads", default="2,4")
     parser.add_argument(
         "--workloads", default="heterogeneous-medium:64,cnn-ensemble,heterogeneous-tiny"

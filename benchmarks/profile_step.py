@@ -19,6 +19,7 @@ what planning a new set costs; ``--profile`` names the method cProfile watches.
 
     python benchmarks/profile_step.py [--device cuda] [--workload heterogeneous-medium]
         [--batch 64] [--steps 20] [--members 0.75] [--profile "parsum default"]
+        [--n-jobs 4 --profile "parsum 4"]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--members", type=float, default=None, help="the share drawn a step")
     parser.add_argument("--profile", default="parsum 1", help="the method cProfile watches")
+    parser.add_argument("--n-jobs", type=int, default=None, help="a row of parsum on N workers")
     args = parser.parse_args()
     w = workload(args.workload, args.batch)
     models, x = [m.to(args.device) for m in w.models], w.x.to(args.device)
@@ -68,6 +70,8 @@ def main() -> None:
         "parsum default": lambda: parsum_step(models, x),
         "parsum 1 captured": captured(lambda: parsum_step(models, x, n_jobs=1)),
     }
+    if args.n_jobs is not None:
+        methods[f"parsum {args.n_jobs}"] = lambda: parsum_step(models, x, n_jobs=args.n_jobs)
     if args.members is not None:  # every method draws its own sets, alike (seeded)
         everyone = list(models)
         methods = {

@@ -87,6 +87,14 @@
 #                                           # build/pace.tar.xz`), the CUDA smoke test and
 #                                           # tests, bench_streams.py, the main example (at
 #                                           # most 570 s, about 350)
+#   bash benchmarks/run_16cores.sh gputhreads # whether the CUDA default should run the forwards
+#                                           # on workers (forty-ninth session: threads 1.09x the
+#                                           # plain loop on the medium MLPs, parsum in the calling
+#                                           # thread 0.88x): the forwards on 2-8 threads with one
+#                                           # backward in the caller against parsum on 2-8
+#                                           # workers, no streams (bench_streams.py), where a
+#                                           # step of parsum on 4 workers goes (profile_step.py),
+#                                           # the CUDA smoke test and tests (about 3 minutes)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -173,6 +181,15 @@ paced)
     (cd benchmarks && timeout 120 python bench_streams.py --device cuda --rounds 10) \
         > "$out/streams-cuda.txt" 2>&1
     example 50
+    ;;
+gputhreads)
+    (cd benchmarks && timeout 150 python bench_streams.py --device cuda --streams "" \
+        --threads 2,4,8 --rounds 15) > "$out/threads-cuda.txt" 2>&1
+    for w in heterogeneous-medium cnn-ensemble; do
+        (cd benchmarks && timeout 45 python profile_step.py --device cuda --workload "$w" \
+            --steps 20 --n-jobs 4 --profile "parsum 4") >> "$out/profile-cuda.txt" 2>&1
+    done
+    cuda_checks 100
     ;;
 streams)
     (cd benchmarks && timeout 150 python bench_streams.py --device cuda --rounds 10) \

@@ -195,6 +195,9 @@ def test_bench_streams_methods_train_as_the_plain_loop(monkeypatch):
         lambda: bench_streams.two_phase_step(
             bench_streams.StreamedTwoPhase(w.models, 2, w.x), w.models, w.x
         ),
+        lambda: bench_streams.threaded_forwards_step(
+            bench_streams.TwoPhase(w.models, 2, w.x), w.models, w.x
+        ),
     ):
         step()
         for m, twin in zip(w.models, twins):
@@ -212,7 +215,8 @@ def test_bench_streams_methods_train_as_the_plain_loop(monkeypatch):
         "--workloads",
         "heterogeneous-tiny:8",
     )
-    assert "threads 2" in out and "fastest: " in out
+    assert "threads 2" in out and "forwards 2" in out and "parsum 2" in out
+    assert "fastest: " in out
 
 
 @pytest.mark.timeout(360)
