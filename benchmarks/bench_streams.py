@@ -137,16 +137,13 @@ def methods_for(
         for s in map(int, args.streams.split(",")):
             methods[f"streams {s}"] = streams_step(models, x, s)
     for t in map(int, args.threads.split(",")):
-        methods[f"threads {t}"] = functools.partial(
-            two_phase_step, TwoPhase(models, t, x), models, x
-        )
-        methods[f"forwards {t}"] = functools.partial(
-            threaded_forwards_step, TwoPhase(models, t, x), models, x
-        )
+        split = TwoPhase(models, t, x)  # one set of threads for both: the methods run in turn
+        methods[f"threads {t}"] = functools.partial(two_phase_step, split, models, x)
+        methods[f"forwards {t}"] = functools.partial(threaded_forwards_step, split, models, x)
         methods[f"parsum {t}"] = functools.partial(parsum_step, models, x, n_jobs=t)
         if on_gpu and args.streams:
-            split = StreamedTwoPhase(models, t, x)
-            methods[f"threads+streams {t}"] = functools.partial(two_phase_step, split, models, x)
+            streamed = StreamedTwoPhase(models, t, x)
+            methods[f"threads+streams {t}"] = functools.partial(two_phase_step, streamed, models, x)
     if on_gpu:
         methods = {k: synchronized(fn) for k, fn in methods.items()}
     return methods

@@ -156,6 +156,19 @@ exchange() {  # exchange SECONDS STEPS: an exchange between 2-16 processes, gloo
 example() {  # example SECONDS: the main example (~20 s)
     timeout "$1" python examples/train_ensemble.py > "$out/train-ensemble.txt" 2>&1
 }
+cuda_profiles() {  # cuda_profiles SECONDS ARGS...: where a CUDA step's host time goes, for
+    # the medium MLPs and the CNNs (profile_step.py with ARGS)
+    local seconds=$1 w
+    shift
+    for w in heterogeneous-medium cnn-ensemble; do
+        (cd benchmarks && timeout "$seconds" python profile_step.py --device cuda \
+            --workload "$w" "$@") >> "$out/profile-cuda.txt" 2>&1
+    done
+}
+streams_bench() {  # streams_bench SECONDS: bench_streams.py's ceilings on the GPU (10 rounds)
+    (cd benchmarks && timeout "$1" python bench_streams.py --device cuda --rounds 10) \
+        > "$out/streams-cuda.txt" 2>&1
+}
 team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers, or kept
     (cd benchmarks && timeout "$1" python bench_team.py --jobs default,4,16 --rounds 10 \
         --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
@@ -178,26 +191,18 @@ paced)
             --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/pace-$settle.txt" 2>&1
         [ $settle = 20 ] && cuda_checks 100
     done
-    (cd benchmarks && timeout 120 python bench_streams.py --device cuda --rounds 10) \
-        > "$out/streams-cuda.txt" 2>&1
+    streams_bench 120
     example 50
     ;;
 gputhreads)
     (cd benchmarks && timeout 150 python bench_streams.py --device cuda --streams "" \
         --threads 2,4,8 --rounds 15) > "$out/threads-cuda.txt" 2>&1
-    for w in heterogeneous-medium cnn-ensemble; do
-        (cd benchmarks && timeout 45 python profile_step.py --device cuda --workload "$w" \
-            --steps 20 --n-jobs 4 --profile "parsum 4") >> "$out/profile-cuda.txt" 2>&1
-    done
+    cuda_profiles 45 --steps 20 --n-jobs 4 --profile "parsum 4"
     cuda_checks 100
     ;;
 streams)
-    (cd benchmarks && timeout 150 python bench_streams.py --device cuda --rounds 10) \
-        > "$out/streams-cuda.txt" 2>&1
-    for w in heterogeneous-medium cnn-ensemble; do
-        (cd benchmarks && timeout 30 python profile_step.py --device cuda --workload "$w" \
-            --steps 10) >> "$out/profile-cuda.txt" 2>&1
-    done
+    streams_bench 150
+    cuda_profiles 30 --steps 10
     ;;
 suite)
     # The whole suite on 16 cores and this torch; -v: a failure's name shows even where the
@@ -241,10 +246,7 @@ cores)
     ;;
 last)
     lscpu > "$out/lscpu.txt" 2>&1
-    for w in heterogeneous-medium cnn-ensemble; do
-        (cd benchmarks && timeout 30 python profile_step.py --device cuda --workload "$w" \
-            --steps 10) >> "$out/profile-cuda.txt" 2>&1
-    done
+    cuda_profiles 30 --steps 10
     # -v: the name of a failure shows even where the limit cuts the run.
     timeout 215 python -m pytest -n 12 -v -p no:cacheprovider tests > "$out/tests.txt" 2>&1
     ;;
