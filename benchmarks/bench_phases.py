@@ -139,9 +139,17 @@ def main() -> None:
             for key, (f, b, s) in found.items():
                 shown = f"{'':>8} {'':>9}" if key == "hand split" else f"{f:8.2f} {b:9.2f}"
                 print(f"{p:>8} {key:>14} {shown} {s:7.2f}")
+            # The bound any design that differentiates the loss of the sum has on these
+            # threads: the forwards must all end before the first pullback can start.
+            bound = found["hand split"][2] / found["two-phase"][2]
+            print(f"{'':>8} two-phase at {bound:.2f}x the hand split's speed")
             for key in (k for k in found if k.startswith("parsum")):
                 ratio = found["two-phase"][2] / found[key][2]
-                print(f"{'':>8} {key} at {ratio:.2f}x the two-phase ceiling's speed")
+                hand = found["hand split"][2] / found[key][2]
+                print(
+                    f"{'':>8} {key} at {ratio:.2f}x the two-phase ceiling's speed, "
+                    f"{hand:.2f}x the hand split's"
+                )
 
 
 if __name__ == "__main__":

@@ -94,7 +94,12 @@
 #                                           # backward in the caller against parsum on 2-8
 #                                           # workers, no streams (bench_streams.py), where a
 #                                           # step of parsum on 4 workers goes (profile_step.py),
-#                                           # the CUDA smoke test and tests (about 3 minutes)
+#                                           # the CUDA smoke test and tests, after the medium
+#                                           # MLPs on 2-8 threads against the two-phase ceiling
+#                                           # and the hand split (bench_phases.py; fiftieth
+#                                           # session: whether the 0.9x hand-split target is in
+#                                           # reach of any design; about 4-5 minutes in all)
+#   bash benchmarks/run_16cores.sh ceiling  # that ceiling alone (about 1-2 minutes)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -169,6 +174,11 @@ streams_bench() {  # streams_bench SECONDS: bench_streams.py's ceilings on the G
     (cd benchmarks && timeout "$1" python bench_streams.py --device cuda --rounds 10) \
         > "$out/streams-cuda.txt" 2>&1
 }
+ceiling() {  # ceiling SECONDS: the medium MLPs' step on 2-8 threads against the two-phase
+    # ceiling (the bound of any design that differentiates the loss of the sum) and the hand split
+    (cd benchmarks && timeout "$1" python bench_phases.py --jobs 2,4,8 --rounds 15 \
+        --workloads heterogeneous-medium:64,distinct-medium:64) > "$out/phases-16cores.txt" 2>&1
+}
 team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers, or kept
     (cd benchmarks && timeout "$1" python bench_team.py --jobs default,4,16 --rounds 10 \
         --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
@@ -195,10 +205,14 @@ paced)
     example 50
     ;;
 gputhreads)
+    ceiling 110
     (cd benchmarks && timeout 150 python bench_streams.py --device cuda --streams "" \
         --threads 2,4,8 --rounds 15) > "$out/threads-cuda.txt" 2>&1
     cuda_profiles 45 --steps 20 --n-jobs 4 --profile "parsum 4"
     cuda_checks 100
+    ;;
+ceiling)
+    ceiling 200
     ;;
 streams)
     streams_bench 150
