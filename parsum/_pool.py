@@ -703,12 +703,14 @@ def run_ordered(
     consume: Callable[[int, Any], None],
     order: Sequence[int] | None = None,
     callers_last: bool = False,
+    one_pass: Callable[[], None] | None = None,
 ) -> None:
     """Run ``task(k)`` for every chunk ``k`` on up to ``n_workers`` threads (caller included),
     the threads claiming the chunks in ``order`` (a permutation of them; default 0, 1, ...;
     NOTE [ Costliest chunks first ]); with ``callers_last`` and an ``order``, the last in it is
     left to the caller where each thread has more than two chunks (NOTE [ The caller's last
-    chunk ]).
+    chunk ]). Where the job runs on one thread, ``one_pass()``, if given, runs instead: every
+    chunk in order, each consumed (NOTE [ Chunks in one pass ] in _function).
 
     ``consume(k, result)`` is called once per chunk in the order k = 0, 1, ..., never two at
     once. If a task or a consume raises, only the chunks before it may still start, the chunks
@@ -718,7 +720,10 @@ def run_ordered(
     job = _new_job(task, n_tasks, n_workers, consume, order, callers_last)
     with as_one_task(n_tasks):
         if job is None:  # one thread (or nested): no job, no locks, no state to hand over
-            _run_here(task, n_tasks, consume)
+            if one_pass is not None:
+                one_pass()
+            else:
+                _run_here(task, n_tasks, consume)
         else:
             _work_and_wait(job)
 
