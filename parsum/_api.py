@@ -507,8 +507,10 @@ def _on_a_device(tensors: list[Tensor], params: list[Tensor]) -> bool:
     """Whether the call computes on a GPU (its first tensor argument or parameter is not on the
     CPU). There a model's CPU time is kernel launches, which the GIL serializes, and backward
     runs on the device's thread anyway (NOTE [ Device threads ]): ``auto`` with n_jobs unset
-    runs such calls in the calling thread, as the plain loop does. (Not measured: no GPU was
-    lent; on an H100 n_jobs=1 was the only setting that did not hang, at 0.69-0.87x the loop.)
+    runs such calls in the calling thread, as the plain loop does: 0.85-0.88x the plain loop on
+    16 medium MLPs and 0.82-0.86x on 8 small CNNs on an H200 (2026-12-04), where those models
+    split by hand over 2-4 threads reached 1.06-1.09x and 0.96-1.00x; whether parsum's workers
+    reach that too is measured by ``benchmarks/run_16cores.sh gputhreads``, not yet run.
     """
     first = tensors[0] if tensors else (params[0] if params else None)
     return first is not None and first.device.type != "cpu"
