@@ -976,3 +976,49 @@ def test_the_sum_does_not_depend_on_n_jobs_and_is_compensated(n_out):
     exact = torch.stack(outs).double().sum(0)
     assert torch.equal(runs[1, None], exact.float())  # 3.0000001, where sum(outs) gives 0
     assert not torch.equal(sum(outs), exact.float())
+
+
+@pytest.mark.parametrize(("n_out", "sums"), [(3, 1), (70_000, 4)])
+def test_chunks_in_one_thread_are_summed_in_one_pass_where_their_outputs_go_at_once(
+    monkeypatch, n_out, sums
+):
+    # NOTE [ Chunks in one pass ] in parsum._function: small outputs are all terms of the call's
+    # one reduction, so 4 chunks at one thread set up one sum; large ones still one a chunk.
+    from parsum import _function
+
+    made = []
+
+    class Counted(_function.CompensatedAccumulator):
+        def __init__(self):
+            made.append(self)
+            super().__init__()
+
+    monkeypatch.setattr(_function, "CompensatedAccumulator", Counted)
+    x = torch.randn(2, IN)
+    models = [_Head(n_out) for _ in range(12)]
+    y = parsum.sum_models(models, x, n_jobs=1, chunk_size=3)
+    assert len(made) == sums
+    torch.testing.assert_close(y, sum(m(x) for m in models))
+    monkeypatch.undo()
+    assert torch.equal(y, parsum.sum_models(models, x, n_jobs=2, chunk_size=3))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("bad", [3, 4, 11])  # a chunk's first model, one inside, the last
+def test_a_mismatch_in_a_later_chunk_is_named_at_any_n_jobs_and_changes_no_buffer(n_jobs, bad):
+    class Normed(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.lin, self.norm, self.i = torch.nn.Linear(IN, 3), torch.nn.BatchNorm1d(3), i
+
+        def forward(self, x):
+            y = self.norm(self.lin(x))
+            return y[:, :2] if self.i == bad else y
+
+    models = [Normed(i) for i in range(12)]
+    before = [m.norm.running_mean.clone() for m in models]
+    with pytest.raises(
+        parsum.ParsumError, match=f"model {bad} \\(Normed\\) returned output leaf 0"
+    ):
+        parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, chunk_size=4)
+    assert all(torch.equal(b, m.norm.running_mean) for b, m in zip(before, models))
