@@ -119,7 +119,7 @@ def threaded_forwards_step(split: TwoPhase, models: list[torch.nn.Module], x: to
     """``split``'s forwards on its threads, then one backward of their sum, here."""
     zero_grads(models)
     y = split.forward(x)
-    split.outs = [[] for _ in split.shares]
+    split.forget()
     loss_of(y).backward()
 
 

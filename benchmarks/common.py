@@ -435,10 +435,16 @@ class TwoPhase:
     models back in one ``torch.autograd.backward``. No compensation, planning, checks or
     failure handling: what parsum on P threads would cost with nothing of its own."""
 
+    outs: list[list[torch.Tensor]]  # each thread's outputs, until pulled back
+
     def __init__(self, models: list[nn.Module], threads: int, x: torch.Tensor) -> None:
         self.shares = balanced_split(models, x, threads)
-        self.outs: list[list[torch.Tensor]] = [[] for _ in self.shares]
+        self.forget()
         self.threads = ShareThreads(threads)
+
+    def forget(self) -> None:
+        """Hold no output of the last forwards (their sum pulled back elsewhere)."""
+        self.outs = [[] for _ in self.shares]
 
     def _forward(self, p: int, x: torch.Tensor) -> None:
         self.outs[p] = [m(x) for m in self.shares[p]]
