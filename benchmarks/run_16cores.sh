@@ -100,6 +100,13 @@
 #                                           # session: whether the 0.9x hand-split target is in
 #                                           # reach of any design; about 4-5 minutes in all)
 #   bash benchmarks/run_16cores.sh ceiling  # that ceiling alone (about 1-2 minutes)
+#   bash benchmarks/run_16cores.sh engine   # that ceiling, then a prototype of worker
+#                                           # processes inside one call against parsum's
+#                                           # threads, the hand split and torchrun-like
+#                                           # processes, 4 and 8 processes, medium MLPs at batch
+#                                           # 64 and 64 tiny classes (bench_process_engine.py;
+#                                           # fifty-first session: 1.19-1.50x parsum's default
+#                                           # on 2 cores; about 4-5 minutes in all)
 #   bash benchmarks/run_16cores.sh loaded   # 4 and 16 processes spinning beside the step, at
 #                                           # nice 0 and 10: the default against the plain
 #                                           # loop on 1 and 16 threads (bench_loaded.py, ~1 min)
@@ -213,6 +220,11 @@ gputhreads)
     ;;
 ceiling)
     ceiling 200
+    ;;
+engine)
+    ceiling 110
+    (cd benchmarks && timeout 240 python bench_process_engine.py --procs 4,8 --rounds 6 \
+        --workloads heterogeneous-medium:64,distinct-tiny) > "$out/process-engine-16cores.txt" 2>&1
     ;;
 streams)
     streams_bench 150

@@ -423,6 +423,22 @@ def test_bench_exchange():
         assert step > 0 and all(t >= 0 for t in exchange) and row[-1].endswith("%")
 
 
+def test_bench_process_engine():
+    """The process engine's prototype computes the plain loop's gradients (checked in the
+    script before it times anything) and prints every method's step and its ratios."""
+    args = ["--rounds", "1", "--caller-share", "0.55", "--workloads", "distinct-tiny:8"]
+    out = run("benchmarks/bench_process_engine.py", *args, timeout=300)
+    (header,) = [line for line in out.splitlines() if "gradients against the plain loop" in line]
+    assert header.startswith("64 distinct MLP classes, widths 16-47, batch 8; P = 2")
+    assert float(header.rsplit(":", 1)[1]) <= 1e-6
+    rows = {" ".join(row[:-1]): float(row[-1]) for row in map(str.split, out.splitlines()[4:12])}
+    methods = ["plain", "plain 1", "parsum", "hand split", "two-phase", "process engine"]
+    assert list(rows) == [*methods, "caller 0.55", "procs"]
+    assert all(ms > 0 for ms in rows.values())
+    for engine in ("process engine", "caller 0.55"):
+        assert f"  {engine}: " in out and "x the torchrun-like processes'" in out
+
+
 def test_bench_join():
     args = ["--rounds", "1", "--jobs", "2", "--any-size", "--workloads", "heterogeneous-tiny:8"]
     out = run("benchmarks/bench_join.py", *args)
