@@ -47,6 +47,7 @@ from ._grouping import (
     Batch,
     auto_min_group,
     chunk_costs,
+    chunk_limit,
     chunks_of,
     costliest_first,
     estimate,
@@ -56,6 +57,7 @@ from ._grouping import (
     small_last_chunk,
     stepping_chunks,
     storage_stack_limit,
+    thread_chunks,
     too_small_for_workers,
     useful_forward_workers,
     useful_workers,
@@ -159,10 +161,11 @@ def sum_models(
             do not pay).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
             the order of additions (outputs small enough are added all at once at the end, in
-            the chunks' order), never ``n_jobs``. Default: at most 16 chunks of about
-            equal estimated cost (parameters times batch rows, plus a per-model overhead);
-            with ``step_in_backward``, two a thread of the budget, more where one would
-            hold over 1M parameter elements.
+            the chunks' order), never ``n_jobs``. Default: chunks of about equal estimated
+            cost (parameters times batch rows, plus a per-model overhead), 16 at most and,
+            on a budget of fewer than 8 threads, as many between 16 and two a thread as
+            the estimate runs fastest; with ``step_in_backward``, two a thread of the
+            budget, more where one would hold over 1M parameter elements.
         step_in_backward: a :class:`parsum.StepInBackward` over these models: in backward,
             each model's optimizer steps in the worker right after the model's pullback, and
             its gradients are dropped instead of stored (``.grad`` stays None).
@@ -342,6 +345,11 @@ def _general_sum(
         elif stepping and chunk_size is None:
             # NOTE [ Chunks of models that step ] in _grouping
             chunks = stepping_chunks(units, found, costs, budget, chunks)
+            order = claim_order = costliest_first(units, chunks, found, batch, costs)
+        elif chunk_size is None and len(chunks) > chunk_limit(budget):
+            # NOTE [ Chunks a thread ] in _grouping: decided on MAX_CHUNKS's chunks above, as
+            # measured, run in fewer
+            chunks = thread_chunks(units, costs, budget)
             order = claim_order = costliest_first(units, chunks, found, batch, costs)
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers

@@ -218,20 +218,48 @@ whether threads pay.
 # 20 rounds): 1.03x, 1.09x at batch 16, the EmbeddingBags 0.98x.
 #
 # NOTE [ Chunks ]
-# Chunk boundaries depend on the models, the units, the batch rows and ``chunk_size`` alone,
-# never on ``n_jobs``, so the order of additions, hence the bits, are the same for any number of
-# workers. With ``chunk_size`` given, a chunk holds that many models. Without, the units are cut
-# into min(MAX_CHUNKS, units) consecutive chunks of about equal estimated cost, so that no chunk
-# holds far more work than another: with as many workers as chunks, the slowest chunk is the
-# call's time. The estimate is computed from shapes only, never from timings, which differ
-# between calls and would change the bits with them: a model costs its parameters' and frozen
-# tensors' elements times the batch rows (a convolution's times the positions it slides over,
-# NOTE [ Threads that pay ]; a sequence's layers' times its tokens, NOTE [ Tokens ]), plus
-# MODEL_OVERHEAD_PARAM_ROWS for its Python and autograd work.
+# Chunk boundaries depend on the models, the units, the batch rows, ``chunk_size`` and the thread
+# budget alone, never on ``n_jobs``, so the order of additions, hence the bits, are the same for
+# any number of workers. With ``chunk_size`` given, a chunk holds that many models. Without, the
+# units are cut into min(MAX_CHUNKS, units) consecutive chunks of about equal estimated cost, so
+# that no chunk holds far more work than another: with as many workers as chunks, the slowest
+# chunk is the call's time; on a budget of fewer threads, into fewer
+# (NOTE [ Chunks a thread ]). The estimate is computed from shapes only, never from timings,
+# which differ between calls and would change the bits with them: a model costs its
+# parameters' and frozen tensors' elements times the batch rows (a convolution's times the
+# positions it slides over, NOTE [ Threads that pay ]; a sequence's layers' times its tokens,
+# NOTE [ Tokens ]), plus MODEL_OVERHEAD_PARAM_ROWS for its Python and autograd work.
 # Fitted here (1 thread, forward + backward of MLPs of 0.1M to 580M parameter-rows, 2 vCPUs):
 # about 250 us a model plus 65 us per million parameter-rows, so the overhead weighs as about
 # 4M parameter-rows. A table read through ``take_rows`` counts one row per batch row (its last
 # call's rows would make the chunks depend on the data).
+#
+# NOTE [ Chunks a thread ]
+# Every chunk costs its thread a claim, a task, its own compensated sum and its share of the
+# pullbacks' engine calls, which under the GIL delay the other threads too. On 2 threads the
+# MAX_CHUNKS chunks of 16 medium MLPs cost a step 0.5-1 ms more than 4 (2 cores, 2026-12-04,
+# steps in a row: 6.99 ms in 16 chunks, 6.32 in 4; 7.15 and 6.24 for the classes of their own),
+# where the two-phase ceiling took 5.2 and 4.8 ms. Fewer chunks balance worse where the units
+# differ in cost: 24 small MLPs then 8 wide ones in 4 chunks of about equal estimated cost left
+# one thread the costlier part (an estimated span 1.10x the even share, against 1.02x in 10
+# chunks) and ran 0.94-0.95x as fast. So where no other rule chose the chunks, a call cuts
+# between MAX_CHUNKS and CHUNKS_PER_THREAD a thread of the budget (``thread_chunks``) the
+# number whose estimated time on the budget's threads is least: the span of the chunks' costs
+# claimed costliest first, plus CHUNK_OVERHEAD_PARAM_ROWS a chunk spread over the threads
+# (50 us against a model's 250). The choices above (one chunk on intra-op threads, a stepping
+# call's chunks) are made on MAX_CHUNKS's chunks, as they were measured. The budget, not
+# ``n_jobs``, decides, so every ``n_jobs`` has the same bits; the bits depend on the budget, as
+# the intra-op threads already make them (NOTE [ Thread control ] in _pool). On 16 threads it
+# changes nothing (2 a thread is more than MAX_CHUNKS). Against the code before, in one process
+# (benchmarks/bench_against.py, 2 cores, 40 rounds, default; with 4 chunks where these cut 4,
+# in the first runs): 16 MLPs of widths 128-512 at batch 64 1.08-1.09x (three runs; 4 chunks),
+# their classes 1.10-1.13x (three; 4), 8 LSTMs 1.09-1.10x (two; 4), 8 transformer layers
+# 1.055x (two; 4), 8 CNNs 1.04x and 1.09x (4), the 24 small and 8 wide MLPs 1.04x (8; 0.94x in
+# 4), the 16 MLPs at batch 256 1.02x (9; 1.01x in 4), 64 tiny Sequentials 1.01x (6), 64 tiny
+# classes 1.00-1.01x (two; 4), 16 identical MLPs 1.00x, 64 identical ones 0.985x; at n_jobs=2 the
+# medium MLPs 1.08x, the tiny ones 1.03x, 8 EmbeddingBags 1.04x; at n_jobs=1 unchanged
+# (0.99-1.00x: one thread runs its chunks in one pass, NOTE [ Chunks in one pass ] in
+# _function).
 """
 
 from __future__ import annotations
@@ -314,8 +342,13 @@ AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD = 8_000_000
 # stacked, 4.09 one by one (torch's warning then shows; engine="autograd" avoids it).
 LOOPED_UNDER_VMAP: tuple[type[nn.Module], ...] = (nn.EmbeddingBag,)
 
-# Chunks of about equal estimated cost, at most MAX_CHUNKS (NOTE [ Chunks ]).
+# Chunks of about equal estimated cost, at most MAX_CHUNKS and CHUNKS_PER_THREAD a thread of
+# the budget (NOTE [ Chunks ]).
 MAX_CHUNKS = 16
+CHUNKS_PER_THREAD = 2
+# What a chunk costs beyond its models (NOTE [ Chunks a thread ]): about 50 us, forward and
+# backward, against a model's 250.
+CHUNK_OVERHEAD_PARAM_ROWS = 800_000
 # A thread's chunks where optimizers step in the backward (NOTE [ Chunks of models that step ]).
 STEPPING_CHUNKS_PER_THREAD = 2
 MAX_ESTIMATES = 64  # what a model's findings keep (``estimate``)
@@ -700,6 +733,33 @@ def _cost_now(mp: ModelParams, batch: Batch) -> int:
     """``estimated_cost``, found now."""
     tensors = [*mp.tensors, *mp.state]
     return MODEL_OVERHEAD_PARAM_ROWS + _param_rows(mp, batch, tensors, last_call=False)
+
+
+def chunk_limit(budget: int) -> int:
+    """The fewest chunks ``thread_chunks`` cuts on a budget of ``budget`` threads."""
+    return min(MAX_CHUNKS, CHUNKS_PER_THREAD * max(1, budget))
+
+
+def thread_chunks(units: Sequence[Unit], model_costs: Sequence[int], budget: int) -> list[range]:
+    """The chunks, from MAX_CHUNKS down to ``chunk_limit(budget)``, whose estimated time on
+    ``budget`` threads is least: the costliest-first span of their costs plus each chunk's
+    overhead over the threads (NOTE [ Chunks a thread ])."""
+    threads = max(1, budget)
+    best: list[range] = []
+    least = 0.0
+    most = min(MAX_CHUNKS, len(units))
+    for k in range(most, min(most, chunk_limit(budget)) - 1, -1):
+        chunks = cost_chunks(units, model_costs, k)
+        loads = [0] * threads
+        for cost in sorted(
+            (sum(model_costs[i] for u in chunk for i in units[u].models) for chunk in chunks),
+            reverse=True,
+        ):
+            loads[loads.index(min(loads))] += cost
+        time = max(loads) + len(chunks) * CHUNK_OVERHEAD_PARAM_ROWS / threads
+        if not best or time < least:
+            best, least = chunks, time
+    return best
 
 
 def chunks_of(

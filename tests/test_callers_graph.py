@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import parsum
-from parsum import _api, _inline
+from parsum import _api, _grouping, _inline
 from tests.test_errors import BoomBackward, _FailingBackward
 from tests.zoo import (
     IN,
@@ -635,6 +635,8 @@ def test_several_threads_pull_back_on_several_threads(cores):
 
 def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch, gil):
     cores(2)
+    # MAX_CHUNKS chunks, the runs' to group (2 a thread would cut 4: NOTE [ Chunks a thread ])
+    monkeypatch.setattr(_grouping, "CHUNKS_PER_THREAD", _grouping.MAX_CHUNKS)
     calls = []
     pull_back = _inline.pull_back
 

@@ -113,7 +113,7 @@ def test_an_embedding_table_counts_the_rows_it_reads(kind):
     )
 
 
-def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkeypatch):
+def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(cores, monkeypatch):
     seen = []
 
     def spy(units, model_costs, max_chunks=None):
@@ -123,6 +123,7 @@ def test_sum_models_uses_cost_chunks_by_default_and_chunk_size_when_given(monkey
 
     monkeypatch.setattr(_grouping, "cost_chunks", spy)
     monkeypatch.setattr(_grouping, "MODEL_OVERHEAD_PARAM_ROWS", 0)
+    cores(16)  # MAX_CHUNKS chunks (fewer threads cut fewer: NOTE [ Chunks a thread ])
     models = [mlp([4]) for _ in range(20)] + [mlp([400, 400]) for _ in range(2)]
     x = torch.randn(3, IN)
     parsum.sum_models(models, x, engine="autograd", n_jobs=1)
@@ -155,14 +156,15 @@ def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, j
     models = learned([mlp([256 + i, 256]) for i in range(8)], x)  # of their own: none stacked
     parsum.sum_models(models, x)
     chunks, workers = jobs_run[-1]
+    on_budget = chunks_on_budget(models, x)  # NOTE [ Chunks a thread ]
     if n_cores == 1:  # one thread, the chunks of an explicit n_jobs (and its bits)
-        assert (chunks, workers) == (len(models), 1)
+        assert (chunks, workers) == (on_budget, 1)
     elif n_cores == 2:
         assert (chunks, workers) == (1, min(n_cores, useful_workers_of(models, x)))
     else:
-        assert chunks == len(models) and 1 < workers <= n_cores
+        assert chunks == on_budget and 1 < workers <= n_cores
     parsum.sum_models(models, x, n_jobs=2)  # an explicit n_jobs: chunks as always
-    assert jobs_run[-1] == (len(models), 2)
+    assert jobs_run[-1] == (on_budget, 2)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -213,7 +215,7 @@ def test_a_budget_of_2_goes_to_workers_from_a_kernel_share(
     fewer = _grouping.STEPPING_CHUNKS_PER_THREAD * 2
     assert jobs_run[-1] == ((fewer, 2) if workers else (1, 2))
     parsum.sum_models(models, x)  # with an ordinary optimizer's step between calls
-    assert jobs_run[-1] == ((len(models), 2) if workers and releases else (1, 2))
+    assert jobs_run[-1] == ((chunks_on_budget(models, x), 2) if workers and releases else (1, 2))
 
 
 @pytest.mark.parametrize(
@@ -293,7 +295,7 @@ def test_a_budget_of_2_goes_to_workers_where_convolutions_do_most_of_the_work(
     elif n_cores == 2:
         assert jobs_run[-1][0] == 1  # one chunk, on the intra-op threads
     else:
-        assert jobs_run[-1] == (len(models), 1)  # one thread
+        assert jobs_run[-1] == (chunks_on_budget(models, x), 1)  # one thread
     y.sum().backward()
     expected = torch.stack([m(x) for m in models]).double().sum(0)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
@@ -324,7 +326,7 @@ def test_a_budget_of_2_goes_to_workers_where_recurrent_layers_do_most_of_the_wor
     share = _grouping._kernel_share(mps, Batch.of([x]))
     assert share >= _grouping.MIN_KERNEL_SHARE
     y = parsum.sum_models(models, x)
-    assert jobs_run[-1] == (len(models), n_cores)
+    assert jobs_run[-1] == (chunks_on_budget(models, x), n_cores)
     y.sum().backward()
     expected = torch.stack([m(x) for m in models]).double().sum(0)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
@@ -336,6 +338,17 @@ def useful_workers_of(models, x):
     return _grouping.useful_workers(
         [ModelParams.of(m) for m in models], Batch.of([x]), torch.get_num_threads()
     )
+
+
+def chunks_on_budget(models, x):
+    """How many chunks the default cuts for models of their own (none stacked) on this
+    thread's budget (NOTE [ Chunks a thread ])."""
+    from parsum._engines import ModelParams
+
+    mps, batch = [ModelParams.of(m) for m in models], Batch.of([x])
+    units = _grouping.plan_units(models, mps, "autograd", batch, None)
+    budget = torch.get_num_threads()
+    return len(_grouping.thread_chunks(units, _grouping.estimated_costs(mps, batch), budget))
 
 
 @pytest.mark.parametrize("engine", ["autograd", "auto"])
@@ -461,7 +474,8 @@ def test_the_default_runs_device_models_in_the_calling_thread(cores, jobs_run):
 # NOTE [ Costliest chunks first ]
 
 
-def test_threads_claim_the_costliest_chunks_first(monkeypatch):
+def test_threads_claim_the_costliest_chunks_first(cores, monkeypatch):
+    cores(16)  # a chunk a model (fewer threads cut fewer: NOTE [ Chunks a thread ])
     orders = []
     run_ordered, start_ordered = _pool.run_ordered, _pool.start_ordered
 
@@ -1022,3 +1036,52 @@ def test_a_mismatch_in_a_later_chunk_is_named_at_any_n_jobs_and_changes_no_buffe
     ):
         parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, chunk_size=4)
     assert all(torch.equal(b, m.norm.running_mean) for b, m in zip(before, models))
+
+
+# NOTE [ Chunks a thread ]
+
+
+def test_fewer_threads_cut_fewer_chunks_unless_they_would_balance_worse():
+    units = [Unit((i,), "autograd") for i in range(32)]
+    even = [10_000_000] * 32
+    assert len(_grouping.thread_chunks(units, even, 2)) == _grouping.chunk_limit(2) == 4
+    assert len(_grouping.thread_chunks(units, even, 4)) == 8
+    assert len(_grouping.thread_chunks(units, even, 16)) == MAX_CHUNKS  # 2 a thread is more
+    assert len(_grouping.thread_chunks(units[:3], even, 2)) == 3  # never more than units
+    # 24 small models then 8 wide ones: in 4 chunks of about equal cost one thread gets the
+    # costlier part; more chunks balance it, and their overhead costs less than that.
+    uneven = [5_000_000] * 24 + [100_000_000] * 8
+    chunks = _grouping.thread_chunks(units, uneven, 2)
+    assert [k for chunk in chunks for k in chunk] == list(range(32))
+
+    def span(cut):
+        loads = [0, 0]
+        for c in sorted((sum(uneven[k] for k in chunk) for chunk in cut), reverse=True):
+            loads[loads.index(min(loads))] += c
+        return max(loads)
+
+    four = cost_chunks(units, uneven, 4)
+    assert len(chunks) > 4 and span(chunks) < span(four)
+
+
+@pytest.mark.parametrize("n_cores", [2, 16])
+def test_the_chunks_of_a_budget_give_every_n_jobs_the_same_bits(cores, n_cores, jobs_run):
+    cores(n_cores)
+    torch.manual_seed(0)
+    x = torch.randn(64, IN)
+    models = learned([mlp([128 + 24 * i] * (1 + i % 3)) for i in range(16)], x)
+    want = 4 if n_cores == 2 else 16  # 2 a thread of the budget; MAX_CHUNKS on 16
+    assert chunks_on_budget(models, x) == want
+    results = []
+    for n_jobs in (1, 2, 4):
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        y = parsum.sum_models(models, x, n_jobs=n_jobs)
+        assert jobs_run[-1][0] == want
+        y.pow(2).sum().backward()
+        results.append((y.detach(), param_grads(models)))
+    for y, grads in results[1:]:
+        assert torch.equal(y, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
+    expected = torch.stack([m(x) for m in models]).double().sum(0)
+    torch.testing.assert_close(results[0][0].double(), expected, rtol=1e-5, atol=1e-5)

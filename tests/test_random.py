@@ -561,9 +561,11 @@ def test_other_models_that_draw_run_forwards_in_order_on_the_budget_and_pullback
 ):
     """Their forwards one at a time on the whole budget's intra-op threads (the same for any
     n_jobs), their pullbacks on the workers."""
-    from parsum import _pool
+    from parsum import _grouping, _pool
 
     cores(2)
+    # A chunk a model (2 a thread would cut 4: NOTE [ Chunks a thread ])
+    monkeypatch.setattr(_grouping, "CHUNKS_PER_THREAD", _grouping.MAX_CHUNKS)
     jobs = []
     run_ordered, start_ordered = _pool.run_ordered, _pool.start_ordered
 

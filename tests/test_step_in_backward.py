@@ -110,7 +110,8 @@ def test_steps_in_the_backward_keep_two_chunks_a_thread(cores, monkeypatch):
     (stepping,) = chunks_planned(models, True)
     assert len(stepping) == 4
     assert [k for chunk in stepping for k in chunk] == list(range(12))
-    assert len(chunks_planned(models, False)[0]) == 12
+    # Without steps, the budget's own (NOTE [ Chunks a thread ]): 2 a thread for these
+    assert len(chunks_planned(models, False)[0]) == 4
     elements = [sum(p.numel() for p in m.parameters()) for m in models]  # 59 to 169
     monkeypatch.setattr(parsum._grouping, "MERGED_STEP_ELEMENTS", 200)
     bounded = [mlp([4 + 2 * i]) for i in range(12)]
