@@ -54,6 +54,7 @@ from common import (
     ProcessSplit,
     TwoPhase,
     loss_of,
+    on_threads,
     one_thread,
     parsum_step,
     plain_step,
@@ -247,15 +248,7 @@ def engine_step(engine: ProcessEngine, x: torch.Tensor) -> Callable[[], None]:
         zero_grads(engine.models)
         loss_of(engine.forward(x)).backward()
 
-    def on_its_threads() -> None:  # the caller's share on its share of the budget
-        saved = torch.get_num_threads()
-        torch.set_num_threads(engine.threads)
-        try:
-            step()
-        finally:
-            torch.set_num_threads(saved)
-
-    return on_its_threads
+    return on_threads(step, engine.threads)  # the caller's share on its share of the budget
 
 
 def check_gradients(engine: ProcessEngine, x: torch.Tensor) -> float:

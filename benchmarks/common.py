@@ -325,10 +325,15 @@ def _parsum(package: Any) -> Any:
 
 def one_thread(fn: Callable[[], None]) -> Callable[[], None]:
     """``fn`` run with one intra-op thread."""
+    return on_threads(fn, 1)
+
+
+def on_threads(fn: Callable[[], None], threads: int) -> Callable[[], None]:
+    """``fn`` run with ``threads`` intra-op threads."""
 
     def run() -> None:
         saved = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         try:
             fn()
         finally:

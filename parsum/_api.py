@@ -349,7 +349,7 @@ def _general_sum(
         elif chunk_size is None and len(chunks) > chunk_limit(budget):
             # NOTE [ Chunks a thread ] in _grouping: decided on MAX_CHUNKS's chunks above, as
             # measured, run in fewer
-            chunks = thread_chunks(units, costs, budget)
+            chunks = thread_chunks(units, found, batch, costs, budget)
             order = claim_order = costliest_first(units, chunks, found, batch, costs)
         workers = useful_workers(found, batch, budget) if chosen else n_workers
         forward_workers = useful_forward_workers(found, batch, workers) if chosen else workers

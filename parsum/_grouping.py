@@ -740,21 +740,25 @@ def chunk_limit(budget: int) -> int:
     return min(MAX_CHUNKS, CHUNKS_PER_THREAD * max(1, budget))
 
 
-def thread_chunks(units: Sequence[Unit], model_costs: Sequence[int], budget: int) -> list[range]:
+def thread_chunks(
+    units: Sequence[Unit],
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    costs: Sequence[int],
+    budget: int,
+) -> list[range]:
     """The chunks, from MAX_CHUNKS down to ``chunk_limit(budget)``, whose estimated time on
     ``budget`` threads is least: the costliest-first span of their costs plus each chunk's
-    overhead over the threads (NOTE [ Chunks a thread ])."""
+    overhead over the threads (NOTE [ Chunks a thread ]); ``costs``: the models'
+    ``estimated_costs``."""
     threads = max(1, budget)
     best: list[range] = []
     least = 0.0
     most = min(MAX_CHUNKS, len(units))
     for k in range(most, min(most, chunk_limit(budget)) - 1, -1):
-        chunks = cost_chunks(units, model_costs, k)
+        chunks = cost_chunks(units, costs, k)
         loads = [0] * threads
-        for cost in sorted(
-            (sum(model_costs[i] for u in chunk for i in units[u].models) for chunk in chunks),
-            reverse=True,
-        ):
+        for cost in sorted(chunk_costs(units, chunks, model_params, batch, costs), reverse=True):
             loads[loads.index(min(loads))] += cost
         time = max(loads) + len(chunks) * CHUNK_OVERHEAD_PARAM_ROWS / threads
         if not best or time < least:

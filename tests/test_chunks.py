@@ -347,8 +347,8 @@ def chunks_on_budget(models, x):
 
     mps, batch = [ModelParams.of(m) for m in models], Batch.of([x])
     units = _grouping.plan_units(models, mps, "autograd", batch, None)
-    budget = torch.get_num_threads()
-    return len(_grouping.thread_chunks(units, _grouping.estimated_costs(mps, batch), budget))
+    costs = _grouping.estimated_costs(mps, batch)
+    return len(_grouping.thread_chunks(units, mps, batch, costs, torch.get_num_threads()))
 
 
 @pytest.mark.parametrize("engine", ["autograd", "auto"])
@@ -1043,15 +1043,19 @@ def test_a_mismatch_in_a_later_chunk_is_named_at_any_n_jobs_and_changes_no_buffe
 
 def test_fewer_threads_cut_fewer_chunks_unless_they_would_balance_worse():
     units = [Unit((i,), "autograd") for i in range(32)]
+
+    def cut(units, costs, budget):  # the models' costs given: no model to estimate
+        return _grouping.thread_chunks(units, [], Batch(1), costs, budget)
+
     even = [10_000_000] * 32
-    assert len(_grouping.thread_chunks(units, even, 2)) == _grouping.chunk_limit(2) == 4
-    assert len(_grouping.thread_chunks(units, even, 4)) == 8
-    assert len(_grouping.thread_chunks(units, even, 16)) == MAX_CHUNKS  # 2 a thread is more
-    assert len(_grouping.thread_chunks(units[:3], even, 2)) == 3  # never more than units
+    assert len(cut(units, even, 2)) == _grouping.chunk_limit(2) == 4
+    assert len(cut(units, even, 4)) == 8
+    assert len(cut(units, even, 16)) == MAX_CHUNKS  # 2 a thread is more
+    assert len(cut(units[:3], even, 2)) == 3  # never more than units
     # 24 small models then 8 wide ones: in 4 chunks of about equal cost one thread gets the
     # costlier part; more chunks balance it, and their overhead costs less than that.
     uneven = [5_000_000] * 24 + [100_000_000] * 8
-    chunks = _grouping.thread_chunks(units, uneven, 2)
+    chunks = cut(units, uneven, 2)
     assert [k for chunk in chunks for k in chunk] == list(range(32))
 
     def span(cut):
