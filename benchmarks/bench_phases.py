@@ -15,6 +15,13 @@ and the node it returns; its backward the pullbacks and their bookkeeping.
     python benchmarks/bench_phases.py [--jobs 2] [--rounds 20] [--workloads all|transformers,...]
         [--chunk-sizes default,1,4]
 
+``caller cpu`` and ``others cpu``: the CPU time of a step in the calling thread, and in every
+other thread together (parsum's helpers or the methods' threads, and any OpenMP threads;
+``common.thread_cpu_ns``, Linux only, else 0), about 0.02 ms of the readings included. Time
+that a step's wall time has beyond the caller's CPU time is the caller waiting (for a job's
+last chunk, for the GIL); where parsum's caller runs longer than the two-phase's while the
+others run as long, the gap is work of the calling thread alone.
+
 ``--chunk-sizes`` adds a parsum row per chunk size (models per chunk; ``default`` is parsum's
 own choice): under the GIL every chunk costs Python on every thread, so fewer, larger chunks
 may pay on many threads (2 cores, 2 threads, 64 tiny MLPs: 6.7 ms forward in chunks of 4,
@@ -33,8 +40,10 @@ import torch
 from common import (
     HandSplit,
     TwoPhase,
+    cpu_split,
     interleaved_rounds,
     loss_of,
+    thread_cpu_ns,
     workload,
     workload_spec,
     zero_grads,
@@ -53,7 +62,8 @@ CASES = [
 def phases(
     name: str, batch: int | None, threads: int, rounds: int, chunk_sizes: list[int | None]
 ) -> dict[str, list[float]]:
-    """Median milliseconds (forward, backward, step) of each method."""
+    """Median milliseconds of each method: forward, backward, step, and the CPU time of a
+    step in the calling thread and in every other thread together."""
     w = workload(name, batch)
     models, x = w.models, w.x
     split, two = HandSplit(models, threads, x), TwoPhase(models, threads, x)
@@ -89,14 +99,16 @@ def phases(
         key = "parsum" if size is None else f"parsum cs{size}"
         methods[key] = functools.partial(ours, size)
     # Each method times its own phases; interleaved_rounds only schedules the calls.
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in methods}
+    times: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in methods}
     recorded = {k: functools.partial(_record, times[k], fn) for k, fn in methods.items()}
     interleaved_rounds(recorded, rounds, warmup=WARMUP)
     return {
         key: [
-            statistics.median(f for f, _ in ts[WARMUP:]) * 1e3,
-            statistics.median(b for _, b in ts[WARMUP:]) * 1e3,
-            statistics.median(f + b for f, b in ts[WARMUP:]) * 1e3,
+            statistics.median(t[0] for t in ts[WARMUP:]) * 1e3,
+            statistics.median(t[1] for t in ts[WARMUP:]) * 1e3,
+            statistics.median(t[0] + t[1] for t in ts[WARMUP:]) * 1e3,
+            statistics.median(t[2] for t in ts[WARMUP:]) * 1e3,
+            statistics.median(t[3] for t in ts[WARMUP:]) * 1e3,
         ]
         for key, ts in times.items()
     }
@@ -112,8 +124,15 @@ def _case(item: str) -> tuple[str, int | None]:
     return name, batch
 
 
-def _record(into: list[tuple[float, float]], fn: Callable[[], tuple[float, float]]) -> None:
-    into.append(fn())
+def _record(
+    into: list[tuple[float, float, float, float]], fn: Callable[[], tuple[float, float]]
+) -> None:
+    """A step's forward and backward seconds, and the CPU seconds of the calling thread and of
+    all others around it (``cpu_split``; both 0 where the system does not tell)."""
+    before = thread_cpu_ns()
+    forward, backward = fn()
+    caller, others = cpu_split(before, thread_cpu_ns())
+    into.append((forward, backward, caller, others))
 
 
 def main() -> None:
@@ -133,12 +152,15 @@ def main() -> None:
     )
     for name, batch in cases:
         print(f"\n{name}, batch {batch or 'default'}")
-        print(f"{'threads':>8} {'method':>14} {'forward':>8} {'backward':>9} {'step':>7}")
+        print(
+            f"{'threads':>8} {'method':>14} {'forward':>8} {'backward':>9} {'step':>7} "
+            f"{'caller cpu':>10} {'others cpu':>10}"
+        )
         for p in (int(j) for j in args.jobs.split(",")):
             found = phases(name, batch, p, args.rounds, sizes)
-            for key, (f, b, s) in found.items():
+            for key, (f, b, s, caller, others) in found.items():
                 shown = f"{'':>8} {'':>9}" if key == "hand split" else f"{f:8.2f} {b:9.2f}"
-                print(f"{p:>8} {key:>14} {shown} {s:7.2f}")
+                print(f"{p:>8} {key:>14} {shown} {s:7.2f} {caller:10.2f} {others:10.2f}")
             # The bound any design that differentiates the loss of the sum has on these
             # threads: the forwards must all end before the first pullback can start.
             bound = found["hand split"][2] / found["two-phase"][2]

@@ -8,6 +8,8 @@ them in a training loop.
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
 import queue
 import random
 import statistics
@@ -355,6 +357,32 @@ def with_attribute(fn: Callable[[], None], owner: Any, name: str, value: Any) ->
             setattr(owner, name, saved)
 
     return run
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """Every thread of this process (Python's, parsum's helpers, OpenMP's), by its native id,
+    with the nanoseconds it has run on a CPU so far (Linux's ``/proc/self/task/*/schedstat``;
+    empty elsewhere). A thread that waits on a lock or a condition runs none; one that spins
+    runs all the time it spins."""
+    found: dict[int, int] = {}
+    tasks = pathlib.Path("/proc/self/task")
+    if not tasks.is_dir():
+        return found
+    for task in tasks.iterdir():
+        # A thread may end between the listing and the read.
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            found[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+    return found
+
+
+def cpu_split(before: dict[int, int], after: dict[int, int]) -> tuple[float, float]:
+    """Seconds of CPU the calling thread ran between two ``thread_cpu_ns`` readings, and the
+    seconds every other thread ran together (those started in between from zero; those ended
+    in between are not counted: the benchmarks' threads and parsum's helpers persist)."""
+    me = threading.get_native_id()
+    deltas = {tid: ns - before.get(tid, 0) for tid, ns in after.items()}
+    mine = deltas.pop(me, 0)
+    return mine / 1e9, sum(d for d in deltas.values() if d > 0) / 1e9
 
 
 def one_intra_op_thread() -> None:

@@ -6,6 +6,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -234,6 +235,46 @@ def test_bench_phases():
     args = ["--rounds", "1", "--jobs", "2", "--workloads", "heterogeneous-tiny"]
     out = run("benchmarks/bench_phases.py", *args)
     assert "two-phase" in out and "x the two-phase ceiling's speed" in out
+    assert "caller cpu" in out and "others cpu" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
+    assert [row[1] for row in rows] == ["hand", "two-phase", "parsum"]
+    for row in rows:
+        step, caller, others = map(float, row[-3:])
+        assert step > 0 and caller >= 0 and others >= 0
+        if pathlib.Path("/proc/self/task").is_dir():  # where the system tells the CPU times
+            assert caller > 0  # every method's step runs in the calling thread
+            if row[1] != "hand":  # its threads' shares may round to 0.00 ms on 1 core
+                assert caller + others > 0.1 * step
+
+
+def test_thread_cpu_ns_tells_which_thread_worked(monkeypatch):
+    """A thread that spins 50 ms runs about 50 ms of CPU; the caller, waiting, runs little."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import common
+
+    if not pathlib.Path("/proc/self/task").is_dir():
+        assert common.thread_cpu_ns() == {}
+        return
+
+    spun, read = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+        spun.set()
+        read.wait(timeout=60)  # alive until read: an ended thread is not listed
+
+    before = common.thread_cpu_ns()
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert spun.wait(timeout=60)
+        caller, others = common.cpu_split(before, common.thread_cpu_ns())
+    finally:
+        read.set()
+        thread.join()
+    assert others > 0.01 and caller < others
 
 
 def test_bench_team():
