@@ -362,8 +362,8 @@ def with_attribute(fn: Callable[[], None], owner: Any, name: str, value: Any) ->
 def thread_cpu_ns() -> dict[int, int]:
     """Every thread of this process (Python's, parsum's helpers, OpenMP's), by its native id,
     with the nanoseconds it has run on a CPU so far (Linux's ``/proc/self/task/*/schedstat``;
-    empty where the system does not tell). A thread that waits on a lock or a condition runs none; one that spins
-    runs all the time it spins."""
+    empty where the system does not tell). A thread that waits on a lock or a condition runs
+    none; one that spins runs all the time it spins."""
     found: dict[int, int] = {}
     tasks = pathlib.Path("/proc/self/task")
     if not tasks.is_dir():
