@@ -243,8 +243,7 @@ def test_bench_phases():
         assert step > 0 and caller >= 0 and others >= 0
         if _tells_thread_cpu():  # where the system tells the CPU times
             assert caller > 0  # every method's step runs in the calling thread
-            if row[1] != "hand":  # its threads' shares may round to 0.00 ms on 1 core
-                assert caller + others > 0.1 * step
+            assert caller + others > 0.1 * step  # a step computes: its threads ran
 
 
 def _tells_thread_cpu() -> bool:
