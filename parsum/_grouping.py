@@ -683,11 +683,17 @@ def _split_evenly(
     """Whether ``workers`` threads claiming the chunks in ``order`` (each the next one as soon
     as it is free) would finish within MAX_IMBALANCE of an even split, by estimated cost."""
     costs = chunk_costs(units, chunks, model_params, batch)
+    span = _claimed_span([costs[k] for k in order], workers)
+    return span <= MAX_IMBALANCE * sum(costs) / workers
+
+
+def _claimed_span(costs: Sequence[int], workers: int) -> int:
+    """The estimated time of ``workers`` threads claiming chunks of ``costs`` in that order,
+    each the next one as soon as it is free: the busiest thread's total."""
     busy_until = [0] * workers
-    for k in order:
-        free = busy_until.index(min(busy_until))
-        busy_until[free] += costs[k]
-    return max(busy_until) <= MAX_IMBALANCE * sum(costs) / workers
+    for cost in costs:
+        busy_until[busy_until.index(min(busy_until))] += cost
+    return max(busy_until)
 
 
 def chunk_units(units: Sequence[Unit], chunk_size: int) -> list[range]:
@@ -757,10 +763,8 @@ def thread_chunks(
     most = min(MAX_CHUNKS, len(units))
     for k in range(most, min(most, chunk_limit(budget)) - 1, -1):
         chunks = cost_chunks(units, costs, k)
-        loads = [0] * threads
-        for cost in sorted(chunk_costs(units, chunks, model_params, batch, costs), reverse=True):
-            loads[loads.index(min(loads))] += cost
-        time = max(loads) + len(chunks) * CHUNK_OVERHEAD_PARAM_ROWS / threads
+        own = sorted(chunk_costs(units, chunks, model_params, batch, costs), reverse=True)
+        time = _claimed_span(own, threads) + len(chunks) * CHUNK_OVERHEAD_PARAM_ROWS / threads
         if not best or time < least:
             best, least = chunks, time
     return best
