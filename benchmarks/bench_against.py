@@ -100,6 +100,28 @@ def extract_all(tar: tarfile.TarFile, into: pathlib.Path) -> None:
         tar.extractall(into)
 
 
+class Weighted:
+    """A parsum package whose ``sum_models`` passes weights of a kind (``weights_of``)."""
+
+    def __init__(self, package: Any, kind: str) -> None:
+        self._package = package
+        self._kind = kind
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._package, name)
+
+    def sum_models(self, models: list[torch.nn.Module], *args: Any, **kwargs: Any) -> Any:
+        weights = weights_of(self._kind, len(models))
+        return self._package.sum_models(models, *args, weights=weights, **kwargs)
+
+
+def weights_of(kind: str, n_models: int) -> list[float]:
+    """``--weights``: 1/M each, or M distinct ones (of one sign and about 1/M each)."""
+    if kind == "mean":
+        return [1.0 / n_models] * n_models
+    return [(1.0 + k / n_models) / n_models for k in range(n_models)]
+
+
 def step_of(
     package: Any, models: list[torch.nn.Module], x: torch.Tensor, args: argparse.Namespace
 ) -> Callable[[], None]:
@@ -217,6 +239,13 @@ def main() -> None:
     )
     parser.add_argument("--first", type=int, default=None, help="the first N models alone")
     parser.add_argument(
+        "--weights",
+        choices=["none", "mean", "distinct"],
+        default="none",
+        help="weights passed to sum_models: none, 1/M each (an ensemble's average), or M "
+        "distinct ones; the plain loop stays unweighted",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time the CPU time of all threads instead of the time that passed: more work a "
@@ -243,6 +272,8 @@ def main() -> None:
             chosen = w.models[: args.first]
             for label, pkg in packages:
                 models = copy.deepcopy(chosen)
+                if pkg is not None and args.weights != "none":
+                    pkg = Weighted(pkg, args.weights)
                 step = step_of(pkg, models, w.x, args)
                 if args.members is not None:
                     step = Members(models, args.members).around(step)
