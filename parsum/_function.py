@@ -52,6 +52,7 @@ from ._engines import (
     Unit,
     UnitPullback,
     UnitRun,
+    WeightedCotangents,
     _edge,
     check_argument_hooks,
     check_no_graph_needed,
@@ -369,6 +370,9 @@ def run_forward(
 
     failed_chunks: list[int] = []
     weighted = weight_tensor is not None or plan.weights is not None
+    # NOTE [ Weights in the reduction ] in _summation: float weights wait beside their terms
+    floats = plan.weights if weight_tensor is None else None
+    in_reduction = floats is not None and len(floats) > 0 and type(floats[0]) is float
     models = plan.models
     positions = call.grad_positions
     # In the caller's graph every model reads the same arguments, built once (a model gets its
@@ -447,6 +451,9 @@ def run_forward(
         # Each output leaf's values not added yet: added together, in model order, with one
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
+        # The weight of each term waiting, where they are added times it (None: weighted
+        # already), the same for every output leaf; None where none waits.
+        term_weights: list[float | None] | None = None
         first: int | None = None
         # The first output's shape, dtype and device where it is one strided tensor, for the
         # models after it in the caller's graph (NOTE [ One output a model ])
@@ -455,12 +462,13 @@ def run_forward(
         def admit(i: int, leaves: list[Tensor], sig: Signature) -> None:
             """Model i's output leaves: the chunk's first (its sums follow them), or checked
             against the first's."""
-            nonlocal first, accs, pending, at_once, lone
+            nonlocal first, accs, pending, term_weights, at_once, lone
             if first is None:
                 check_weight_dtype(plan.where, weight_tensor, leaves)
                 first = i
                 accs = [CompensatedAccumulator() for _ in leaves]
                 pending = [[] for _ in leaves]
+                term_weights = [] if in_reduction else None
                 at_once = all(sums_at_once(n, t) for t in leaves)
                 if sig[0] is LEAF_SPEC:
                     lone = sig[1][0]
@@ -534,7 +542,9 @@ def run_forward(
                         value = out.detach()
                         if keep_outputs:
                             outputs[i] = [value]
-                        if weighted:
+                        if term_weights is not None:
+                            term_weights.append(plan.weights[i])  # type: ignore[index]
+                        elif weighted:
                             value = value * plan.weight(i, weight_tensor)  # type: ignore[operator]
                         pending[0].append(value)
                         continue
@@ -551,11 +561,19 @@ def run_forward(
                         signatures[i] = sig
                     admit(unit.models[0], leaves, sig)
                     if at_once:  # each model's output a term, in the group's order
-                        group = _weighted_group(plan, unit.models, run.stacked, weight_tensor)
+                        if term_weights is not None and all(
+                            v.dtype == torch.float32 for v in run.stacked
+                        ):  # NOTE [ Weights in the reduction ] in _summation
+                            group = [v.detach() for v in run.stacked]
+                            term_weights.extend(plan.weights[i] for i in unit.models)  # type: ignore[index]
+                        else:
+                            group = _weighted_group(plan, unit.models, run.stacked, weight_tensor)
+                            if term_weights is not None:
+                                term_weights.extend([None] * len(unit.models))
                         for waiting, v in zip(pending, group):
                             waiting.extend(v.unbind(0))
                         continue
-                    _flush(accs, pending)
+                    _flush(accs, pending, term_weights)
                     for acc, v in zip(
                         accs, _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                     ):
@@ -573,7 +591,9 @@ def run_forward(
                     values = [leaf.detach() for leaf in leaves]
                     if keep_outputs:
                         outputs[i] = values
-                    if weighted:
+                    if term_weights is not None:
+                        term_weights.append(plan.weights[i])  # type: ignore[index]
+                    elif weighted:
                         w = plan.weight(i, weight_tensor)
                         values = [v * w for v in values]  # type: ignore[operator]  # never None
                     for waiting, v in zip(pending, values):
@@ -589,9 +609,9 @@ def run_forward(
                 raise
             if at_once:
                 if k == ks[-1]:
-                    done(ks[0], ChunkSum(None, pending))
+                    done(ks[0], ChunkSum(None, pending, term_weights))
                 continue  # the next chunk's terms follow this one's
-            _flush(accs, pending)
+            _flush(accs, pending, term_weights)
             done(k, ChunkSum(accs, None))
             first = lone = None  # the next chunk admits its own first model
 
@@ -603,7 +623,7 @@ def run_forward(
             if not totals:
                 totals.extend(ChunkPartials() for _ in chunk.terms)
             for total, terms in zip(totals, chunk.terms):
-                total.add_terms(terms)
+                total.add_terms(terms, chunk.weights)
             return
         assert chunk.accs is not None
         if not totals:
@@ -882,13 +902,20 @@ class ChunkSum(NamedTuple):
 
     accs: list[CompensatedAccumulator] | None
     terms: list[list[Tensor]] | None
+    weights: list[float | None] | None = None  # each term's (NOTE [ Weights in the reduction ])
 
 
-def _flush(accs: list[CompensatedAccumulator], pending: list[list[Tensor]]) -> None:
+def _flush(
+    accs: list[CompensatedAccumulator],
+    pending: list[list[Tensor]],
+    term_weights: list[float | None] | None,
+) -> None:
     for acc, waiting in zip(accs, pending):
         if waiting:
-            acc.add_all(waiting)
+            acc.add_all(waiting, term_weights)
             waiting.clear()
+    if term_weights is not None:
+        term_weights.clear()
 
 
 def _weighted_group(
@@ -1343,6 +1370,7 @@ def _pull_back_batched(
     later ]), left for the caller to undo, and the failure recorded there."""
     together: Batched = {}
     groups: dict[bool, list[tuple[int, GraphPullback, Sequence[Tensor]]]] = {True: [], False: []}
+    by_weight = WeightedCotangents(grad_outputs)
     for u in units:
         graph = _graph_pullback(plan, u, pullbacks[u])
         if graph is None:
@@ -1350,7 +1378,7 @@ def _pull_back_batched(
         i = plan.units[u].models[0]
         slots = plan.param_slots[i]
         accumulate = bool(slots) and all(direct[s] for s in slots) and not graph.aliased
-        cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+        cotangents = by_weight.of(plan.weight(i, weight_tensor))
         groups[accumulate].append((u, graph, cotangents))
     for accumulate, members in groups.items():
         if len(members) < (1 if accumulate else 2):

@@ -176,7 +176,15 @@ from ._double_backward import (
     second_order_fits,
     wanted_of_sum,
 )
-from ._engines import INTERNAL_LEAVES, CallArgs, SinglePullback, _edge, module_of, pull_back
+from ._engines import (
+    INTERNAL_LEAVES,
+    CallArgs,
+    SinglePullback,
+    WeightedCotangents,
+    _edge,
+    module_of,
+    pull_back,
+)
 from ._errors import ParsumError
 from ._function import (
     FLAT_WRITE_ELEMENTS,
@@ -505,6 +513,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # The models each failing chunk was pulling back when it failed.
     failing: dict[int, list[int]] = {}
     graphs = edges  # as narrowed here, for the function below
+    by_weight = WeightedCotangents(grad_outputs)
 
     def edges_and_cotangents(running: Sequence[int]) -> tuple[list[Any], list[Tensor]]:
         """The output edges of models ``running`` and their gradients."""
@@ -512,7 +521,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         if weighted:
             cots: list[Tensor] = []
             for i in running:
-                cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(i, weight_tensor))
+                cotangents = by_weight.of(plan.weight(i, weight_tensor))
                 cots.extend(cotangents[j] for _, j in graphs[i])
         else:
             cots = [grad_outputs[j] for i in running for _, j in graphs[i]]

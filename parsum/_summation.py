@@ -58,6 +58,29 @@ def weigh_models(values: Tensor, weights: Tensor | Sequence[float]) -> Tensor:
     return values.to(dtype) * w.view(-1, *([1] * (values.dim() - 1)))
 
 
+# NOTE [ Weights in the reduction ]
+# With python-float weights, each model's output was added times its weight: a kernel a model
+# (``value * w``), 0.26-0.34 ms of a forward of 64 tiny MLP classes. Where the outputs are
+# float32 and summed with one wide reduction (NOTE [ One reduction for small outputs ]), the
+# terms wait unweighted beside their weights, and the stack of them is multiplied by the column
+# of the weights (by the one weight where all are equal) before the reduction: each element as
+# ``value * w`` computes it, the weight rounded to float32 and one product, so the bits do not
+# change. A stacked group's float32 outputs wait so too; terms weighted already (a stacked
+# group's of another dtype) stand beside them with None, multiplied by 1.0, which changes no
+# value. Elsewhere each term is multiplied on its own, as before. With weights 1/M against the
+# code before, in one process (``benchmarks/bench_against.py --weights mean``, 2 cores):
+# ``benchmarks/results/weights-2cores-fifty-fourth.txt``.
+TermWeights = Sequence[float | None] | None
+
+
+def weighed_terms(xs: Sequence[Tensor], weights: TermWeights) -> Sequence[Tensor]:
+    """``xs``, each times its weight where ``weights`` gives one (NOTE [ Weights in the
+    reduction ])."""
+    if weights is None:
+        return xs
+    return [x if w is None else x * w for x, w in zip(xs, weights)]
+
+
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the plain sum of tensors of ``dtype``: Python's ``sum`` starts from 0, so
     booleans are counted in int64 (an ensemble's votes), every other dtype is kept."""
@@ -130,17 +153,31 @@ class CompensatedAccumulator:
         else:
             self.add(x)
 
-    def add_all(self, xs: Sequence[Tensor]) -> None:
-        """Add same-shape tensors, in order. Where their dtype has a wider one, with one
+    def add_all(self, xs: Sequence[Tensor], weights: TermWeights = None) -> None:
+        """Add same-shape tensors, in order, each times its weight where ``weights`` gives one
+        (NOTE [ Weights in the reduction ]). Where their dtype has a wider one, with one
         reduction in it (``torch.stack(xs).sum(0, dtype=wide)``): two kernels for all instead of
         one or two each, where every kernel call also passes the GIL (NOTE [ Compensated
         summation ])."""
+        if weights is not None and all(w is None for w in weights):
+            weights = None  # all weighted already (stacked groups)
         wide = WIDE.get(xs[0].dtype) if len(xs) > 1 else None
-        if wide is None or any(x.layout != torch.strided for x in xs):
-            for x in xs:
+        if (
+            wide is None
+            or any(x.layout != torch.strided for x in xs)
+            or (weights is not None and xs[0].dtype != torch.float32)
+        ):
+            for x in weighed_terms(xs, weights):
                 self.add(x)
             return
-        self.add_wide(torch.stack(list(xs)).sum(0, dtype=wide), xs[0].dtype)
+        stacked = torch.stack(list(xs))
+        if weights is not None:
+            column = [1.0 if w is None else w for w in weights]
+            if len(set(column)) == 1 and column[0]:  # one weight (not -0.0 beside 0.0)
+                stacked.mul_(column[0])
+            else:
+                stacked.mul_(torch.tensor(column, dtype=stacked.dtype).view(-1, *[1] * xs[0].dim()))
+        self.add_wide(stacked.sum(0, dtype=wide), xs[0].dtype)
 
     def _two_sum(self, s: Tensor, x: Tensor) -> None:
         if self._comp is None:
@@ -250,16 +287,22 @@ class ChunkPartials:
     [ Combining chunk partials ]. The accumulators merged are taken over. Or the terms
     themselves, in order, added at the end (NOTE [ One reduction for small outputs ])."""
 
-    __slots__ = ("_limit", "_terms", "_total", "_waiting")
+    __slots__ = ("_limit", "_term_weights", "_terms", "_total", "_waiting")
 
     def __init__(self) -> None:
         self._total = CompensatedAccumulator()
         self._waiting: list[CompensatedAccumulator] = []
         self._limit = 0
         self._terms: list[Tensor] = []
+        self._term_weights: list[float | None] | None = None
 
-    def add_terms(self, terms: list[Tensor]) -> None:
-        """Terms that follow those added before, all summed in one reduction by ``result``."""
+    def add_terms(self, terms: list[Tensor], weights: TermWeights = None) -> None:
+        """Terms that follow those added before, each times its weight where ``weights``
+        gives one, all summed in one reduction by ``result``."""
+        if weights is not None and self._term_weights is None:
+            self._term_weights = [None] * len(self._terms)
+        if self._term_weights is not None:
+            self._term_weights.extend([None] * len(terms) if weights is None else weights)
         self._terms.extend(terms)
 
     def merge(self, acc: CompensatedAccumulator) -> None:
@@ -295,8 +338,8 @@ class ChunkPartials:
     def result(self) -> Tensor:
         """The combined sum, in the partials' dtype, a tensor the caller owns."""
         if self._terms:
-            self._total.add_all(self._terms)
-            self._terms = []
+            self._total.add_all(self._terms, self._term_weights)
+            self._terms, self._term_weights = [], None
         self._flush()
         return self._total.result()
 

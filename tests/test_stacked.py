@@ -737,7 +737,7 @@ def test_a_group_at_one_batch_row_gives_each_model_gradients_of_its_own(how, eng
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("engine", ["stacked", "auto"])
-@pytest.mark.parametrize("weights", [None, "floats", "tensor_grad"])
+@pytest.mark.parametrize("weights", [None, "floats", "one float", "tensor_grad"])
 def test_matches_plain_sum(engine, n_jobs, dtype, weights):
     # engine="auto" stacks the eight mlp([8]) and runs the rest one by one.
     models = family(dtype) + [mlp([8]).to(dtype) for _ in range(4)]
@@ -746,6 +746,8 @@ def test_matches_plain_sum(engine, n_jobs, dtype, weights):
     w = None
     if weights == "floats":
         w = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 3.0, 1.0, 0.75, -2.0, 0.3, 0.6, -0.9, 1.2]
+    elif weights == "one float":  # NOTE [ Weighted cotangents shared ]: one product, expanded
+        w = [1 / len(models)] * len(models)
     elif weights == "tensor_grad":
         w = torch.linspace(-1, 2, len(models), dtype=dtype, requires_grad=True)
     assert_matches(*run_both(models, x, weights=w, engine=engine, n_jobs=n_jobs), **TOL[dtype])

@@ -726,6 +726,37 @@ def test_int_weights_give_the_bits_of_the_same_floats(engine):
     assert torch.equal(ints, floats)
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [1 / 7] * 7,
+        [0.5, -1.25, 2.0, 0.1, 3.0, -0.7, 1 / 3],
+        [0.0, -0.0, 0.25, 0.25, -0.0, 1.5, 0.0],
+    ],
+    ids=["equal", "distinct", "signed-zeros"],
+)
+@pytest.mark.parametrize("how", [dict(n_jobs=1), dict(n_jobs=2), dict(n_jobs=3, chunk_size=2), {}])
+def test_float_weights_give_the_bits_of_each_weighted_term(weights, how):
+    # NOTE [ Weights in the reduction ]: the terms weighted inside the one reduction, and NOTE
+    # [ Weighted cotangents shared ]: one cotangent for models of one weight. The sum has the
+    # bits of the plain terms w * m(x) summed in float64, and each model's gradients those of
+    # its own backward from w times the sum's gradient.
+    torch.manual_seed(0)
+    models = [mlp([3 + i % 4]) for i in range(7)]
+    x = torch.randn(6, IN)
+    terms = [w * m(x).detach() for w, m in zip(weights, models)]
+    want = torch.stack(terms).sum(0, dtype=torch.float64).to(torch.float32)
+    got = parsum.sum_models(models, x, weights=weights, **how)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    g = torch.randn_like(got)
+    got.backward(g)
+    for w, m in zip(weights, models):
+        want_grads = torch.autograd.grad(m(x), list(m.parameters()), g * w)
+        for p, want_grad in zip(m.parameters(), want_grads):
+            assert torch.equal(p.grad, want_grad)
+            assert torch.equal(p.grad.signbit(), want_grad.signbit())
+
+
 def test_identity_model_does_not_alias_input():
     x = torch.randn(3)
     y = parsum.sum_models([nn.Identity()], x)

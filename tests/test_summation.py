@@ -137,6 +137,25 @@ def test_chunk_partials_give_the_rounded_exact_sum(monkeypatch, limit_bytes):
     assert all(torch.equal(x, c) for x, c in zip(xs, copies))  # the borrowed ones unwritten
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_terms_added_times_their_weights_give_the_bits_of_each_product(dtype):
+    # NOTE [ Weights in the reduction ]: terms of float weights (None: weighted already) added
+    # in three chunks, then a chunk without weights, give the bits of the products added.
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3).to(dtype) * 10 ** (k % 5 - 2) for k in range(9)]
+    weights = [0.1, None, -0.0, 1 / 3, 1 / 3, None, 2.0, 0.0, -1e-3]
+    products = [x if w is None else x * w for x, w in zip(xs, weights)]
+    got, want = ChunkPartials(), ChunkPartials()
+    for start, stop in ((0, 2), (2, 6), (6, 9)):
+        got.add_terms(xs[start:stop], weights[start:stop])
+        want.add_terms(products[start:stop])
+    got.add_terms(xs[:3])
+    want.add_terms(xs[:3])
+    a, b = got.result(), want.result()
+    assert a.dtype == b.dtype == dtype
+    assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+
+
 def test_accumulator_never_writes_its_inputs():
     xs = [torch.randn(5) for _ in range(4)]
     copies = [x.clone() for x in xs]
