@@ -60,15 +60,15 @@ def weigh_models(values: Tensor, weights: Tensor | Sequence[float]) -> Tensor:
 
 # NOTE [ Weights in the reduction ]
 # With python-float weights, each model's output was added times its weight: a kernel a model
-# (``value * w``), 0.26-0.34 ms of a forward of 64 tiny MLP classes. Where the outputs are
-# float32 and summed with one wide reduction (NOTE [ One reduction for small outputs ]), the
-# terms wait unweighted beside their weights, and the stack of them is multiplied by the column
-# of the weights (by the one weight where all are equal) before the reduction: each element as
-# ``value * w`` computes it, the weight rounded to float32 and one product, so the bits do not
-# change. A stacked group's float32 outputs wait so too; terms weighted already (a stacked
-# group's of another dtype) stand beside them with None, multiplied by 1.0, which changes no
-# value. Elsewhere each term is multiplied on its own, as before. With weights 1/M against the
-# code before, in one process (``benchmarks/bench_against.py --weights mean``, 2 cores):
+# (``value * w``), 0.26-0.34 ms of a forward of 64 tiny MLP classes. Where the outputs are float32
+# and summed with one wide reduction (NOTE [ One reduction for small outputs ]), the terms wait
+# unweighted beside their weights, and the stack of them is multiplied by the column of the weights
+# (by the one weight where all are equal; a column only on the CPU, where it is made) before the
+# reduction: each element as ``value * w`` computes it, the weight rounded to float32 and one
+# product, so the bits do not change. A stacked group's float32 outputs wait so too; terms weighted
+# already (a stacked group's of another dtype) stand beside them with None, multiplied by 1.0, which
+# changes no value. Elsewhere each term is multiplied on its own, as before. With weights 1/M
+# against the code before, in one process (``benchmarks/bench_against.py --weights mean``, 2 cores):
 # ``benchmarks/results/weights-2cores-fifty-fourth.txt``.
 TermWeights = Sequence[float | None] | None
 
@@ -159,21 +159,25 @@ class CompensatedAccumulator:
         reduction in it (``torch.stack(xs).sum(0, dtype=wide)``): two kernels for all instead of
         one or two each, where every kernel call also passes the GIL (NOTE [ Compensated
         summation ])."""
-        if weights is not None and all(w is None for w in weights):
+        column: list[float] | None = None
+        if weights is not None and any(w is not None for w in weights):
+            column = [1.0 if w is None else w for w in weights]
+        elif weights is not None:
             weights = None  # all weighted already (stacked groups)
+        one = column is not None and len(set(column)) == 1 and column[0] != 0.0  # not -0.0 too
         wide = WIDE.get(xs[0].dtype) if len(xs) > 1 else None
         if (
             wide is None
             or any(x.layout != torch.strided for x in xs)
-            or (weights is not None and xs[0].dtype != torch.float32)
+            # A column on another device would be a copy to it: one weight or the CPU only.
+            or (column is not None and not (xs[0].dtype == torch.float32 and (one or xs[0].is_cpu)))
         ):
             for x in weighed_terms(xs, weights):
                 self.add(x)
             return
         stacked = torch.stack(list(xs))
-        if weights is not None:
-            column = [1.0 if w is None else w for w in weights]
-            if len(set(column)) == 1 and column[0]:  # one weight (not -0.0 beside 0.0)
+        if column is not None:
+            if one:
                 stacked.mul_(column[0])
             else:
                 stacked.mul_(torch.tensor(column, dtype=stacked.dtype).view(-1, *[1] * xs[0].dim()))

@@ -896,6 +896,22 @@ def test_activation_checkpointing_inside_models(n_jobs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["autograd", "stacked", "auto"])
+@pytest.mark.parametrize("weights", ["one", "distinct"])
+def test_cuda_models_with_float_weights(engine, weights):
+    # NOTE [ Weights in the reduction ]: the weights' column is made on the CPU, so a CUDA
+    # sum multiplies by one weight or term by term.
+    torch.manual_seed(0)
+    models = [mlp([8]).cuda() for _ in range(8)]
+    w = [0.125] * 8 if weights == "one" else [0.5 - 0.25 * i for i in range(8)]
+    x = torch.randn(5, IN, device="cuda")
+    (y, _, models, _), (y_ref, _, ref, _) = run_both(models, x, weights=w, engine=engine, n_jobs=2)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert_same_grads(models, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("engine", ["autograd", "stacked"])
 def test_cuda_models_with_cpu_weights(engine):
     # The plain loop allows w[i] * m_i(x) with CPU weights and CUDA models; so does parsum,
