@@ -1350,12 +1350,6 @@ def _float_on_cpu(t: Tensor) -> bool:
     return t.dtype in (torch.float32, torch.float64) and t.layout == torch.strided and t.is_cpu
 
 
-def _weight_column(weights: Sequence[Weight], like: Tensor) -> Tensor:
-    """Float ``weights`` along dim 0, in ``like``'s dtype, broadcast against ``like``
-    unsqueezed there."""
-    return torch.tensor(weights, dtype=like.dtype).view(-1, *([1] * like.dim()))
-
-
 def check_weight_dtype(where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor]) -> None:
     """Refuse a complex weight tensor where the models' output ``leaves`` are real (NOTE
     [ Complex weights ])."""
@@ -2317,7 +2311,12 @@ def stacked_forward(
             one = SinglePullback.cotangents(grad_outputs, weights[0])
             cotangents = [c.expand(n, *c.shape) for c in one]
         elif all(type(w) is float for w in weights) and all(map(_float_on_cpu, grad_outputs)):
-            cotangents = [g.unsqueeze(0) * _weight_column(weights, g) for g in grad_outputs]
+            # Inline, not weigh_models: through it a backward of the 64 tiny Sequentials (12
+            # groups) measured 0.975-0.984x in five runs; the dtype here is settled already.
+            cotangents = [
+                g.unsqueeze(0) * torch.tensor(weights, dtype=g.dtype).view(-1, *([1] * g.dim()))
+                for g in grad_outputs
+            ]
         else:
             cotangents = [
                 torch.stack([g if w is None else weighted_cotangent(g, w) for w in weights])

@@ -177,10 +177,7 @@ class CompensatedAccumulator:
             return
         stacked = torch.stack(list(xs))
         if column is not None:
-            if one:
-                stacked.mul_(column[0])
-            else:
-                stacked.mul_(torch.tensor(column, dtype=stacked.dtype).view(-1, *[1] * xs[0].dim()))
+            stacked = stacked.mul_(column[0]) if one else weigh_models(stacked, column)
         self.add_wide(stacked.sum(0, dtype=wide), xs[0].dtype)
 
     def _two_sum(self, s: Tensor, x: Tensor) -> None:
