@@ -106,17 +106,26 @@ class Weighted:
     def __init__(self, package: Any, kind: str) -> None:
         self._package = package
         self._kind = kind
+        self._logits: torch.Tensor | None = None  # "learned": a leaf of its own a package
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._package, name)
 
     def sum_models(self, models: list[torch.nn.Module], *args: Any, **kwargs: Any) -> Any:
-        weights = weights_of(self._kind, len(models))
+        weights: Any = weights_of(self._kind, len(models))
+        if self._kind == "tensor":
+            weights = torch.tensor(weights)
+        elif self._kind == "learned":
+            if self._logits is None or len(self._logits) != len(models):
+                self._logits = torch.tensor(weights).log().requires_grad_()
+            self._logits.grad = None
+            weights = torch.softmax(self._logits, 0)  # its gradient comes with the backward
         return self._package.sum_models(models, *args, weights=weights, **kwargs)
 
 
 def weights_of(kind: str, n_models: int) -> list[float]:
-    """``--weights``: 1/M each, or M distinct ones (of one sign and about 1/M each)."""
+    """``--weights``: 1/M each, or M distinct ones (of one sign and about 1/M each), as floats
+    (a tensor of them for "tensor", a softmax of their logits for "learned")."""
     if kind == "mean":
         return [1.0 / n_models] * n_models
     return [(1.0 + k / n_models) / n_models for k in range(n_models)]
@@ -240,10 +249,11 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=None, help="the first N models alone")
     parser.add_argument(
         "--weights",
-        choices=["none", "mean", "distinct"],
+        choices=["none", "mean", "distinct", "tensor", "learned"],
         default="none",
-        help="weights passed to sum_models: none, 1/M each (an ensemble's average), or M "
-        "distinct ones; the plain loop stays unweighted",
+        help="weights passed to sum_models: none, 1/M each (an ensemble's average), M "
+        "distinct floats, those in a tensor, or a softmax of logits that need a gradient "
+        "(learned weights); the plain loop stays unweighted",
     )
     parser.add_argument(
         "--cpu-time",

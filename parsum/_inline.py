@@ -208,6 +208,9 @@ from ._function import (
     running_when_failed,
     stack_weight_grads,
     under_vmap,
+    weight_grad_at_once,
+    weight_grads_at_once,
+    weight_values,
 )
 from ._grads import (
     FlatWrites,
@@ -444,11 +447,15 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     if weight_tensor is not None:
         weight_grad = None
         if ctx.needs_input_grad[3 + n_args]:
-            per_model: list[Tensor | None] = []
-            for out in state.outputs:
-                assert out is not None
-                per_model.append(model_weight_grad(grad_outputs, out))
-            weight_grad = stack_weight_grads(weight_tensor, per_model)
+            if weight_grads_at_once(grad_outputs, state.outputs):  # NOTE [ Weight gradients at
+                # once ] in _function
+                weight_grad = weight_grad_at_once(weight_tensor, grad_outputs, state.outputs)
+            else:
+                per_model: list[Tensor | None] = []
+                for out in state.outputs:
+                    assert out is not None
+                    per_model.append(model_weight_grad(grad_outputs, out))
+                weight_grad = stack_weight_grads(weight_tensor, per_model)
             if not keep_graph:
                 state.outputs = []
         weight_part.append(weight_grad)
@@ -514,6 +521,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     failing: dict[int, list[int]] = {}
     graphs = edges  # as narrowed here, for the function below
     by_weight = WeightedCotangents(grad_outputs)
+    given = weight_values(weight_tensor)  # NOTE [ A weight tensor read as floats ] in _function
 
     def edges_and_cotangents(running: Sequence[int]) -> tuple[list[Any], list[Tensor]]:
         """The output edges of models ``running`` and their gradients."""
@@ -521,7 +529,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         if weighted:
             cots: list[Tensor] = []
             for i in running:
-                cotangents = by_weight.of(plan.weight(i, weight_tensor))
+                cotangents = by_weight.of(plan.weight(i, given))
                 cots.extend(cotangents[j] for _, j in graphs[i])
         else:
             cots = [grad_outputs[j] for i in running for _, j in graphs[i]]

@@ -757,6 +757,53 @@ def test_float_weights_give_the_bits_of_each_weighted_term(weights, how):
             assert torch.equal(p.grad.signbit(), want_grad.signbit())
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("learned", [False, True], ids=["fixed", "learned"])
+@pytest.mark.parametrize("how", [dict(n_jobs=1), dict(n_jobs=3, chunk_size=2), {}])
+def test_weight_tensor_gives_the_bits_of_each_weighted_term(w_dtype, out_dtype, learned, how):
+    # NOTE [ A weight tensor read as floats ] and NOTE [ Weight gradients at once ]: the sum has
+    # the bits of the plain terms w[i] * m(x) (the tensor's elements, not floats) summed in
+    # float64; each model's gradients those of its own backward from w[i] times the sum's
+    # gradient; the weights' gradient, element i, the bits of (g * m_i(x)).sum().
+    torch.manual_seed(0)
+    models = [mlp([3 + i % 4]).to(out_dtype) for i in range(7)]
+    x = torch.randn(6, IN, dtype=out_dtype)
+    values = [0.5, -1.25, 2.0, 0.1, -0.0, -0.7, 1 / 3]
+    logits = torch.tensor(values, dtype=torch.float64, requires_grad=learned)
+    w = logits.to(w_dtype)  # a leaf's view, with a gradient where learned
+    terms = [w[i].detach() * m(x).detach() for i, m in enumerate(models)]
+    got = parsum.sum_models(models, x, weights=w, **how)
+    if out_dtype == torch.float32:
+        want = torch.stack(terms).sum(0, dtype=torch.float64).to(out_dtype)
+    else:  # compensated in its own dtype (float64), or in float32 (bfloat16)
+        want = parsum.sum_models(models, x, weights=w.detach().tolist(), **how)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    g = torch.randn_like(got)
+    got.backward(g)
+    for i, m in enumerate(models):
+        want_grads = torch.autograd.grad(m(x), list(m.parameters()), g * w[i].detach())
+        for p, want_grad in zip(m.parameters(), want_grads):
+            assert torch.equal(p.grad, want_grad)
+    if learned:
+        per_model = torch.stack([(g * m(x).detach()).sum() for m in models]).add(0)
+        assert torch.equal(logits.grad, per_model.to(w_dtype).to(torch.float64))
+
+
+def test_weight_tensor_changed_in_place_before_backward_raises_as_the_plain_loop():
+    # NOTE [ A weight tensor read as floats ]: the tensor is still saved for backward.
+    models = zoo()[:3]
+    x = torch.randn(4, IN)
+    for total in (plain_sum, parsum.sum_models):
+        w = torch.tensor([0.5, 1.5, -2.0])
+        y = total(models, x) if total is plain_sum else total(models, x, weights=w)
+        if total is plain_sum:
+            y = sum(w[i] * m(x) for i, m in enumerate(models))
+        w.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
 def test_identity_model_does_not_alias_input():
     x = torch.randn(3)
     y = parsum.sum_models([nn.Identity()], x)
