@@ -54,8 +54,18 @@ def weigh_models(values: Tensor, weights: Tensor | Sequence[float]) -> Tensor:
     ``w_i * out_i`` (a float weight makes integer and boolean outputs float); differentiable in
     a weight tensor."""
     dtype = torch.result_type(weights[0], values)
-    w = torch.as_tensor(weights, dtype=dtype, device=values.device)
-    return values.to(dtype) * w.view(-1, *([1] * (values.dim() - 1)))
+    # float16 and bfloat16 products as ``w * out`` computes them, in float32 with the weight not
+    # rounded to the half type first (and the cotangents ``g * w`` alike, through the graph of
+    # the casts); a weight tensor that needs a gradient keeps the half type, whose gradient
+    # ``(g * out).sum()`` the plain loop takes there.
+    compute = dtype
+    if dtype in (torch.float16, torch.bfloat16) and not (
+        isinstance(weights, Tensor) and weights.requires_grad
+    ):
+        compute = torch.float32
+    w = torch.as_tensor(weights, dtype=compute, device=values.device)
+    products = values.to(compute) * w.view(-1, *([1] * (values.dim() - 1)))
+    return products if compute == dtype else products.to(dtype)
 
 
 # NOTE [ Weights in the reduction ]

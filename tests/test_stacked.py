@@ -1242,3 +1242,29 @@ def test_a_parameter_given_out_whole_keeps_a_grad_of_its_own_in_a_retained_graph
     for got, want in zip(param_grads(models), param_grads(ref)):
         torch.testing.assert_close(got, want)
     assert len({m.scale.grad.data_ptr() for m in models}) == len(models)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["floats", "float64 tensor"])
+def test_half_precision_weights_multiply_as_the_plain_terms(dtype, kind):
+    # weigh_models: a stacked group's products and cotangents by float weights as w * out and
+    # g * w compute them (in float32, the weight not rounded to the half type first), so the
+    # stacked call gives the bits of the same models run one by one.
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype) for _ in range(12)
+    ]
+    one_by_one = copy.deepcopy(models)
+    x = torch.randn(5, 8, dtype=dtype)
+    w = [0.1 * (i + 1) + 0.0123 for i in range(12)]
+    weights = w if kind == "floats" else torch.tensor(w, dtype=torch.float64)
+    y = parsum.sum_models(models, x, weights=weights)
+    want = parsum.sum_models(one_by_one, x, weights=weights, engine="autograd")
+    assert y.grad_fn.name() != want.grad_fn.name()  # the stacked call, and not
+    assert torch.equal(y, want)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    for m, twin in zip(models, one_by_one):
+        for p, q in zip(m.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
