@@ -1180,7 +1180,9 @@ _unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
 # process; still 1.10x the pullbacks joined in the node). A FlatGrad's hook, which moves a fresh
 # gradient into its slot, raced the same way: NOTE [ Slots filled after the join ] in _grads.
 # Nor does a node join later where it returns a gradient for the weights or arguments
-# (``may_join_later``): the engine would accumulate it before a failing pullback is joined.
+# (``may_join_later``): the engine would accumulate it before a failing pullback is joined;
+# except weights made by a node before the join (NOTE [ Weights' gradients held back by the
+# join ] in _inline), whose gradient the engine passes on only after the join.
 # Those AccumulateGrads also run the hooks on the nodes themselves, before the pullbacks' own:
 # DistributedDataParallel's, which count each parameter ready once per backward, saw the None
 # first and then raised on the pullback's gradient ("marked as ready twice"; after the

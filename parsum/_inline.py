@@ -348,13 +348,48 @@ def sum_in_callers_graph(
         arguments += state.flipped
     weights = [weight_tensor] if weight_tensor is not None else []
     join: list[Tensor] = []
-    if not plan.one_thread_backward and may_join_later(plan, [*arguments, *weights]):
+    # NOTE [ Weights' gradients held back by the join ]
+    held_back = None  # the weight tensor, where its gradient may wait for the join
+    if weight_tensor is not None and weight_tensor.grad_fn is not None and weight_tensor.is_cpu:
+        held_back = weight_tensor
+    if not plan.one_thread_backward and may_join_later(
+        plan, [*arguments, *([] if held_back is not None else weights)]
+    ):
         # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
         state.pending = PendingJoin()
         join.append(join_input(state.pending))
+        if held_back is not None and not made_before(held_back, join[0]):
+            state.pending, join = None, []
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
     inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params, *join)
     return list(direct_apply(CallerGraphSum, n_unwrapped, *inputs))
+
+
+# NOTE [ Weights' gradients held back by the join ]
+# A node that returns the weights' gradient did not hand its pullbacks over (NOTE [ Pullbacks
+# joined later ] in _function): where the weight tensor is a leaf, the engine accumulates into
+# its ``.grad`` right after the node, before a failing pullback is joined (found by
+# tests/test_differential.py). Learned weights are mostly made from a leaf (``softmax(logits)``),
+# and the gradient of a tensor made by a node goes on only when that node runs: the engine runs
+# the ready node of highest sequence number first, AccumulateGrads before any other, so a node
+# made before the join node, in the same thread (sequence numbers are counted per thread), runs
+# after it, and not at all where the join raises. So the node hands its pullbacks over where the
+# weight tensor is made on the CPU by a node with a lower sequence number than the join node's;
+# the weights' gradient does not depend on the pullbacks (the outputs kept from the forward times
+# the sum's gradient), so the node returns it at once. 64 tiny MLP classes with a softmax's
+# weights, on 2 cores: a step 1.023x and 1.025x faster (against the code before, in one process).
+# A weight tensor that is a leaf, on another device (whose nodes run on the device's thread), or
+# made by a later node (in another thread) has its gradient returned with the pullbacks joined
+# in the node, as before. (ParallelSum's node, which may compute the weights' gradient chunk by
+# chunk in its pullbacks, joins in the node as before too.)
+
+
+def made_before(t: Tensor, join: Tensor) -> bool:
+    """Whether ``t``'s node has a lower sequence number than the join node of ``join``, so that
+    the engine passes ``t``'s gradient on only after the join (NOTE [ Weights' gradients held
+    back by the join ])."""
+    node, joins = t.grad_fn, join.grad_fn
+    return node is not None and joins is not None and node._sequence_nr() < joins._sequence_nr()
 
 
 def made_to_need_grad(tensors: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor]:

@@ -339,6 +339,68 @@ def test_not_where_the_weights_need_a_gradient(handed_over, cores):
     assert handed_over["started"] == 0
 
 
+def learned_step(models, x, logits, n_jobs):
+    """A step with learned weights, a softmax of ``logits``, and a term of the loss in them
+    made after the sum; the gradients of the parameters and of the logits."""
+    clear_grads(models)
+    logits.grad = None
+    weights = torch.softmax(logits, 0)
+    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs)
+    (y.pow(2).mean() + 0.1 * weights.log().mul(weights).sum()).backward()
+    return [g.clone() for g in param_grads(models)], logits.grad.clone()
+
+
+def test_weights_made_by_a_node_before_the_join(handed_over, cores):
+    # NOTE [ Weights' gradients held back by the join ] in parsum._inline: handed over, with
+    # the bits of one thread, the logits' gradient too.
+    cores(2)
+    models, alone, x, _ = two_copies("caller's graph")
+    logits = torch.linspace(-1, 1, len(models)).requires_grad_()
+    got, got_logits = learned_step(models, x, logits, 2)
+    assert handed_over == {"started": 1, "joined": 1}
+    want, want_logits = learned_step(alone, x, logits, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(got_logits, want_logits)
+
+
+def test_a_failure_with_weights_made_by_a_node_changes_no_grad(handed_over, cores):
+    cores(2)
+    models = heterogeneous()
+    models.insert(3, BoomBackward())
+    logits = torch.zeros(len(models), requires_grad=True)
+    with pytest.raises(parsum.ParsumError, match=r"model 3 \(BoomBackward\)"):
+        learned_step(models, torch.randn(16, IN), logits, 2)
+    assert handed_over == {"started": 1, "joined": 1}
+    assert logits.grad is None and all(g is None for g in param_grads(models))
+
+
+def test_not_where_the_weights_were_made_later_in_another_thread(handed_over, cores):
+    # Sequence numbers are counted per thread: weights made in this thread, whose count is
+    # high, and a call in a new thread, whose count starts again, join in the node.
+    cores(2)
+    models, alone, x, _ = two_copies("caller's graph")
+    logits = torch.linspace(-1, 1, len(models)).requires_grad_()
+    for _ in range(100):  # nodes: this thread's count is past the new thread's
+        logits.mul(2)
+    weights = torch.softmax(logits, 0)
+    got = {}
+
+    def call():
+        y = parsum.sum_models(models, x, weights=weights, n_jobs=2)
+        y.pow(2).mean().backward()
+        got["grads"] = [g.clone() for g in param_grads(models)]
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert handed_over["started"] == 0
+    got_logits, logits.grad = logits.grad, None
+    y = parsum.sum_models(alone, x, weights=torch.softmax(logits, 0), n_jobs=1)
+    y.pow(2).mean().backward()
+    assert all(torch.equal(g, w) for g, w in zip(got["grads"], param_grads(alone)))
+    assert torch.equal(got_logits, logits.grad)
+
+
 def test_two_sums_in_one_loss_and_a_retained_graph(handed_over, cores):
     cores(2)
     torch.manual_seed(2)
