@@ -37,9 +37,11 @@ from ._function import (
     SumPlan,
     direct_apply,
     join_input,
+    made_before,
     may_join_later,
     reports_failures,
     run_forward,
+    weight_held_back,
 )
 from ._fused import StepInBackward
 from ._grads import check_slots, has_compensated_flat_grads
@@ -453,9 +455,16 @@ def _general_sum(
     elif build_graph:
         inputs = [*tensors, *([weight_tensor] if weight_tensor is not None else [])]
         n_unwrapped = 1 + len(inputs)  # NOTE [ Applying a Function with many inputs ] in _function
-        if _joins_later(plan, differentiable):  # NOTE [ Pullbacks joined later ] in _function
+        # NOTE [ Weights' gradients held back by the join ] in _inline
+        held = weight_held_back(weight_tensor)
+        if _joins_later(plan, [t for t in differentiable if t is not held]):
+            # NOTE [ Pullbacks joined later ] in _function
             plan.join = PendingJoin()
-            inputs.append(join_input(plan.join))  # made last before the node
+            join = join_input(plan.join)  # made last before the node
+            if held is None or made_before(held, join):
+                inputs.append(join)
+            else:
+                plan.join = None
         leaves = list(direct_apply(ParallelSum, n_unwrapped, plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves

@@ -1271,6 +1271,23 @@ _JOIN_ANCHOR = torch.empty(0, requires_grad=True, device="cpu")
 INTERNAL_LEAVES.append(_JOIN_ANCHOR)
 
 
+def weight_held_back(weight_tensor: Tensor | None) -> Tensor | None:
+    """The weight tensor, where the engine may pass its gradient on only after a join node
+    made next: made by a node, on the CPU (NOTE [ Weights' gradients held back by the join ]
+    in _inline; ``made_before`` tells once the join node is made)."""
+    if weight_tensor is not None and weight_tensor.grad_fn is not None and weight_tensor.is_cpu:
+        return weight_tensor
+    return None
+
+
+def made_before(t: Tensor, join: Tensor) -> bool:
+    """Whether ``t``'s node has a lower sequence number than the join node of ``join``, so that
+    the engine passes ``t``'s gradient on only after the join (NOTE [ Weights' gradients held
+    back by the join ] in _inline)."""
+    node, joins = t.grad_fn, join.grad_fn
+    return node is not None and joins is not None and node._sequence_nr() < joins._sequence_nr()
+
+
 def join_input(pending: PendingJoin) -> Tensor:
     """A new join node's output, to pass to the node it joins (NOTE [ Pullbacks joined
     later ])."""
@@ -1526,13 +1543,15 @@ def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> 
 # A weight tensor that needs a gradient got it model by model: ``model_weight_grad``'s product
 # and reduction (three kernels and a Python sum) and a conversion each, then a stack: 64 tiny
 # MLP classes with learned weights took 0.7 ms more a backward than without (2 cores). Where
-# every output leaf is a float32 or float64 contiguous CPU tensor of at most WEIGHT_GRAD_ELEMENTS
-# elements, every model's outputs are stacked, multiplied by the gradient and reduced over all
+# every output leaf is a float32 or float64 CPU tensor of at most WEIGHT_GRAD_ELEMENTS elements,
+# laid out row-major as its gradient is (``_row_major``: contiguous, a stacked group's rows, or
+# broadcast), every model's outputs are stacked, multiplied by the gradient and reduced over all
 # but the models' dimension, in a few kernels for all: each row is reduced as the model's own
 # ``.sum()`` reduces it, so the bits are those of ``model_weight_grad`` (tested, and on 1 and 2
 # intra-op threads for shapes up to 32768 elements). A larger reduction of one tensor is split
-# over intra-op threads (at::internal::GRAIN_SIZE), which the rows of a stack are not, so their
-# bits would differ there: larger outputs go model by model, as do others.
+# over intra-op threads (at::internal::GRAIN_SIZE), which the rows of a stack are not, and a
+# column-major gradient makes each model's product column-major, reduced in another order: the
+# bits would differ there, and those go model by model, as do others.
 WEIGHT_GRAD_ELEMENTS = 32768
 
 
@@ -1553,9 +1572,25 @@ def weight_grads_at_once(
             or o.layout != torch.strided
             or g.layout != torch.strided
             or o.numel() > WEIGHT_GRAD_ELEMENTS
+            or not _row_major(g)
         ):
             return False
-    return all(out is not None and all(map(Tensor.is_contiguous, out)) for out in outputs)
+    return all(out is not None and all(map(_row_major, out)) for out in outputs)
+
+
+def _row_major(t: Tensor) -> bool:
+    """Whether ``t``'s elements lie in row-major order, with gaps (a stacked group's rows) or
+    broadcast: its strides, but those of size-1 dimensions and zeros, decrease. A product of two
+    such tensors is laid out contiguously, so its ``.sum()`` reduces in the stack's order (NOTE
+    [ Weight gradients at once ]); a column-major gradient made the product column-major."""
+    last = None
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 1 or stride == 0:
+            continue
+        if last is not None and stride >= last:
+            return False
+        last = stride
+    return True
 
 
 def weight_grad_at_once(
@@ -2273,7 +2308,10 @@ class _Backward:
             and self.sib is None
             and not self.shared_params
             and not self.ctx.call.grad_positions
-            and not self.ctx.weight_needs_grad
+            # A weight tensor's, where the node was made to join later, is held back by the
+            # join (NOTE [ Weights' gradients held back by the join ] in _inline) and reduced
+            # at once, apart from the pullbacks.
+            and not self.weight_grads_per_model
         )
 
     def join(self, job: Any, looked: tuple[list[Any], list[Any]] | None) -> None:

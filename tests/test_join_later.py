@@ -339,37 +339,73 @@ def test_not_where_the_weights_need_a_gradient(handed_over, cores):
     assert handed_over["started"] == 0
 
 
-def learned_step(models, x, logits, n_jobs):
+class _FailingUnderTransforms(torch.autograd.Function):
+    """A backward that raises, in the form torch.func transforms (engine "vjp") accept."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
+class _BoomUnderTransforms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return _FailingUnderTransforms.apply(self.lin(x))
+
+
+def learned_step(models, x, logits, n_jobs, **kwargs):
     """A step with learned weights, a softmax of ``logits``, and a term of the loss in them
     made after the sum; the gradients of the parameters and of the logits."""
     clear_grads(models)
     logits.grad = None
     weights = torch.softmax(logits, 0)
-    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs)
+    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs, **kwargs)
+    assert type(y.grad_fn).__name__ in ("CallerGraphSumBackward", "ParallelSumBackward")
     (y.pow(2).mean() + 0.1 * weights.log().mul(weights).sum()).backward()
     return [g.clone() for g in param_grads(models)], logits.grad.clone()
 
 
-def test_weights_made_by_a_node_before_the_join(handed_over, cores):
+@pytest.mark.parametrize("path", PATHS)
+def test_weights_made_by_a_node_before_the_join(path, handed_over, cores):
     # NOTE [ Weights' gradients held back by the join ] in parsum._inline: handed over, with
-    # the bits of one thread, the logits' gradient too.
+    # the bits of one thread, the logits' gradient too; not where the weights' gradient is
+    # reduced model by model in the pullbacks (a stacked group's outputs are column-major:
+    # NOTE [ Weight gradients at once ] in parsum._function).
     cores(2)
-    models, alone, x, _ = two_copies("caller's graph")
+    models, alone, x, kwargs = two_copies(path)
     logits = torch.linspace(-1, 1, len(models)).requires_grad_()
-    got, got_logits = learned_step(models, x, logits, 2)
-    assert handed_over == {"started": 1, "joined": 1}
-    want, want_logits = learned_step(alone, x, logits, 1)
+    got, got_logits = learned_step(models, x, logits, 2, **kwargs)
+    n = 0 if path == "stacked" else 1
+    assert handed_over == {"started": n, "joined": n}
+    want, want_logits = learned_step(alone, x, logits, 1, **kwargs)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert torch.equal(got_logits, want_logits)
 
 
-def test_a_failure_with_weights_made_by_a_node_changes_no_grad(handed_over, cores):
+@pytest.mark.parametrize("path", ["caller's graph", "vjp"])
+def test_a_failure_with_weights_made_by_a_node_changes_no_grad(path, handed_over, cores):
     cores(2)
-    models = heterogeneous()
-    models.insert(3, BoomBackward())
+    make, kwargs, _ = PATHS[path]
+    models = make()
     logits = torch.zeros(len(models), requires_grad=True)
-    with pytest.raises(parsum.ParsumError, match=r"model 3 \(BoomBackward\)"):
-        learned_step(models, torch.randn(16, IN), logits, 2)
+    x = torch.randn(16, IN)
+    models.insert(4, BoomBackward() if path != "vjp" else _BoomUnderTransforms())
+    logits = torch.zeros(len(models), requires_grad=True)
+    with pytest.raises(
+        parsum.ParsumError, match=r"model 4 \((BoomBackward|_BoomUnderTransforms)\)"
+    ):
+        learned_step(models, x, logits, 2, **kwargs)
     assert handed_over == {"started": 1, "joined": 1}
     assert logits.grad is None and all(g is None for g in param_grads(models))
 
