@@ -12,6 +12,7 @@ from torch import nn
 import parsum
 from parsum import _engines, _function, _pool
 from tests.test_callers_graph import _ARMED, _FlakyHead, _FlakyInside
+from tests.test_differential import _RaiseInBackward
 from tests.test_errors import BoomBackward
 from tests.zoo import IN, OUT, mlp, param_grads
 
@@ -339,29 +340,15 @@ def test_not_where_the_weights_need_a_gradient(handed_over, cores):
     assert handed_over["started"] == 0
 
 
-class _FailingUnderTransforms(torch.autograd.Function):
+class _BoomUnderTransforms(nn.Module):
     """A backward that raises, in the form torch.func transforms (engine "vjp") accept."""
 
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("boom in backward")
-
-
-class _BoomUnderTransforms(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(IN, OUT)
 
     def forward(self, x):
-        return _FailingUnderTransforms.apply(self.lin(x))
+        return _RaiseInBackward.apply(self.lin(x))
 
 
 def learned_step(models, x, logits, n_jobs, **kwargs):
