@@ -1545,10 +1545,13 @@ def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> 
 # MLP classes with learned weights took 0.7 ms more a backward than without (2 cores). Where
 # every output leaf is a float32 or float64 CPU tensor of at most WEIGHT_GRAD_ELEMENTS elements,
 # laid out row-major as its gradient is (``_row_major``: contiguous, a stacked group's rows, or
-# broadcast), every model's outputs are stacked, multiplied by the gradient and reduced over all
-# but the models' dimension, in a few kernels for all: each row is reduced as the model's own
-# ``.sum()`` reduces it, so the bits are those of ``model_weight_grad`` (tested, and on 1 and 2
-# intra-op threads for shapes up to 32768 elements). A larger reduction of one tensor is split
+# broadcast), or of any layout where the gradient is row-major and dense (``_dense``: it lays
+# out each model's product, as the stack's), every model's outputs are stacked, multiplied by
+# the gradient and reduced over all but the models' dimension, in a few kernels for all: each
+# row is reduced as the model's own ``.sum()`` reduces it, so the bits are those of
+# ``model_weight_grad`` (tested on 1 and 2 intra-op threads for shapes up to 32768 elements,
+# and for 2,144 layouts of outputs and gradients: permuted, a stacked group's rows, stepped,
+# broadcast). A larger reduction of one tensor is split
 # over intra-op threads (at::internal::GRAIN_SIZE), which the rows of a stack are not, and a
 # column-major gradient makes each model's product column-major, reduced in another order: the
 # bits would differ there, and those go model by model, as do others.
@@ -1575,7 +1578,16 @@ def weight_grads_at_once(
             or not _row_major(g)
         ):
             return False
+    if all(_dense(g) for g in grad_outputs if g is not None):
+        return all(out is not None for out in outputs)  # g lays each product out
     return all(out is not None and all(map(_row_major, out)) for out in outputs)
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether every dimension of ``t`` but those of size 1 has a stride: a product ``t * o``
+    is then laid out as ``t`` is, whatever ``o``'s layout (TensorIterator orders dimensions
+    by the first input whose strides there are not 0)."""
+    return all(stride != 0 for size, stride in zip(t.shape, t.stride()) if size != 1)
 
 
 def _row_major(t: Tensor) -> bool:

@@ -366,21 +366,19 @@ def learned_step(models, x, logits, n_jobs, **kwargs):
 @pytest.mark.parametrize("path", PATHS)
 def test_weights_made_by_a_node_before_the_join(path, handed_over, cores):
     # NOTE [ Weights' gradients held back by the join ] in parsum._inline: handed over, with
-    # the bits of one thread, the logits' gradient too; not where the weights' gradient is
-    # reduced model by model in the pullbacks (a stacked group's outputs are column-major:
-    # NOTE [ Weight gradients at once ] in parsum._function).
+    # the bits of one thread, the logits' gradient too (a stacked group's outputs, laid out
+    # column-major, reduced at once: NOTE [ Weight gradients at once ] in parsum._function).
     cores(2)
     models, alone, x, kwargs = two_copies(path)
     logits = torch.linspace(-1, 1, len(models)).requires_grad_()
     got, got_logits = learned_step(models, x, logits, 2, **kwargs)
-    n = 0 if path == "stacked" else 1
-    assert handed_over == {"started": n, "joined": n}
+    assert handed_over == {"started": 1, "joined": 1}
     want, want_logits = learned_step(alone, x, logits, 1, **kwargs)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert torch.equal(got_logits, want_logits)
 
 
-@pytest.mark.parametrize("path", ["caller's graph", "vjp"])
+@pytest.mark.parametrize("path", PATHS)
 def test_a_failure_with_weights_made_by_a_node_changes_no_grad(path, handed_over, cores):
     cores(2)
     make, kwargs, _ = PATHS[path]
