@@ -37,7 +37,6 @@ from ._function import (
     SumPlan,
     direct_apply,
     join_input,
-    made_before,
     may_join_later,
     reports_failures,
     run_forward,
@@ -460,11 +459,11 @@ def _general_sum(
         if _joins_later(plan, [t for t in differentiable if t is not held]):
             # NOTE [ Pullbacks joined later ] in _function
             plan.join = PendingJoin()
-            join = join_input(plan.join)  # made last before the node
-            if held is None or made_before(held, join):
-                inputs.append(join)
-            else:
+            join = join_input(plan.join, held)  # made last before the node
+            if join is None:
                 plan.join = None
+            else:
+                inputs.append(join)
         leaves = list(direct_apply(ParallelSum, n_unwrapped, plan, *inputs, *params))
     else:
         leaves = run_forward(plan, call, weight_tensor, build_graph=False).leaves

@@ -1274,24 +1274,23 @@ INTERNAL_LEAVES.append(_JOIN_ANCHOR)
 def weight_held_back(weight_tensor: Tensor | None) -> Tensor | None:
     """The weight tensor, where the engine may pass its gradient on only after a join node
     made next: made by a node, on the CPU (NOTE [ Weights' gradients held back by the join ]
-    in _inline; ``made_before`` tells once the join node is made)."""
+    in _inline; ``join_input`` tells once the join node is made)."""
     if weight_tensor is not None and weight_tensor.grad_fn is not None and weight_tensor.is_cpu:
         return weight_tensor
     return None
 
 
-def made_before(t: Tensor, join: Tensor) -> bool:
-    """Whether ``t``'s node has a lower sequence number than the join node of ``join``, so that
-    the engine passes ``t``'s gradient on only after the join (NOTE [ Weights' gradients held
-    back by the join ] in _inline)."""
-    node, joins = t.grad_fn, join.grad_fn
-    return node is not None and joins is not None and node._sequence_nr() < joins._sequence_nr()
-
-
-def join_input(pending: PendingJoin) -> Tensor:
+def join_input(pending: PendingJoin, held: Tensor | None) -> Tensor | None:
     """A new join node's output, to pass to the node it joins (NOTE [ Pullbacks joined
-    later ])."""
-    return _C_APPLY.__get__(None, JoinPullbacks)(pending, _JOIN_ANCHOR)
+    later ]); None where ``held``, the weight tensor of ``weight_held_back``, was made by a node
+    of a higher sequence number than the join node's, whose gradient the engine would pass on
+    before the join (NOTE [ Weights' gradients held back by the join ] in _inline)."""
+    join = _C_APPLY.__get__(None, JoinPullbacks)(pending, _JOIN_ANCHOR)
+    if held is None:
+        return join
+    node, joins = held.grad_fn, join.grad_fn
+    assert node is not None and joins is not None  # weight_held_back's, and a Function's
+    return join if node._sequence_nr() < joins._sequence_nr() else None
 
 
 def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., Any]:
@@ -1551,14 +1550,14 @@ def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> 
 # row is reduced as the model's own ``.sum()`` reduces it, so the bits are those of
 # ``model_weight_grad`` (tested on 1 and 2 intra-op threads for shapes up to 32768 elements,
 # and for 2,144 layouts of outputs and gradients: permuted, a stacked group's rows, stepped,
-# broadcast). A larger reduction of one tensor is split
-# over intra-op threads (at::internal::GRAIN_SIZE), which the rows of a stack are not, and a
-# column-major gradient makes each model's product column-major, reduced in another order: the
-# bits would differ there, and those go model by model, as do others.
+# broadcast). A larger reduction of one tensor is split over intra-op threads
+# (at::internal::GRAIN_SIZE), which the rows of a stack are not, and a column-major gradient
+# makes each model's product column-major, reduced in another order: the bits would differ
+# there, and those go model by model, as do others.
 WEIGHT_GRAD_ELEMENTS = 32768
 
 
-def weight_grads_at_once(
+def fits_weight_grad_at_once(
     grad_outputs: Sequence[Tensor | None], outputs: Sequence[Sequence[Tensor] | None]
 ) -> bool:
     """Whether ``weight_grad_at_once`` takes these (NOTE [ Weight gradients at once ])."""
@@ -1611,16 +1610,34 @@ def weight_grad_at_once(
     outputs: Sequence[Sequence[Tensor] | None],
 ) -> Tensor:
     """The weight tensor's gradient, every model's ``model_weight_grad`` at once, with its bits
-    (NOTE [ Weight gradients at once ]); where ``weight_grads_at_once``."""
+    (NOTE [ Weight gradients at once ]); where ``fits_weight_grad_at_once``."""
+    kept = [out for out in outputs if out is not None]
+    assert len(kept) == len(outputs)  # every model's, row by row (fits_weight_grad_at_once)
     total: Tensor | None = None
     for j, g in enumerate(grad_outputs):
-        products = torch.stack([out[j] for out in outputs if out is not None]).mul_(g)
+        products = torch.stack([out[j] for out in kept]).mul_(g)
         if products.dim() > 1:
             products = products.sum(dim=tuple(range(1, products.dim())))
         # model_weight_grad's Python sum starts from 0, which makes a -0.0 0.0
         total = products.add_(0) if total is None else total.add_(products)
     assert total is not None
     return total.to(weight_tensor.device, weight_tensor.dtype)
+
+
+def weight_grad_of(
+    weight_tensor: Tensor,
+    grad_outputs: Sequence[Tensor],
+    outputs: Sequence[Sequence[Tensor] | None],
+) -> Tensor:
+    """The weight tensor's gradient from every model's kept outputs: at once where it fits
+    (NOTE [ Weight gradients at once ]), else model by model."""
+    if fits_weight_grad_at_once(grad_outputs, outputs):
+        return weight_grad_at_once(weight_tensor, grad_outputs, outputs)
+    per_model: list[Tensor | None] = []
+    for out in outputs:
+        assert out is not None
+        per_model.append(model_weight_grad(grad_outputs, out))
+    return stack_weight_grads(weight_tensor, per_model)
 
 
 def stack_weight_grads(weight_tensor: Tensor, grads: Sequence[Tensor | None]) -> Tensor:
@@ -1974,7 +1991,7 @@ class _Backward:
         self.weights = weight_values(self.weight_tensor)
         self.param_grads: list[Tensor | None] = [None] * len(plan.params)
         self.weight_grads: list[Tensor | None] = [None] * len(plan.models)
-        self.weight_grads_per_model = ctx.weight_needs_grad and not weight_grads_at_once(
+        self.weight_grads_per_model = ctx.weight_needs_grad and not fits_weight_grad_at_once(
             grad_outputs, self.outputs
         )
         self.arg_totals: dict[int, Any] = {}  # GradSum, or lists of terms

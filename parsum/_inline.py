@@ -198,19 +198,15 @@ from ._function import (
     freed_graph_error,
     join_input,
     learn_pullback_writes,
-    made_before,
     may_join_later,
-    model_weight_grad,
     pullback_snapshot,
     raise_first_failing_model,
     reaching_a_graph_freed_before,
     reports_failures,
     run_forward,
     running_when_failed,
-    stack_weight_grads,
     under_vmap,
-    weight_grad_at_once,
-    weight_grads_at_once,
+    weight_grad_of,
     weight_held_back,
     weight_values,
 )
@@ -357,9 +353,11 @@ def sum_in_callers_graph(
     ):
         # NOTE [ Pullbacks joined later ]; made last before the node, whose input it is
         state.pending = PendingJoin()
-        join.append(join_input(state.pending))
-        if held_back is not None and not made_before(held_back, join[0]):
-            state.pending, join = None, []
+        made = join_input(state.pending, held_back)
+        if made is None:
+            state.pending = None
+        else:
+            join.append(made)
     n_unwrapped = 3 + len(arguments)  # NOTE [ Applying a Function with many inputs ] in _function
     inputs = (state, _ANCHOR, len(arguments), *arguments, *weights, *plan.params, *join)
     return list(direct_apply(CallerGraphSum, n_unwrapped, *inputs))
@@ -475,15 +473,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     if weight_tensor is not None:
         weight_grad = None
         if ctx.needs_input_grad[3 + n_args]:
-            if weight_grads_at_once(grad_outputs, state.outputs):  # NOTE [ Weight gradients at
-                # once ] in _function
-                weight_grad = weight_grad_at_once(weight_tensor, grad_outputs, state.outputs)
-            else:
-                per_model: list[Tensor | None] = []
-                for out in state.outputs:
-                    assert out is not None
-                    per_model.append(model_weight_grad(grad_outputs, out))
-                weight_grad = stack_weight_grads(weight_tensor, per_model)
+            weight_grad = weight_grad_of(weight_tensor, grad_outputs, state.outputs)
             if not keep_graph:
                 state.outputs = []
         weight_part.append(weight_grad)
