@@ -354,6 +354,18 @@ def _function_modes() -> bool:
     return count is None or count() > 0
 
 
+# NOTE [ Helpers that cannot start ]
+# A process at its limit of threads (a container's pids limit, ``ulimit -u``) cannot start a
+# helper: ``Thread.start`` raises RuntimeError. The job then goes to the helpers that are there,
+# none perhaps, and the caller runs the chunks they do not take: the same chunks, on the same
+# intra-op threads, so the same bits, on fewer threads, with a warning that says so. Before,
+# the call raised the RuntimeError, having changed nothing. A job is put in the queue once for
+# each helper there is, so that entries no helper will ever take do not pile up call after call.
+_NO_THREAD = (
+    "parsum could not start a worker thread ({}): this call runs on the calling thread and the "
+    "{} worker thread(s) there are, with the same results"
+)
+
 _LEFT_RUNNING = (
     "parsum: interrupted again while waiting for the chunks its helper threads are running; "
     "left them running: they may still write gradients, statistics or optimizer steps"
@@ -557,7 +569,9 @@ class _Pool:
         for thread in leaving:
             _wait_until_ended(thread, deadline)
 
-    def ensure_helpers(self, n: int) -> None:
+    def ensure_helpers(self, n: int) -> int:
+        """Start helpers up to ``n``; how many there are (fewer where the system starts no
+        more threads: NOTE [ Helpers that cannot start ])."""
         _rebuild_engine_here()  # NOTE [ A forked child's autograd engine ]
         with self._lock:
             self._leaving = [t for t in self._leaving if not _has_ended(t)]
@@ -566,8 +580,13 @@ class _Pool:
             self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
             while len(self._threads) < n:
                 thread = self._new_helper(f"parsum-worker-{len(self._threads)}")
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError as exc:
+                    warnings.warn(_NO_THREAD.format(exc, len(self._threads)), RuntimeWarning, 3)
+                    break
                 self._threads.append(thread)
+            return len(self._threads)
 
     def _new_helper(self, name: str) -> threading.Thread:
         return threading.Thread(target=self._serve, name=name, daemon=True)
@@ -967,10 +986,10 @@ def _new_job(
 
 
 def _give_to_helpers(job: _Job) -> None:
-    """Give ``job`` to its helpers, started where missing."""
+    """Give ``job`` to its helpers, started where missing: to as many as there are (NOTE
+    [ Helpers that cannot start ])."""
     job.handed = True
-    _pool.ensure_helpers(job.helpers)
-    _pool.submit(job, job.helpers)
+    _pool.submit(job, min(job.helpers, _pool.ensure_helpers(job.helpers)))
 
 
 def _work_and_wait(job: _Job) -> None:

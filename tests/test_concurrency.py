@@ -1075,6 +1075,56 @@ def test_helpers_stop_at_exit_and_start_again(cores):
     assert _pool.pool_size() >= 1
 
 
+@pytest.mark.parametrize("engine", ["auto", "vjp"])
+def test_helpers_that_cannot_start_leave_the_call_to_the_threads_there_are(
+    cores, monkeypatch, engine
+):
+    # A process at its limit of threads: Thread.start raises (NOTE [ Helpers that cannot
+    # start ]). The call runs on the calling thread with the bits of n_jobs=1 and a warning,
+    # leaves no job in the queue call after call, and helpers start again once they can.
+    cores(2)
+    models = zoo()
+    x = torch.randn(5, IN, requires_grad=True)
+
+    def run(n_jobs):
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine)
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, *(p.grad for m in models for p in m.parameters())]
+
+    def same(a, b):
+        return all((u is None and v is None) or torch.equal(u, v) for u, v in zip(a, b))
+
+    want = run(1)
+    _pool._pool.stop()
+
+    class CannotStart(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    submitted = []
+    submit = _pool._Pool.submit  # patched on the class: an instance's attribute would stay
+
+    def counted_submit(self, job, helpers):
+        submitted.append(helpers)
+        submit(self, job, helpers)
+
+    monkeypatch.setattr(_pool._Pool, "_new_helper", lambda self, name: CannotStart(name=name))
+    monkeypatch.setattr(_pool._Pool, "submit", counted_submit)
+    for _ in range(3):
+        with pytest.warns(RuntimeWarning, match="could not start a worker thread"):
+            assert same(run(2), want)
+    assert submitted and set(submitted) == {0}  # every job went to no helper
+    assert _pool.pool_size() == 0 and _pool._pool._queue.qsize() == 0
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert same(run(2), want)
+    assert _pool.pool_size() >= 1
+
+
 _EXIT_SCRIPT = """
 import atexit, threading, time
 
