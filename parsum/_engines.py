@@ -1290,7 +1290,7 @@ def unit_forward(
 # gradients to the arguments and the parameters, and a real one a wrong gradient of its own
 # (both silently). A complex weight on real outputs makes the plain sum complex, and each
 # model's cotangent would be the real part of ``g * conj(w)``: refused instead, with a
-# ParsumError, on every path (``check_weight_dtype``).
+# ParsumError, on every path (``check_weight_tensor``).
 
 
 def weighted_cotangent(g: Tensor, w: float | Tensor) -> Tensor:
@@ -1350,17 +1350,28 @@ def _float_on_cpu(t: Tensor) -> bool:
     return t.dtype in (torch.float32, torch.float64) and t.layout == torch.strided and t.is_cpu
 
 
-def check_weight_dtype(where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor]) -> None:
-    """Refuse a complex weight tensor where the models' output ``leaves`` are real (NOTE
-    [ Complex weights ])."""
-    if weight_tensor is None or not weight_tensor.is_complex():
+def check_weight_tensor(
+    where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor], model: str
+) -> None:
+    """Refuse a weight tensor that the outputs ``leaves`` of ``model`` ("model i (type)") are
+    not multiplied by in the plain loop: a complex one for real outputs (NOTE [ Complex
+    weights ]), one on another device than theirs but the CPU (``w[i]``, 0-dim, goes with
+    outputs on any device from the CPU alone). Refused here, before any product: the product
+    raised PyTorch's own device error after the models ran."""
+    if weight_tensor is None:
         return
     for leaf in leaves:
-        if not leaf.is_complex():
+        if weight_tensor.is_complex() and not leaf.is_complex():
             raise ParsumError(
                 f"{where}: weights is a complex tensor ({weight_tensor.dtype}) and the models "
                 f"return real outputs ({leaf.dtype}); a complex weight is summed with complex "
                 "outputs only: pass weights.real, or make the models' outputs complex"
+            )
+        if weight_tensor.device.type != "cpu" and weight_tensor.device != leaf.device:
+            raise ParsumError(
+                f"{where}: weights is a tensor on {weight_tensor.device} and {model} returns an "
+                f"output on {leaf.device}; a weight tensor goes on the outputs' device or on "
+                f"the CPU: pass weights.to({str(leaf.device)!r})"
             )
 
 

@@ -57,7 +57,7 @@ from ._engines import (
     check_argument_hooks,
     check_no_graph_needed,
     check_own_leaves,
-    check_weight_dtype,
+    check_weight_tensor,
     direct_calls_allowed,
     graph_nodes,
     leaf_of,
@@ -504,7 +504,8 @@ def run_forward(
             against the first's."""
             nonlocal first, accs, pending, term_weights, at_once, lone
             if first is None:
-                check_weight_dtype(plan.where, weight_tensor, leaves)
+                model = f"model {i} ({model_kind(models[i])})"
+                check_weight_tensor(plan.where, weight_tensor, leaves, model)
                 first = i
                 accs = [CompensatedAccumulator() for _ in leaves]
                 pending = [[] for _ in leaves]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ._engines import CallArgs, ModelParams, model_kind
+from ._engines import CallArgs, ModelParams, check_weight_tensor, model_kind
 from ._errors import ParsumError, message_of
 from ._grads import has_compensated_flat_grads
 from ._summation import WIDE, sum_dtype
@@ -93,6 +93,7 @@ def sum_in_transform(
                 "shapes and dtypes"
             )
         if weight_tensor is not None:
+            check_weight_tensor(where, weight_tensor, leaves, f"model {i} ({model_kind(model)})")
             leaves = [t * weight_tensor[i] for t in leaves]
         elif weight_list is not None:
             leaves = [t * weight_list[i] for t in leaves]

@@ -203,8 +203,9 @@ def test_gradcheck_complex_inputs_and_weights(weight_dtype):
         assert torch.autograd.gradcheck(lambda x, w, f=f: f(x, weights=w), (x, w))
 
 
-@pytest.mark.parametrize("engine", [*ENGINES, "stacked"])
-def test_complex_weights_on_real_outputs_are_refused_and_change_nothing(engine):
+def _refusing_weights(engine, weights, match):
+    """Calls with ``weights`` on models with BatchNorm raise a ParsumError matching ``match``
+    for n_jobs 1 and 2, changing no buffer and no gradient; the models."""
     torch.manual_seed(0)
     models = [
         nn.Sequential(nn.Linear(IN, 4), nn.BatchNorm1d(4), nn.Linear(4, OUT)) for _ in range(3)
@@ -212,14 +213,22 @@ def test_complex_weights_on_real_outputs_are_refused_and_change_nothing(engine):
     if engine == "vjp":  # which runs no model that updates its buffers
         models = [m.eval() for m in models]
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
-    w = torch.randn(3, dtype=torch.complex64, requires_grad=True)
     for n_jobs in (1, 2):
-        with pytest.raises(parsum.ParsumError, match="weights is a complex tensor"):
-            parsum.sum_models(models, torch.randn(5, IN), weights=w, engine=engine, n_jobs=n_jobs)
+        with pytest.raises(parsum.ParsumError, match=match):
+            parsum.sum_models(
+                models, torch.randn(5, IN), weights=weights, engine=engine, n_jobs=n_jobs
+            )
     for m, state in zip(models, before):
         for k, v in m.state_dict().items():
             assert torch.equal(v, state[k]), k
         assert all(p.grad is None for p in m.parameters())
+    return models
+
+
+@pytest.mark.parametrize("engine", [*ENGINES, "stacked"])
+def test_complex_weights_on_real_outputs_are_refused_and_change_nothing(engine):
+    w = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+    _refusing_weights(engine, w, "weights is a complex tensor")
 
 
 def test_complex_weights_on_real_outputs_in_stacked_storage_are_refused():
@@ -232,6 +241,47 @@ def test_complex_weights_on_real_outputs_in_stacked_storage_are_refused():
     y = parsum.sum_models(models, torch.randn(5, IN), weights=w.real)  # still usable
     y.sum().backward()
     assert all(m.weight.grad is not None for m in models)
+
+
+@pytest.mark.parametrize("engine", [*ENGINES, "stacked"])
+def test_a_weight_tensor_on_another_device_is_refused_naming_the_model_and_changes_nothing(
+    engine,
+):
+    # The plain loop cannot multiply CPU outputs by a weight on another device (a meta tensor
+    # here, a CUDA one on a GPU machine): parsum names the devices and the model where it
+    # raised PyTorch's device error from inside its sum, after running the models.
+    w = torch.ones(3, device="meta", requires_grad=True)
+    match = r"weights is a tensor on meta and model 0 \(Sequential\) returns an output on cpu"
+    models = _refusing_weights(engine, w, match + r".*weights.to\('cpu'\)")
+    x = torch.randn(5, IN)
+    with pytest.raises(RuntimeError):
+        plain_sum(clone_models(models), x, weights=w)
+    # On the CPU, any weight tensor goes with CPU outputs, a double one with float outputs too.
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    y = parsum.sum_models(models, x, weights=w, engine=engine)
+    torch.testing.assert_close(y, plain_sum(clone_models(models), x, weights=w))
+
+
+def test_weight_tensors_the_plain_loop_refuses_are_refused_inside_torch_func_transforms():
+    # There the models run in the calling thread and their sum in plain operations (NOTE
+    # [ Inside a transform ] in _transformed): the same refusals as outside, named.
+    models = [mlp([4 + i]) for i in range(3)]
+    x = torch.randn(5, IN)
+    meta = torch.ones(3, device="meta")
+    with pytest.raises(parsum.ParsumError, match=r"weights is a tensor on meta and model 0"):
+        torch.func.vmap(lambda x: parsum.sum_models(models, x, weights=meta))(x.unsqueeze(0))
+    complex_w = torch.ones(3, dtype=torch.complex64)
+    with pytest.raises(parsum.ParsumError, match="weights is a complex tensor"):
+        torch.func.grad(lambda x: parsum.sum_models(models, x, weights=complex_w).real.sum())(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_weight_tensor_for_cpu_models_is_refused():
+    torch.manual_seed(0)
+    models = [mlp([8 + i]) for i in range(3)]
+    w = torch.ones(3, device="cuda")
+    with pytest.raises(parsum.ParsumError, match="weights is a tensor on cuda:0 and model 0"):
+        parsum.sum_models(models, torch.randn(5, IN), weights=w)
 
 
 class ReturnsItsParameter(nn.Module):
