@@ -1075,16 +1075,27 @@ def test_helpers_stop_at_exit_and_start_again(cores):
     assert _pool.pool_size() >= 1
 
 
-@pytest.mark.parametrize("engine", ["auto", "vjp"])
+@pytest.mark.parametrize("case", ["auto", "vjp", "joined later"])
 def test_helpers_that_cannot_start_leave_the_call_to_the_threads_there_are(
-    cores, monkeypatch, engine
+    cores, monkeypatch, case
 ):
     # A process at its limit of threads: Thread.start raises (NOTE [ Helpers that cannot
     # start ]). The call runs on the calling thread with the bits of n_jobs=1 and a warning,
     # leaves no job in the queue call after call, and helpers start again once they can.
+    # "joined later": pullbacks handed over by the node and joined by the engine (NOTE
+    # [ Pullbacks joined later ] in _function), which the caller then runs alone.
     cores(2)
-    models = zoo()
-    x = torch.randn(5, IN, requires_grad=True)
+    engine = "vjp" if case == "vjp" else "auto"
+    if case == "joined later":  # 160 parameters, an argument that needs no gradient
+        torch.manual_seed(0)
+        models = [mlp([6 + i % 5]) for i in range(40)]
+        x = torch.randn(5, IN)
+    else:
+        models = zoo()
+        x = torch.randn(5, IN, requires_grad=True)
+    joins = []
+    join = _pool.join
+    monkeypatch.setattr(_pool, "join", lambda job: (joins.append(job.helpers), join(job)))
 
     def run(n_jobs):
         for m in models:
@@ -1117,6 +1128,7 @@ def test_helpers_that_cannot_start_leave_the_call_to_the_threads_there_are(
         with pytest.warns(RuntimeWarning, match="could not start a worker thread"):
             assert same(run(2), want)
     assert submitted and set(submitted) == {0}  # every job went to no helper
+    assert bool(joins) == (case == "joined later")
     assert _pool.pool_size() == 0 and _pool._pool._queue.qsize() == 0
     monkeypatch.undo()
     with warnings.catch_warnings():
