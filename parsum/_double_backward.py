@@ -25,9 +25,9 @@
 # (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Where the
 # models ran through ParallelSum (a parameter with a tensor hook or used twice,
 # step_in_backward, a compensated FlatGrad, ``take_rows``, ``engine="vjp"``, stacked models
-# beside others, parsum.distributed's ranks) or a weight tensor needs its gradient, the
-# gradients are not ordinary graphs of the models, and a second backward that reaches them
-# raises (``_once_differentiable``).
+# beside others, parsum.distributed's ranks), the gradients are not ordinary graphs of the
+# models, and a second backward that reaches them raises (``_once_differentiable``). A weight
+# tensor that needs a gradient: NOTE [ A learned weight tensor's derivatives ].
 # Each node differentiates only what the running backward wants (``wanted_gradients``): the
 # gradient in x of a penalty's first step made every weight's derivative and its graph too,
 # and the step ran at 0.663x the plain loop's speed, now 0.718x in the same run (16 MLPs of
@@ -55,12 +55,34 @@ from ._function import (
     _on_device_thread,
     direct_apply,
     freed_graph_error,
+    model_weight_grad,
     raise_first_failing_model,
+    stack_weight_grads,
     under_vmap,
 )
 from ._grads import wanted_gradients, wanted_inputs
 from ._locks import Lock
 from ._summation import WIDE, CompensatedAccumulator
+
+# NOTE [ A learned weight tensor's derivatives ]
+# With a weight tensor that needs a gradient, the sum's derivatives depend on it too: each
+# model's cotangent is the incoming gradient times the model's weight. A gradient penalty whose
+# first backward differentiates with respect to x alone (``autograd.grad(y.sum(), x,
+# create_graph=True)``) then differentiates, in its second backward, x's gradient with respect
+# to the weights (d/dw_i of J_i^T (w_i g) is J_i^T g). So the order-1 node takes the weight
+# tensor as its last incoming input and makes its cotangents from a leaf of it, ``leaf[i] * g``,
+# recording their graph: the next order differentiates with respect to that leaf as with
+# respect to the incoming gradients' leaves, and returns the weight tensor's gradient. Where
+# the backward run with create_graph=True wants the weight tensor's own gradient,
+# sum(g * m_i(x)) (``backward(create_graph=True)``, ``autograd.grad`` with respect to the
+# logits), the node computes it from the models' outputs as they returned them, with their
+# graphs (kept by the forward beside the detached ones the first-order gradient reads: the same
+# tensors), and returns it as its last output: the next order differentiates it with the
+# derivatives, through the incoming gradients' leaves and the models' graphs, each model's part
+# apart where a failing model is to be named. Until 2026-12-05 such a second backward raised.
+# Checked against the plain sum in float64 (a penalty in x, the weights' gradient alone, every
+# gradient, third order; `gradgradcheck` in x, the logits and the parameters), the bits the
+# same for n_jobs 1, 2 and 3, and in the random scenarios of tests/test_double_backward.py.
 
 
 class Holds:
@@ -117,6 +139,14 @@ class Derivatives:
         self.aliases = aliases
         self.edges = edges  # order 1
         self.weight_tensor = weight_tensor
+        # Order 1 of a learned weight tensor: its leaf is the last of ``leaves``, and each
+        # model's cotangents are the incoming gradients times its element, with their graph
+        # (NOTE [ A learned weight tensor's derivatives ]).
+        self.weight_leaf = False
+        # Where the running backward wants the weight tensor's gradient: each model's output
+        # leaves with their graph, and the gradient's part from each model once found.
+        self.weight_outputs: list[list[Tensor] | None] | None = None
+        self.weight_parts: list[Tensor | None] = []
         self.source = source  # order k + 1: order k, whose derivatives are differentiated
         # The leaves of the orders before (their incoming gradients), latest first.
         self.earlier: list[Tensor | None] = (
@@ -133,7 +163,8 @@ class Derivatives:
 
     def free(self) -> None:
         self.freed = True
-        self.edges = self.aliases = self.source = None
+        self.edges = self.aliases = self.source = self.weight_outputs = None
+        self.weight_parts = []
         self.earlier, self.leaves, self.found, self.alias_found = [], [], [], []
 
     def n_args(self) -> int:
@@ -184,8 +215,14 @@ class Derivatives:
                 model_edges = self.edges[i]
                 if not model_edges:
                     continue
-                weight = self.plan.weight(i, self.weight_tensor)
-                cotangents = SinglePullback.cotangents(self.leaves, weight)  # type: ignore[arg-type]
+                if self.weight_leaf:
+                    leaf = self.leaves[-1]
+                    assert leaf is not None
+                    grads: Sequence[Tensor | None] = self.leaves[:-1]
+                    weight: Any = leaf[i]
+                else:
+                    grads, weight = self.leaves, self.plan.weight(i, self.weight_tensor)
+                cotangents = SinglePullback.cotangents(grads, weight)  # type: ignore[arg-type]
                 outs.extend(edge for edge, _ in model_edges)
                 cots.extend(cotangents[j] for _, j in model_edges)
             return outs, cots
@@ -218,6 +255,10 @@ class Derivatives:
             for j in range(n_args):
                 found.append(self.alias_found[i * n_args + j])
                 into.append(incoming[n_earlier + j])  # each alias' share of its argument's sum
+            if self.weight_parts:  # its part of the weights' gradient, the node's last output
+                weight_grad = incoming[-1]
+                found.append(self.weight_parts[i])
+                into.append(None if weight_grad is None else weight_grad[i])
         return found, into
 
 
@@ -252,13 +293,19 @@ def keeps_models_graphs(state: Any) -> bool:
 def second_order_fits(ctx: Any) -> bool:
     """Whether a CallerGraphSum backward run with create_graph=True returns differentiable
     gradients (NOTE [ Double backward ]): the models' graphs are there, something is
-    differentiated, and no weight tensor needs a gradient."""
+    differentiated, and the running backward does not want a weight tensor's own gradient
+    (NOTE [ A learned weight tensor's derivatives ])."""
     state = ctx.state
     plan: SumPlan = state.plan
     return (
         state.edges is not None
         and (bool(plan.params) or state.aliases is not None)
-        and not (plan.has_weight_tensor and ctx.needs_input_grad[3 + ctx.n_args])
+        and not (
+            plan.has_weight_tensor
+            and ctx.needs_input_grad[3 + ctx.n_args]
+            and wanted_inputs(ctx, 1 + ctx.n_args, 1)[0]
+            and state.attached is None
+        )
     )
 
 
@@ -289,8 +336,16 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
     # Those a model made need a gradient (the last) are not differentiated here (docs/limits.md)
     n_args = ctx.n_args - len(state.flipped)
     held.wanted = wanted_of_sum(ctx, n_args)
-    grads = _apply(held, grad_outputs, (), ctx.call_tensors[:n_args])
-    weight_part = [None] if plan.has_weight_tensor else []
+    incoming = list(grad_outputs)
+    weight_part: list[Tensor | None] = [None] if plan.has_weight_tensor else []
+    if weight_tensor is not None and weight_tensor.requires_grad:
+        held.weight_leaf = True  # NOTE [ A learned weight tensor's derivatives ]
+        incoming.append(weight_tensor)
+        if wanted_inputs(ctx, 1 + ctx.n_args, 1)[0]:
+            held.weight_outputs = state.attached
+    grads = _apply(held, incoming, (), ctx.call_tensors[:n_args])
+    if held.weight_outputs is not None:  # the weights' gradient: the node's last output
+        weight_part, grads = [grads[-1]], grads[:-1]
     joined = (None,) if state.pending is not None else ()
     flipped = [None] * len(state.flipped)
     return (None, None, None, *grads[:n_args], *flipped, *weight_part, *grads[n_args:], *joined)
@@ -351,7 +406,8 @@ class DifferentiablePullback(torch.autograd.Function):
             outs, cots = held.outputs_and_cotangents()
             wrt = held.wrt()
             try:
-                found = _grad(outs, wrt, cots, create_graph=True)
+                # Nothing but the weights' gradient wanted: no engine call
+                found = _grad(outs, wrt, cots, create_graph=True) if wrt else ()
             except Exception as exc:
                 models = range(len(plan.models))
                 raise_first_failing_model(plan, [(i, _attempt(held, [i])) for i in models], exc)
@@ -362,6 +418,8 @@ class DifferentiablePullback(torch.autograd.Function):
                 for j in range(n_args)
             ]
             held.found = [*earlier_found, *arg_found, *param_found]
+            if held.weight_outputs is not None:
+                held.found.append(_weight_grad(held))
         return tuple(None if g is None else g.detach() for g in held.found)
 
     @staticmethod
@@ -404,6 +462,17 @@ class DifferentiablePullback(torch.autograd.Function):
         inputs_grads, param_grads, alias_grads = following.spread(found)
         arg_grads = _argument_sums(alias_grads, n_args, vmapped)
         return (None, None, None, None, *inputs_grads, *arg_grads, *param_grads)
+
+
+def _weight_grad(held: Derivatives) -> Tensor:
+    """The weight tensor's gradient, sum(g * m_i(x)) model by model, recording its graph
+    (NOTE [ A learned weight tensor's derivatives ]); each model's part kept for its share."""
+    assert held.weight_outputs is not None and held.weight_tensor is not None
+    grads = [g for g in held.leaves[:-1] if g is not None]
+    held.weight_parts = [
+        None if out is None else model_weight_grad(grads, out) for out in held.weight_outputs
+    ]
+    return stack_weight_grads(held.weight_tensor, held.weight_parts)
 
 
 def _argument_sums(

@@ -330,6 +330,10 @@ class _Forward:
     # Parameters a model made in its forward (NOTE [ Parameters made in forward ]): what a
     # backward that cannot reach them raises (a message: an error held would hold its frames).
     made_in_forward: str | None = None
+    # In the caller's graph, where outputs are kept: each model's output leaves as it returned
+    # them, with their graph (NOTE [ A learned weight tensor's derivatives ] in
+    # _double_backward); the same tensors as ``outputs``, not detached.
+    attached: list[list[Tensor] | None] | None = None
 
 
 # NOTE [ Parameters made in forward ]
@@ -388,6 +392,9 @@ def run_forward(
     signatures: list[Signature | None] = [None] * n
     pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
     outputs: list[list[Tensor] | None] = [None] * n
+    attached: list[list[Tensor] | None] | None = (
+        [None] * n if keep_outputs and roots is not None else None
+    )
     totals: list[ChunkPartials] = []  # NOTE [ Combining chunk partials ] in _summation
 
     def models_of(chunks: range) -> list[int]:
@@ -588,6 +595,8 @@ def run_forward(
                         value = out.detach()
                         if keep_outputs:
                             outputs[i] = [value]
+                            if attached is not None:
+                                attached[i] = [out]
                         if term_weights is not None:
                             term_weights.append(floats[i])  # type: ignore[index]
                         elif weighted:
@@ -637,6 +646,8 @@ def run_forward(
                     values = [leaf.detach() for leaf in leaves]
                     if keep_outputs:
                         outputs[i] = values
+                        if attached is not None:
+                            attached[i] = leaves
                     if term_weights is not None:
                         term_weights.append(floats[i])  # type: ignore[index]
                     elif weighted:
@@ -744,7 +755,7 @@ def run_forward(
             part.leaves_checked = True
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
-    return _Forward(leaves, pullbacks, outputs, made)
+    return _Forward(leaves, pullbacks, outputs, made, attached)
 
 
 # NOTE [ Chunks in one pass ]
@@ -1078,8 +1089,7 @@ _SECOND_BACKWARD = (
     "of higher order run where the models run in the caller's graph, which this call did not "
     "(a parameter with a tensor hook or used by two models, step_in_backward, a compensated "
     "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
-    "engine='autograd' avoids), and not with respect to a weight tensor; see "
-    "docs/limits.md, or use the plain sum of the models"
+    "engine='autograd' avoids); see docs/limits.md, or use the plain sum of the models"
 )
 
 

@@ -289,6 +289,9 @@ class _State:
         # Each model's output edges, with the output leaf each belongs to; None once freed.
         self.edges: list[list[tuple[GradientEdge, int]]] | None = edges
         self.outputs = outputs  # detached, for the weights' gradient
+        # The same outputs with their graph, for the weights' gradient made differentiable
+        # (NOTE [ A learned weight tensor's derivatives ] in _double_backward).
+        self.attached: list[list[Tensor] | None] | None = None
         # Whether the forwards ran on one thread in model order: then one engine call can
         # pull back every chunk (NOTE [ Engine calls of the caller's graph ]).
         self.in_order = in_order
@@ -339,6 +342,7 @@ def sum_in_callers_graph(
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     state.made_in_forward = result.made_in_forward
+    state.attached = result.attached
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     if plan.args_made_to_need_grad:  # NOTE [ Arguments made to need a gradient ] in _function
@@ -476,6 +480,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             weight_grad = weight_grad_of(weight_tensor, grad_outputs, state.outputs)
             if not keep_graph:
                 state.outputs = []
+                state.attached = None
         weight_part.append(weight_grad)
     params = plan.params
     joined = (None,) if state.pending is not None else ()  # the join node's gradient

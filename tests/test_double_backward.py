@@ -295,11 +295,81 @@ def test_where_the_models_run_through_parallel_sum_a_second_backward_raises():
         g.pow(2).sum().backward()
 
 
-def test_a_weight_tensor_that_needs_its_gradient_still_raises():
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_gradgradcheck_with_a_learned_weight_tensor(n_jobs):
+    # NOTE [ A learned weight tensor's derivatives ]: the weights' gradient and the sum's
+    # derivatives in x and the parameters are differentiable again, the weights included.
+    models = _mixed()
+    x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(len(models), dtype=torch.float64, requires_grad=True)
+    params = unique_params(models)
+
+    def f(x, logits, *params):
+        w = torch.softmax(logits, 0)
+        return parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
+
+    assert _node(f(x, logits)) == "CallerGraphSumBackward"
+    assert torch.autograd.gradcheck(f, (x, logits, *params))
+    assert torch.autograd.gradgradcheck(f, (x, logits, *params))
+
+
+def _learned_steps(how, forward, models, x):
+    """A second-order step with learned weights, ``how`` says which; every gradient after it."""
+    x = x.detach().clone().requires_grad_()
+    logits = torch.linspace(-1.0, 1.0, len(models), dtype=x.dtype, requires_grad=True)
+    y = forward(models, x, torch.softmax(logits, 0))
+    if how == "penalty in x":  # the first backward wants x's gradient alone
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (y.pow(2).mean() + 10 * (g.norm(dim=1) - 1).pow(2).mean()).backward()
+    elif how == "weights only":  # ... the weights' gradient alone
+        (gw,) = torch.autograd.grad(y.pow(2).sum(), logits, create_graph=True)
+        gw.pow(2).sum().backward()
+    elif how == "backward(create_graph=True)":  # ... every gradient
+        y.pow(2).sum().backward(create_graph=True)
+        gx, gw = x.grad, logits.grad
+        x.grad = logits.grad = None
+        for p in unique_params(models):
+            p.grad = None
+        (gx.pow(2).sum() + gw.pow(2).sum()).backward()
+    else:  # third order in x and the weights
+        gx, gw = torch.autograd.grad(y.pow(2).sum(), [x, logits], create_graph=True)
+        hx, hw = torch.autograd.grad(gx.pow(2).sum() + gw.sum(), [x, logits], create_graph=True)
+        (hx.sum() + hw.pow(2).sum()).backward()
+    return [y.detach(), logits.grad, x.grad, *param_grads(models)]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize(
+    "how", ["penalty in x", "weights only", "backward(create_graph=True)", "third order"]
+)
+def test_learned_weights_in_derivatives_of_higher_order_match_the_plain_sum(how):
+    models = _mixed()
+    x = torch.randn(4, IN, dtype=torch.float64)
+    want = _learned_steps(how, lambda m, t, w: plain_sum(m, t, weights=w), clone_models(models), x)
+    runs = [
+        _learned_steps(
+            how,
+            lambda m, t, w, n=n: parsum.sum_models(m, t, weights=w, n_jobs=n),
+            clone_models(models),
+            x,
+        )
+        for n in (1, 2, 3)
+    ]
+    assert runs[0][1] is not None
+    for a, b in zip(runs[0], want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for other in runs[1:]:  # everything in the calling thread: the bits of any n_jobs
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_a_learned_weight_tensor_through_parallel_sum_still_raises():
+    # The models run through ParallelSum (engine="vjp"): no derivatives of higher order there.
     models = _mixed()
     w = torch.ones(len(models), dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
-    y = parsum.sum_models(models, x, weights=w)
+    y = parsum.sum_models(models, x, weights=w, engine="vjp")
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(parsum.ParsumError, match="not differentiable here"):
         g.pow(2).sum().backward()
@@ -425,12 +495,17 @@ def _leaf_sum(y):
     return sum(t.sum() for t in pytree.tree_leaves(y))
 
 
-def _play(scenario: str, forward, models, x) -> list[torch.Tensor | None]:
-    """The scenario's results: what it differentiates, then every .grad it leaves."""
+def _play(scenario: str, forward, models, x, weights=None) -> list[torch.Tensor | None]:
+    """The scenario's results: what it differentiates, then every .grad it leaves. With
+    ``weights="learned"``, the weights are a softmax of logits, whose gradient comes last."""
     x = x.detach().clone().requires_grad_()
     params = unique_params(models)
     trained = [p for p in params if p.requires_grad]
-    y = forward(models, x)
+    logits = None
+    if weights == "learned":
+        logits = torch.linspace(-1.0, 1.0, len(models), dtype=x.dtype, requires_grad=True)
+        weights = torch.softmax(logits, 0)
+    y = forward(models, x, weights)
     if scenario == "penalty":
         (g,) = torch.autograd.grad(_leaf_sum(y), x, create_graph=True)
         loss = (
@@ -451,7 +526,7 @@ def _play(scenario: str, forward, models, x) -> list[torch.Tensor | None]:
         grads = torch.autograd.grad(_leaf_sum(y).pow(2), [x, *trained], create_graph=True)
         sum(g.pow(2).sum() for g in grads).backward()
         found = []
-    return [*found, x.grad, *(p.grad for p in params)]
+    return [*found, x.grad, *(p.grad for p in params), None if logits is None else logits.grad]
 
 
 def check_derivatives(seed: int) -> int:
@@ -468,16 +543,19 @@ def check_derivatives(seed: int) -> int:
         engine = "auto"
     if "dropout" in kinds:  # stacked models draw from vmap's stream, not the plain loop's
         engine = "autograd"
+    # NOTE [ A learned weight tensor's derivatives ] (drawn last: the draws before as they were)
+    if weights is None and rng.random() < 0.3:
+        weights = "learned"
     x = torch.randn(5, IN, dtype=torch.float64)
     ref = clone_models(models)
     torch.manual_seed(seed)  # the same dropout masks: parsum draws in model order
     try:
-        want = _play(scenario, lambda m, t: plain_sum(m, t, weights=weights), ref, x)
+        want = _play(scenario, lambda m, t, w: plain_sum(m, t, weights=w), ref, x, weights)
     except (RuntimeError, NotImplementedError) as plain_error:  # an op without a derivative
         for n_jobs in (1, 2):
             with pytest.raises((RuntimeError, NotImplementedError)) as raised:
                 call = functools.partial(parsum.sum_models, n_jobs=n_jobs, engine=engine)
-                _play(scenario, lambda m, t, call=call: call(m, t, weights=weights), models, x)
+                _play(scenario, lambda m, t, w, c=call: c(m, t, weights=w), models, x, weights)
             message = str(raised.value)
             named = (
                 message == str(plain_error)  # raised outside sum_models, as in the plain loop
@@ -491,12 +569,12 @@ def check_derivatives(seed: int) -> int:
     for n_jobs in (1, 2):
         mine = clone_models(models)
 
-        def call(m, t, n_jobs=n_jobs):
-            return parsum.sum_models(m, t, weights=weights, n_jobs=n_jobs, engine=engine)
+        def call(m, t, w, n_jobs=n_jobs):
+            return parsum.sum_models(m, t, weights=w, n_jobs=n_jobs, engine=engine)
 
         try:
             torch.manual_seed(seed)
-            got = _play(scenario, call, mine, x)
+            got = _play(scenario, call, mine, x, weights)
         except parsum.ParsumError as err:
             if "not differentiable here" in str(err) or "engine='vjp'" in str(err):
                 refused += 1
