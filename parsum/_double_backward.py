@@ -83,6 +83,20 @@ from ._summation import WIDE, CompensatedAccumulator
 # Checked against the plain sum in float64 (a penalty in x, the weights' gradient alone, every
 # gradient, third order; `gradgradcheck` in x, the logits and the parameters), the bits the
 # same for n_jobs 1, 2 and 3, and in the random scenarios of tests/test_double_backward.py.
+#
+# NOTE [ The weights' gradient carried by the sum's node ]
+# In a penalty step's last backward the order-1 node runs before the sum's node (it was made
+# later, and the incoming gradient it differentiates may come from the sum), and it left its
+# pullback for the sum's node (NOTE [ One pullback for a sum and its derivatives ]) only where
+# it had no gradient of its own to return: a learned weight tensor's made it pull back alone,
+# and the models' graphs were walked twice (a penalty step 0.57-0.64x the plain loop's speed,
+# against 0.73-0.83x without weights). The weight tensor is an input of the sum's node too, on
+# the same edge: so the order-1 node leaves its pullback all the same where the weights are
+# all it has to return, the sum's node differentiates its weight leaf in the one engine call,
+# and returns that gradient added to its own weights' gradient. Where the order-1 node is the
+# last after all (another node left its pullback, and none is to come), it returns it itself.
+# The penalty step with learned weights 1.18-1.23x faster (0.66-0.78x the plain loop; 2 cores,
+# benchmarks/results/learned-weights-penalty-2cores-fifty-sixth.txt).
 
 
 class Holds:
@@ -147,6 +161,10 @@ class Derivatives:
         # leaves with their graph, and the gradient's part from each model once found.
         self.weight_outputs: list[list[Tensor] | None] | None = None
         self.weight_parts: list[Tensor | None] = []
+        # Order 2 of a learned weight tensor, left for the sum's node: that node returns the
+        # gradient of the weight leaf among ``earlier`` with its own weights' gradient (NOTE
+        # [ The weights' gradient carried by the sum's node ]).
+        self.carries_weight = False
         self.source = source  # order k + 1: order k, whose derivatives are differentiated
         # The leaves of the orders before (their incoming gradients), latest first.
         self.earlier: list[Tensor | None] = (
@@ -443,10 +461,18 @@ class DifferentiablePullback(torch.autograd.Function):
         release_at_end(held.holds)
         vmapped = any(map(under_vmap, grads))  # NOTE [ Gradients under vmap ] in _inline
         if held.source is None and merges(held.holds, grads):  # NOTE [ One pullback for
-            own_only = any(following._wanted()[0])  # a sum and its derivatives ]
-            merged = merge_pullbacks(held.holds, ctx, following, may_wait=not own_only)
+            earlier = following._wanted()[0]  # a sum and its derivatives ]
+            if held.weight_leaf and earlier[-1]:  # NOTE [ The weights' gradient carried by
+                following.carries_weight = True  # the sum's node ]
+                earlier = earlier[:-1]
+            merged = merge_pullbacks(held.holds, ctx, following, may_wait=not any(earlier))
             if merged is not None:
-                return (None, None, None, None, *merged[0], *merged[1], *merged[2])
+                inputs_found, carried = merged[0], merged[3]
+                if carried is not None:  # this node the last: with its own weight leaf's
+                    at = len(held.leaves) - 1
+                    own = inputs_found[at]
+                    inputs_found[at] = carried if own is None else own + carried
+                return (None, None, None, None, *inputs_found, *merged[1], *merged[2])
         outs, cots = following.outputs_and_cotangents()
         wrt = following.wrt()
         found: Sequence[Tensor | None] = [None] * len(wrt)
@@ -548,9 +574,11 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 def merge_first_order(
     ctx: Any, grad_outputs: Sequence[Tensor], weight_tensor: Tensor | None, runs_all: bool
-) -> tuple[list[Tensor | None], list[Tensor | None]] | None:
+) -> tuple[list[Tensor | None], list[Tensor | None], Tensor | None] | None:
     """A CallerGraphSum node's part in NOTE [ One pullback for a sum and its derivatives ]:
-    the gradients of its arguments and parameters, or None where it pulls back its own."""
+    the gradients of its arguments and parameters and the weights' gradient that derivatives
+    left it to carry (NOTE [ The weights' gradient carried by the sum's node ]; None where
+    none did), or None where it pulls back its own."""
     state = ctx.state
     plan: SumPlan = state.plan
     if not state.derivatives or not merges(state.derivatives, grad_outputs):
@@ -562,14 +590,13 @@ def merge_first_order(
     return None if merged is None else merged[1:]
 
 
-def merge_pullbacks(
-    holds: Holds, node: Any, part: Derivatives, may_wait: bool
-) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]] | None:
+def merge_pullbacks(holds: Holds, node: Any, part: Derivatives, may_wait: bool) -> Merged | None:
     """``node``'s pullback ``part`` (an order 1 whose ``leaves`` are its incoming gradients):
     left for a node of the same sum that the running backward runs later, where ``may_wait``
     (no gradient then), or pulled back with those left before (NOTE [ One pullback for a sum
     and its derivatives ]); None where none was left and none is to come: ``node`` pulls
-    back its own. The gradients of ``part.earlier``, the arguments and the parameters."""
+    back its own. The gradients of ``part.earlier``, the arguments and the parameters, and the
+    weights' gradient carried for parts left before (``Merged``)."""
     assert _GRAPH_TASK_ID is not None
     task = _GRAPH_TASK_ID()
     with holds.lock:
@@ -581,7 +608,7 @@ def merge_pullbacks(
             merge.parts.append(part)
             merge.ran.add(id(node))
             n_args = part.n_args()
-            return [None] * len(part.earlier), [None] * n_args, [None] * len(part.plan.params)
+            return [None] * len(part.earlier), [None] * n_args, [None] * len(part.plan.params), None
     if merge is None:
         return None
     return _pull_back_together([*merge.parts, part])
@@ -611,11 +638,14 @@ def _others_to_run(holds: Holds, node: Any, merge: Merge | None) -> bool:
     return False
 
 
-def _pull_back_together(
-    parts: list[Derivatives],
-) -> tuple[list[Tensor | None], list[Tensor | None], list[Tensor | None]]:
+Merged = tuple[list["Tensor | None"], list["Tensor | None"], list["Tensor | None"], "Tensor | None"]
+
+
+def _pull_back_together(parts: list[Derivatives]) -> Merged:
     """The pullbacks of ``parts`` (of one sum; the last's earlier gradients its own) in one
-    engine call: the gradients of the last's ``earlier``, the arguments and the parameters."""
+    engine call: the gradients of the last's ``earlier``, the arguments and the parameters,
+    and the sum of the weight leaves' gradients of the parts before that carry theirs (NOTE
+    [ The weights' gradient carried by the sum's node ])."""
     last = parts[-1]
     plan = last.plan
     wanted = [p._wanted() for p in parts]
@@ -625,6 +655,9 @@ def _pull_back_together(
     aliases = last.aliases or []
     n_args = last.n_args()
 
+    # The weight leaves whose gradients the last part carries (earlier parts only)
+    carried = [p.earlier[_weight_at(p)] for p in parts[:-1] if p.carries_weight]
+
     def wrt(models: Sequence[int] | None = None) -> list[Tensor]:
         slots = range(len(plan.params)) if models is None else _slots(plan, models)
         mine = range(len(aliases)) if models is None else models
@@ -632,6 +665,7 @@ def _pull_back_together(
             *(t for t, w in zip(last.earlier, earlier) if w and t is not None),
             *(plan.params[s] for s in slots if params[s]),
             *(a for i in mine for a, w in zip(aliases[i], args) if w),
+            *(t for t in carried if t is not None and models is None),
         ]
 
     def outputs_and_cotangents(
@@ -669,7 +703,19 @@ def _pull_back_together(
     ]
     param_found = [next(taken) if w else None for w in params]
     alias_found = [next(taken) if w else None for _ in aliases for w in args]
-    return earlier_found, _argument_sums(alias_found, n_args), param_found
+    weight: Tensor | None = None
+    for t in carried:  # in the order the parts were left
+        g = next(taken) if t is not None else None
+        if g is not None:
+            weight = g if weight is None else weight + g
+    return earlier_found, _argument_sums(alias_found, n_args), param_found, weight
+
+
+def _weight_at(part: Derivatives) -> int:
+    """Where an order 2 has its order 1's weight leaf among ``earlier``: that order's last
+    leaf."""
+    assert part.source is not None
+    return len(part.source.leaves) - 1
 
 
 def _attempt(held: Derivatives, models: Sequence[int]) -> Callable[[], object]:

@@ -140,26 +140,30 @@ class _SpiedMLP(nn.Module):
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("penalties", [1, 2])
 @pytest.mark.parametrize("how", ["backward", "autograd.grad"])
-def test_a_penalty_step_walks_the_models_graphs_once(n_jobs, penalties, how):
+@pytest.mark.parametrize("weights", [None, "learned"])
+def test_a_penalty_step_walks_the_models_graphs_once(n_jobs, penalties, how, weights):
     # NOTE [ One pullback for a sum and its derivatives ]: the last backward reaches the sum's
     # node and each penalty's derivative node, which plain autograd adds into each node of the
-    # models' graphs first; pulled back apart, parsum walked them once a node.
+    # models' graphs first; pulled back apart, parsum walked them once a node. With learned
+    # weights, the derivatives' weight gradient goes through the sum's node (NOTE [ The
+    # weights' gradient carried by the sum's node ]).
     torch.manual_seed(0)
     models = [_SpiedMLP(4 + i) for i in range(5)]
     ref = clone_models(models)
     x0 = torch.randn(6, IN, dtype=torch.float64)
     found = []
-    for forward, ms in (
-        (lambda m, t: parsum.sum_models(m, t, n_jobs=n_jobs, chunk_size=2), models),
+    for sums, ms in (
+        (functools.partial(parsum.sum_models, n_jobs=n_jobs, chunk_size=2), models),
         (plain_sum, ref),
     ):
         x = x0.clone().requires_grad_()
-        y = forward(ms, x)
+        logits = torch.linspace(-1.0, 1.0, len(ms), dtype=torch.float64, requires_grad=True)
+        y = sums(ms, x, weights=torch.softmax(logits, 0) if weights else None)
         loss = y.pow(2).mean()
         for k in range(penalties):
             (g,) = torch.autograd.grad((y * (k + 1)).sum(), x, create_graph=True)
             loss = loss + (g.norm(dim=1) - 1).pow(2).mean()
-        params = unique_params(ms)
+        params = [*unique_params(ms), *([logits] if weights else [])]
         _Spy.calls = 0
         if how == "backward":
             loss.backward()
