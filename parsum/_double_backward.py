@@ -229,17 +229,16 @@ class Derivatives:
         outs: list[Any] = []
         cots: list[Tensor] = []
         if self.edges is not None:
+            grads: Sequence[Tensor | None] = self.leaves
+            leaf = None
+            if self.weight_leaf:  # the weights' leaf, after the incoming gradients
+                *grads, leaf = self.leaves
+                assert leaf is not None
             for i in range(len(self.edges)) if models is None else models:
                 model_edges = self.edges[i]
                 if not model_edges:
                     continue
-                if self.weight_leaf:
-                    leaf = self.leaves[-1]
-                    assert leaf is not None
-                    grads: Sequence[Tensor | None] = self.leaves[:-1]
-                    weight: Any = leaf[i]
-                else:
-                    grads, weight = self.leaves, self.plan.weight(i, self.weight_tensor)
+                weight = self.plan.weight(i, self.weight_tensor) if leaf is None else leaf[i]
                 cotangents = SinglePullback.cotangents(grads, weight)  # type: ignore[arg-type]
                 outs.extend(edge for edge, _ in model_edges)
                 cots.extend(cotangents[j] for _, j in model_edges)
@@ -310,21 +309,12 @@ def keeps_models_graphs(state: Any) -> bool:
 
 def second_order_fits(ctx: Any) -> bool:
     """Whether a CallerGraphSum backward run with create_graph=True returns differentiable
-    gradients (NOTE [ Double backward ]): the models' graphs are there, something is
-    differentiated, and the running backward does not want a weight tensor's own gradient
-    (NOTE [ A learned weight tensor's derivatives ])."""
+    gradients (NOTE [ Double backward ]): the models' graphs are there and something is
+    differentiated (a learned weight tensor too: NOTE [ A learned weight tensor's
+    derivatives ])."""
     state = ctx.state
     plan: SumPlan = state.plan
-    return (
-        state.edges is not None
-        and (bool(plan.params) or state.aliases is not None)
-        and not (
-            plan.has_weight_tensor
-            and ctx.needs_input_grad[3 + ctx.n_args]
-            and wanted_inputs(ctx, 1 + ctx.n_args, 1)[0]
-            and state.attached is None
-        )
-    )
+    return state.edges is not None and (bool(plan.params) or state.aliases is not None)
 
 
 def wanted_of_sum(ctx: Any, n_args: int) -> list[bool]:
@@ -360,6 +350,8 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
         held.weight_leaf = True  # NOTE [ A learned weight tensor's derivatives ]
         incoming.append(weight_tensor)
         if wanted_inputs(ctx, 1 + ctx.n_args, 1)[0]:
+            # Kept by the forward where the weights need a gradient, dropped with the edges
+            assert state.attached is not None
             held.weight_outputs = state.attached
     grads = _apply(held, incoming, (), ctx.call_tensors[:n_args])
     if held.weight_outputs is not None:  # the weights' gradient: the node's last output

@@ -1351,10 +1351,10 @@ def _float_on_cpu(t: Tensor) -> bool:
 
 
 def check_weight_tensor(
-    where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor], model: str
+    where: str, weight_tensor: Tensor | None, leaves: Sequence[Tensor], i: int, model: Any
 ) -> None:
-    """Refuse a weight tensor that the outputs ``leaves`` of ``model`` ("model i (type)") are
-    not multiplied by in the plain loop: a complex one for real outputs (NOTE [ Complex
+    """Refuse a weight tensor that the outputs ``leaves`` of model ``i``, ``model``, are not
+    multiplied by in the plain loop: a complex one for real outputs (NOTE [ Complex
     weights ]), one on another device than theirs but the CPU (``w[i]``, 0-dim, goes with
     outputs on any device from the CPU alone). Refused here, before any product: the product
     raised PyTorch's own device error after the models ran."""
@@ -1369,8 +1369,9 @@ def check_weight_tensor(
             )
         if weight_tensor.device.type != "cpu" and weight_tensor.device != leaf.device:
             raise ParsumError(
-                f"{where}: weights is a tensor on {weight_tensor.device} and {model} returns an "
-                f"output on {leaf.device}; a weight tensor goes on the outputs' device or on "
+                f"{where}: weights is a tensor on {weight_tensor.device} and model {i} "
+                f"({model_kind(model)}) returns an output on {leaf.device}; a weight tensor "
+                "goes on the outputs' device or on "
                 f"the CPU: pass weights.to({str(leaf.device)!r})"
             )
 

@@ -511,8 +511,7 @@ def run_forward(
             against the first's."""
             nonlocal first, accs, pending, term_weights, at_once, lone
             if first is None:
-                model = f"model {i} ({model_kind(models[i])})"
-                check_weight_tensor(plan.where, weight_tensor, leaves, model)
+                check_weight_tensor(plan.where, weight_tensor, leaves, i, models[i])
                 first = i
                 accs = [CompensatedAccumulator() for _ in leaves]
                 pending = [[] for _ in leaves]

@@ -492,7 +492,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         if carried is not None:
             assert weight_part, "a weight leaf's gradient carried by a node without weights"
             own = weight_part[0]
-            weight_part[0] = carried.to(weight_tensor) if own is None else own + carried
+            weight_part[0] = carried if own is None else own + carried
         return (None, None, None, *merged[0], *weight_part, *merged[1], *joined)
     # NOTE [ Parameters trained in several threads ] in _grads (noted on every backward)
     trainers = plan.walk.trainers

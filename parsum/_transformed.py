@@ -93,7 +93,7 @@ def sum_in_transform(
                 "shapes and dtypes"
             )
         if weight_tensor is not None:
-            check_weight_tensor(where, weight_tensor, leaves, f"model {i} ({model_kind(model)})")
+            check_weight_tensor(where, weight_tensor, leaves, i, model)
             leaves = [t * weight_tensor[i] for t in leaves]
         elif weight_list is not None:
             leaves = [t * weight_list[i] for t in leaves]
