@@ -22,11 +22,13 @@
 # may walk later in the same backward (plain autograd walks each node once, with its gradients
 # added up first); where the running backward frees its graph, the models' graphs are dropped
 # when it ends (``release_at_end``), so their saved tensors go then. A model that fails is named
-# (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Where the
-# models ran through ParallelSum (a parameter with a tensor hook or used twice,
-# step_in_backward, a compensated FlatGrad, ``take_rows``, ``engine="vjp"``, stacked models
-# beside others, parsum.distributed's ranks), the gradients are not ordinary graphs of the
-# models, and a second backward that reaches them raises (``_once_differentiable``). A weight
+# (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Stacked
+# groups are there too (NOTE [ Stacked groups in the caller's graph ] in _inline): autograd
+# differentiates their batched graphs again. Where the models ran through ParallelSum (a
+# parameter with a tensor hook or used twice, step_in_backward, a compensated FlatGrad,
+# ``take_rows``, ``engine="vjp"``, parsum.distributed's ranks), the gradients are not ordinary
+# graphs of the models, and a second backward that reaches them raises
+# (``_once_differentiable``). A weight
 # tensor that needs a gradient: NOTE [ A learned weight tensor's derivatives ].
 # Each node differentiates only what the running backward wants (``wanted_gradients``): the
 # gradient in x of a penalty's first step made every weight's derivative and its graph too,

@@ -2346,3 +2346,51 @@ def stacked_forward(
         return list(grads[:n_args]), per_model
 
     return UnitRun(outs, pullback, leaves)
+
+
+def stacked_in_graph(
+    models: Sequence[Callable[..., Any]],
+    params: Sequence[ModelParams],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    one_by_one: Callable[[], list[Any]],
+    fall_back: bool,
+    check_leaves: tuple[Iterable[Tensor], CallArgs] | None = None,
+) -> UnitRun:
+    """Identical models run as one batched forward in the caller's graph (NOTE [ Stacked groups
+    in the caller's graph ] in _inline): each parameter name's tensors stacked with their
+    graph, whose backward hands each model its slice. Each model's output (views of the
+    batched leaves, with their graph), no pullback, the batched leaves. Under autocast, and
+    with ``fall_back`` where vmap cannot run the models, the outputs ``one_by_one`` gives
+    instead (where vmap cannot, later plans no longer stack them: ``unit_forward``'s fallback).
+    ``check_leaves``: the aliases the models read and the call, to refuse tensors the models
+    do not own (NOTE [ Tensors a module does not own ])."""
+    model = models[0]
+    assert isinstance(model, nn.Module)
+    try:
+        trainable, state = stacked_tensors(params)
+        for stacked in trainable.values():
+            if stacked.grad_fn is not None:
+                own_rows_in_backward(stacked)
+        leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
+    except AutocastUnderVmap:  # this call only, whatever the engine asked
+        return UnitRun(one_by_one(), None)
+    except Exception:
+        if not fall_back:
+            raise
+        run = UnitRun(one_by_one(), None)  # marked only where they run so (a bad batch fails)
+        VMAP_FAILED.update(models)  # type: ignore[arg-type]
+        _vmap_failures[0] += 1  # plans that stack this group are made again
+        return run
+    if check_leaves is not None:
+        aliases, call = check_leaves
+        own = [*trainable.values(), *(t for mp in params for t in mp.tensors)]
+        roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
+        check_own_leaves(model, roots, own, aliases, call)
+    if spec == LEAF_SPEC:
+        outs: list[Any] = list(leaves[0].unbind(0))
+    else:
+        outs = [
+            pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(len(models))
+        ]
+    return UnitRun(outs, None, leaves)

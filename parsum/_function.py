@@ -59,6 +59,7 @@ from ._engines import (
     check_own_leaves,
     check_weight_tensor,
     direct_calls_allowed,
+    flatten_output,
     graph_nodes,
     leaf_of,
     model_arguments,
@@ -67,6 +68,7 @@ from ._engines import (
     pull_back_together,
     run_direct,
     shared_snapshot,
+    stacked_in_graph,
     unit_forward,
     wrote_shared,
 )
@@ -469,6 +471,53 @@ def run_forward(
     if walk.draws_random is not False and walk.recomputes is None and walk.kept:
         nodes = []
 
+    def in_graph(i: int) -> Any:
+        """Model i's output, run in the caller's graph as the plain loop runs it."""
+        mine: dict[int, Tensor] = {}
+        if shared_args is not None:
+            args, kwargs = shared_args
+        else:  # aliases of its own, for its own argument gradients
+            mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
+            aliases[i] = list(mine.values())  # type: ignore[index]
+            read = model_arguments(mine)
+            args, kwargs = call.build(read)
+        program = programs[i] if programs is not None else None
+        if program is not None:
+            return run_direct(program, args[0])
+        out = models[i](*args, **kwargs)
+        if mine:
+            check_argument_hooks(read.values())
+        if check_leaves:
+            check_own_leaves(
+                models[i], output_edges(out), plan.model_params[i].tensors, mine.values(), call
+            )
+        return out
+
+    def stacked_group_in_graph(unit: Unit) -> UnitRun:
+        """A stacked group's models run as one in the caller's graph, or one by one where
+        vmap cannot run them (NOTE [ Stacked groups in the caller's graph ] in _inline)."""
+        group = unit.models
+        mine: dict[int, Tensor] = {}
+        if shared_args is not None:
+            args, kwargs = shared_args
+        else:
+            # The group's argument gradient is its first model's aliases'; the others' are
+            # leaves no graph reaches, so that every model has as many aliases.
+            assert aliases is not None
+            for i in group:
+                aliases[i] = [call.leaves[j].detach().requires_grad_() for j in positions]
+            mine = dict(zip(positions, aliases[group[0]]))
+            args, kwargs = call.build(model_arguments(mine))
+        return stacked_in_graph(
+            [models[i] for i in group],
+            [plan.model_params[i] for i in group],
+            args,
+            kwargs,
+            lambda: [in_graph(i) for i in group],
+            plan.engine == "auto",
+            (mine.values(), call) if check_leaves else None,
+        )
+
     def forward_chunk(k: int) -> ChunkSum:
         summed: list[ChunkSum] = []
         sum_chunks(range(k, k + 1), lambda _, chunk: summed.append(chunk))
@@ -532,32 +581,13 @@ def run_forward(
             for u in plan.chunks[k]:
                 unit = plan.units[u]
                 try:
-                    if roots is not None:  # the caller's graph: one model a unit, run as the plain
-                        # loop runs it
+                    if roots is not None and len(unit.models) == 1:  # the caller's graph: run
+                        # as the plain loop runs it
                         i = unit.models[0]
-                        if shared_args is not None:
-                            args, kwargs = shared_args
-                        else:  # aliases of its own, for its own argument gradients
-                            mine = {j: call.leaves[j].detach().requires_grad_() for j in positions}
-                            aliases[i] = list(mine.values())  # type: ignore[index]
-                            read = model_arguments(mine)
-                            args, kwargs = call.build(read)
-                        program = programs[i] if programs is not None else None
+                        out = in_graph(i)
                         run = None
-                        if program is not None:
-                            out = run_direct(program, args[0])
-                        else:
-                            out = models[i](*args, **kwargs)
-                            if shared_args is None and read:
-                                check_argument_hooks(read.values())
-                            if check_leaves:
-                                check_own_leaves(
-                                    models[i],
-                                    output_edges(out),
-                                    plan.model_params[i].tensors,
-                                    mine.values() if shared_args is None else (),
-                                    call,
-                                )
+                    elif roots is not None:  # NOTE [ Stacked groups in the caller's graph ]
+                        run = stacked_group_in_graph(unit)
                     else:
                         one = (
                             programs[unit.models[0]] if programs and len(unit.models) == 1 else None
@@ -610,6 +640,13 @@ def run_forward(
                 # A stacked group's models share one output signature, and are added as one
                 # (unless each model's output is kept for the weights' gradient).
                 if run.stacked is not None and not keep_outputs:
+                    if roots is not None:  # each model's output views, with their graph
+                        for i, out in zip(unit.models, run.outs):
+                            roots[i] = [
+                                (_edge(leaf), j)
+                                for j, leaf in enumerate(flatten_output(out)[0])
+                                if leaf.requires_grad
+                            ]
                     leaves, sig = _signature(plan, unit.models[0], run.outs[0])
                     for i in unit.models:
                         signatures[i] = sig
@@ -1087,8 +1124,8 @@ _SECOND_BACKWARD = (
     "create_graph=True, and a second backward reached the gradients it returned): derivatives "
     "of higher order run where the models run in the caller's graph, which this call did not "
     "(a parameter with a tensor hook or used by two models, step_in_backward, a compensated "
-    "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
-    "engine='autograd' avoids); see docs/limits.md, or use the plain sum of the models"
+    "FlatGrad, take_rows, engine='vjp', several ranks of parsum.distributed); see "
+    "docs/limits.md, or use the plain sum of the models"
 )
 
 
@@ -1097,8 +1134,8 @@ _UNDER_VMAP = (
     "torch.autograd.functional.jacobian or hessian with vectorize=True), which it supports "
     "where the models run in the caller's graph; this call ran through ParallelSum (a "
     "parameter with a tensor hook or used by two models, step_in_backward, a compensated "
-    "FlatGrad, take_rows, engine='vjp', identical models stacked beside others, which "
-    "engine='autograd' avoids): pass vectorize=False, one backward per row"
+    "FlatGrad, take_rows, engine='vjp', several ranks of parsum.distributed): pass "
+    "vectorize=False, one backward per row"
 )
 
 

@@ -2,6 +2,7 @@
 of workers, the plain loop's gradients, autograd.grad, hooks, failures undone and named."""
 
 import contextlib
+import functools
 import gc
 import os
 import pathlib
@@ -1079,13 +1080,25 @@ def test_jacobian_vectorized_in_the_argument_and_the_parameters(n_jobs, weighted
         torch.testing.assert_close(a, b)
 
 
-def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error():
+def test_a_vectorized_jacobian_of_a_stacked_group_beside_others_is_the_plain_loops():
     models = [mlp([4]).double() for _ in range(5)] + [mlp([7]).double()]  # auto stacks five
+    x = torch.randn(2, IN, dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian
+    want = jacobian(lambda t: plain_sum(models, t), x)
+    for engine in ("auto", "autograd"):
+        ours = functools.partial(parsum.sum_models, models, engine=engine)
+        got = jacobian(ours, x, vectorize=True)
+        torch.testing.assert_close(got, want)
+
+
+def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error():
+    models = [mlp([4]).double() for _ in range(3)]
+    models[1][0].weight.register_hook(lambda g: g)  # a tensor hook: ParallelSum
     x = torch.randn(2, IN, dtype=torch.float64)
     jacobian = torch.autograd.functional.jacobian
     with pytest.raises(parsum.ParsumError, match=r"ran under vmap.*vectorize=False"):
         jacobian(lambda t: parsum.sum_models(models, t), x, vectorize=True)
-    got = jacobian(lambda t: parsum.sum_models(models, t, engine="autograd"), x, vectorize=True)
+    got = jacobian(lambda t: parsum.sum_models(models, t), x, vectorize=False)
     torch.testing.assert_close(got, jacobian(lambda t: plain_sum(models, t), x))
 
 

@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 import parsum
 from parsum import _double_backward
 from tests.test_callers_graph import _Spy
-from tests.zoo import IN, clone_models, mlp, param_grads, plain_sum, unique_params, zoo
+from tests.test_stacked import groups
+from tests.zoo import IN, OUT, clone_models, mlp, param_grads, plain_sum, unique_params, zoo
 
 WEIGHTS = [0.5, 1.0, 2.0, -1.0, 3.0, 0.25, 1.5]
 
@@ -289,6 +290,66 @@ def test_a_model_that_cannot_be_differentiated_twice_is_named(with_loss):
     assert [p.grad for p in unique_params(models)] == before == [None] * len(before)
 
 
+def _with_groups(seed=0):
+    """Two groups of identical models that auto stacks, interleaved with distinct ones: a
+    Sequential's group runs as batched layers, a class's through vmap."""
+    torch.manual_seed(seed)
+    batched = [mlp([5], nn.Tanh).double() for _ in range(4)]
+    through_vmap = [_Block(4, nn.SiLU).double() for _ in range(8)]
+    others = _mixed()
+    return [
+        *batched[:2],
+        others[0],
+        *through_vmap[:5],
+        *others[1:3],
+        *batched[2:],
+        *through_vmap[5:],
+        *others[3:],
+    ]
+
+
+def _groups_of(models, x):
+    return [g for g in groups(models, "auto", x) if len(g) > 1]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("weights", [None, "floats", "learned"])
+def test_gradgradcheck_with_stacked_groups_beside_other_models(n_jobs, weights):
+    # NOTE [ Stacked groups in the caller's graph ] in parsum._inline: until 2026-12-05 the
+    # second backward raised (the groups ran through ParallelSum).
+    models = _with_groups()
+    x = torch.randn(2, IN, dtype=torch.float64, requires_grad=True)
+    # Some of each kind's (every element of every input is perturbed): a batched model's, a
+    # vmapped one's, another's
+    params = [models[1][0].weight, models[4].b.bias, models[8][0].bias, models[-4].a.weight]
+    logits = torch.linspace(-1.0, 1.0, len(models), dtype=torch.float64, requires_grad=True)
+    floats = [0.5 + 0.125 * i for i in range(len(models))]
+
+    def f(x, logits, *params):
+        w = {None: None, "floats": floats, "learned": torch.softmax(logits, 0)}[weights]
+        return parsum.sum_models(models, x, n_jobs=n_jobs, weights=w)
+
+    assert len(_groups_of(models, x)) == 2
+    assert _node(f(x, logits)) == "CallerGraphSumBackward"
+    inputs = (x, logits, *params)
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_penalty_with_stacked_groups_beside_others_is_the_plain_loops_with_one_bits(dtype):
+    models = [m.to(dtype) for m in _with_groups(1)]
+    x = torch.randn(5, IN, dtype=dtype)
+    want = _penalized(plain_sum, clone_models(models), x)
+    runs = []
+    for n_jobs in (None, 1, 2):
+        mine = clone_models(models)
+        runs.append(_penalized(lambda m, t, n=n_jobs: parsum.sum_models(m, t, n_jobs=n), mine, x))
+        for a, b in zip(runs[-1], want):
+            torch.testing.assert_close(a, b)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
+
+
 def test_where_the_models_run_through_parallel_sum_a_second_backward_raises():
     models = _mixed()
     x = torch.randn(4, IN, dtype=torch.float64, requires_grad=True)
@@ -495,6 +556,35 @@ def _random_models(rng: random.Random) -> tuple[list[nn.Module], list[str]]:
     return models, kinds
 
 
+class _Block(nn.Module):
+    """A class of its own: stacked, it runs through vmap."""
+
+    def __init__(self, width, act):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(IN, width), nn.Linear(width, OUT), act()
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x))) + 0.5 * x[..., :OUT]
+
+
+def _with_copies(rng: random.Random, models, kinds, weights):
+    """``models`` with a group of identical ones (a Sequential, which runs as batched layers,
+    or a class, through vmap; each initialized anew) inserted at random places, which engine
+    "auto" stacks beside the others; ``kinds`` and float ``weights`` to match."""
+    width, act = rng.choice([3, 6]), rng.choice([nn.Tanh, nn.SiLU, nn.GELU])
+    n = rng.randint(8, 10)
+    if rng.random() < 0.5:
+        copies = [mlp([width], act).double() for _ in range(n)]
+    else:
+        copies = [_Block(width, act).double() for _ in range(n)]
+    floats = isinstance(weights, list)
+    entries = list(zip(models, kinds, weights if floats else [None] * len(models)))
+    for k, m in enumerate(copies):
+        entries.insert(rng.randint(0, len(entries)), (m, "copies", 0.75 - 0.125 * k))
+    models, kinds, found = (list(t) for t in zip(*entries))
+    return models, kinds, found if floats else weights
+
+
 def _leaf_sum(y):
     return sum(t.sum() for t in pytree.tree_leaves(y))
 
@@ -550,6 +640,9 @@ def check_derivatives(seed: int) -> int:
     # NOTE [ A learned weight tensor's derivatives ] (drawn last: the draws before as they were)
     if weights is None and rng.random() < 0.3:
         weights = "learned"
+    # NOTE [ Stacked groups in the caller's graph ] in parsum._inline (drawn last again)
+    if rng.random() < 0.35 and "tree" not in kinds:  # (a tree's output is not a tensor)
+        models, kinds, weights = _with_copies(rng, models, kinds, weights)
     x = torch.randn(5, IN, dtype=torch.float64)
     ref = clone_models(models)
     torch.manual_seed(seed)  # the same dropout masks: parsum draws in model order

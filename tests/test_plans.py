@@ -448,7 +448,7 @@ def test_a_group_vmap_cannot_run_is_planned_again(monkeypatch):
     torch.manual_seed(0)
     models = [Branchy() for _ in range(parsum._grouping.AUTO_STACK_MIN_MODELS)]
     x = torch.randn(2, IN)
-    tried = count_calls(monkeypatch, parsum._engines, "stacked_forward")
+    tried = count_calls(monkeypatch, parsum._engines, "forward_on_copies")
     ref = copy.deepcopy(models)
     for _ in range(3):
         torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(ref, x))

@@ -614,8 +614,6 @@ def test_parameters_computed_from_others_are_the_modules_own(identical, n_jobs, 
     # leaves. The check for tensors a module does not own looked through them to the
     # original parameters and refused every such call (a regression of the leaf check);
     # their gradient goes on from the fast weights to the originals, as in the plain loop.
-    if identical and create_graph:
-        pytest.skip("stacked beside others: ParallelSum, whose backward is not differentiable")
     torch.manual_seed(0)
     members = [_TwoLayers(5 + i) for i in range(3)]
     members += [_TwoLayers(4) for _ in range(8 if identical else 0)]  # stacked by auto

@@ -771,7 +771,7 @@ def test_sequential_linear_groups_run_as_batched_matmuls_not_vmap(engine, monkey
 @pytest.mark.parametrize("kind", ["one group", "stack_", "beside others"])
 def test_batched_matmuls_in_slices_match_the_loop(per_slice, kind, monkeypatch):
     # NOTE [ Batched slices ]: 9 models in slices of 1, 2 or 4 (the last one shorter), stacked
-    # on every call (alone or beside other models, in ParallelSum) or in stack_ storage,
+    # on every call (alone or beside other models) or in stack_ storage,
     # against the plain loop.
     torch.manual_seed(0)
     models = [mlp([8, 6], nn.LeakyReLU) for _ in range(9)]
@@ -813,7 +813,7 @@ def test_batched_matmuls_take_any_rows_and_give_a_result_in_order(shape, kind, m
     x = torch.randn(*shape, requires_grad=True)
     if kind == "stack_":
         parsum.stack_(models)
-    elif kind == "beside others":  # in ParallelSum, each model's output a view of the batch's
+    elif kind == "beside others":  # each model's output a view of the batch's
         models = [mlp([5]), *models]
     loss = lambda y: (y.view(-1) ** 2).sum()  # noqa: E731
     got, want = run_both(models, x, engine="stacked", n_jobs=2, loss=loss)
