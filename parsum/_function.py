@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -1848,12 +1848,18 @@ def raise_first_failing_model(
     attempts: Sequence[tuple[int, Callable[[], object]]],
     original: Exception,
     running: int | None = None,
+    groups: Mapping[int, Unit] | None = None,
 ) -> None:
     """Run each model's attempt in order and raise the error of the first that fails, named:
     its own, or ``original`` where the failed call freed part of its graph; named ``running``
     (the model the failed call was running, where known) where the failure does not repeat
     or the call freed part of a graph; return if none fails and ``running`` is None (the
-    caller raises ``original``)."""
+    caller raises ``original``). ``groups``: the stacked groups whose models were attempted
+    together, by their first model, named with it."""
+
+    def error_of(i: int, exc: BaseException) -> ParsumError:
+        return plan.model_error(i, "backward", exc, groups.get(i) if groups else None)
+
     for i, attempt in attempts:
         error = None
         try:
@@ -1861,9 +1867,9 @@ def raise_first_failing_model(
         except Exception as exc:
             # The exception is its cause (no local may hold it: a cycle through its frame).
             if not freed_by_the_failed_call(exc):
-                error = plan.model_error(i, "backward", exc)
+                error = error_of(i, exc)
             else:
-                error = plan.model_error(i if running is None else running, "backward", original)
+                error = error_of(i if running is None else running, original)
         if error is not None:
             try:
                 raise error
@@ -1871,7 +1877,7 @@ def raise_first_failing_model(
                 error = None
     if running is not None:
         try:
-            raise plan.model_error(running, "backward", original)
+            raise error_of(running, original)
         finally:
             original = None  # type: ignore[assignment]
 

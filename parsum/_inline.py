@@ -949,7 +949,8 @@ def _raise_first_failure(
     # A stacked group's models share one graph, made where its first model's would be: read
     # and pulled back together, named by the first (NOTE [ Stacked groups in the caller's
     # graph ]).
-    groups = {u.models[0]: u.models for u in plan.units if len(u.models) > 1}
+    units = {u.models[0]: u for u in plan.units if len(u.models) > 1}
+    groups = {i: u.models for i, u in units.items()}
     later = {i for group in groups.values() for i in group[1:]}
     running = None
     if freed_as_it_went:  # with the graphs kept, their saved tensors say nothing
@@ -978,4 +979,4 @@ def _raise_first_failure(
         # through again: a compiled model's backward (donated buffers) refuses to keep its
         # graph, and named, with its own error, a model that did not fail.
         attempts.append((i, functools.partial(pull_back, outs, wrt, cots, not freed_as_it_went)))
-    raise_first_failing_model(plan, attempts, original, running)
+    raise_first_failing_model(plan, attempts, original, running, units)

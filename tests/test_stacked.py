@@ -1268,3 +1268,63 @@ def test_half_precision_weights_multiply_as_the_plain_terms(dtype, kind):
     for m, twin in zip(models, one_by_one):
         for p, q in zip(m.parameters(), twin.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+_ARMED = [0]  # how many more backward passes of _FailsWhenArmed raise
+
+
+class _FailsWhenArmed(torch.autograd.Function):
+    """tanh, whose backward raises while ``_ARMED`` holds a count above zero; runs under
+    vmap."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.tanh()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _ARMED[0] > 0:
+            _ARMED[0] -= 1
+            raise RuntimeError("fails in backward")
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class _ArmedTanh(nn.Module):
+    def forward(self, x):
+        return _FailsWhenArmed.apply(x)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("times", [1, 100])  # a failure that does not repeat, and one that does
+def test_a_group_beside_others_failing_in_backward_is_named_and_changes_no_grad(times, n_jobs):
+    # NOTE [ Stacked groups in the caller's graph ] in parsum._inline: the group's models share
+    # one graph, pulled back again together and named by the first.
+    torch.manual_seed(0)
+    group = [nn.Sequential(nn.Linear(IN, 5), _ArmedTanh(), nn.Linear(5, OUT)) for _ in range(8)]
+    models = [mlp([4]), *group[:4], mlp([7]), *group[4:], mlp([3])]
+    ref = copy.deepcopy(models)
+    x = torch.randn(4, IN)
+    assert groups(models, "auto", x) == [(1, 2, 3, 4, 6, 7, 8, 9)]
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    assert type(y.grad_fn).__name__ == "CallerGraphSumBackward"
+    _ARMED[0] = times
+    try:
+        with pytest.raises(
+            parsum.ParsumError,
+            match=r"model 1 \(Sequential\), stacked with models \[2, 3, 4, 6, 7, 8, 9\].*"
+            r"fails in backward",
+        ):
+            y.pow(2).sum().backward()
+    finally:
+        _ARMED[0] = 0
+    assert all(p.grad is None for m in models for p in m.parameters())
+    parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()  # usable after
+    plain_sum(ref, x).pow(2).sum().backward()
+    assert_same_grads(models, ref)
