@@ -200,6 +200,22 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 64
         desc = f"8 small CNNs on 28x28 images, 8-24 channels, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 1, 28, 28))
+    if name == "shared-trunk":
+        # Heads over one trunk, which every model runs (as a user's loop over the heads
+        # would): its parameters' gradients are a sum over the models.
+        trunk = nn.Sequential(nn.Linear(64, 128), nn.Tanh())
+        models = [
+            nn.Sequential(
+                trunk,
+                nn.Linear(128, 32 + 16 * (i % 4)),
+                nn.Tanh(),
+                nn.Linear(32 + 16 * (i % 4), 10),
+            )
+            for i in range(16)
+        ]
+        b = batch or 64
+        desc = f"16 heads of widths 32-80 over one trunk of width 128, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
     if name == "mixed-sizes":
         # Many small members and a few large ones, built in that order: chunks of equal model
         # counts put the large ones together at the end.
@@ -226,7 +242,7 @@ def workload(name: str, batch: int | None = None) -> Workload:
         return Workload(name, desc, models, torch.randn(b, 10, 8))
     extra = (
         "distinct-tiny", "distinct-medium", "identical-classes", "mixed-sizes", "dropout-medium",
-        "dropout-wrapped", "transformers", "embedding-bags", "lstms",
+        "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 

@@ -24,9 +24,10 @@
 # when it ends (``release_at_end``), so their saved tensors go then. A model that fails is named
 # (each model alone, in order, as in NOTE [ Engine calls of the caller's graph ]). Stacked
 # groups are there too (NOTE [ Stacked groups in the caller's graph ] in _inline): autograd
-# differentiates their batched graphs again. Where the models ran through ParallelSum (a
-# parameter with a tensor hook or used twice, step_in_backward, a compensated FlatGrad,
-# ``take_rows``, ``engine="vjp"``, parsum.distributed's ranks), the gradients are not ordinary
+# differentiates their batched graphs again, and so are parameters several models use. Where
+# the models ran through ParallelSum (a parameter with a tensor hook, step_in_backward, a
+# compensated FlatGrad, ``take_rows``, ``engine="vjp"``, parsum.distributed's ranks), the
+# gradients are not ordinary
 # graphs of the models, and a second backward that reaches them raises
 # (``_once_differentiable``). A weight
 # tensor that needs a gradient: NOTE [ A learned weight tensor's derivatives ].

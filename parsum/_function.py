@@ -1123,9 +1123,9 @@ _SECOND_BACKWARD = (
     "parsum: sum_models' backward is not differentiable here (it was run with "
     "create_graph=True, and a second backward reached the gradients it returned): derivatives "
     "of higher order run where the models run in the caller's graph, which this call did not "
-    "(a parameter with a tensor hook or used by two models, step_in_backward, a compensated "
-    "FlatGrad, take_rows, engine='vjp', several ranks of parsum.distributed); see "
-    "docs/limits.md, or use the plain sum of the models"
+    "(a parameter with a tensor hook, step_in_backward, a compensated FlatGrad, take_rows, "
+    "engine='vjp', several ranks of parsum.distributed); see docs/limits.md, or use the plain "
+    "sum of the models"
 )
 
 
@@ -1133,9 +1133,9 @@ _UNDER_VMAP = (
     "sum_models: its backward ran under vmap (torch.autograd.grad(..., is_grads_batched=True), "
     "torch.autograd.functional.jacobian or hessian with vectorize=True), which it supports "
     "where the models run in the caller's graph; this call ran through ParallelSum (a "
-    "parameter with a tensor hook or used by two models, step_in_backward, a compensated "
-    "FlatGrad, take_rows, engine='vjp', several ranks of parsum.distributed): pass "
-    "vectorize=False, one backward per row"
+    "parameter with a tensor hook, step_in_backward, a compensated FlatGrad, take_rows, "
+    "engine='vjp', several ranks of parsum.distributed): pass vectorize=False, one backward "
+    "per row"
 )
 
 

@@ -106,10 +106,10 @@
 # 0.83 -> 0.87-0.90x, 16 identical width-256 MLPs 0.86-0.89 -> 0.88-0.90x.
 #
 # The path is taken only where its gradients are those of ParallelSum bit for bit and its
-# hooks run as there: no parameter is used by two entries (autograd would add its gradients
-# uncompensated), none has a tensor hook (captured gradients would meet it twice: NOTE
-# [ Hooks run once ] in _engines), no take_rows table, step_in_backward or distributed
-# failure announcement (each routes gradients itself), and
+# hooks run as there: a parameter used by two entries has its gradient summed as there (NOTE
+# [ Parameters several models use in the caller's graph ]), none has a tensor hook (captured
+# gradients would meet it twice: NOTE [ Hooks run once ] in _engines), no take_rows table,
+# step_in_backward or distributed failure announcement (each routes gradients itself), and
 # every model is a module, a method or a partial of one (a plain callable's captured tensors
 # are checked by the other path).
 #
@@ -136,6 +136,22 @@
 # small MLPs stacked beside 8 large ones 1.035x with weights, 1.45x for the gradient in x
 # alone (NOTE [ Gradients not wanted ]); a gradient penalty's step on the 64 MLPs 1.10x the
 # plain loop's speed (it raised before).
+#
+# NOTE [ Parameters several models use in the caller's graph ]
+# Models that share a parameter (a trunk with several heads, a tied layer) run in the caller's
+# graph too. Such a parameter's gradient is a sum over its models, which autograd would add in
+# its own order, uncompensated, across the threads' engine calls: so the pullback captures it
+# (nothing accumulates into ``.grad`` during it), each model that uses one in an engine call of
+# its own (a model's contribution alone), and adds them as the arguments' gradients are added:
+# compensated, model by model within a chunk and the chunks in order (or every term at once,
+# where the arguments' are), one engine call a chunk at most (no runs of chunks, no one call
+# for all), so that the bits do not depend on ``n_jobs``: they are ParallelSum's, which pulled
+# such models back alone and summed them the same way. Derivatives of higher order differentiate
+# every model in one engine call, as without shared parameters, where autograd adds a shared
+# parameter's parts itself (the bits of any ``n_jobs`` still: that call runs in the calling
+# thread). A compensated FlatGrad, whose slots the pullbacks write chunk by chunk in the
+# threads that pull back, keeps such calls in ParallelSum. Until 2026-12-05 every call with a
+# shared parameter ran through ParallelSum, where a second backward raised.
 #
 # NOTE [ Gradients not wanted ]
 # Under ``torch.autograd.grad`` or ``backward(inputs=...)`` the running backward may want the
@@ -237,6 +253,7 @@ from ._function import (
 from ._grads import (
     FlatWrites,
     engine_runs_all,
+    has_compensated_flat_grads,
     release_slots,
 )
 from ._sparse import (
@@ -244,6 +261,7 @@ from ._sparse import (
     add_term,
     any_sampled,
     argument_grad,
+    coalesce_later,
     merge_argument_grads,
     post_accumulate_hooks,
     sampled_elements,
@@ -257,7 +275,9 @@ def fits_callers_graph(plan: SumPlan) -> bool:
         plan.step_in_backward is None
         # NOTE [ Stacked groups in the caller's graph ]
         and all(unit.engine in ("autograd", "stacked") for unit in plan.units)
-        and not any(plan.shared)
+        # NOTE [ Parameters several models use in the caller's graph ]: a compensated
+        # FlatGrad's slots are written chunk by chunk, in whichever thread pulls back
+        and not (any(plan.shared) and has_compensated_flat_grads(plan.params))
         and not reports_failures()
         and all(module_of(m) is not None for m in plan.models)
         and plan.walk.no_user_tensor_hooks()
@@ -541,7 +561,11 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         or (not plan.walk.hookless_params() and any(map(post_accumulate_hooks, params)))
     ):
         zeroed = None
-    accumulate = zeroed is not None and not ctx.create_graph and runs_all
+    # NOTE [ Parameters several models use in the caller's graph ]
+    shared = plan.shared
+    shared_any = any(shared)
+    shared_params = [p for p, used in zip(params, shared) if used]
+    accumulate = zeroed is not None and not ctx.create_graph and runs_all and not shared_any
     # Accumulated into, a flipped argument's .grad must be None for a failure to undo it.
     accumulate = accumulate and all(f.grad is None for f in flipped)
     accumulate = accumulate and (state.made_in_forward is not None or not several_threads)
@@ -602,12 +626,22 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             held += size
         return groups
 
+    def apart(running: list[int]) -> list[list[int]]:
+        """``running`` with each model that uses a parameter other models use alone, after
+        the others (NOTE [ Parameters several models use in the caller's graph ])."""
+        alone = [i for i in running if any(shared[s] for s in plan.param_slots[i])]
+        rest = [i for i in running if i not in alone]
+        return [*([rest] if rest else []), *([i] for i in alone)]
+
     def capture(
-        running: Sequence[int], captured: dict[int, Sequence[Tensor | None]]
+        running: Sequence[int],
+        captured: dict[int, Sequence[Tensor | None]],
+        shared_part: dict[int, Any],
     ) -> list[tuple[int, Tensor | None]] | None:
         """Pull back models ``running`` in one engine call that returns the gradients it
         wants: the parameters' stored (or written into their slots), the aliases' in
-        ``captured``; the flipped arguments' returned. None where it wants none."""
+        ``captured``, those of parameters several models use added to ``shared_part``; the
+        flipped arguments' returned. None where it wants none."""
         slots = [s for i in running for s in plan.param_slots[i]]
         if wanted is not None:
             slots = [s for s in slots if wanted[n_args + s]]
@@ -619,11 +653,17 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             return None
         outs, cots = edges_and_cotangents(running)
         wrt = [*(params[s] for s in slots), *mine, *(flipped[j - n_aliased] for j in flips)]
-        found = pull_back(outs, wrt, cots, keep_graph)
+        # NOTE [ Row-sparse gradients ] in _sparse: a shared table's take_rows gradients
+        # uncoalesced, for a RowSparseAccumulator to sum in the wide dtype
+        with coalesce_later(shared_params):
+            found = pull_back(outs, wrt, cots, keep_graph)
         del outs, cots
         to_flat = []
         for slot, grad in zip(slots, found):
-            if writes is not None and grad is not None and slot in writes:
+            if shared[slot]:  # a term of its sum, in model order
+                if grad is not None:
+                    (add_term if at_once or vmapped else add_grad)(shared_part, slot, grad)
+            elif writes is not None and grad is not None and slot in writes:
                 to_flat.append((slot, grad))
             else:
                 param_grads[slot] = grad
@@ -645,6 +685,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         the caller's graph ]); a failure is recorded under ``k``. The chunks' argument
         gradients summed, where arguments need them."""
         captured: dict[int, Sequence[Tensor | None]] = {}  # argument gradients returned
+        shared_part: dict[int, Any] = {}  # NOTE [ Parameters several models use in ...
         flip_grads: list[tuple[int, Tensor | None]] = []
         running = [i for c in chunks for u in plan.chunks[c] for i in plan.units[u].models]
         running = [i for i in running if graphs[i]]  # an output that needs a gradient
@@ -659,21 +700,24 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             # A compensated FlatGrad's slots: at most FLAT_WRITE_ELEMENTS captured at once, as
             # ParallelSum holds them (NOTE [ A compensated FlatGrad in the caller's graph ])
             groups = by_elements(running) if split and not flipped else [running]
+            if shared_any:
+                groups = [apart_group for group in groups for apart_group in apart(group)]
             ran = []
             for group in groups:
                 failing[k] = group  # the models whose graphs a failure leaves to search
-                ran.append(capture(group, captured))
+                ran.append(capture(group, captured, shared_part))
             if all(flips is None for flips in ran):  # nothing wanted
                 del failing[k]
                 return None
             flip_grads = [g for flips in ran for g in flips or ()]
         del failing[k]
-        if aliases is None and not flip_grads:
+        if aliases is None and not flip_grads and not shared_part:
             return None
         if vmapped:  # NOTE [ Gradients under vmap ]: added at the end, out of place
             vmapped_captured.update(captured)
             (chunk,) = chunks  # one chunk a call
             vmapped_flipped[chunk] = flip_grads
+            vmapped_shared[chunk] = shared_part
             return None
         accs: dict[int, Any] = {}
         if aliases is not None:
@@ -681,6 +725,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         for j, grad in flip_grads:
             if grad is not None:
                 add_grad(accs, j, grad)
+        for slot, part in shared_part.items():  # merged in chunk order as the arguments'
+            accs[-1 - slot] = part
         return accs
 
     def add_in_order(k: int, partial: dict[int, Any] | None) -> None:
@@ -695,6 +741,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     vmapped = any(map(under_vmap, grad_outputs))
     vmapped_captured: dict[int, Sequence[Tensor | None]] = {}
     vmapped_flipped: dict[int, list[tuple[int, Tensor | None]]] = {}
+    vmapped_shared: dict[int, dict[int, list[Tensor]]] = {}
     one_thread = plan.one_thread_backward or _on_device_thread(grad_outputs) or vmapped
     workers = 1 if one_thread else plan.n_workers
     # NOTE [ Pullbacks that write shared state ] in _function
@@ -754,7 +801,13 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     claim_order = plan.claim_order
     callers_last = plan.callers_last
     threads = _pool.threads_for(n_chunks, workers)
-    if threads > 1 and state.in_order and aliases is None and plan.run_costs is not None:
+    if (
+        threads > 1
+        and state.in_order
+        and aliases is None
+        and not shared_any  # each chunk's sum of them its own, as on any number of threads
+        and plan.run_costs is not None
+    ):
         runs, claim_order = pullback_runs(plan.run_costs, threads)
         callers_last = False
 
@@ -824,7 +877,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             # _function).
             made = plan.args_made_to_need_grad
             with _pool.as_one_task(1 if made else n_chunks):
-                if state.in_order and (aliases is None or at_once) and not made:
+                if state.in_order and (aliases is None or at_once) and not made and not shared_any:
                     add_in_order(0, pull_back_chunks(0, range(n_chunks)))
                 else:  # forwards on several threads: each chunk's ran in order
                     for k in range(n_chunks):
@@ -869,6 +922,18 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
                 arg_grads = [argument_grad(totals, j, at_once) for j in range(n_args)]
         if not keep_graph:
             state.aliases = None
+    if shared_any:  # NOTE [ Parameters several models use in the caller's graph ]
+        if vmapped:
+            by_slot: dict[int, list[Tensor]] = {}
+            for _, part in sorted(vmapped_shared.items()):  # chunk by chunk
+                for slot, slot_terms in part.items():
+                    by_slot.setdefault(slot, []).extend(slot_terms)
+            for slot, slot_terms in by_slot.items():
+                param_grads[slot] = _wide_sum(slot_terms)
+        else:
+            with _pool.as_one_task(n_chunks):
+                for key in [key for key in totals if key < 0]:
+                    param_grads[-1 - key] = argument_grad(totals, key, at_once)
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 

@@ -42,15 +42,22 @@ def in_callers_graph(y: torch.Tensor) -> bool:
     return node_name(y) == "CallerGraphSumBackward"
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("how", ["backward", "autograd.grad"])
 @pytest.mark.parametrize("argument", [False, True])
 @pytest.mark.parametrize("weighted", [None, "floats", "tensor"])
-def test_same_bits_as_parallel_sum_on_any_number_of_workers(weighted, argument, how, monkeypatch):
+def test_same_bits_as_parallel_sum_on_any_number_of_workers(
+    weighted, argument, how, shared, monkeypatch
+):
     results = []
     for n_jobs, callers_graph in [(1, True), (2, True), (3, True), (1, False), (3, False)]:
         # ParallelSum where the caller's graph is not taken
         monkeypatch.setattr(_api, "fits_callers_graph", lambda *a, c=callers_graph: c)
         models = zoo(seed=3)
+        if shared:  # NOTE [ Parameters several models use in the caller's graph ]
+            trunk = models[1]  # a trunk, its heads in other chunks, and a model twice
+            models += [nn.Sequential(trunk, nn.Tanh(), nn.Linear(OUT, OUT)) for _ in range(2)]
+            models.insert(3, models[0])
         torch.manual_seed(7)
         # With a gradient, each model reads aliases of its own and the argument's gradient is
         # ParallelSum's compensated sum in model order.
@@ -149,7 +156,9 @@ def test_autograd_grad_wrt_parameters_and_backward_with_inputs():
     assert all(p.grad is None for m in models[1:] for p in m.parameters())
 
 
-@pytest.mark.parametrize("path", ["callers graph", "callers graph n_jobs=2", "ParallelSum"])
+@pytest.mark.parametrize(
+    "path", ["callers graph", "callers graph n_jobs=2", "used twice", "ParallelSum"]
+)
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=...)"])
 def test_gradients_of_some_parameters_of_some_models(path, how):
     # NOTE [ Asking what the backward wants ] in parsum._grads: asked a model at a time, a
@@ -157,12 +166,14 @@ def test_gradients_of_some_parameters_of_some_models(path, how):
     # must drop; models none of whose parameters are wanted are not differentiated.
     torch.manual_seed(0)
     models = [mlp([3 + i]) for i in range(5)]
-    if path == "ParallelSum":
-        models.append(models[1])  # a parameter used twice: ParallelSum's path
+    if path == "used twice":  # NOTE [ Parameters several models use in the caller's graph ]
+        models.append(models[1])
     ref = clone_models(models[:5])
-    ref += ref[1:2] if path == "ParallelSum" else []
+    ref += ref[1:2] if path == "used twice" else []
+    if path == "ParallelSum":  # a tensor hook: ParallelSum's path
+        next(models[2].parameters()).register_hook(lambda g: g)
     x = torch.randn(4, IN, dtype=torch.float64).float().requires_grad_()
-    n_jobs = 2 if path.endswith("n_jobs=2") else 1
+    n_jobs = 1 if path == "callers graph" else 2
 
     def chosen(ms):  # the second model's first weight, all of the fourth's, and x
         return [next(ms[1].parameters()), *ms[3].parameters(), x]
@@ -270,15 +281,21 @@ class _FlakyInside(_ThroughInside):
 
 # One engine call for every model (the forwards ran in order on one thread), one per chunk
 # (NOTE [ Engine calls of the caller's graph ]).
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("argument", [False, True])
 @pytest.mark.parametrize("n_jobs", [1, 3])
 @pytest.mark.parametrize("failing", [BoomBackward, BoomInside])
 @pytest.mark.parametrize("accumulated", [False, True])
 def test_failed_backward_changes_no_grad_and_names_the_model(
-    accumulated, failing, n_jobs, argument
+    accumulated, failing, n_jobs, argument, shared
 ):
     models = [mlp([3 + i]) for i in range(6)]  # different: none stacked
     models.insert(4, failing())
+    if shared:  # NOTE [ Parameters several models use in the caller's graph ]: pulled back
+        # alone, the failing model among them
+        models[5] = models[1]
+        inner = models[4].lin if failing is BoomBackward else models[4].first
+        models.insert(6, nn.Sequential(inner, nn.Tanh(), nn.Linear(inner.out_features, OUT)))
     models.append(BoomBackward())  # a later failure, run first or in a chunk at the same time
     x = torch.randn(2, IN, requires_grad=argument)
     if accumulated:  # .grad already holds a gradient: the capturing pull-back
@@ -288,14 +305,22 @@ def test_failed_backward_changes_no_grad_and_names_the_model(
     before = [None if g is None else g.clone() for g in param_grads(models)]
     y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
     assert in_callers_graph(y)
-    name = failing.__name__
-    with pytest.raises(parsum.ParsumError, match=rf"model 4 \({name}\) raised ValueError") as e:
+    name, at = failing.__name__, 4
+    if shared and argument:
+        # Models that share modules: the walk's first backward pulls them back on one thread
+        # from the last chunk to the first, to learn whether the pullbacks write what they
+        # share (NOTE [ Pullbacks that write shared state ] in parsum._function), where
+        # arguments need a gradient chunk by chunk: the last failure is met first, as in
+        # the plain loop's backward, on any n_jobs
+        name, at = "BoomBackward", len(models) - 1
+    with pytest.raises(parsum.ParsumError, match=rf"model {at} \({name}\) raised ValueError") as e:
         y.sum().backward()
     assert isinstance(e.value.__cause__, ValueError)  # the model's own error, chained
     for g, b in zip(param_grads(models), before):
         assert (g is None and b is None) or torch.equal(g, b)
     assert x.grad is None
-    del models[-1], models[4]
+    del models[-1]
+    models[4] = mlp([4])
     parsum.sum_models(models, x, n_jobs=n_jobs).sum().backward()  # usable after
     assert all(g is not None for g in param_grads(models))
 
@@ -444,7 +469,7 @@ def test_argument_gradients_at_once_take_one_engine_call_and_change_no_bit(
     results = []
     for n_jobs, shared in [(1, False), (3, False), (1, True)]:
         models = zoo(seed=5)
-        if shared:  # a model twice: ParallelSum
+        if shared:  # a model twice: its parameters used by two entries
             models.append(models[0])
         if capture:
             for m in models:
@@ -453,7 +478,7 @@ def test_argument_gradients_at_once_take_one_engine_call_and_change_no_bit(
         x = x0.clone().requires_grad_()
         calls.clear()
         y = parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2)
-        assert in_callers_graph(y) != shared
+        assert in_callers_graph(y)
         y.pow(2).sum().backward()
         if n_jobs == 1 and not shared:
             assert len(calls) == (1 if rows == 4 else 4)  # 7 models in 4 chunks
@@ -526,7 +551,12 @@ def test_hooks_run_once_on_the_whole_gradient():
 def test_what_takes_the_other_path():
     models = zoo()
     x = torch.randn(2, IN)
-    assert not in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))  # shared
+    # Parameters two entries use: the caller's graph too, since 2026-12-05 (NOTE [ Parameters
+    # several models use in the caller's graph ] in parsum._inline); a tensor hook: ParallelSum
+    assert in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))
+    hooked = next(models[1].parameters()).register_hook(lambda g: g)
+    assert not in_callers_graph(parsum.sum_models(models, x, n_jobs=1))
+    hooked.remove()
     x_grad = x.clone().requires_grad_()  # a callable that is no module: ParallelSum
     assert not in_callers_graph(parsum.sum_models([torch.sin, lambda t: t * 2], x_grad, n_jobs=1))
     with pytest.raises(parsum.ParsumError, match="not one of its arguments"):  # its parameters

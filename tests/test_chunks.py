@@ -181,7 +181,7 @@ def test_the_final_sums_run_under_the_tasks_intra_op_threads(cores, monkeypatch,
 
     monkeypatch.setattr(parsum._summation.CompensatedAccumulator, "result", spy)
     models = [mlp([256 + i, 256]) for i in range(8)]
-    if shared:  # a module twice: ParallelSum, which sums the shared gradients itself
+    if shared:  # a module twice, whose gradients the call sums itself
         models.append(models[0])
     x = torch.randn(64, IN, requires_grad=True)
     parsum.sum_models(models, x, n_jobs=2).pow(2).sum().backward()

@@ -822,14 +822,15 @@ class _Negated(TorchFunctionMode):
 def test_calls_under_a_torch_function_mode_stay_in_the_calling_thread(cores, path):
     # NOTE [ Modes stay in the calling thread ] in _pool: a mode is thread-local and cannot be
     # entered again in a helper, so every model runs where the mode is, as in the plain loop;
-    # the chunks and their intra-op threads stay, and so do the bits. A layer shared by two
-    # models takes the call through ParallelSum (NOTE [ The caller's graph ] in _inline).
+    # the chunks and their intra-op threads stay, and so do the bits. A tensor hook on a
+    # parameter takes the call through ParallelSum (NOTE [ The caller's graph ] in _inline).
     cores(2)
     x = torch.randn(5, IN, requires_grad=True)
     models = [nn.Linear(IN, OUT) for _ in range(4)]
-    if path == "ParallelSum":
-        models[3] = models[0]
     twins = clone_models(models)
+    if path == "ParallelSum":
+        for ms in (models, twins):
+            ms[1].weight.register_hook(lambda g: g * 1)
     for ms in (models, twins):  # a first call with a graph learns that they draw nothing
         parsum.sum_models(ms, x, n_jobs=2, chunk_size=1)
     mode = _Negated()

@@ -336,9 +336,12 @@ def test_gradgradcheck_with_stacked_groups_beside_other_models(n_jobs, weights):
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("make", ["_with_groups", "_with_shared"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_penalty_with_stacked_groups_beside_others_is_the_plain_loops_with_one_bits(dtype):
-    models = [m.to(dtype) for m in _with_groups(1)]
+def test_a_penalty_with_stacked_groups_or_shared_parameters_is_the_plain_loops(dtype, make):
+    # NOTE [ Stacked groups in the caller's graph ] and NOTE [ Parameters several models use
+    # in the caller's graph ] in parsum._inline; the same bits for any n_jobs
+    models = [m.to(dtype) for m in globals()[make](1)]
     x = torch.randn(5, IN, dtype=dtype)
     want = _penalized(plain_sum, clone_models(models), x)
     runs = []
@@ -348,6 +351,39 @@ def test_a_penalty_with_stacked_groups_beside_others_is_the_plain_loops_with_one
         for a, b in zip(runs[-1], want):
             torch.testing.assert_close(a, b)
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
+
+
+def _with_shared(seed=0):
+    """Heads over one trunk, a model twice, and others (NOTE [ Parameters several models use
+    in the caller's graph ] in parsum._inline)."""
+    torch.manual_seed(seed)
+    trunk = nn.Sequential(nn.Linear(IN, 5), nn.Tanh())
+    heads = [
+        nn.Sequential(trunk, nn.Linear(5, 3 + i), nn.SiLU(), nn.Linear(3 + i, OUT))
+        for i in range(3)
+    ]
+    others = _mixed()
+    models = [heads[0], others[0], others[1], heads[1], others[2], others[1], heads[2]]
+    return [m.double() for m in models]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("weights", [None, "floats", "learned"])
+def test_gradgradcheck_with_parameters_several_models_use(n_jobs, weights):
+    models = _with_shared()
+    x = torch.randn(2, IN, dtype=torch.float64, requires_grad=True)
+    params = [models[0][0][0].weight, models[1][0].bias, models[3][1].bias]  # trunk, twice, own
+    logits = torch.linspace(-1.0, 1.0, len(models), dtype=torch.float64, requires_grad=True)
+    floats = [0.5 + 0.125 * i for i in range(len(models))]
+
+    def f(x, logits, *params):
+        w = {None: None, "floats": floats, "learned": torch.softmax(logits, 0)}[weights]
+        return parsum.sum_models(models, x, n_jobs=n_jobs, weights=w)
+
+    assert _node(f(x, logits)) == "CallerGraphSumBackward"
+    inputs = (x, logits, *params)
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
 
 
 def test_where_the_models_run_through_parallel_sum_a_second_backward_raises():
@@ -717,8 +753,9 @@ def test_a_gradient_in_x_alone_differentiates_no_parameter(monkeypatch):
 
 
 @pytest.mark.timeout(120, method="thread")
-def test_concurrent_callers_differentiate_twice_on_shared_models():
-    models = _mixed()
+@pytest.mark.parametrize("make", [_mixed, _with_groups])
+def test_concurrent_callers_differentiate_twice_on_shared_models(make):
+    models = make()
     ref = clone_models(models)
     xs = [torch.randn(5, IN, dtype=torch.float64) for _ in range(4)]
 

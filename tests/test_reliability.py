@@ -658,7 +658,7 @@ class _Forces(nn.Module):
         return -grad
 
 
-@pytest.mark.parametrize("path", ["default", "x needs grad", "shared"])
+@pytest.mark.parametrize("path", ["default", "x needs grad", "shared", "ParallelSum"])
 @pytest.mark.parametrize("n_jobs", [1, 2, None])
 def test_a_leaf_made_from_an_argument_is_the_models_own(n_jobs, path):
     # NOTE [ Leaves made from the arguments ] in _engines: the check for tensors a module
@@ -666,9 +666,11 @@ def test_a_leaf_made_from_an_argument_is_the_models_own(n_jobs, path):
     # the plain loop trains it.
     torch.manual_seed(0)
     models = [_Forces(4 + 2 * i).double() for i in range(3)]
-    if path == "shared":  # a module twice: ParallelSum
+    if path == "shared":  # a module twice
         models.append(models[0])
     theirs = clone_models(models)
+    if path == "ParallelSum":  # a tensor hook
+        next(models[1].parameters()).register_hook(lambda g: g)
     x = torch.randn(5, IN, dtype=torch.float64, requires_grad=path == "x needs grad")
     weights = torch.tensor([0.5, 1.0, 1.5, 2.0][: len(models)], dtype=torch.float64)
     w_ours, w_plain = weights.clone().requires_grad_(), weights.clone().requires_grad_()
