@@ -42,22 +42,26 @@ def in_callers_graph(y: torch.Tensor) -> bool:
     return node_name(y) == "CallerGraphSumBackward"
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("extra", [None, "shared", "stacked"])
 @pytest.mark.parametrize("how", ["backward", "autograd.grad"])
 @pytest.mark.parametrize("argument", [False, True])
 @pytest.mark.parametrize("weighted", [None, "floats", "tensor"])
 def test_same_bits_as_parallel_sum_on_any_number_of_workers(
-    weighted, argument, how, shared, monkeypatch
+    weighted, argument, how, extra, monkeypatch
 ):
     results = []
     for n_jobs, callers_graph in [(1, True), (2, True), (3, True), (1, False), (3, False)]:
         # ParallelSum where the caller's graph is not taken
         monkeypatch.setattr(_api, "fits_callers_graph", lambda *a, c=callers_graph: c)
         models = zoo(seed=3)
-        if shared:  # NOTE [ Parameters several models use in the caller's graph ]
+        if extra == "shared":  # NOTE [ Parameters several models use in the caller's graph ]
             trunk = models[1]  # a trunk, its heads in other chunks, and a model twice
             models += [nn.Sequential(trunk, nn.Tanh(), nn.Linear(OUT, OUT)) for _ in range(2)]
             models.insert(3, models[0])
+        elif extra == "stacked":  # NOTE [ Stacked groups in the caller's graph ]: a group that
+            torch.manual_seed(5)  # runs as batched layers, interleaved with the others
+            group = [mlp([5]) for _ in range(4)]
+            models = [group[0], *models[:3], *group[1:3], *models[3:], group[3]]
         torch.manual_seed(7)
         # With a gradient, each model reads aliases of its own and the argument's gradient is
         # ParallelSum's compensated sum in model order.
