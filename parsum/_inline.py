@@ -126,7 +126,7 @@
 # arguments need a gradient the group reads its first model's aliases, and the others get
 # aliases no graph reaches, so that every model has as many (the group's gradient is its
 # first model's term in the compensated sum). The same bits as ParallelSum's stacked unit (the
-# same batched kernels; a process group of one rank, which runs ParallelSum, checks it). A
+# same batched kernels; tests/test_callers_graph.py compares them on 1-3 threads). A
 # failure is traced to a group as to a model (its graph made where its first model's would
 # be) and pulled back again with its models together; the first model is named. Until
 # 2026-12-05 such calls ran through ParallelSum, where a second backward (a gradient
