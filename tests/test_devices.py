@@ -26,8 +26,19 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 def _models(kind, device):
     torch.manual_seed(0)
-    # Identical models: auto and stacked vmap them as one group.
-    models = [mlp([16]) for _ in range(8)] if kind == "identical" else zoo()
+    if kind == "identical":  # auto and stacked vmap them as one group
+        models = [mlp([16]) for _ in range(8)]
+    elif kind == "groups beside others":  # NOTE [ Stacked groups in the caller's graph ]
+        group = [mlp([16]) for _ in range(6)]
+        models = [*group[:3], *zoo()[:3], *group[3:]]
+    elif kind == "shared":  # NOTE [ Parameters several models use in the caller's graph ]
+        trunk = mlp([8])
+        models = [
+            *zoo()[:3],
+            *(nn.Sequential(trunk, nn.Tanh(), nn.Linear(OUT, OUT)) for _ in range(3)),
+        ]
+    else:
+        models = zoo()
     return [m.to(device) for m in models]
 
 
@@ -45,7 +56,7 @@ def _assert_like_plain(models, ref, x, x_ref, **kwargs):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine", ["auto", "autograd", "vjp", "stacked"])
 @pytest.mark.parametrize("n_jobs", [1, 2, 4, None])
-@pytest.mark.parametrize("kind", ["identical", "zoo"])
+@pytest.mark.parametrize("kind", ["identical", "zoo", "groups beside others", "shared"])
 def test_forward_and_backward(device, engine, n_jobs, kind):
     models = _models(kind, device)
     ref = clone_models(models)
@@ -71,9 +82,10 @@ def test_weight_tensor_gets_its_gradient(device, n_jobs):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n_jobs", [1, 2, None])
-def test_gradient_penalty(device, n_jobs):
+@pytest.mark.parametrize("kind", ["zoo", "groups beside others", "shared"])
+def test_gradient_penalty(device, n_jobs, kind):
     # NOTE [ Double backward ]: on CUDA the second-order nodes run on the device's thread.
-    models = _models("zoo", device)
+    models = _models(kind, device)
     ref = clone_models(models)
     x = torch.randn(5, IN, device=device, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
