@@ -141,8 +141,9 @@
 # Models that share a parameter (a trunk with several heads, a tied layer) run in the caller's
 # graph too. Such a parameter's gradient is a sum over its models, which autograd would add in
 # its own order, uncompensated, across the threads' engine calls: so the pullback captures it
-# (nothing accumulates into ``.grad`` during it), each model that uses one in an engine call of
-# its own (a model's contribution alone), and adds them as the arguments' gradients are added:
+# (nothing accumulates into ``.grad`` during it), each model that uses one with another model
+# of its chunk in an engine call of its own (a model's contribution alone; one used by a single
+# model of the chunk is pulled back with the chunk), and adds them as the arguments' are added:
 # compensated, model by model within a chunk and the chunks in order (or every term at once,
 # where the arguments' are), one engine call a chunk at most (no runs of chunks, no one call
 # for all), so that the bits do not depend on ``n_jobs``: they are ParallelSum's, which pulled
@@ -194,6 +195,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
@@ -627,9 +629,14 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         return groups
 
     def apart(running: list[int]) -> list[list[int]]:
-        """``running`` with each model that uses a parameter other models use alone, after
-        the others (NOTE [ Parameters several models use in the caller's graph ])."""
-        alone = [i for i in running if any(shared[s] for s in plan.param_slots[i])]
+        """``running`` with each model that uses a parameter another of them uses alone,
+        after the others (NOTE [ Parameters several models use in the caller's graph ])."""
+        users = collections.Counter(
+            s for i in running for s in set(plan.param_slots[i]) if shared[s]
+        )
+        alone = [i for i in running if any(users[s] > 1 for s in plan.param_slots[i] if shared[s])]
+        if not alone:
+            return [running]
         rest = [i for i in running if i not in alone]
         return [*([rest] if rest else []), *([i] for i in alone)]
 
