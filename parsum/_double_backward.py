@@ -27,10 +27,9 @@
 # differentiates their batched graphs again, and so are parameters several models use. Where
 # the models ran through ParallelSum (a parameter with a tensor hook, step_in_backward, a
 # compensated FlatGrad, ``take_rows``, ``engine="vjp"``, parsum.distributed's ranks), the
-# gradients are not ordinary
-# graphs of the models, and a second backward that reaches them raises
-# (``_once_differentiable``). A weight
-# tensor that needs a gradient: NOTE [ A learned weight tensor's derivatives ].
+# gradients are not ordinary graphs of the models, and a second backward that reaches them
+# raises (``_once_differentiable``). A weight tensor that needs a gradient: NOTE [ A learned
+# weight tensor's derivatives ].
 # Each node differentiates only what the running backward wants (``wanted_gradients``): the
 # gradient in x of a penalty's first step made every weight's derivative and its graph too,
 # and the step ran at 0.663x the plain loop's speed, now 0.718x in the same run (16 MLPs of

@@ -2299,10 +2299,7 @@ def stacked_forward(
         args, kwargs = call.build(inputs)
         trainable, state = stacked_tensors(params)
         leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
-    if spec == LEAF_SPEC:  # the usual case: one unbind for every model's view
-        outs: list[Any] = list(leaves[0].unbind(0))
-    else:
-        outs = [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]
+    outs = models_outputs(leaves, spec, n)
     if not build_graph:
         return UnitRun(outs, None, leaves)
     roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
@@ -2368,11 +2365,7 @@ def stacked_in_graph(
     model = models[0]
     assert isinstance(model, nn.Module)
     try:
-        trainable, state = stacked_tensors(params)
-        for stacked in trainable.values():
-            if stacked.grad_fn is not None:
-                own_rows_in_backward(stacked)
-        leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
+        trainable, leaves, spec = batched_in_graph(model, params, args, kwargs)
     except AutocastUnderVmap:  # this call only, whatever the engine asked
         return UnitRun(one_by_one(), None)
     except Exception:
@@ -2387,10 +2380,28 @@ def stacked_in_graph(
         own = [*trainable.values(), *(t for mp in params for t in mp.tensors)]
         roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
         check_own_leaves(model, roots, own, aliases, call)
-    if spec == LEAF_SPEC:
-        outs: list[Any] = list(leaves[0].unbind(0))
-    else:
-        outs = [
-            pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(len(models))
-        ]
-    return UnitRun(outs, None, leaves)
+    return UnitRun(models_outputs(leaves, spec, len(models)), None, leaves)
+
+
+def batched_in_graph(
+    model: nn.Module,
+    params: Sequence[ModelParams],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[dict[str, Tensor], list[Tensor], pytree.TreeSpec]:
+    """Identical models' batched forward in the caller's graph: their trainable tensors stacked
+    by name with their graph (each stacked gradient handed on through ``_own_rows``), and the
+    output's leaves (the models along dim 0) and structure."""
+    trainable, state = stacked_tensors(params)
+    for stacked in trainable.values():
+        if stacked.grad_fn is not None:
+            own_rows_in_backward(stacked)
+    leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
+    return trainable, leaves, spec
+
+
+def models_outputs(leaves: list[Tensor], spec: pytree.TreeSpec, n: int) -> list[Any]:
+    """Each of ``n`` models' output from the batched output's ``leaves``, views of them."""
+    if spec == LEAF_SPEC:  # the usual case: one unbind for every model's view
+        return list(leaves[0].unbind(0))
+    return [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(n)]

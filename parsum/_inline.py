@@ -196,6 +196,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import operator
@@ -566,7 +567,13 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # NOTE [ Parameters several models use in the caller's graph ]
     shared = plan.shared
     shared_any = any(shared)
-    shared_params = [p for p, used in zip(params, shared) if used]
+    # NOTE [ Row-sparse gradients ] in _sparse: a shared table's take_rows gradients
+    # uncoalesced, for a RowSparseAccumulator to sum in the wide dtype
+    deferred = (
+        functools.partial(coalesce_later, [p for p, used in zip(params, shared) if used])
+        if shared_any
+        else contextlib.nullcontext
+    )
     accumulate = zeroed is not None and not ctx.create_graph and runs_all and not shared_any
     # Accumulated into, a flipped argument's .grad must be None for a failure to undo it.
     accumulate = accumulate and all(f.grad is None for f in flipped)
@@ -660,9 +667,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
             return None
         outs, cots = edges_and_cotangents(running)
         wrt = [*(params[s] for s in slots), *mine, *(flipped[j - n_aliased] for j in flips)]
-        # NOTE [ Row-sparse gradients ] in _sparse: a shared table's take_rows gradients
-        # uncoalesced, for a RowSparseAccumulator to sum in the wide dtype
-        with coalesce_later(shared_params):
+        with deferred():
             found = pull_back(outs, wrt, cots, keep_graph)
         del outs, cots
         to_flat = []
@@ -1018,29 +1023,21 @@ def _raise_first_failure(
                 raise plan.model_error(culprit, "backward", original)
             finally:
                 original = None  # type: ignore[assignment]  # no cycle through this frame
-    # A stacked group's models share one graph, made where its first model's would be: read
-    # and pulled back together, named by the first (NOTE [ Stacked groups in the caller's
-    # graph ]).
-    units = {u.models[0]: u for u in plan.units if len(u.models) > 1}
-    groups = {i: u.models for i, u in units.items()}
-    later = {i for group in groups.values() for i in group[1:]}
+    # Unit by unit, in model order: a stacked group's models share one graph, made where its
+    # first model's would be, read and pulled back together, named by the first (NOTE
+    # [ Stacked groups in the caller's graph ]).
+    units = plan.units
     running = None
     if freed_as_it_went:  # with the graphs kept, their saved tensors say nothing
         # Read before anything runs again.
-        firsts = [u.models[0] for u in plan.units]
-        found = running_when_failed(
-            [[e for m in groups.get(i, (i,)) for e in outputs[m]] for i in firsts]
-        )
-        running = None if found is None else firsts[found]
+        found = running_when_failed([[e for m in u.models for e in outputs[m]] for u in units])
+        running = None if found is None else units[found].models[0]
     attempts = []
-    for i in range(len(edges)):
-        group = groups.get(i, (i,))
-        if i in later:
-            continue  # pulled back with its group's first model
+    for unit in units:
         wrt: list[Tensor] = []
         outs: list[GradientEdge] = []
         cots: list[Tensor] = []
-        for m in group:
+        for m in unit.models:
             wrt += [*plan.model_params[m].tensors, *(aliases[m] if aliases is not None else ())]
             cotangents = SinglePullback.cotangents(grad_outputs, plan.weight(m, weight_tensor))
             outs += [e for e, _ in edges[m]]
@@ -1050,5 +1047,7 @@ def _raise_first_failure(
         # Freed as they go where the failed call freed its graphs, which no backward can run
         # through again: a compiled model's backward (donated buffers) refuses to keep its
         # graph, and named, with its own error, a model that did not fail.
-        attempts.append((i, functools.partial(pull_back, outs, wrt, cots, not freed_as_it_went)))
-    raise_first_failing_model(plan, attempts, original, running, units)
+        attempt = functools.partial(pull_back, outs, wrt, cots, not freed_as_it_went)
+        attempts.append((unit.models[0], attempt))
+    groups = {u.models[0]: u for u in units if len(u.models) > 1}
+    raise_first_failing_model(plan, attempts, original, running, groups)

@@ -118,12 +118,10 @@ from ._engines import (
     Step,
     _requires_grad,
     batched_forward,
-    forward_on_copies,
+    batched_in_graph,
     module_of,
-    own_rows_in_backward,
     program_of,
     runs_as_program,
-    stacked_tensors,
 )
 from ._errors import ParsumError, a_kind_of, message_of
 from ._function import _engine_keeps_graph
@@ -1120,12 +1118,8 @@ def group_in_callers_graph(
 ) -> Any:
     """The weighted sum of identical models run as one batched forward in the caller's own
     graph (NOTE [ One group in the caller's graph ])."""
-    trainable, state = stacked_tensors(model_params)
-    for stacked in trainable.values():
-        if stacked.grad_fn is not None:
-            own_rows_in_backward(stacked)
     args, kwargs = call.build()
-    leaves, spec = forward_on_copies(models[0], trainable, state, args, kwargs)
+    _, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
     summed = _sum_over_models(leaves, weights, weight_tensor)
     return pytree.tree_unflatten(summed, spec)
 
