@@ -9,7 +9,9 @@ turn (``common.interleaved``), each after ``--settle-ms`` of untimed steps. A st
 forward, backward and, with ``--adam``, one ``torch.optim.Adam`` step on the caller's threads,
 or with ``--sib`` a ``StepInBackward`` of Adam. ``--step grad-x`` times the forward and the
 loss's gradient in the argument alone (``torch.autograd.grad(loss, x)``: adversarial examples,
-saliency), ``--step penalty`` a gradient-penalty step (the gradient in x with
+saliency), ``--step train-x`` a training step whose argument needs a gradient too (heads over
+features that a trunk before the sum made: ``backward()`` fills the parameters' and x's),
+``--step penalty`` a gradient-penalty step (the gradient in x with
 ``create_graph=True``, then the backward of the loss plus a penalty on it), ``--step grad-params``
 the loss's gradient in the parameters by ``torch.autograd.grad`` (functional training loops,
 optimizers that take gradients as values: nothing written to ``.grad``), ``--step accumulate``
@@ -30,9 +32,9 @@ every thread of the process instead (``time.process_time``): a step slower in ti
 CPU time waits longer for the same work; one slower in both does more work.
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER[,REV2,...] [--adam] [--sib] [--n-jobs 2]
-        [--step train|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
+        [--step train|train-x|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
             flat-compensated]
-        [--members 0.75] [--first 16] [--cpu-time]
+        [--members 0.75] [--first 16] [--cpu-time] [--engine autograd]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -123,6 +125,20 @@ class Weighted:
         return self._package.sum_models(models, *args, weights=weights, **kwargs)
 
 
+class WithEngine:
+    """A parsum package whose ``sum_models`` passes ``engine``."""
+
+    def __init__(self, package: Any, engine: str) -> None:
+        self._package = package
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._package, name)
+
+    def sum_models(self, models: list[torch.nn.Module], *args: Any, **kwargs: Any) -> Any:
+        return self._package.sum_models(models, *args, engine=self._engine, **kwargs)
+
+
 def weights_of(kind: str, n_models: int) -> list[float]:
     """``--weights``: 1/M each, or M distinct ones (of one sign and about 1/M each), as floats
     (a tensor of them for "tensor", a softmax of their logits for "learned")."""
@@ -147,6 +163,7 @@ def step_of(
     if args.step != "train":
         total = _plain_total if package is None else package.sum_models
         step = {
+            "train-x": _training_with_x,
             "grad-x": _gradient_in_x,
             "grad-params": _gradient_in_params,
             "accumulate": _micro_batch,
@@ -167,6 +184,12 @@ def step_of(
 
 def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:
     return sum(m(x) for m in models)  # type: ignore[return-value]
+
+
+def _training_with_x(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    zero_grads(models)
+    x = x.detach().requires_grad_()
+    loss_of(total(models, x, n_jobs=n_jobs)).backward()
 
 
 def _gradient_in_x(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
@@ -224,9 +247,13 @@ def main() -> None:
     parser.add_argument("--sib", action="store_true", help="Adam in a StepInBackward")
     parser.add_argument("--n-jobs", type=int, default=None)
     parser.add_argument(
+        "--engine", choices=["auto", "autograd", "vjp", "stacked"], help="passed to sum_models"
+    )
+    parser.add_argument(
         "--step",
         choices=[
             "train",
+            "train-x",
             "grad-x",
             "grad-params",
             "accumulate",
@@ -284,6 +311,8 @@ def main() -> None:
                 models = copy.deepcopy(chosen)
                 if pkg is not None and args.weights != "none":
                     pkg = Weighted(pkg, args.weights)
+                if pkg is not None and args.engine is not None:
+                    pkg = WithEngine(pkg, args.engine)
                 step = step_of(pkg, models, w.x, args)
                 if args.members is not None:
                     step = Members(models, args.members).around(step)

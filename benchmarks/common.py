@@ -216,6 +216,18 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 64
         desc = f"16 heads of widths 32-80 over one trunk of width 128, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
+    if name == "heads":
+        # Heads over features that a trunk made before the sum (x standing for them: with
+        # ``--step train-x`` its gradient is wanted too): small models with many repeats.
+        models = [
+            nn.Sequential(
+                nn.Linear(128, 32 + 16 * (i % 4)), nn.Tanh(), nn.Linear(32 + 16 * (i % 4), 10)
+            )
+            for i in range(16)
+        ]
+        b = batch or 64
+        desc = f"16 heads of widths 32-80 over 128 features, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 128))
     if name == "mixed-sizes":
         # Many small members and a few large ones, built in that order: chunks of equal model
         # counts put the large ones together at the end.
@@ -242,7 +254,7 @@ def workload(name: str, batch: int | None = None) -> Workload:
         return Workload(name, desc, models, torch.randn(b, 10, 8))
     extra = (
         "distinct-tiny", "distinct-medium", "identical-classes", "mixed-sizes", "dropout-medium",
-        "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk",
+        "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk", "heads",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 

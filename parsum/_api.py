@@ -151,15 +151,16 @@ def sum_models(
             ``joblib.parallel_config``, else the thread budget (``torch.get_num_threads()``
             capped by the usable cores: under torchrun, each process's share); -1 the whole
             budget, -2 all of it but one; 1 runs in the calling thread with no pool. Never
-            more threads than usable cores. Intra-op threads per task are the budget over the
-            chunks, never decided by ``n_jobs``.
+            more threads than usable cores. Left unset, parsum spends the budget on workers
+            only where they pay (small models run in the calling thread), whatever the
+            engine. Intra-op threads per task are the budget over the chunks, never decided
+            by ``n_jobs``.
         engine: ``"autograd"`` (each model's own autograd graph), ``"vjp"``
             (``torch.func.vjp`` over ``functional_call``; pure models only), ``"stacked"``
             (structurally identical models vmapped as one group, the others by autograd) or
             ``"auto"`` (``parsum.config``'s engine if set, else: groups of small identical
-            models stacked, 4 or more MLPs or 8 or more of other kinds, the rest by autograd;
-            with ``n_jobs`` left unset, small models run in the calling thread, where threads
-            do not pay).
+            models stacked, 4 or more MLPs or 8 or more of other kinds, the rest by
+            autograd).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
             the order of additions (outputs small enough are added all at once at the end, in
             the chunks' order), never ``n_jobs``. Default: chunks of about equal estimated
@@ -303,9 +304,9 @@ def _general_sum(
         _check_vjp_models(models, model_params)
     step_index = _check_step_in_backward(step_in_backward, models, model_params)
     batch = Batch.of(tensors)
-    # NOTE [ Threads that pay ] in _grouping: with engine "auto" and n_jobs left unset, the
-    # budget and the models' sizes decide the chunks and the workers.
-    chosen = engine == "auto" and _config.n_jobs_is_default(n_jobs)
+    # NOTE [ Threads that pay ] in _grouping: with n_jobs left unset, the budget and the
+    # models' sizes decide the chunks and the workers, whatever the engine.
+    chosen = _config.n_jobs_is_default(n_jobs)
     budget = _config.thread_budget()
     on_device = _on_a_device(tensors, params)
     stepping = step_in_backward is not None
@@ -522,9 +523,9 @@ def _one_stacked_group(plan: SumPlan) -> bool:
 def _on_a_device(tensors: list[Tensor], params: list[Tensor]) -> bool:
     """Whether the call computes on a GPU (its first tensor argument or parameter is not on the
     CPU). There a model's CPU time is kernel launches, which the GIL serializes, and backward
-    runs on the device's thread anyway (NOTE [ Device threads ]): ``auto`` with n_jobs unset
-    runs such calls in the calling thread, as the plain loop does: 0.85-0.88x the plain loop on
-    16 medium MLPs and 0.82-0.86x on 8 small CNNs on an H200 (2026-12-04), where those models
+    runs on the device's thread anyway (NOTE [ Device threads ]): n_jobs unset runs such
+    calls in the calling thread, as the plain loop does: 0.85-0.88x the plain loop on 16 medium
+    MLPs and 0.82-0.86x on 8 small CNNs on an H200 (2026-12-04), where those models
     split by hand over 2-4 threads reached 1.06-1.09x and 0.96-1.00x; whether parsum's workers
     reach that too is measured by ``benchmarks/run_16cores.sh gputhreads``, not yet run.
     """

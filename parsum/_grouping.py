@@ -43,9 +43,16 @@ whether threads pay.
 # over stacked leaves 1.9-2.3, and 9.6-10.7 for parsum's models one by one).
 #
 # NOTE [ Threads that pay ]
-# With engine="auto" and n_jobs left unset, parsum chooses how the thread budget (NOTE
-# [ Thread budget ] in _pool) is spent: on intra-op threads inside each model's kernels, or on
-# workers that run different models side by side.
+# With n_jobs left unset, parsum chooses how the thread budget (NOTE [ Thread budget ] in
+# _pool) is spent: on intra-op threads inside each model's kernels, or on workers that run
+# different models side by side. Whatever the engine: an engine says how each model is run and
+# pulled back, not on how many threads. Until 2026-12-05 only "auto" chose, and an explicit
+# engine ("autograd", which the docs suggest to run identical models one by one) took the
+# whole budget in workers: against that, on 2 cores (benchmarks/bench_against.py --engine,
+# 30 rounds, benchmarks/results/threads-for-every-engine-2cores-fifty-eighth.txt), with
+# "autograd" 64 tiny MLP classes 1.38x faster (0.65x -> 0.90x the plain loop), 64 tiny MLPs
+# 1.25x, 16 small heads 1.25x, medium and large MLPs and CNNs 0.97-1.03x (noise); with
+# "stacked" the 64 tiny MLPs 1.41x, with "vjp" the tiny classes 1.39x.
 # - A budget of at most INTRA_OP_ONLY_BUDGET threads goes to intra-op threads: the models run
 #   in the calling thread as one chunk with the whole budget, as the plain loop does, where
 #   their kernels are large enough to split (NOTE [ Kernels too small for intra-op threads ];

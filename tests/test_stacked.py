@@ -1077,20 +1077,22 @@ def test_flat_grad_and_step_in_backward():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n_cores", [1, 2, 16])
-def test_auto_keeps_small_models_in_the_calling_thread_unless_told(cores, n_cores):
+def test_small_models_stay_in_the_calling_thread_unless_told(cores, n_cores):
+    # NOTE [ Threads that pay ] in parsum._grouping: with n_jobs unset the budget and the
+    # models decide, whatever the engine (an explicit engine took every thread of the budget
+    # until 2026-12-05: 64 tiny MLP classes with engine="autograd" 0.65x the plain loop).
     cores(n_cores)
     seen = []
     models = [Probe(thread_recorder(seen, 0.005)) for _ in range(6)]
     x = torch.randn(2, IN)
-    parsum.sum_models(models, x, chunk_size=1)
-    assert set(seen) == {threading.current_thread().name}
-    seen.clear()
-    parsum.sum_models(models, x, chunk_size=1, n_jobs=2)  # an explicit n_jobs is obeyed
-    assert len(set(seen)) == min(2, n_cores)
-    seen.clear()
-    parsum.sum_models(models, x, chunk_size=1, engine="autograd")  # threads up to the budget
-    assert (len(set(seen)) > 1) == (n_cores > 1)
-    assert len(set(seen)) <= min(6, n_cores)
+    for engine in ("auto", "autograd"):
+        parsum.sum_models(models, x, chunk_size=1, engine=engine)
+        assert set(seen) == {threading.current_thread().name}
+        seen.clear()
+        # an explicit n_jobs is obeyed
+        parsum.sum_models(models, x, chunk_size=1, engine=engine, n_jobs=2)
+        assert len(set(seen)) == min(2, n_cores)
+        seen.clear()
 
 
 def _storage_of(t):
