@@ -34,7 +34,7 @@ CPU time waits longer for the same work; one slower in both does more work.
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER[,REV2,...] [--adam] [--sib] [--n-jobs 2]
         [--step train|train-x|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
             flat-compensated]
-        [--members 0.75] [--first 16] [--cpu-time] [--engine autograd]
+        [--members 0.75] [--first 16] [--cpu-time] [--engine autograd] [--hooked]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
 """
 
@@ -123,6 +123,16 @@ class Weighted:
             self._logits.grad = None
             weights = torch.softmax(self._logits, 0)  # its gradient comes with the backward
         return self._package.sum_models(models, *args, weights=weights, **kwargs)
+
+
+def masked(models: list[torch.nn.Module]) -> None:
+    """``--hooked``: a tensor hook on each model's weights that masks every other element of
+    their gradients (pruning's way), for every method alike."""
+    for m in models:
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                mask = (torch.arange(p.numel()).reshape(p.shape) % 2).to(p.dtype)
+                p.register_hook(lambda g, mask=mask: g * mask)
 
 
 class WithEngine:
@@ -250,6 +260,11 @@ def main() -> None:
         "--engine", choices=["auto", "autograd", "vjp", "stacked"], help="passed to sum_models"
     )
     parser.add_argument(
+        "--hooked",
+        action="store_true",
+        help="a tensor hook masking half of each weight's gradient, on every method's models",
+    )
+    parser.add_argument(
         "--step",
         choices=[
             "train",
@@ -309,6 +324,8 @@ def main() -> None:
             chosen = w.models[: args.first]
             for label, pkg in packages:
                 models = copy.deepcopy(chosen)
+                if args.hooked:
+                    masked(models)
                 if pkg is not None and args.weights != "none":
                     pkg = Weighted(pkg, args.weights)
                 if pkg is not None and args.engine is not None:

@@ -149,10 +149,16 @@ class Derivatives:
         edges: list[list[tuple[GradientEdge, int]]] | None = None,
         weight_tensor: Tensor | None = None,
         source: Derivatives | None = None,
+        wrt_params: list[Tensor] | None = None,
     ) -> None:
         self.holds = holds
         self.plan = plan
         self.aliases = aliases
+        # What each parameter is differentiated through: the view a hooked one was read
+        # through (NOTE [ Tensor hooks in the caller's graph ] in _inline), else itself.
+        if wrt_params is None:
+            wrt_params = plan.params if source is None else source.wrt_params
+        self.wrt_params: list[Tensor] = wrt_params
         self.edges = edges  # order 1
         self.weight_tensor = weight_tensor
         # Order 1 of a learned weight tensor: its leaf is the last of ``leaves``, and each
@@ -181,6 +187,19 @@ class Derivatives:
         self.freed = False
         self.node: weakref.ref[Any] | None = None  # its DifferentiablePullback node
 
+    @classmethod
+    def of_sum(cls, state: Any, weight_tensor: Tensor | None) -> Derivatives:
+        """Order 1 of a CallerGraphSum node's ``state`` (its models' outputs)."""
+        assert state.derivatives is not None
+        return cls(
+            state.derivatives,
+            state.plan,
+            state.aliases,
+            state.edges,
+            weight_tensor,
+            wrt_params=state.wrt_params,
+        )
+
     def free(self) -> None:
         self.freed = True
         self.edges = self.aliases = self.source = self.weight_outputs = None
@@ -207,7 +226,7 @@ class Derivatives:
         aliases = self.aliases or []
         return [
             *(t for t, w in zip(self.earlier, earlier) if w and t is not None),
-            *(plan.params[s] for s in slots if params[s]),
+            *(self.wrt_params[s] for s in slots if params[s]),
             *(a for i in mine for a, w in zip(aliases[i], args) if w),
         ]
 
@@ -342,7 +361,7 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     if state.derivatives is None:
         state.derivatives = Holds(state, ctx, not _on_device_thread(grad_outputs))
-    held = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
+    held = Derivatives.of_sum(state, weight_tensor)
     # Those a model made need a gradient (the last) are not differentiated here (docs/limits.md)
     n_args = ctx.n_args - len(state.flipped)
     held.wanted = wanted_of_sum(ctx, n_args)
@@ -574,10 +593,9 @@ def merge_first_order(
     left it to carry (NOTE [ The weights' gradient carried by the sum's node ]; None where
     none did), or None where it pulls back its own."""
     state = ctx.state
-    plan: SumPlan = state.plan
     if not state.derivatives or not merges(state.derivatives, grad_outputs):
         return None
-    part = Derivatives(state.derivatives, plan, state.aliases, state.edges, weight_tensor)
+    part = Derivatives.of_sum(state, weight_tensor)
     part.leaves = list(grad_outputs)
     part.wanted = None if runs_all else wanted_of_sum(ctx, ctx.n_args)
     merged = merge_pullbacks(state.derivatives, ctx, part, may_wait=True)
@@ -657,7 +675,7 @@ def _pull_back_together(parts: list[Derivatives]) -> Merged:
         mine = range(len(aliases)) if models is None else models
         return [
             *(t for t, w in zip(last.earlier, earlier) if w and t is not None),
-            *(plan.params[s] for s in slots if params[s]),
+            *(last.wrt_params[s] for s in slots if params[s]),
             *(a for i in mine for a, w in zip(aliases[i], args) if w),
             *(t for t in carried if t is not None and models is None),
         ]

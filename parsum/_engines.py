@@ -800,25 +800,20 @@ def autograd_forward(
     was_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(True)
     try:
-        if hooked:
-            shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
-            aliases = {id(p): p.view_as(p) for p in hooked}
-            module = module_of(model)
-            assert module is not None
-            model = rebind(model, shadow_module(module, aliases, shadowed))
-            wrt_params = [aliases.get(id(p), p) for p in params.tensors]
+        views = {id(p): p.view_as(p) for p in hooked} if hooked else None
+        if views is not None:
+            wrt_params = [views.get(id(p), p) for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         read = model_arguments(inputs)
         args, kwargs = call.build(read)
-        out = (  # NOTE [ Direct programs ]
-            run_direct(program, args[0])
-            if program is not None and not hooked
-            else model(*args, **kwargs)
-        )
+        if views is not None:
+            out = run_through_views(model, views, args, kwargs, program)
+        elif program is not None:  # NOTE [ Direct programs ]
+            out = run_direct(program, args[0])
+        else:
+            out = model(*args, **kwargs)
         if read:
             check_argument_hooks(read.values())
-        if hooked:
-            write_back(shadowed.values(), aliases.values())
     finally:
         torch._C._set_grad_enabled(was_enabled)
     # The pullback keeps the outputs' gradient edges, not the outputs: plain PyTorch frees a
@@ -833,6 +828,38 @@ def autograd_forward(
         check_own_leaves(model, roots, params.tensors, inputs.values(), call)
     aliased = wrt_params is not params.tensors
     return out, GraphPullback(roots, [*inputs.values(), *wrt_params], len(inputs), aliased)
+
+
+def run_through_views(
+    model: Callable[..., Any],
+    views: dict[int, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict,
+    program: DirectProgram | None = None,
+) -> Any:
+    """``model(*args, **kwargs)`` on a shadow of its module that holds ``views`` (by the id of
+    the parameter each stands for) instead of those parameters (NOTE [ Hooks run once ]); what
+    the forward assigns is written back to the module. Where every such parameter is a
+    Linear's of its direct ``program``, the program runs with the views instead: a shadow
+    costs about 70 us a model of 8 modules."""
+    if program is not None:
+        steps = program.steps
+        linear = {id(t) for step in steps if isinstance(step, tuple) for t in step}
+        if linear.issuperset(views):
+            get = views.get
+            mine = [
+                (get(id(s[0]), s[0]), s[1] if s[1] is None else get(id(s[1]), s[1]))
+                if isinstance(s, tuple)
+                else s
+                for s in steps
+            ]
+            return run_direct(program._replace(steps=mine), args[0])
+    shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
+    module = module_of(model)
+    assert module is not None
+    out = rebind(model, shadow_module(module, views, shadowed))(*args, **kwargs)
+    write_back(shadowed.values(), views.values())
+    return out
 
 
 def output_edges(out: Any) -> list[GradientEdge | None]:

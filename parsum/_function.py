@@ -67,6 +67,7 @@ from ._engines import (
     output_edges,
     pull_back_together,
     run_direct,
+    run_through_views,
     shared_snapshot,
     stacked_in_graph,
     unit_forward,
@@ -379,6 +380,7 @@ def run_forward(
     keep_outputs: bool = False,
     roots: list[list[tuple[GradientEdge, int]] | None] | None = None,
     aliases: list[list[Tensor]] | None = None,
+    views: dict[int, Tensor | None] | None = None,
 ) -> _Forward:
     """Run every model, sum the weighted outputs; see NOTE [ Data flow ].
 
@@ -388,7 +390,9 @@ def run_forward(
     model returns, so that the outputs go with their chunk's sum: held to the end of the
     forward, 128 MLPs' outputs of 512 x 128 had made the call's peak 42 MiB above the plain
     loop's. Where arguments need a gradient (``call.grad_positions``), each model reads aliases
-    of them of its own, ``aliases[i]``.
+    of them of its own, ``aliases[i]``. With ``views`` (in the caller's graph), the slots of
+    parameters with tensor hooks: each is read through a view of it, put there by its slot
+    (NOTE [ Tensor hooks in the caller's graph ] in ``_inline``).
     """
     n = len(plan.models)
     signatures: list[Signature | None] = [None] * n
@@ -481,10 +485,21 @@ def run_forward(
             aliases[i] = list(mine.values())  # type: ignore[index]
             read = model_arguments(mine)
             args, kwargs = call.build(read)
+        hooked = None
+        if views is not None:  # NOTE [ Tensor hooks in the caller's graph ] in _inline
+            hooked = [s for s in plan.param_slots[i] if s in views]
         program = programs[i] if programs is not None else None
-        if program is not None:
+        if hooked:
+            assert views is not None
+            params = plan.params
+            read_as = {id(params[s]): params[s].view_as(params[s]) for s in hooked}
+            out = run_through_views(models[i], read_as, args, kwargs, program)
+            for s in hooked:
+                views[s] = read_as[id(params[s])]
+        elif program is not None:
             return run_direct(program, args[0])
-        out = models[i](*args, **kwargs)
+        else:
+            out = models[i](*args, **kwargs)
         if mine:
             check_argument_hooks(read.values())
         if check_leaves:

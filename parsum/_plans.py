@@ -194,6 +194,8 @@ class Walk:
         # walk is kept: [] for a walk made for one call.
         self.programs: list[DirectProgram | None] = []
         self._hookless_at: int | None = None  # the handle count of the last hookless_params
+        # The handle count and the slots of ``hooked_slots``'s last answer.
+        self._hooked: tuple[int | None, list[int]] = (None, [])
         self._calls: list[bool] = []
         # Each model's modules' training flags, made when the walk is kept (NOTE [ Models
         # seen not to draw ] in _random).
@@ -234,6 +236,17 @@ class Walk:
         for part in self.parts:
             part._hookless_at = handles
         return True
+
+    def hooked_slots(self) -> list[int]:
+        """The slots of the parameters with a tensor hook of the user's (NOTE [ Tensor hooks
+        in the caller's graph ] in _inline), looked for again only where a hook was registered
+        somewhere since (a hook removed since may still be listed: its parameter is then read
+        through a view, which gives the same gradient)."""
+        handles = handle_count()
+        if handles is None or handles != self._hooked[0]:
+            found = [s for s, p in enumerate(self.params) if has_user_hooks(p)]
+            self._hooked = (handles, found)
+        return self._hooked[1]
 
     def over(self, models: Sequence[Callable[..., Any]]) -> bool:
         """Whether this walk was made over these very models (their ids alone may be reused):

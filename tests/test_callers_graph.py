@@ -164,7 +164,7 @@ def test_autograd_grad_wrt_parameters_and_backward_with_inputs():
     "path", ["callers graph", "callers graph n_jobs=2", "used twice", "ParallelSum"]
 )
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=...)"])
-def test_gradients_of_some_parameters_of_some_models(path, how):
+def test_gradients_of_some_parameters_of_some_models(path, how, monkeypatch):
     # NOTE [ Asking what the backward wants ] in parsum._grads: asked a model at a time, a
     # model of whose parameters some are wanted gets the others' gradients too, which autograd
     # must drop; models none of whose parameters are wanted are not differentiated.
@@ -174,8 +174,8 @@ def test_gradients_of_some_parameters_of_some_models(path, how):
         models.append(models[1])
     ref = clone_models(models[:5])
     ref += ref[1:2] if path == "used twice" else []
-    if path == "ParallelSum":  # a tensor hook: ParallelSum's path
-        next(models[2].parameters()).register_hook(lambda g: g)
+    if path == "ParallelSum":
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(4, IN, dtype=torch.float64).float().requires_grad_()
     n_jobs = 1 if path == "callers graph" else 2
 
@@ -543,23 +543,31 @@ def test_hooks_run_once_on_the_whole_gradient():
     plain_sum(ref, x).pow(2).sum().backward()
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], next(ref[1].parameters()).grad)
-    # a tensor hook on a parameter: the other path, which runs it once too
+    # a tensor hook on a parameter: the caller's graph too, the hook run once, on the whole
+    # gradient (NOTE [ Tensor hooks in the caller's graph ] in parsum._inline)
     calls = []
-    p.register_hook(lambda g: calls.append(1))
+    p.register_hook(lambda g: calls.append(g.clone()))
     y = parsum.sum_models(models, x, n_jobs=1)
-    assert not in_callers_graph(y)
+    assert in_callers_graph(y)
     y.sum().backward()
-    assert calls == [1]
+    for m in ref:
+        for q in m.parameters():
+            q.grad = None
+    plain_sum(ref, x).sum().backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(calls[0], next(ref[1].parameters()).grad)
 
 
 def test_what_takes_the_other_path():
     models = zoo()
     x = torch.randn(2, IN)
     # Parameters two entries use: the caller's graph too, since 2026-12-05 (NOTE [ Parameters
-    # several models use in the caller's graph ] in parsum._inline); a tensor hook: ParallelSum
+    # several models use in the caller's graph ] in parsum._inline); a tensor hook too (NOTE
+    # [ Tensor hooks in the caller's graph ]), but not on a parameter two entries use
     assert in_callers_graph(parsum.sum_models([*models, models[0]], x, n_jobs=1))
     hooked = next(models[1].parameters()).register_hook(lambda g: g)
-    assert not in_callers_graph(parsum.sum_models(models, x, n_jobs=1))
+    assert in_callers_graph(parsum.sum_models(models, x, n_jobs=1))
+    assert not in_callers_graph(parsum.sum_models([*models, models[1]], x, n_jobs=1))
     hooked.remove()
     x_grad = x.clone().requires_grad_()  # a callable that is no module: ParallelSum
     assert not in_callers_graph(parsum.sum_models([torch.sin, lambda t: t * 2], x_grad, n_jobs=1))
@@ -609,7 +617,9 @@ class _Saves(nn.Module):
 @pytest.mark.parametrize("at", [2, 4])
 @pytest.mark.parametrize("n_jobs", [1, 3])
 @pytest.mark.parametrize("failing", [BoomBackward, BoomInside, _FlakyInside])
-def test_failed_backward_frees_the_graphs_without_the_collector(failing, n_jobs, at, callers_graph):
+def test_failed_backward_frees_the_graphs_without_the_collector(
+    failing, n_jobs, at, callers_graph, monkeypatch
+):
     # The error's traceback must hold no frame that holds the models' graphs: with such a
     # cycle the activations would stay until the garbage collector runs. ParallelSum (taken
     # for a tensor hook) kept, with the failed call's error, the graphs of the units after
@@ -619,7 +629,7 @@ def test_failed_backward_frees_the_graphs_without_the_collector(failing, n_jobs,
     models = [_Saves(saved) for _ in range(4)]
     models.insert(at, failing())
     if not callers_graph:
-        models[4 if at == 2 else 3].lin.weight.register_hook(lambda g: g)
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(2, IN)
     gc.collect()
     gc.disable()
@@ -1125,9 +1135,9 @@ def test_a_vectorized_jacobian_of_a_stacked_group_beside_others_is_the_plain_loo
         torch.testing.assert_close(got, want)
 
 
-def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error():
+def test_a_vectorized_jacobian_through_parallel_sum_raises_a_parsum_error(monkeypatch):
     models = [mlp([4]).double() for _ in range(3)]
-    models[1][0].weight.register_hook(lambda g: g)  # a tensor hook: ParallelSum
+    monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(2, IN, dtype=torch.float64)
     jacobian = torch.autograd.functional.jacobian
     with pytest.raises(parsum.ParsumError, match=r"ran under vmap.*vectorize=False"):
@@ -1157,14 +1167,16 @@ class MultiGradHooked(nn.Module):
 @pytest.mark.parametrize("chunk_size", [None, 1])
 @pytest.mark.parametrize("needs_grad", [False, True])
 @pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
-def test_a_multi_grad_hook_over_a_models_output_runs_once(n_jobs, chunk_size, needs_grad, route):
+def test_a_multi_grad_hook_over_a_models_output_runs_once(
+    n_jobs, chunk_size, needs_grad, route, monkeypatch
+):
     # NOTE [ One root edge ] in parsum._engines: a model pulled back alone was the engine
     # call's only root, which the engine leaves out of its graph's nodes, so the hook, which
     # counts the tensors whose gradients will come, ran twice.
     calls: list[int] = []
     models = [MultiGradHooked(4 + 3 * i, calls) for i in range(4)]
     if route == "ParallelSum":
-        models[0].out.bias.register_hook(lambda g: g * 1)
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(5, IN, requires_grad=needs_grad)
     for _ in range(2):
         calls.clear()
@@ -1189,14 +1201,14 @@ def test_a_multi_grad_hook_over_a_models_output_runs_once(n_jobs, chunk_size, ne
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("position", [0, 3, 6])
 def test_a_failure_that_does_not_repeat_names_its_model_and_changes_no_grad(
-    position, n_jobs, callers_graph, flaky, how
+    position, n_jobs, callers_graph, flaky, how, monkeypatch
 ):
     torch.manual_seed(0)
     models = [mlp([8 + i]) for i in range(6)]
     models.insert(position, flaky())
     params = [p for m in models for p in m.parameters()]
     if not callers_graph:
-        next(models[(position + 1) % 7].parameters()).register_hook(lambda g: g)
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     if how == "grads_to_add_to":
         for p in params:
             p.grad = torch.ones_like(p)
@@ -1242,7 +1254,9 @@ class _FailsOnceOnTop(nn.Module):
 
 @pytest.mark.parametrize("callers_graph", [True, False])
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_a_failure_that_does_not_repeat_beside_a_model_the_call_never_ran(n_jobs, callers_graph):
+def test_a_failure_that_does_not_repeat_beside_a_model_the_call_never_ran(
+    n_jobs, callers_graph, monkeypatch
+):
     # Found by tests/test_differential.py (seed 209640 at a budget of 2): under
     # autograd.grad in the parameters alone, the engine call never ran the last model, a
     # constant times an argument that needs a gradient nobody asked for; its graph, kept
@@ -1251,8 +1265,8 @@ def test_a_failure_that_does_not_repeat_beside_a_model_the_call_never_ran(n_jobs
     torch.manual_seed(0)
     models = [_FailsOnceOnTop(_TimesScale(mlp([6]))), _TimesScale(mlp([8])), _TimesScale()]
     params = [p for m in models for p in m.parameters()]
-    if not callers_graph:  # a tensor hook on a parameter: ParallelSum
-        params[-1].register_hook(lambda g: g)
+    if not callers_graph:
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     scale = torch.tensor(1.5, requires_grad=True)
     y = parsum.sum_models(models, torch.randn(5, IN), scale=scale, n_jobs=n_jobs, chunk_size=3)
     assert in_callers_graph(y) == callers_graph
@@ -1286,7 +1300,7 @@ class _LikeCompiled(_LinearThen):
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("failing", [BoomBackward, _FlakyInside])
 def test_a_failure_after_models_that_refuse_to_keep_their_graph_names_its_model(
-    failing, n_jobs, callers_graph
+    failing, n_jobs, callers_graph, monkeypatch
 ):
     # The failing model was searched for by pulling each model back again with its graph
     # kept, which torch.compile's backwards refuse: the first compiled model was named, with
@@ -1294,7 +1308,7 @@ def test_a_failure_after_models_that_refuse_to_keep_their_graph_names_its_model(
     models: list[nn.Module] = [_LikeCompiled() for _ in range(5)]
     models.insert(3, failing())
     if not callers_graph:
-        models[4].lin.weight.register_hook(lambda g: g)
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     y = parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs)
     assert in_callers_graph(y) == callers_graph
     _ARMED[0] = True
@@ -1375,7 +1389,7 @@ def test_a_failure_that_does_not_repeat_in_a_model_that_saves_no_tensor_is_named
 @pytest.mark.parametrize("callers_graph", [True, False])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 def test_a_failure_that_does_not_repeat_in_a_retained_graph_raises_and_changes_no_grad(
-    n_jobs, callers_graph
+    n_jobs, callers_graph, monkeypatch
 ):
     # With the graphs kept, the failed call's saved tensors do not tell how far it went, and
     # pulled back again every model passes: autograd's error, not named (docs/limits.md).
@@ -1384,7 +1398,7 @@ def test_a_failure_that_does_not_repeat_in_a_retained_graph_raises_and_changes_n
     models.insert(3, _FlakyHead())
     ref = clone_models(models)
     if not callers_graph:
-        next(models[4].parameters()).register_hook(lambda g: g)
+        monkeypatch.setattr(_api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(5, IN)
     y = parsum.sum_models(models, x, n_jobs=n_jobs)
     assert in_callers_graph(y) == callers_graph
@@ -1444,3 +1458,126 @@ def test_a_process_whose_last_backward_failed_exits_cleanly(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "terminate" not in done.stderr
+
+
+def _masked(models: list[nn.Module], calls: list[int]) -> list[nn.Module]:
+    """``models`` with a tensor hook on each first weight that masks every other element of
+    its gradient and counts its calls by model."""
+    for k, m in enumerate(models):
+        w = next(m.parameters())
+        mask = (torch.arange(w.numel()).reshape(w.shape) % 2).to(w.dtype)
+        w.register_hook(lambda g, mask=mask, k=k: calls.append(k) or g * mask)
+    return models
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+@pytest.mark.parametrize("how", ["backward", "autograd.grad", "grads to add to", "x needs grad"])
+def test_tensor_hooks_run_once_in_the_callers_graph(n_jobs, how, cores):
+    # NOTE [ Tensor hooks in the caller's graph ] in parsum._inline: a hooked parameter is
+    # read through a view, its hook runs once on its whole gradient, as in the plain loop;
+    # the same bits on any number of threads.
+    cores(2)
+    torch.manual_seed(0)
+    base = [*zoo(dtype=torch.float64, seed=4), *(mlp([5 + i]).double() for i in range(5))]
+    x = torch.randn(6, IN, dtype=torch.float64, requires_grad=how == "x needs grad")
+    results = []
+    for ours in (False, True):
+        calls: list[int] = []
+        models = _masked(clone_models(base), calls)
+        params = [p for m in models for p in m.parameters()]
+        if how == "grads to add to":
+            for p in params:
+                p.grad = torch.ones_like(p)
+        xx = x.detach().clone().requires_grad_(x.requires_grad)
+        if ours:
+            y = parsum.sum_models(models, xx, n_jobs=n_jobs)
+            assert in_callers_graph(y)
+        else:
+            y = plain_sum(models, xx)
+        loss = y.pow(2).sum()
+        if how == "autograd.grad":
+            grads = list(torch.autograd.grad(loss, params))
+        else:
+            loss.backward()
+            grads = [p.grad for p in params] + ([xx.grad] if x.requires_grad else [])
+        assert sorted(calls) == list(range(len(models)))  # each hook once
+        results.append(grads)
+    for got, want in zip(*results[::-1], strict=True):
+        torch.testing.assert_close(got, want)
+    masked = next(base[0].parameters())
+    assert (results[1][0].flatten()[0::2] == 0).all() == (how != "grads to add to")
+    assert masked.grad is None  # the models' own, untouched
+
+
+def test_tensor_hooks_give_the_same_bits_on_any_number_of_threads(cores):
+    cores(2)
+    torch.manual_seed(0)
+    base = [mlp([6 + i]) for i in range(9)]
+    x = torch.randn(5, IN)
+    bits = []
+    for n_jobs in (1, 2, 3, None):
+        models = _masked(clone_models(base), [])
+        parsum.sum_models(models, x, n_jobs=n_jobs, chunk_size=2).pow(2).sum().backward()
+        bits.append([p.grad for p in (q for m in models for q in m.parameters())])
+    for other in bits[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(bits[0], other, strict=True))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_derivatives_of_higher_order_through_hooked_parameters(n_jobs):
+    # They raised through ParallelSum before 2026-12-05 (NOTE [ Tensor hooks in the caller's
+    # graph ]): a gradient penalty in x and one in the parameters, against the plain loop.
+    torch.manual_seed(0)
+    base = [mlp([4 + i]).double() for i in range(4)]
+    x = torch.randn(3, IN, dtype=torch.float64)
+    for wrt in ("x", "params"):
+        results = []
+        for ours in (False, True):
+            calls: list[int] = []
+            models = _masked(clone_models(base), calls)
+            params = [p for m in models for p in m.parameters()]
+            xx = x.clone().requires_grad_()
+            y = parsum.sum_models(models, xx, n_jobs=n_jobs) if ours else plain_sum(models, xx)
+            loss = y.pow(2).sum()
+            inputs = [xx] if wrt == "x" else params
+            grads = torch.autograd.grad(loss, inputs, create_graph=True)
+            (loss + sum(g.pow(2).sum() for g in grads)).backward()
+            results.append(([p.grad for p in params], sorted(calls)))
+        (want, want_calls), (got, got_calls) = results
+        assert got_calls == want_calls
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    models = _masked(clone_models(base), [])
+    assert torch.autograd.gradgradcheck(
+        lambda t: parsum.sum_models(models, t, n_jobs=n_jobs), (x.clone().requires_grad_(),)
+    )
+
+
+def test_a_hooked_parameter_stacked_or_shared_stays_in_parallel_sum():
+    # Read through a view of its own only where one model uses it, run alone.
+    x = torch.randn(3, IN)
+    calls: list[int] = []
+    alike = [*_masked([mlp([6])], calls), *(mlp([6]) for _ in range(7))]
+    y = parsum.sum_models(alike, x, engine="stacked")
+    assert not in_callers_graph(y)
+    y.sum().backward()
+    assert calls == [0]
+    calls.clear()
+    models = [*_masked([mlp([6])], calls), mlp([7])]
+    y = parsum.sum_models([*models, models[0]], x)
+    assert not in_callers_graph(y)
+    y.sum().backward()
+    assert calls == [0]
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_failure_beside_a_hooked_parameter_names_its_model_and_changes_no_grad(n_jobs):
+    calls: list[int] = []
+    models = _masked([mlp([5 + i]) for i in range(4)], calls)
+    models.insert(2, BoomBackward())
+    y = parsum.sum_models(models, torch.randn(3, IN), n_jobs=n_jobs)
+    assert in_callers_graph(y)
+    with pytest.raises(parsum.ParsumError, match=r"model 2 \(BoomBackward\)"):
+        y.sum().backward()
+    assert calls == []  # no gradient reached a hook
+    assert all(p.grad is None for m in models for p in m.parameters())

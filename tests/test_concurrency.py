@@ -40,6 +40,7 @@ from tests.zoo import (
     param_grads,
     plain_sum,
     thread_recorder,
+    through_parallel_sum,
     zoo,
 )
 
@@ -211,12 +212,10 @@ class FailsOnSevenRows(nn.Module):
         raise ValueError("boom in backward")
 
 
-def _models_one_failing(seed, path):
+def _models_one_failing(seed):
     """The zoo and a FailsOnSevenRows, each parameter's gradient of one plain backward, rows
-    to train on and rows that fail. ``path`` "ParallelSum": a tensor hook takes calls there."""
+    to train on and rows that fail."""
     models = [*zoo(seed=seed), FailsOnSevenRows()]
-    if path == "ParallelSum":
-        models[0][0].weight.register_hook(lambda g: g)
     ref = clone_models(models)
     x, bad = torch.randn(6, IN), torch.randn(7, IN)
     plain_sum(ref, x).pow(2).sum().backward()
@@ -243,7 +242,9 @@ def _train_together_one_failing(models, x, bad, n_threads, rounds):
 
 
 @pytest.mark.parametrize("path", ["caller's graph", "ParallelSum"])
-def test_concurrent_backward_passes_through_shared_parameters_keep_every_gradient(path, cores):
+def test_concurrent_backward_passes_through_shared_parameters_keep_every_gradient(
+    path, cores, monkeypatch
+):
     # Threads training the same models: each backward finds .grad None at first and, through
     # ParallelSum, stored its gradient over another thread's (NOTE [ Gradients stored, not
     # returned ] in parsum._function): 117 of 120 contributions kept. Every one must be. And a
@@ -252,9 +253,11 @@ def test_concurrent_backward_passes_through_shared_parameters_keep_every_gradien
     # ] in parsum._grads; on the code before, this test failed in 6 of 6 runs, one of them a
     # crash): it must drop its own alone.
     cores(2)
+    if path == "ParallelSum":
+        through_parallel_sum(monkeypatch)
     n_threads, rounds = 4, 12
     for seed in range(5):
-        models, one, x, bad = _models_one_failing(seed, path)
+        models, one, x, bad = _models_one_failing(seed)
         # A graph built here first: each thread's first call is then a second thread's. (A
         # backward already accumulating when another thread's first call comes keeps, if it
         # fails, what it accumulated.)
@@ -299,7 +302,9 @@ def test_calls_after_training_in_several_threads_give_the_same_gradients(path, c
 
 @pytest.mark.parametrize("compensated", [False, True], ids=["plain", "compensated"])
 @pytest.mark.parametrize("path", ["caller's graph", "ParallelSum"])
-def test_concurrent_backward_passes_into_one_flatgrad_keep_every_gradient(path, compensated, cores):
+def test_concurrent_backward_passes_into_one_flatgrad_keep_every_gradient(
+    path, compensated, cores, monkeypatch
+):
     # Each backward decided at its start to copy into the slots whose .grad was None, and to
     # undo by writing saved values back: at once, they wrote over each other's gradients
     # (the worst parameter kept 2.5-48% of its gradient with a compensated FlatGrad, 90-100%
@@ -309,8 +314,10 @@ def test_concurrent_backward_passes_into_one_flatgrad_keep_every_gradient(path, 
     # several threads ] in parsum._grads). One thread's failed backward passes must drop their
     # own gradients and nobody else's.
     cores(2)
+    if path == "ParallelSum":
+        through_parallel_sum(monkeypatch)
     n_threads, rounds = 4, 12
-    models, one, x, bad = _models_one_failing(3, path)
+    models, one, x, bad = _models_one_failing(3)
     flat = parsum.FlatGrad(models, compensated=compensated)
     for m in models:
         m.zero_grad(set_to_none=True)
@@ -1458,14 +1465,14 @@ class DoublesItsArgument(nn.Module):
 
 
 @pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
-def test_models_that_modify_their_argument_run_in_model_order_once_seen(cores, route):
+def test_models_that_modify_their_argument_run_in_model_order_once_seen(cores, route, monkeypatch):
     # NOTE [ Arguments modified in place ] in parsum._function: on the threads each forward
     # read the others' doublings at any time; seen once, the forwards run in model order.
     cores(2)
     models = [DoublesItsArgument() for _ in range(6)]
     ref = clone_models(models)
-    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
-        models[0].body[0].bias.register_hook(lambda g: g * 1)
+    if route == "ParallelSum":
+        through_parallel_sum(monkeypatch)
     caught = []
     for call in range(4):
         x, x_ref = torch.ones(5, IN), torch.ones(5, IN)
@@ -1595,15 +1602,17 @@ def assert_calls_write_as_the_plain_loop(models, ref, x, kind, calls):
     "kind", ["log", "dict", "object", "tensor", "module", "object-log", "dict-log"]
 )
 @pytest.mark.parametrize("route", ["callers-graph", "ParallelSum"])
-def test_models_that_write_into_state_they_share_run_in_model_order(cores, kind, route):
+def test_models_that_write_into_state_they_share_run_in_model_order(
+    cores, kind, route, monkeypatch
+):
     # NOTE [ State the models share ] in parsum._engines: on the threads they wrote in the
     # threads' order from the second call on; the first call learns that they write.
     cores(2)
     seen: list[str] = []
     models = shares_state(kind, seen)
     ref = clone_models(models)
-    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
-        models[0].body[0].bias.register_hook(lambda g: g * 1)
+    if route == "ParallelSum":
+        through_parallel_sum(monkeypatch)
     x = torch.randn(5, IN)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1952,7 +1961,7 @@ def current_name():
 @pytest.mark.parametrize("needs_grad", [False, True])
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x needs no gradient
 def test_backward_hooks_that_write_shared_state_run_in_the_plain_loops_order(
-    cores, how, route, needs_grad
+    cores, how, route, needs_grad, monkeypatch
 ):
     # NOTE [ Pullbacks that write shared state ] in parsum._function: on the threads the hooks
     # logged in the threads' order (5 4 3 1 2 0 where the plain loop logs 5 4 3 2 1 0).
@@ -1961,12 +1970,10 @@ def test_backward_hooks_that_write_shared_state_run_in_the_plain_loops_order(
     log: list[int] = []
     threads: list[str] = []
     models = logging_pullbacks(how, seen, log, threads)
-    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
-        models[0].out.bias.register_hook(lambda g: g * 1)
+    if route == "ParallelSum":
+        through_parallel_sum(monkeypatch)
     ref_log: list[int] = []
     ref = logging_pullbacks(how, [], ref_log, [])
-    if route == "ParallelSum":
-        ref[0].out.bias.register_hook(lambda g: g * 1)
     x = torch.randn(5, IN, requires_grad=needs_grad)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -259,7 +259,9 @@ class RaisesUnprintable(nn.Module):
 @pytest.mark.parametrize("callers_graph", [True, False])
 @pytest.mark.parametrize("n_jobs", [1, 2])
 @pytest.mark.parametrize("phase", ["forward", "backward", "its optimizer step"])
-def test_an_exception_that_cannot_say_itself_is_named_and_chained(phase, n_jobs, callers_graph):
+def test_an_exception_that_cannot_say_itself_is_named_and_chained(
+    phase, n_jobs, callers_graph, monkeypatch
+):
     # Its message was formatted with str(): the ValueError that raised replaced it, unchained,
     # the model unnamed.
     models = [mlp([4]), RaisesUnprintable(phase), mlp([5])]
@@ -274,7 +276,7 @@ def test_an_exception_that_cannot_say_itself_is_named_and_chained(phase, n_jobs,
 
         kwargs["step_in_backward"] = parsum.StepInBackward(models, Broken, lr=0.1)
     elif not callers_graph:
-        models[0][0].weight.register_hook(lambda g: g)  # ParallelSum
+        monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
     with pytest.raises(parsum.ParsumError) as info:
         parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, **kwargs).sum().backward()
     message = info.value.args[0]
@@ -374,7 +376,7 @@ def _makes_heads():
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs):
+def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs, monkeypatch):
     # NOTE [ Parameters made in forward ]: where the backward captures gradients for the
     # parameters planned before the forwards, the new ones got none, silently.
     x = torch.randn(8, IN)
@@ -396,7 +398,16 @@ def test_parameters_made_in_forward_get_their_gradient_or_the_call_raises(n_jobs
     assert torch.equal(models[1][0].weight.grad, torch.ones_like(models[1][0].weight))
     assert all(p.grad is None for m in (models[0], models[2]) for p in m.parameters())
 
-    # Through ParallelSum (a parameter with a hook): raises in forward.
+    # A parameter with a tensor hook, whose gradient is returned to autograd: the same.
+    models = _makes_heads()
+    models[1][0].weight.register_hook(lambda g: g * 2)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(MakesItsHead\) made parameters"):
+        y.square().sum().backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+    # Through ParallelSum: raises in forward.
+    monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
     models = _makes_heads()
     models[1][0].weight.register_hook(lambda g: g * 2)
     with pytest.raises(parsum.ParsumError, match=r"model 0 \(MakesItsHead\) made parameters"):
@@ -553,14 +564,14 @@ class ExitsWhenTold(nn.Module):
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_system_exit_in_a_model_reaches_the_caller_as_itself(where, cores):
+def test_a_system_exit_in_a_model_reaches_the_caller_as_itself(where, cores, monkeypatch):
     # SystemExit is no Exception: it must not be named and wrapped as a model's failure, nor
     # end the helper thread a pullback ran it in; the call changes no .grad.
     cores(2)
     models = [*(mlp([4 + i]) for i in range(3)), ExitsWhenTold()]
-    # A tensor hook takes the call through ParallelSum, whose pullbacks run chunk by chunk on
-    # the pool (small models in the caller's graph are pulled back in the calling thread).
-    models[0][0].weight.register_hook(lambda g: g)
+    # Through ParallelSum, whose pullbacks run chunk by chunk on the pool (small models in the
+    # caller's graph are pulled back in the calling thread).
+    monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
     x = torch.randn(3, IN)
     caller = threading.current_thread().name
     in_a_helper = False

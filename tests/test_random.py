@@ -338,15 +338,14 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("route", ["callers graph", "ParallelSum"])
-def test_checkpointed_dropout_recomputes_the_forwards_masks(reentrant, route):
+def test_checkpointed_dropout_recomputes_the_forwards_masks(reentrant, route, monkeypatch):
     """Recomputations on two threads at once set the global generator under each other: the
     masks drawn again were not the forward's, and the gradients wrong."""
     torch.manual_seed(0)
     models = [Checkpointed(128 + 16 * i, reentrant) for i in range(8)]
     plain = copy.deepcopy(models)
-    if route == "ParallelSum":  # a tensor hook on a parameter keeps the call off the caller's graph
-        for m in (models, plain):
-            m[0].body[0].bias.register_hook(lambda g: g * 1)
+    if route == "ParallelSum":
+        monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
     if reentrant and route == "ParallelSum":
         pytest.skip("reentrant checkpointing refuses torch.autograd.grad, which ParallelSum uses")
     x = torch.randn(256, 16, requires_grad=reentrant)  # reentrant: an input that needs a grad

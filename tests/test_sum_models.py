@@ -1326,10 +1326,10 @@ def test_backward_hooks_that_change_gradients(n_jobs):
 
 @pytest.mark.parametrize("n_jobs", [1, 2, None])
 @pytest.mark.parametrize("path", ["caller's graph", "ParallelSum"])
-def test_the_sum_changed_in_place_before_its_backward(path, n_jobs):
+def test_the_sum_changed_in_place_before_its_backward(path, n_jobs, monkeypatch):
     models = zoo()
-    if path == "ParallelSum":  # a tensor hook takes the call there
-        models[0][0].weight.register_hook(lambda g: g)
+    if path == "ParallelSum":
+        monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
     ref = clone_models(models)
     x = torch.randn(4, IN, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
