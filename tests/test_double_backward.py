@@ -679,8 +679,25 @@ def check_derivatives(seed: int) -> int:
     # NOTE [ Stacked groups in the caller's graph ] in parsum._inline (drawn last again)
     if rng.random() < 0.35 and "tree" not in kinds:  # (a tree's output is not a tensor)
         models, kinds, weights = _with_copies(rng, models, kinds, weights)
+    # NOTE [ Tensor hooks in the caller's graph ] in parsum._inline (drawn last again): a
+    # hook halving the gradient of a parameter or two, on every copy of the models
+    hooked = []
+    if rng.random() < 0.3:
+        for _ in range(rng.choice([1, 2])):
+            i = rng.randrange(len(models))
+            n = len(list(models[i].parameters()))
+            if n:
+                hooked.append((i, rng.randrange(n)))
+
+    def with_hooks(ms):
+        for i, k in hooked:
+            p = list(ms[i].parameters())[k]
+            if p.requires_grad:
+                p.register_hook(lambda g: g * 0.5)
+        return ms
+
     x = torch.randn(5, IN, dtype=torch.float64)
-    ref = clone_models(models)
+    ref = with_hooks(clone_models(models))
     torch.manual_seed(seed)  # the same dropout masks: parsum draws in model order
     try:
         want = _play(scenario, lambda m, t, w: plain_sum(m, t, weights=w), ref, x, weights)
@@ -700,7 +717,7 @@ def check_derivatives(seed: int) -> int:
     runs = []
     refused = 0
     for n_jobs in (1, 2):
-        mine = clone_models(models)
+        mine = with_hooks(clone_models(models))
 
         def call(m, t, w, n_jobs=n_jobs):
             return parsum.sum_models(m, t, weights=w, n_jobs=n_jobs, engine=engine)
