@@ -2517,3 +2517,30 @@ def test_a_call_interrupted_anywhere_leaves_the_next_ones_right(ctrl_c_lands):
         ending.append(True)
         sender.join(timeout=10)
     assert interrupted >= 10  # calls were interrupted somewhere
+
+
+def test_concurrent_callers_through_hooked_parameters_get_the_bits_of_each_alone(cores):
+    # NOTE [ Tensor hooks in the caller's graph ] in parsum._inline: each call reads a hooked
+    # parameter through views of its own, in shadows or programs of its own; the hooks run
+    # once a call, on that call's gradient.
+    cores(2)
+    torch.manual_seed(0)
+    models = [*zoo(seed=6), *(mlp([5 + i]) for i in range(4))]
+    calls: list[int] = []
+    for k, m in enumerate(models):
+        next(m.parameters()).register_hook(lambda g, k=k: calls.append(k) or g * 0.5)
+    params = [p for m in models for p in m.parameters()]
+    xs = [torch.randn(4 + t, IN) for t in range(4)]
+
+    def grads(t):
+        y = parsum.sum_models(models, xs[t], n_jobs=1 + t % 2)
+        return torch.autograd.grad(y.pow(2).sum(), params)
+
+    alone = [grads(t) for t in range(4)]
+    assert sorted(calls) == sorted(list(range(len(models))) * 4)
+    for _ in range(3):
+        calls.clear()
+        together = _together(grads, 4)
+        assert sorted(calls) == sorted(list(range(len(models))) * 4)
+        for t in range(4):
+            assert all(map(torch.equal, together[t], alone[t]))
