@@ -1813,14 +1813,17 @@ def _run_slice(program: list[Step], values: dict[str, Tensor], x: Tensor) -> Ten
     return h.transpose(1, 2).view(h.shape[0], *rows, h.shape[1])
 
 
-def stacked_tensors(params: Sequence[ModelParams]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def stacked_tensors(
+    params: Sequence[ModelParams], read: Sequence[Sequence[Tensor]] | None = None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Identical models' tensors stacked along dim 0, by name: the trainable ones (recorded
-    in the graph where grad mode is on) and the others (never)."""
+    in the graph where grad mode is on; each model's as ``read`` gives them, where given) and
+    the others (never)."""
     first = params[0]
+    tensors = [mp.tensors for mp in params] if read is None else read
     with _versioned_tensors():  # for ``forward_on_copies`` to check
         trainable = {
-            name: torch.stack([mp.tensors[t] for mp in params])
-            for t, name in enumerate(first.names)
+            name: torch.stack([mine[t] for mine in tensors]) for t, name in enumerate(first.names)
         }
         with torch.no_grad():
             state = {
@@ -2380,6 +2383,7 @@ def stacked_in_graph(
     one_by_one: Callable[[], list[Any]],
     fall_back: bool,
     check_leaves: tuple[Iterable[Tensor], CallArgs] | None = None,
+    read: Sequence[Sequence[Tensor]] | None = None,
 ) -> UnitRun:
     """Identical models run as one batched forward in the caller's graph (NOTE [ Stacked groups
     in the caller's graph ] in _inline): each parameter name's tensors stacked with their
@@ -2388,11 +2392,13 @@ def stacked_in_graph(
     with ``fall_back`` where vmap cannot run the models, the outputs ``one_by_one`` gives
     instead (where vmap cannot, later plans no longer stack them: ``unit_forward``'s fallback).
     ``check_leaves``: the aliases the models read and the call, to refuse tensors the models
-    do not own (NOTE [ Tensors a module does not own ])."""
+    do not own (NOTE [ Tensors a module does not own ]). ``read``: each model's parameters as
+    the group reads them (views of hooked ones: NOTE [ Tensor hooks in the caller's graph ] in
+    _inline)."""
     model = models[0]
     assert isinstance(model, nn.Module)
     try:
-        trainable, leaves, spec = batched_in_graph(model, params, args, kwargs)
+        trainable, leaves, spec = batched_in_graph(model, params, args, kwargs, read)
     except AutocastUnderVmap:  # this call only, whatever the engine asked
         return UnitRun(one_by_one(), None)
     except Exception:
@@ -2415,11 +2421,13 @@ def batched_in_graph(
     params: Sequence[ModelParams],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    read: Sequence[Sequence[Tensor]] | None = None,
 ) -> tuple[dict[str, Tensor], list[Tensor], pytree.TreeSpec]:
-    """Identical models' batched forward in the caller's graph: their trainable tensors stacked
-    by name with their graph (each stacked gradient handed on through ``_own_rows``), and the
-    output's leaves (the models along dim 0) and structure."""
-    trainable, state = stacked_tensors(params)
+    """Identical models' batched forward in the caller's graph: their trainable tensors (as
+    ``read`` gives them, where given) stacked by name with their graph (each stacked gradient
+    handed on through ``_own_rows``), and the output's leaves (the models along dim 0) and
+    structure."""
+    trainable, state = stacked_tensors(params, read)
     for stacked in trainable.values():
         if stacked.grad_fn is not None:
             own_rows_in_backward(stacked)

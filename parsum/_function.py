@@ -523,6 +523,9 @@ def run_forward(
                 aliases[i] = [call.leaves[j].detach().requires_grad_() for j in positions]
             mine = dict(zip(positions, aliases[group[0]]))
             args, kwargs = call.build(model_arguments(mine))
+        read = None
+        if views is not None:  # NOTE [ Tensor hooks in the caller's graph ] in _inline
+            read = [hooked_views(i) for i in group]
         return stacked_in_graph(
             [models[i] for i in group],
             [plan.model_params[i] for i in group],
@@ -531,7 +534,20 @@ def run_forward(
             lambda: [in_graph(i) for i in group],
             plan.engine == "auto",
             (mine.values(), call) if check_leaves else None,
+            read,
         )
+
+    def hooked_views(i: int) -> list[Tensor]:
+        """Model i's parameters, a view of each hooked one in its place (put in ``views``)."""
+        assert views is not None
+        params = plan.params
+        read = []
+        for s in plan.param_slots[i]:
+            p = params[s]
+            if s in views:
+                p = views[s] = p.view_as(p)
+            read.append(p)
+        return read
 
     def forward_chunk(k: int) -> ChunkSum:
         summed: list[ChunkSum] = []

@@ -163,9 +163,10 @@
 # does: NOTE [ Hooks run once ] in _engines; ``run_through_views``), the pullbacks, of every
 # order, differentiate with respect to the view (``_State.wrt_params``), and the node returns
 # the gradient, which autograd hands to the hook once (the pullback never accumulates: a
-# None returned would reach the hook too). Only where each such parameter is used by one
-# model that runs alone (not stacked, not shared), and no compensated FlatGrad, whose slots
-# the node writes itself (``hooks_fit``); the others stay in ParallelSum. Until 2026-12-05
+# None returned would reach the hook too); a stacked group stacks the views of its models'
+# hooked parameters in their place. Only where each such parameter is used by one model, and
+# no compensated FlatGrad, whose slots the node writes itself (``hooks_fit``); the others
+# stay in ParallelSum. Until 2026-12-05
 # every call with a hooked parameter ran through ParallelSum, where a second backward raised,
 # and on 2 cores 16 MLPs of widths 128-512 with a mask hook on each weight ran at 0.68x the
 # plain loop with the same hooks (1.17x without hooks), 64 tiny MLP classes at 0.54x (1.01x).
@@ -308,13 +309,10 @@ def fits_callers_graph(plan: SumPlan) -> bool:
 
 def hooks_fit(plan: SumPlan) -> bool:
     """Whether each parameter with a tensor hook can be read through a view of its own in the
-    caller's graph: used by one model, run alone, without a compensated FlatGrad, whose slots
-    the node writes itself (NOTE [ Tensor hooks in the caller's graph ])."""
-    hooked = set(plan.walk.hooked_slots())
-    if any(plan.shared[s] for s in hooked) or has_compensated_flat_grads(plan.params):
-        return False
-    grouped = (i for unit in plan.units if len(unit.models) > 1 for i in unit.models)
-    return not any(s in hooked for i in grouped for s in plan.param_slots[i])
+    caller's graph: used by one model, without a compensated FlatGrad, whose slots the node
+    writes itself (NOTE [ Tensor hooks in the caller's graph ])."""
+    hooked = plan.walk.hooked_slots()
+    return not any(plan.shared[s] for s in hooked) and not has_compensated_flat_grads(plan.params)
 
 
 # NOTE [ Pullbacks in runs of chunks ]: the runs of each thread that pulls back, each of

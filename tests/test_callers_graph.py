@@ -1553,16 +1553,37 @@ def test_derivatives_of_higher_order_through_hooked_parameters(n_jobs):
     )
 
 
-def test_a_hooked_parameter_stacked_or_shared_stays_in_parallel_sum():
-    # Read through a view of its own only where one model uses it, run alone.
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_hooked_parameter_in_a_stacked_group_is_stacked_as_a_view(n_jobs):
+    # A group beside other models stacks the view its model reads a hooked parameter through:
+    # the hook once, on that model's whole gradient; a penalty through it as the plain loop's.
+    torch.manual_seed(0)
+    base = [*(mlp([6]).double() for _ in range(6)), mlp([4]).double(), mlp([5]).double()]
+    x = torch.randn(3, IN, dtype=torch.float64)
+    results = []
+    for ours in (False, True):
+        calls: list[int] = []
+        models = clone_models(base)
+        _masked([models[2], models[6]], calls)
+        xx = x.clone().requires_grad_()
+        if ours:
+            y = parsum.sum_models(models, xx, n_jobs=n_jobs, engine="stacked")
+            assert in_callers_graph(y)
+        else:
+            y = plain_sum(models, xx)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), xx, create_graph=True)
+        (y.pow(2).sum() + g.pow(2).sum()).backward()
+        results.append(([p.grad for m in models for p in m.parameters()], sorted(calls)))
+    (want, want_calls), (got, got_calls) = results
+    assert got_calls == want_calls
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_hooked_parameter_two_models_use_stays_in_parallel_sum():
+    # Read through a view of its own only where one model uses it.
     x = torch.randn(3, IN)
     calls: list[int] = []
-    alike = [*_masked([mlp([6])], calls), *(mlp([6]) for _ in range(7))]
-    y = parsum.sum_models(alike, x, engine="stacked")
-    assert not in_callers_graph(y)
-    y.sum().backward()
-    assert calls == [0]
-    calls.clear()
     models = [*_masked([mlp([6])], calls), mlp([7])]
     y = parsum.sum_models([*models, models[0]], x)
     assert not in_callers_graph(y)
