@@ -485,17 +485,12 @@ def run_forward(
             aliases[i] = list(mine.values())  # type: ignore[index]
             read = model_arguments(mine)
             args, kwargs = call.build(read)
-        hooked = None
-        if views is not None:  # NOTE [ Tensor hooks in the caller's graph ] in _inline
-            hooked = [s for s in plan.param_slots[i] if s in views]
+        # NOTE [ Tensor hooks in the caller's graph ] in _inline
+        hooked = views_of_hooked(i) if views is not None else None
         program = programs[i] if programs is not None else None
         if hooked:
-            assert views is not None
-            params = plan.params
-            read_as = {id(params[s]): params[s].view_as(params[s]) for s in hooked}
+            read_as = {id(plan.params[s]): view for s, view in hooked.items()}
             out = run_through_views(models[i], read_as, args, kwargs, program)
-            for s in hooked:
-                views[s] = read_as[id(params[s])]
         elif program is not None:
             return run_direct(program, args[0])
         else:
@@ -525,7 +520,11 @@ def run_forward(
             args, kwargs = call.build(model_arguments(mine))
         read = None
         if views is not None:  # NOTE [ Tensor hooks in the caller's graph ] in _inline
-            read = [hooked_views(i) for i in group]
+            params = plan.params
+            read = []
+            for i in group:
+                hooked = views_of_hooked(i)
+                read.append([hooked.get(s, params[s]) for s in plan.param_slots[i]])
         return stacked_in_graph(
             [models[i] for i in group],
             [plan.model_params[i] for i in group],
@@ -537,17 +536,14 @@ def run_forward(
             read,
         )
 
-    def hooked_views(i: int) -> list[Tensor]:
-        """Model i's parameters, a view of each hooked one in its place (put in ``views``)."""
+    def views_of_hooked(i: int) -> dict[int, Tensor]:
+        """A view of each of model i's hooked parameters, by slot, made for this call and put
+        in ``views``."""
         assert views is not None
         params = plan.params
-        read = []
-        for s in plan.param_slots[i]:
-            p = params[s]
-            if s in views:
-                p = views[s] = p.view_as(p)
-            read.append(p)
-        return read
+        made = {s: params[s].view_as(params[s]) for s in plan.param_slots[i] if s in views}
+        views.update(made)
+        return made
 
     def forward_chunk(k: int) -> ChunkSum:
         summed: list[ChunkSum] = []

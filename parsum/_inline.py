@@ -166,10 +166,10 @@
 # None returned would reach the hook too); a stacked group stacks the views of its models'
 # hooked parameters in their place. Only where each such parameter is used by one model, and
 # no compensated FlatGrad, whose slots the node writes itself (``hooks_fit``); the others
-# stay in ParallelSum. Until 2026-12-05
-# every call with a hooked parameter ran through ParallelSum, where a second backward raised,
-# and on 2 cores 16 MLPs of widths 128-512 with a mask hook on each weight ran at 0.68x the
-# plain loop with the same hooks (1.17x without hooks), 64 tiny MLP classes at 0.54x (1.01x).
+# stay in ParallelSum. Until 2026-12-05 every call with a hooked parameter ran through
+# ParallelSum, where a second backward raised, and on 2 cores 16 MLPs of widths 128-512 with a
+# mask hook on each weight ran at 0.68x the plain loop with the same hooks (1.17x without
+# hooks), 64 tiny MLP classes at 0.54x (1.01x).
 #
 # NOTE [ Gradients not wanted ]
 # Under ``torch.autograd.grad`` or ``backward(inputs=...)`` the running backward may want the
@@ -387,7 +387,6 @@ class _State:
         # parameter with a tensor hook was read through, else itself (NOTE [ Tensor hooks in
         # the caller's graph ]).
         self.wrt_params: list[Tensor] = plan.params
-        self.hooked = False
 
 
 def sum_in_callers_graph(
@@ -429,7 +428,6 @@ def sum_in_callers_graph(
     if views:
         read_as = [views.get(s) for s in range(len(plan.params))]
         state.wrt_params = [p if v is None else v for p, v in zip(plan.params, read_as)]
-        state.hooked = True
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     if plan.args_made_to_need_grad:  # NOTE [ Arguments made to need a gradient ] in _function
@@ -620,7 +618,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         and not ctx.create_graph
         and runs_all
         and not shared_any
-        and not state.hooked
+        and wrt_params is params
     )
     # Accumulated into, a flipped argument's .grad must be None for a failure to undo it.
     accumulate = accumulate and all(f.grad is None for f in flipped)
