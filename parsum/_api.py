@@ -65,6 +65,7 @@ from ._grouping import (
 )
 from ._inline import fits_callers_graph, sum_in_callers_graph
 from ._pace import Pace
+from ._plain_graph import plain_graph_pays, sum_in_plain_graph
 from ._plans import (
     Derived,
     Walk,
@@ -313,6 +314,9 @@ def _general_sum(
     # The GIL's state too: a free-threaded build enables it when a module that needs it is
     # imported (NOTE [ Threads without the GIL ] in _grouping).
     gil = _config.gil_enabled()
+    # Whether a gradient of the arguments or the weights is wanted (NOTE [ Known layers on
+    # one thread ] in _plain_graph)
+    differentiable_args = weight_tensor is not None or any(t.requires_grad for t in tensors)
     key = (
         engine,
         batch,
@@ -323,6 +327,7 @@ def _general_sum(
         stepping,
         gil,
         vmap_failure_count(),
+        differentiable_args,
     )
     derived = walk.derived.get(key)
     if derived is None:
@@ -341,7 +346,11 @@ def _general_sum(
         if (
             chosen
             and chunk_size is None
-            and (on_device or intra_op_only(found, batch, budget, units, chunks, order, stepping))
+            and (
+                on_device
+                or intra_op_only(found, batch, budget, units, chunks, order, stepping)
+                or plain_graph_pays(walk, found, batch, budget, differentiable_args, stepping)
+            )
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None
         elif stepping and chunk_size is None:
@@ -450,6 +459,10 @@ def _general_sum(
         else:
             return out
     if build_graph and fits_callers_graph(plan):
+        # NOTE [ Known layers in a plain graph ] in _plain_graph
+        summed = sum_in_plain_graph(plan, call, weight_list)
+        if summed is not None:
+            return summed
         # NOTE [ The caller's graph ]
         leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:

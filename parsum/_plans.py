@@ -193,6 +193,9 @@ class Walk:
         # Each model's direct program (NOTE [ Direct programs ] in _engines), made when the
         # walk is kept: [] for a walk made for one call.
         self.programs: list[DirectProgram | None] = []
+        # Whether every program is of known layers (NOTE [ Known layers in a plain graph ] in
+        # _plain_graph): found on the first call that asks.
+        self.known_layers: bool | None = None
         self._hookless_at: int | None = None  # the handle count of the last hookless_params
         # The handle count and the slots of ``hooked_slots``'s last answer.
         self._hooked: tuple[int | None, list[int]] = (None, [])

@@ -28,6 +28,7 @@ from tests.zoo import (
     param_grads,
     plain_sum,
     tiny_mlps,
+    without_plain_graphs,
     zoo,
 )
 
@@ -679,6 +680,7 @@ def test_several_threads_pull_back_on_several_threads(cores):
 
 
 def test_pullbacks_on_several_threads_run_a_few_chunks_an_engine_call(cores, monkeypatch, gil):
+    without_plain_graphs(monkeypatch)
     cores(2)
     # MAX_CHUNKS chunks, the runs' to group (2 a thread would cut 4: NOTE [ Chunks a thread ])
     monkeypatch.setattr(_grouping, "CHUNKS_PER_THREAD", _grouping.MAX_CHUNKS)

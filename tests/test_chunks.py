@@ -13,7 +13,7 @@ import parsum
 from parsum import _grouping, _pool
 from parsum._engines import ModelParams, Unit
 from parsum._grouping import MAX_CHUNKS, Batch, cost_chunks, estimated_cost
-from tests.zoo import IN, OUT, learned, mlp, param_grads, tiny_mlps
+from tests.zoo import IN, OUT, learned, mlp, param_grads, tiny_mlps, without_plain_graphs
 
 
 def units_of(n):
@@ -148,9 +148,12 @@ def jobs_run(monkeypatch):
 
 
 @pytest.mark.parametrize("n_cores", [1, 2, 4, 16])
-def test_the_default_spends_a_small_budget_on_intra_op_threads(cores, n_cores, jobs_run):
+def test_the_default_spends_a_small_budget_on_intra_op_threads(
+    cores, n_cores, jobs_run, monkeypatch
+):
     # NOTE [ Threads that pay ]: up to 2 threads, engine "auto" with n_jobs unset runs one
     # chunk with the whole budget as intra-op threads; a larger budget goes to workers.
+    without_plain_graphs(monkeypatch)
     cores(n_cores)
     x = torch.randn(16, IN)  # a kernel share below WORKERS_MIN_KERNEL_SHARE
     models = learned([mlp([256 + i, 256]) for i in range(8)], x)  # of their own: none stacked
@@ -204,6 +207,7 @@ def test_a_budget_of_2_goes_to_workers_from_a_kernel_share(
     # NOTE [ Threads that pay ]: kernels large enough to overlap the other thread's Python, and
     # no OpenMP team of the caller's spinning on the helper's core: ended before the job
     # (NOTE [ The caller's OpenMP team ]), or none made, the optimizer stepping in the backward.
+    without_plain_graphs(monkeypatch)
     cores(2)
     monkeypatch.setattr(_pool, "releases_callers_team", lambda: releases)
     x = torch.randn(batch, IN)
@@ -799,8 +803,9 @@ def test_small_pullback_workers_grow_with_the_models_up_to_a_cap():
 
 @pytest.mark.parametrize("n_models", [4, 32])
 def test_small_models_pull_back_on_workers_their_forwards_in_the_caller(
-    cores, workers_by_job, n_models, gil
+    cores, workers_by_job, n_models, gil, monkeypatch
 ):
+    without_plain_graphs(monkeypatch)
     # NOTE [ Pullbacks of small models ]: the forwards of models too small for workers stay in
     # the calling thread; their pullbacks, GIL-free in the engine, take workers where there is
     # work enough for them.
@@ -817,8 +822,9 @@ def test_small_models_pull_back_on_workers_their_forwards_in_the_caller(
 
 @pytest.mark.parametrize("argument", [False, True])
 def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
-    cores, workers_by_job, argument, gil
+    cores, workers_by_job, argument, gil, monkeypatch
 ):
+    without_plain_graphs(monkeypatch)
     cores(2)
     models, x = tiny_ensemble(32)
     bits = _step_bits(models, x, argument)

@@ -224,6 +224,7 @@ def workers_chosen(cores, monkeypatch):
     monkeypatch.setattr(_api, "useful_workers", lambda *a: 2)
     monkeypatch.setattr(_api, "useful_forward_workers", lambda found, batch, workers: workers)
     monkeypatch.setattr(_api, "intra_op_only", lambda *a: False)
+    monkeypatch.setattr(_api, "plain_graph_pays", lambda *a: False)
 
 
 def test_a_call_on_the_calling_thread_alone_gives_the_bits_of_one_on_the_workers(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -198,8 +199,40 @@ def learned(models, *args, **kwargs):
     return models
 
 
+def without_plain_graphs(monkeypatch) -> None:
+    """This test's calls take the general paths, with their choice of threads, as models
+    other than Sequentials of known layers do (NOTE [ Known layers in a plain graph ] and NOTE
+    [ Known layers on one thread ] in parsum._plain_graph)."""
+    monkeypatch.setattr(parsum._api, "sum_in_plain_graph", lambda *a: None)
+    monkeypatch.setattr(parsum._api, "plain_graph_pays", lambda *a: False)
+
+
 def through_parallel_sum(monkeypatch) -> None:
     """This test's later calls go through ParallelSum instead of the caller's graph, as a
     tensor hook on a parameter took them until 2026-12-05 (NOTE [ Tensor hooks in the
     caller's graph ] in parsum._inline)."""
     monkeypatch.setattr(parsum._api, "fits_callers_graph", lambda *a: False)
+
+
+# The results ``sum_models`` summed as plain graphs of known layers (NOTE [ Known layers in a
+# plain graph ] in parsum._plain_graph), by id, held weakly: what ``plain_graph`` reads.
+_PLAIN_RESULTS: dict[int, weakref.ref] = {}
+_sum_in_plain_graph = parsum._api.sum_in_plain_graph
+
+
+def _recording_sum_in_plain_graph(*args, **kwargs):
+    out = _sum_in_plain_graph(*args, **kwargs)
+    if out is not None:
+        if len(_PLAIN_RESULTS) > 10_000:
+            _PLAIN_RESULTS.clear()
+        _PLAIN_RESULTS[id(out)] = weakref.ref(out)
+    return out
+
+
+parsum._api.sum_in_plain_graph = _recording_sum_in_plain_graph
+
+
+def plain_graph(y: torch.Tensor) -> bool:
+    """Whether ``sum_models`` returned ``y`` summed as a plain graph of known layers."""
+    ref = _PLAIN_RESULTS.get(id(y))
+    return ref is not None and ref() is y

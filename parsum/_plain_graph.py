@@ -1,0 +1,186 @@
+"""Models of known layers summed in the caller's graph with no node of parsum's.
+
+# NOTE [ Known layers in a plain graph ]
+# In the caller's graph (NOTE [ The caller's graph ] in _inline) one ``CallerGraphSum`` node
+# stands for the sum: the models' graphs hang off the parameters, and the node's backward pulls
+# them back in an engine call of its own, so that a model whose backward fails is named and no
+# ``.grad`` is left changed. That costs, for every parameter, an edge from the node that the
+# running engine walks to the parameter's AccumulateGrad with nothing to accumulate (1.8 us
+# each: 0.7 ms of a 9 ms step for 64 tiny MLPs of 382 parameters), and for every model its
+# output's edge, a detached copy and the node's Python. Models made only of layers whose
+# backward cannot fail (Sequentials of ``nn.Linear`` and the elementwise activations of
+# ``_engines.ELEMENTWISE``, dropout aside, run as their direct programs, NOTE [ Direct
+# programs ] in _engines) need none of it where the call runs on one thread: their outputs, and
+# each stacked group's batched output, are joined along a new first dimension in the order the
+# general path adds its terms (chunk by chunk, unit by unit, a group's models in its order),
+# weighted and summed with one wide reduction, as ``ChunkPartials`` adds terms at once (NOTE
+# [ One reduction for small outputs ] in _summation), all of it differentiable: the caller's
+# own backward then runs the models' nodes as it runs the plain loop's. The same operations on
+# the same values give the same bits as the general path's (whose node returns ``g * w`` to
+# each model, as the product's backward here does), at the intra-op threads the general path
+# would run every chunk with; only where those are the caller's own (one chunk, or a budget of
+# one). A failure in forward (a bad input, outputs that differ) runs the call the general way,
+# which names the model; these layers change nothing when they run, the input excepted, which
+# a first layer in place would change (such models go the general way).
+# What is left to the general path: arguments or a weight tensor that need a gradient (their
+# gradients are sums over the models, compensated and ordered), parameters two models share,
+# tensor hooks, FlatGrad slots, random layers, outputs other than float32 or too large to sum
+# at once, other devices, autocast, and calls on several threads.
+#
+# NOTE [ Known layers on one thread ]
+# With n_jobs left unset, models of known layers whose kernels weigh less than
+# PLAIN_GRAPH_MAX_KERNEL_SHARE times their Python (``_grouping.one_thread_pays``) run in one
+# chunk in the calling thread on a budget of 2, as a plain graph, rather than on workers (their
+# forwards too, or their pullbacks alone: NOTE [ Pullbacks of small models ] in _grouping): the
+# workers paid for the caller's-graph node, its engine calls and per-model Python, which the
+# plain graph does not have. Measured on 2 cores (interleaved in one process, against the code
+# before: benchmarks/results/known-layers-plain-graph-2cores-fifty-ninth.txt): 16 heads of
+# widths 32-80 at batch 64-1024 (C / O 0.2-2.0) 1.12-1.50x faster, 64 tiny Sequentials 1.19x,
+# 16 MLPs of widths 128-512 at batch 16 1.12x. Between C / O 1 and 2 the choice depends on what
+# follows the call: with an Adam step after each (a training step), one chunk ran those 16 MLPs
+# at batch 32 and 48 1.05x and 1.02x faster than the workers, and the main example's 12 members
+# (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
+# training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
+# Not where an argument or a weight tensor needs a gradient, the optimizer steps in the
+# backward, or models share parameters (the general path would run the one chunk); larger
+# budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import _pool
+from ._engines import (
+    ELEMENTWISE,
+    LEAF_SPEC,
+    CallArgs,
+    ModelParams,
+    batched_in_graph,
+    direct_calls_allowed,
+    run_direct,
+)
+from ._function import SumPlan
+from ._grouping import Batch, one_thread_pays
+from ._plans import Walk
+from ._summation import PARTIALS_BYTES, weigh_models
+
+# Elementwise layers of a known layer program (random ones aside: NOTE [ Random numbers in
+# forwards ] in _random).
+_QUIET_ELEMENTWISE = frozenset(kind for kind in ELEMENTWISE if kind is not nn.Dropout)
+
+
+def sum_in_plain_graph(
+    plan: SumPlan, call: CallArgs, weights: Sequence[float] | None
+) -> Tensor | None:
+    """The weighted sum of the models run in the caller's graph as plain autograd operations
+    (NOTE [ Known layers in a plain graph ]); None where the call does not fit, or a forward
+    failed (the general path then runs it, and names the model)."""
+    if not _fits(plan, call, weights):
+        return None
+    x = call.leaves[0]
+    programs = plan.walk.programs
+    models, units = plan.models, plan.units
+    pieces: list[Tensor] = []
+    order: list[int] = []
+    try:
+        for chunk in plan.chunks:
+            for u in chunk:
+                members = units[u].models
+                if len(members) == 1:
+                    program = programs[members[0]]
+                    assert program is not None
+                    piece = run_direct(program, x).unsqueeze(0)
+                else:
+                    first = models[members[0]]
+                    assert isinstance(first, nn.Module)  # a direct program's model
+                    group = [plan.model_params[i] for i in members]
+                    _, leaves, spec = batched_in_graph(first, group, (x,), {})
+                    if spec != LEAF_SPEC:
+                        return None
+                    piece = leaves[0]
+                if piece.dtype != torch.float32 or piece.layout != torch.strided:
+                    return None
+                if pieces and piece.shape[1:] != pieces[0].shape[1:]:
+                    return None
+                pieces.append(piece)
+                order.extend(members)
+    except Exception:
+        return None
+    terms = torch.cat(pieces)
+    if len(order) * terms[0].numel() * 8 > PARTIALS_BYTES:  # summed chunk by chunk there
+        return None
+    if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
+        column = [weights[i] for i in order]
+        one = len(set(column)) == 1 and column[0] != 0.0
+        terms = terms * column[0] if one else weigh_models(terms, column)
+    return terms.sum(0, dtype=torch.float64).to(torch.float32)
+
+
+def plain_graph_pays(
+    walk: Walk,
+    model_params: Sequence[ModelParams],
+    batch: Batch,
+    budget: int,
+    differentiable_args: bool,
+    stepping: bool,
+) -> bool:
+    """Whether ``auto`` runs the models in one chunk in the calling thread as a plain graph
+    rather than their pullbacks on workers (NOTE [ Known layers on one thread ]), a choice made
+    once a plan: the models' layers and sizes, whether an argument or a weight tensor is
+    differentiated, whether the optimizer steps in the backward."""
+    if stepping or differentiable_args or budget != torch.get_num_threads() or any(walk.shared):
+        return False
+    if walk.known_layers is None:  # found once: a walk's programs do not change
+        walk.known_layers = bool(walk.programs) and known_layers(walk.programs)
+    return (
+        walk.known_layers and len(model_params) > 1 and one_thread_pays(model_params, batch, budget)
+    )
+
+
+def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> bool:
+    """Whether the call can run as plain autograd operations (NOTE [ Known layers in a plain
+    graph ]), the caller's-graph conditions (``fits_callers_graph``) holding already."""
+    walk = plan.walk
+    if walk.known_layers is None:  # found once: a walk's programs do not change
+        walk.known_layers = bool(walk.programs) and known_layers(walk.programs)
+    if not walk.known_layers or len(plan.models) < 2:
+        return False
+    if not direct_calls_allowed(call):  # one tensor argument, no global module hook
+        return False
+    x = call.leaves[0]
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not x.requires_grad
+        and not plan.has_weight_tensor
+        and (weights is None or all(type(w) is float for w in weights))
+        and walk.params_are_leaves
+        and not any(plan.shared)
+        and walk.no_user_tensor_hooks()
+        and not walk.slots_in_flat_grads.any_slot()
+        and not torch.is_autocast_enabled("cpu")
+        and not _pool.in_a_task()
+        and _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
+        and _pool.intra_op_threads(len(plan.chunks)) == torch.get_num_threads()
+    )
+
+
+def known_layers(programs: Sequence[object]) -> bool:
+    """Whether every model runs as a direct program of Linear layers and quiet elementwise
+    ones, none of which writes into its input first (NOTE [ Known layers in a plain graph ])."""
+    for program in programs:
+        if program is None:
+            return False
+        for k, step in enumerate(program.steps):  # type: ignore[attr-defined]
+            if isinstance(step, tuple):
+                continue
+            module = step()
+            if type(module) not in _QUIET_ELEMENTWISE:
+                return False
+            if k == 0 and getattr(module, "inplace", False):
+                return False
+    return True

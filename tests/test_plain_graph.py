@@ -1,0 +1,287 @@
+"""Models of known layers summed as a plain graph (NOTE [ Known layers in a plain graph ] in
+parsum._plain_graph): the bits of the general paths, the plain loop's gradients, the general
+path wherever the conditions fail, failures named."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import parsum
+from parsum import _api
+from tests.zoo import (
+    IN,
+    OUT,
+    clone_models,
+    param_grads,
+    plain_graph,
+    plain_sum,
+    through_parallel_sum,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def heads(seed: int = 0) -> list[nn.Module]:
+    """Sequentials of Linear layers and activations: repeated architectures (stacked groups,
+    interleaved with each other) and models of their own."""
+    torch.manual_seed(seed)
+    models: list[nn.Module] = []
+    for i in range(14):
+        width = (5, 7, 9)[i % 3] if i < 12 else 11 + i
+        act = (nn.Tanh, nn.ReLU, nn.GELU)[i % 3]
+        models.append(nn.Sequential(nn.Linear(IN, width), act(), nn.Linear(width, OUT)))
+    models.append(nn.Linear(IN, OUT))
+    return models
+
+
+def node_name(y: torch.Tensor) -> str:
+    return type(y.grad_fn).__name__
+
+
+WEIGHTS = {
+    "none": None,
+    "mean": [1 / 15] * 15,
+    "distinct": [0.5 + 0.25 * i for i in range(15)],
+    "a zero": [0.0] + [1.5] * 14,
+}
+
+
+def grads_of(models, x, weights, how, n_jobs, preset):
+    """The sum and the parameters' gradients of a squared loss, as ``how`` takes them."""
+    if preset:
+        for p in (p for m in models for p in m.parameters()):
+            p.grad = torch.full_like(p, 0.25)
+    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs)
+    loss = y.pow(2).sum()
+    params = [p for m in models for p in m.parameters()]
+    if how == "backward":
+        loss.backward()
+        return y, plain_graph(y), param_grads(models)
+    if how == "inputs":
+        loss.backward(inputs=params[::2])
+        return y, plain_graph(y), param_grads(models)
+    return y, plain_graph(y), list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize("preset", [False, True])
+@pytest.mark.parametrize("how", ["backward", "inputs", "autograd.grad"])
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_the_bits_of_the_general_paths(weights, how, preset, cores, monkeypatch):
+    cores(1)  # one thread: the calling thread's intra-op count is every chunk's
+    x = torch.randn(10, IN)
+    w = WEIGHTS[weights]
+    base = heads()
+    runs = []
+    for n_jobs in (None, 1):
+        runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
+    monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
+    runs.append(grads_of(clone_models(base), x, w, how, None, preset))
+    through_parallel_sum(monkeypatch)
+    for n_jobs in (1, 2, 3):
+        runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
+    assert [r[1] for r in runs] == [True, True, False, False, False, False]
+    y0, _, g0 = runs[0]
+    for y, _, g in runs[1:]:
+        assert torch.equal(y, y0)
+        assert len(g) == len(g0)
+        for a, b in zip(g, g0):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("weights", ["none", "distinct"])
+def test_the_plain_loop_and_float64(weights, cores):
+    cores(1)
+    models = heads(seed=1)
+    x = torch.randn(12, IN)
+    w = WEIGHTS[weights]
+    y = parsum.sum_models(models, x, weights=w)
+    assert plain_graph(y)
+    y.pow(2).sum().backward()
+    reference = clone_models(models)
+    for p in (p for m in reference for p in m.parameters()):
+        p.grad = None
+    expected = plain_sum(reference, x, weights=w)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(y, expected)
+    for a, b in zip(param_grads(models), param_grads(reference)):
+        torch.testing.assert_close(a, b)
+    exact = plain_sum([m.double() for m in clone_models(models)], x.double(), weights=w)
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_a_penalty_through_the_plain_graph(cores):
+    cores(1)
+    models = heads(seed=2)
+    x = torch.randn(8, IN)
+    params = [p for m in models for p in m.parameters()]
+
+    def penalty(total):
+        grads = torch.autograd.grad(total.pow(2).sum(), params, create_graph=True)
+        return sum(g.pow(2).sum() for g in grads)
+
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y)
+    got = torch.autograd.grad(penalty(y), params)
+    expected = torch.autograd.grad(penalty(plain_sum(models, x)), params)
+    for a, b in zip(got, expected):  # batched matmuls in the stacked groups: other roundings
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_retained_graph_twice(cores):
+    cores(1)
+    models = heads(seed=3)
+    reference = clone_models(models)
+    x = torch.randn(8, IN)
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y)
+    loss = y.pow(2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = plain_sum(reference, x).pow(2).sum()
+    expected.backward(retain_graph=True)
+    expected.backward()
+    for a, b in zip(param_grads(models), param_grads(reference)):
+        torch.testing.assert_close(a, b)
+
+
+def test_failures_named_by_the_general_path(cores):
+    cores(1)
+    models = heads(seed=4)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\)"):
+        parsum.sum_models(models, torch.randn(5, IN + 1)).sum().backward()
+    models[6] = nn.Sequential(nn.Linear(IN, 4), nn.Tanh(), nn.Linear(4, OUT + 1))
+    with pytest.raises(parsum.ParsumError, match=r"model 6 \(Sequential\)"):
+        parsum.sum_models(models, torch.randn(5, IN))
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
+def with_hook(models):
+    models[3][0].weight.register_hook(lambda g: g * 0.5)
+    return models
+
+
+def shared(models):
+    models[4][0] = models[1][0]
+    return models
+
+
+def in_place_first(models):
+    models[0] = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(IN, OUT))
+    return models
+
+
+def dropout(models):
+    models[5] = nn.Sequential(nn.Linear(IN, 4), nn.Dropout(0.5), nn.Linear(4, OUT)).eval()
+    return models
+
+
+def batch_norm(models):
+    models[5] = nn.Sequential(nn.Linear(IN, 4), nn.BatchNorm1d(4), nn.Linear(4, OUT))
+    return models
+
+
+def own_class(models):
+    class Own(nn.Sequential):
+        pass
+
+    models[0] = Own(nn.Linear(IN, OUT))
+    return models
+
+
+CHANGES = {
+    "a hooked parameter": (with_hook, {}),
+    "a shared layer": (shared, {}),
+    "a first layer in place": (in_place_first, {}),
+    "dropout": (dropout, {}),
+    "batch norm": (batch_norm, {}),
+    "a class of the user's": (own_class, {}),
+    "an argument that needs a gradient": (lambda m: m, {"x_grad": True}),
+    "a weight tensor": (lambda m: m, {"weights": torch.full((15,), 0.5)}),
+    "float64": (lambda m: [x.double() for x in m], {"dtype": torch.float64}),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_general_path_where_the_conditions_fail(change, cores):
+    cores(1)
+    edit, options = CHANGES[change]
+    models = edit(heads(seed=5))
+    reference = clone_models(models)
+    if edit is with_hook:  # a copy leaves the tensor hooks behind
+        with_hook(reference)
+    dtype = options.get("dtype", torch.float32)
+    x = torch.randn(9, IN, dtype=dtype, requires_grad=options.get("x_grad", False))
+    weights = options.get("weights")
+    y = parsum.sum_models(models, x, weights=weights)
+    assert not plain_graph(y)
+    y.pow(2).sum().backward()
+    expected = plain_sum(reference, x, weights=weights)
+    torch.testing.assert_close(y, expected)
+    expected.pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(reference)):
+        torch.testing.assert_close(a, b)
+
+
+def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
+    cores(2)
+    small = heads(seed=6)
+    x = torch.randn(16, IN)
+    assert plain_graph(parsum.sum_models(small, x))
+    # Kernels that weigh more than their Python: workers, the general path
+    torch.manual_seed(6)
+    large = [
+        nn.Sequential(nn.Linear(64, w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, 10))
+        for w in (128, 256, 384, 512) * 2
+    ]
+    assert not plain_graph(parsum.sum_models(large, torch.randn(64, 64)))
+    # An explicit n_jobs keeps its chunks, each on its share of the intra-op threads
+    assert not plain_graph(parsum.sum_models(small, x, n_jobs=1))
+
+
+def test_concurrent_callers(cores):
+    cores(1)
+    models = heads(seed=7)
+    xs = [torch.randn(6, IN) for _ in range(4)]
+    params = [p for m in models for p in m.parameters()]
+    alone = []
+    for x in xs:
+        y = parsum.sum_models(models, x)
+        alone.append((y, torch.autograd.grad(y.pow(2).sum(), params)))
+    got: list = [None] * len(xs)
+    errors: list[BaseException] = []
+
+    def call(k: int) -> None:
+        try:
+            torch.set_num_threads(1)
+            for _ in range(20):
+                y = parsum.sum_models(models, xs[k])
+                got[k] = (y, torch.autograd.grad(y.pow(2).sum(), params))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    for (y, grads), (y0, grads0) in zip(got, alone):
+        assert torch.equal(y, y0)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads0))
+
+
+def test_a_global_module_hook_runs(cores):
+    cores(1)
+    models = heads(seed=8)
+    seen: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(type(module).__name__)
+    )
+    try:
+        y = parsum.sum_models(models, torch.randn(4, IN))
+    finally:
+        handle.remove()
+    assert not plain_graph(y)
+    assert "Linear" in seen
