@@ -62,6 +62,10 @@
 #                                           # n_jobs 1 (bench_against.py --rev none), then
 #                                           # profile_step.py --members of the default on the
 #                                           # medium and tiny classes (~3 min)
+#   bash benchmarks/run_16cores.sh plain    # Sequentials of known layers as one plain graph
+#                                           # against the default's workers on budgets 4-16,
+#                                           # with and without Adam (bench_plain_graph.py),
+#                                           # the main example (~7 min; fifty-ninth session)
 #   bash benchmarks/run_16cores.sh suite    # the whole suite on 16 cores (~4 minutes)
 #   bash benchmarks/run_16cores.sh bisect   # which commit made the medium MLPs' default step
 #                                           # slower on 16 cores (forty-sixth session: 0.89-
@@ -191,6 +195,14 @@ team() {  # team SECONDS: the caller's OpenMP team ended before a job on workers
         --workloads heterogeneous-medium:64,cnn-ensemble) > "$out/team-16cores.txt" 2>&1
 }
 case $mode in
+plain)
+    # Sequentials of known layers as one plain graph against the default's workers, budgets
+    # 2-16, with and without Adam (bench_plain_graph.py; fifty-ninth session: on 2 cores one
+    # chunk is taken below a kernel share of 2, larger budgets unmeasured; ~6 min)
+    (cd benchmarks && timeout 380 python bench_plain_graph.py --budgets 4,8,16 --rounds 12) \
+        > "$out/plain-graph.txt" 2>&1
+    example 60
+    ;;
 bisect)
     # First the control: this checkout against a copy of itself (on 2 cores this read 0.969-
     # 0.992x, forty-eighth session), which the forty-sixth session's this / 6c6f94c includes.
