@@ -39,10 +39,7 @@ def step_of(models: list[torch.nn.Module], x: torch.Tensor, chunk: int | None, a
     def step() -> None:
         for p in params:
             p.grad = None
-        if plain:
-            y = sum(m(x) for m in models)
-        else:
-            y = parsum.sum_models(models, x, chunk_size=chunk)
+        y = sum(m(x) for m in models) if plain else parsum.sum_models(models, x, chunk_size=chunk)
         y.pow(2).mean().backward()
         if opt is not None:
             opt.step()
