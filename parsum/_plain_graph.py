@@ -58,6 +58,7 @@ from ._engines import (
     ELEMENTWISE,
     LEAF_SPEC,
     CallArgs,
+    DirectProgram,
     ModelParams,
     batched_in_graph,
     direct_calls_allowed,
@@ -134,10 +135,10 @@ def plain_graph_pays(
     differentiated, whether the optimizer steps in the backward."""
     if stepping or differentiable_args or budget != torch.get_num_threads() or any(walk.shared):
         return False
-    if walk.known_layers is None:  # found once: a walk's programs do not change
-        walk.known_layers = bool(walk.programs) and known_layers(walk.programs)
     return (
-        walk.known_layers and len(model_params) > 1 and one_thread_pays(model_params, batch, budget)
+        _of_known_layers(walk)
+        and len(model_params) > 1
+        and one_thread_pays(model_params, batch, budget)
     )
 
 
@@ -145,9 +146,7 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
     """Whether the call can run as plain autograd operations (NOTE [ Known layers in a plain
     graph ]), the caller's-graph conditions (``fits_callers_graph``) holding already."""
     walk = plan.walk
-    if walk.known_layers is None:  # found once: a walk's programs do not change
-        walk.known_layers = bool(walk.programs) and known_layers(walk.programs)
-    if not walk.known_layers or len(plan.models) < 2:
+    if not _of_known_layers(walk) or len(plan.models) < 2:
         return False
     if not direct_calls_allowed(call):  # one tensor argument, no global module hook
         return False
@@ -169,13 +168,20 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
     )
 
 
-def known_layers(programs: Sequence[object]) -> bool:
-    """Whether every model runs as a direct program of Linear layers and quiet elementwise
-    ones, none of which writes into its input first (NOTE [ Known layers in a plain graph ])."""
+def _of_known_layers(walk: Walk) -> bool:
+    """Whether every model of the walk runs as a direct program of Linear layers and quiet
+    elementwise ones, none of which writes into its input first (NOTE [ Known layers in a plain
+    graph ]); found once a walk: its programs do not change."""
+    if walk.known_layers is None:
+        walk.known_layers = bool(walk.programs) and _programs_of_known_layers(walk.programs)
+    return walk.known_layers
+
+
+def _programs_of_known_layers(programs: Sequence[DirectProgram | None]) -> bool:
     for program in programs:
         if program is None:
             return False
-        for k, step in enumerate(program.steps):  # type: ignore[attr-defined]
+        for k, step in enumerate(program.steps):
             if isinstance(step, tuple):
                 continue
             module = step()
