@@ -67,7 +67,7 @@ from ._engines import (
 from ._function import SumPlan
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
-from ._summation import PARTIALS_BYTES, weigh_models
+from ._summation import one_weight, sums_at_once, weigh_terms, wide_sum_over_models
 
 # Elementwise layers of a known layer program (random ones aside: NOTE [ Random numbers in
 # forwards ] in _random).
@@ -111,14 +111,13 @@ def sum_in_plain_graph(
                 order.extend(members)
     except Exception:
         return None
-    terms = torch.cat(pieces)
-    if len(order) * terms[0].numel() * 8 > PARTIALS_BYTES:  # summed chunk by chunk there
+    if not sums_at_once(len(order), pieces[0][0]):  # summed chunk by chunk there
         return None
+    terms = torch.cat(pieces)
     if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
         column = [weights[i] for i in order]
-        one = len(set(column)) == 1 and column[0] != 0.0
-        terms = terms * column[0] if one else weigh_models(terms, column)
-    return terms.sum(0, dtype=torch.float64).to(torch.float32)
+        terms = weigh_terms(terms, column, one_weight(column))
+    return wide_sum_over_models(terms).to(torch.float32)
 
 
 def plain_graph_pays(

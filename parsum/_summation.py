@@ -91,6 +91,20 @@ def weighed_terms(xs: Sequence[Tensor], weights: TermWeights) -> Sequence[Tensor
     return [x if w is None else x * w for x, w in zip(xs, weights)]
 
 
+def one_weight(column: Sequence[float]) -> bool:
+    """Whether every weight is one value, the same bits (not 0.0 beside -0.0, which a set
+    holds as one)."""
+    return len(set(column)) == 1 and column[0] != 0.0
+
+
+def weigh_terms(terms: Tensor, column: Sequence[float], one: bool) -> Tensor:
+    """Terms along dim 0, each times its weight: ``terms`` (a fresh tensor, written in place)
+    times the one weight where ``one`` (``one_weight(column)``), else ``weigh_models``; the
+    terms of an ``add_all`` and of a plain graph's sum (NOTE [ Known layers in a plain graph ]
+    in _plain_graph) alike."""
+    return terms.mul_(column[0]) if one else weigh_models(terms, column)
+
+
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the plain sum of tensors of ``dtype``: Python's ``sum`` starts from 0, so
     booleans are counted in int64 (an ensemble's votes), every other dtype is kept."""
@@ -174,7 +188,7 @@ class CompensatedAccumulator:
             column = [1.0 if w is None else w for w in weights]
         elif weights is not None:
             weights = None  # all weighted already (stacked groups)
-        one = column is not None and len(set(column)) == 1 and column[0] != 0.0  # not -0.0 too
+        one = column is not None and one_weight(column)
         wide = WIDE.get(xs[0].dtype) if len(xs) > 1 else None
         if (
             wide is None
@@ -187,7 +201,7 @@ class CompensatedAccumulator:
             return
         stacked = torch.stack(list(xs))
         if column is not None:
-            stacked = stacked.mul_(column[0]) if one else weigh_models(stacked, column)
+            stacked = weigh_terms(stacked, column, one)
         self.add_wide(stacked.sum(0, dtype=wide), xs[0].dtype)
 
     def _two_sum(self, s: Tensor, x: Tensor) -> None:

@@ -14,6 +14,7 @@ from tests.zoo import (
     IN,
     OUT,
     clone_models,
+    mlp,
     param_grads,
     plain_graph,
     plain_sum,
@@ -27,17 +28,12 @@ def heads(seed: int = 0) -> list[nn.Module]:
     """Sequentials of Linear layers and activations: repeated architectures (stacked groups,
     interleaved with each other) and models of their own."""
     torch.manual_seed(seed)
-    models: list[nn.Module] = []
-    for i in range(14):
-        width = (5, 7, 9)[i % 3] if i < 12 else 11 + i
-        act = (nn.Tanh, nn.ReLU, nn.GELU)[i % 3]
-        models.append(nn.Sequential(nn.Linear(IN, width), act(), nn.Linear(width, OUT)))
+    models: list[nn.Module] = [
+        mlp([(5, 7, 9)[i % 3] if i < 12 else 11 + i], (nn.Tanh, nn.ReLU, nn.GELU)[i % 3])
+        for i in range(14)
+    ]
     models.append(nn.Linear(IN, OUT))
     return models
-
-
-def node_name(y: torch.Tensor) -> str:
-    return type(y.grad_fn).__name__
 
 
 WEIGHTS = {
