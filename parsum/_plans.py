@@ -196,6 +196,9 @@ class Walk:
         # Whether every program is of known layers (NOTE [ Known layers in a plain graph ] in
         # _plain_graph): found on the first call that asks.
         self.known_layers: bool | None = None
+        # Their Linear layers' weights, which the plain graph's backward watches (NOTE
+        # [ Tensors written before the backward ] in _plain_graph): found with known_layers.
+        self.linear_weights: list[Tensor] = []
         self._hookless_at: int | None = None  # the handle count of the last hookless_params
         # The handle count and the slots of ``hooked_slots``'s last answer.
         self._hooked: tuple[int | None, list[int]] = (None, [])

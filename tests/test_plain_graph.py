@@ -2,6 +2,7 @@
 parsum._plain_graph): the bits of the general paths, the plain loop's gradients, the general
 path wherever the conditions fail, failures named."""
 
+import re
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from tests.zoo import (
     plain_graph,
     plain_sum,
     through_parallel_sum,
+    without_plain_graphs,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,6 +153,114 @@ def test_failures_named_by_the_general_path(cores):
     with pytest.raises(parsum.ParsumError, match=r"model 6 \(Sequential\)"):
         parsum.sum_models(models, torch.randn(5, IN))
     assert all(p.grad is None for m in models for p in m.parameters())
+
+
+def written_before_backward(models, x, write, general, monkeypatch):
+    """The error and the parameters' gradients of a backward after ``write(models, x)``,
+    through the plain graph or, with ``general``, the general path."""
+    if general:
+        without_plain_graphs(monkeypatch)
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y) is not general
+    with torch.no_grad():
+        write(models, x)
+    try:
+        y.pow(2).sum().backward()
+    except parsum.ParsumError as exc:
+        return str(exc), param_grads(models)
+    finally:
+        monkeypatch.undo()
+    return None, param_grads(models)
+
+
+WRITES = {
+    # Saved by the models' graphs: autograd raises as it reaches them
+    "a later layer's weight": (lambda m, x: m[13][2].weight.mul_(2.0), "model 13"),
+    "the argument": (lambda m, x: x.add_(1.0), "model 0"),
+    # Saved by none (the argument needs no gradient, a bias is never read): no error
+    "a first layer's weight": (lambda m, x: m[13][0].weight.mul_(2.0), None),
+    "a bias": (lambda m, x: m[12][2].bias.add_(1.0), None),
+    # A stacked group saved its stacked copies
+    "a stacked model's weight": (lambda m, x: m[3][2].weight.mul_(2.0), None),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_tensors_written_before_the_backward(write, cores, monkeypatch):
+    # NOTE [ Tensors written before the backward ] in parsum._plain_graph: the model named as
+    # the general path names it, no gradient written; where no graph saved the tensor, the
+    # general path's gradients, bit for bit.
+    cores(1)
+    edit, named = WRITES[write]
+    models = heads(seed=9)
+    x = torch.randn(9, IN)
+    general_models, general_x = clone_models(models), x.clone()
+    error, grads = written_before_backward(models, x, edit, False, monkeypatch)
+    expected, expected_grads = written_before_backward(
+        general_models, general_x, edit, True, monkeypatch
+    )
+    # the same message, the tensors' version counts aside (the copies' histories differ)
+    assert re.sub(r"version \d+", "version", str(error)) == re.sub(
+        r"version \d+", "version", str(expected)
+    )
+    if named is None:
+        assert error is None
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    else:
+        assert error is not None and f"{named} (Sequential)" in error
+        assert "raised RuntimeError in backward" in error
+        assert "modified by an inplace operation" in error
+        assert all(g is None for g in grads)
+
+
+def test_the_check_reads_no_graph_where_nothing_was_written(cores, monkeypatch):
+    cores(1)
+    models = heads(seed=10)
+    read = []
+    unpack = parsum._plain_graph._unpack_saved
+    monkeypatch.setattr(parsum._plain_graph, "_unpack_saved", lambda root: read.append(root))
+    y = parsum.sum_models(models, torch.randn(9, IN))
+    assert plain_graph(y)
+    y.pow(2).sum().backward(retain_graph=True)
+    assert read == []
+    with torch.no_grad():
+        models[13][2].weight.mul_(2.0)
+    monkeypatch.setattr(parsum._plain_graph, "_unpack_saved", unpack)
+    with pytest.raises(parsum.ParsumError, match=r"model 13 \(Sequential\)"):
+        y.pow(2).sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.parametrize("context", ["anomaly detection", "saved-tensor hooks"])
+def test_python_in_the_backward_takes_the_general_path(context, cores):
+    # Python the backward would run in the models' graphs may fail there: the general path
+    # names the model.
+    cores(1)
+    models = heads(seed=11)
+    x = torch.randn(9, IN)
+
+    def fails(t):
+        raise ValueError("unpacked")
+
+    if context == "anomaly detection":
+        manager = torch.autograd.detect_anomaly(check_nan=False)
+    else:
+        manager = torch.autograd.graph.saved_tensors_hooks(lambda t: t, fails)
+    with manager:
+        y = parsum.sum_models(models, x)
+    assert not plain_graph(y)
+    if context == "anomaly detection":
+        y.pow(2).sum().backward()
+        reference = clone_models(models)
+        for m in reference:
+            m.zero_grad(set_to_none=True)
+        plain_sum(reference, x).pow(2).sum().backward()
+        for a, b in zip(param_grads(models), param_grads(reference)):
+            torch.testing.assert_close(a, b)
+    else:
+        with pytest.raises(parsum.ParsumError, match=r"raised ValueError in backward: unpacked"):
+            y.pow(2).sum().backward()
+        assert all(p.grad is None for m in models for p in m.parameters())
 
 
 def with_hook(models):
