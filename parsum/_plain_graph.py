@@ -22,12 +22,30 @@
 # one). A failure in forward (a bad input, outputs that differ) runs the call the general way,
 # which names the model; these layers change nothing when they run, the input excepted, which
 # a first layer in place would change (such models go the general way).
-# What is left to the general path: arguments or a weight tensor that need a gradient (their
-# gradients are sums over the models, compensated and ordered), parameters two models share,
+# What is left to the general path: a weight tensor that needs a gradient, an argument whose
+# gradient is too large to sum at once (NOTE [ An argument that needs a gradient in a plain
+# graph ]), parameters two models share,
 # tensor hooks, FlatGrad slots, random layers, outputs other than float32 or too large to sum
 # at once, other devices, autocast, anomaly detection and saved-tensor hooks (Python that the
 # backward would run in the models' graphs, which may fail there), and calls on several
 # threads.
+#
+# NOTE [ An argument that needs a gradient in a plain graph ]
+# The argument's gradient is a sum over the models, which autograd would add in its own order,
+# uncompensated. So where it needs one, each unit reads it through an alias of its own, an
+# output of one ``_FannedOut`` node, whose backward sums the units' gradients in the order of
+# the pieces (a stacked group's is its first model's term, as on the general path) with
+# ``sum_terms``: the general path's own sum where the gradients fit one reduction (NOTE
+# [ Argument gradients at once ] in _summation), the same bits, tested with a trunk's features
+# as the argument. Larger ones, summed chunk by chunk there, go the general way. Against the
+# code before in one process (bench_against.py, 30 rounds, 2 cores): with ``n_jobs=1`` on a
+# budget of 1, a step with x.requires_grad_() 1.25x faster for 64 tiny MLPs (0.98x -> 1.22x
+# the plain loop), 1.19x for 16 small heads, 16 MLPs of widths 128-512 at batch 64 unchanged;
+# the gradient in x alone 1.34x, 1.25x and 1.10x. By default on a budget of 2, where such
+# models now run in one chunk too (NOTE [ Known layers on one thread ]): a step 1.30x, 1.41x
+# (0.66x -> 0.92x the plain loop) and, for the 16 MLPs at batch 32, 0.95x (their kernels weigh
+# 1-2 times their Python: the trade-off of that note, a backward alone); the gradient in x
+# alone 1.49x, 1.30x and 1.13x.
 #
 # NOTE [ Tensors written before the backward ]
 # One failure in backward these layers can meet: a tensor their graph saved (a Linear's weight
@@ -62,8 +80,9 @@
 # at batch 32 and 48 1.05x and 1.02x faster than the workers, and the main example's 12 members
 # (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
 # training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
-# Not where an argument or a weight tensor needs a gradient, the optimizer steps in the
-# backward, or models share parameters (the general path would run the one chunk); larger
+# Not where a weight tensor needs a gradient, an argument's gradient is too large to sum at
+# once, the optimizer steps in the backward, or models share parameters (the general path
+# would run the one chunk); larger
 # budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
 """
 
@@ -91,7 +110,14 @@ from ._engines import (
 from ._function import SumPlan
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
-from ._summation import one_weight, sums_at_once, weigh_terms, wide_sum_over_models
+from ._sparse import sum_terms
+from ._summation import (
+    argument_terms_at_once,
+    one_weight,
+    sums_at_once,
+    weigh_terms,
+    wide_sum_over_models,
+)
 
 # Elementwise layers of a known layer program (random ones aside: NOTE [ Random numbers in
 # forwards ] in _random).
@@ -112,19 +138,23 @@ def sum_in_plain_graph(
     pieces: list[Tensor] = []
     order: list[int] = []
     placed: list[Unit] = []  # each piece's unit, whose first model a failure in backward names
+    # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
+    n_units = sum(map(len, plan.chunks))
+    reads = _FannedOut.apply(x, n_units) if x.requires_grad else (x,) * n_units
     try:
         for chunk in plan.chunks:
             for u in chunk:
                 members = units[u].models
+                read = reads[len(pieces)]
                 if len(members) == 1:
                     program = programs[members[0]]
                     assert program is not None
-                    piece = run_direct(program, x).unsqueeze(0)
+                    piece = run_direct(program, read).unsqueeze(0)
                 else:
                     first = models[members[0]]
                     assert isinstance(first, nn.Module)  # a direct program's model
                     group = [plan.model_params[i] for i in members]
-                    _, leaves, spec = batched_in_graph(first, group, (x,), {})
+                    _, leaves, spec = batched_in_graph(first, group, (read,), {})
                     if spec != LEAF_SPEC:
                         return None
                     piece = leaves[0]
@@ -149,6 +179,22 @@ def sum_in_plain_graph(
     watched = [x, *plan.walk.linear_weights]
     guard = _Guard(plan, placed, watched, list(map(_version, watched)))
     return _CheckedRounding.apply(wide, guard)
+
+
+class _FannedOut(torch.autograd.Function):
+    """``x`` as ``n`` aliases, one a unit, whose gradients are summed in the units' order as
+    the general path sums an argument's (NOTE [ An argument that needs a gradient in a plain
+    graph ])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a unit whose graph does not reach x gives None
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
+        terms = [g for g in grads if g is not None]
+        return (sum_terms(terms) if terms else None), None
 
 
 class _Guard(NamedTuple):
@@ -227,20 +273,24 @@ def plain_graph_pays(
     model_params: Sequence[ModelParams],
     batch: Batch,
     budget: int,
-    differentiable_args: bool,
+    tensors: Sequence[Tensor],
+    weight_tensor: Tensor | None,
     stepping: bool,
 ) -> bool:
     """Whether ``auto`` runs the models in one chunk in the calling thread as a plain graph
     rather than their pullbacks on workers (NOTE [ Known layers on one thread ]), a choice made
     once a plan: the models' layers and sizes, whether an argument or a weight tensor is
     differentiated, whether the optimizer steps in the backward."""
-    if stepping or differentiable_args or budget != torch.get_num_threads() or any(walk.shared):
+    if stepping or weight_tensor is not None or budget != torch.get_num_threads():
         return False
-    return (
-        _of_known_layers(walk)
-        and len(model_params) > 1
-        and one_thread_pays(model_params, batch, budget)
-    )
+    if any(walk.shared) or not _of_known_layers(walk) or len(model_params) < 2:
+        return False
+    # NOTE [ An argument that needs a gradient in a plain graph ]
+    if any(t.requires_grad for t in tensors) and not (
+        len(tensors) == 1 and argument_terms_at_once(len(model_params), tensors)
+    ):
+        return False
+    return one_thread_pays(model_params, batch, budget)
 
 
 def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> bool:
@@ -255,7 +305,8 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
-        and not x.requires_grad
+        # NOTE [ An argument that needs a gradient in a plain graph ]
+        and (not x.requires_grad or argument_terms_at_once(len(plan.models), [x]))
         and not plan.has_weight_tensor
         and (weights is None or all(type(w) is float for w in weights))
         and walk.params_are_leaves

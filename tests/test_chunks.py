@@ -835,12 +835,13 @@ def test_small_models_pulled_back_on_workers_give_the_bits_of_any_n_jobs(
 
 
 def test_without_the_gil_small_models_run_their_forwards_on_the_workers_too(
-    cores, workers_by_job, gil
+    cores, workers_by_job, gil, monkeypatch
 ):
     # NOTE [ Threads without the GIL ]: a free-threaded interpreter runs the models' Python
     # side by side, so the forwards take the pullbacks' workers; the chunks, hence the bits,
     # stay. The GIL's state is looked at on every call: an import may enable it.
     cores(2)
+    without_plain_graphs(monkeypatch)
     models, x = tiny_ensemble(32)
     with_gil = _step_bits(models, x)
     assert ("forward_chunk", 1) in workers_by_job and ("pull_back_one", 2) in workers_by_job
@@ -874,10 +875,11 @@ def _step_bits(models, x, argument=True, **kwargs):
     return [y.detach().clone(), *grads, *(g.clone() for g in param_grads(models))]
 
 
-def test_a_budget_of_1_gives_the_bits_of_an_explicit_n_jobs(cores, jobs_run):
+def test_a_budget_of_1_gives_the_bits_of_an_explicit_n_jobs(cores, jobs_run, monkeypatch):
     # NOTE [ Threads that pay ]: one thread either way, so the default keeps the chunks that an
     # explicit n_jobs has, and its bits, x's gradient's included (summed chunk by chunk).
     cores(1)
+    without_plain_graphs(monkeypatch)
     x = torch.randn(5, IN)
     models = learned([mlp([4 + i % 5, 3 + i % 3]) for i in range(20)], x)
     default = _step_bits(models, x)
@@ -901,7 +903,9 @@ class _ThreadsSeen(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["tiny", "one medium", "one wide", "stacked", "stacked large"])
-def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run, kind, gil):
+def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(
+    cores, jobs_run, kind, gil, monkeypatch
+):
     # NOTE [ Kernels too small for intra-op threads ] in parsum._grouping: where no model's
     # kernels are large enough for a second intra-op thread, the default runs the chunks of an
     # explicit n_jobs in the calling thread, one intra-op thread each, with its bits; a model
@@ -909,6 +913,7 @@ def test_a_budget_of_2_keeps_tiny_kernels_on_one_intra_op_thread(cores, jobs_run
     # pullbacks of the small models go to workers (NOTE [ Pullbacks of small models ]) and no
     # model reaches SMALL_INTRA_OP_MIN_PARAM_ROWS, no group STACKED_INTRA_OP_MIN_PARAM_ROWS.
     cores(2)
+    without_plain_graphs(monkeypatch)
     seen: set[int] = set()
     x = torch.randn(32, IN)
     if kind.startswith("stacked"):  # two architectures, 8 alike each: auto stacks them in two

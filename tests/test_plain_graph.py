@@ -47,28 +47,33 @@ WEIGHTS = {
 
 
 def grads_of(models, x, weights, how, n_jobs, preset):
-    """The sum and the parameters' gradients of a squared loss, as ``how`` takes them."""
+    """The sum and the gradients of a squared loss as ``how`` takes them: the parameters', and
+    the argument's where it needs one (read through a leaf of its own)."""
     if preset:
         for p in (p for m in models for p in m.parameters()):
             p.grad = torch.full_like(p, 0.25)
-    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs)
+    wrt_x = [x.detach().requires_grad_()] if x.requires_grad else []
+    y = parsum.sum_models(models, wrt_x[0] if wrt_x else x, weights=weights, n_jobs=n_jobs)
     loss = y.pow(2).sum()
     params = [p for m in models for p in m.parameters()]
     if how == "backward":
         loss.backward()
-        return y, plain_graph(y), param_grads(models)
+        return y, plain_graph(y), param_grads(models) + [t.grad for t in wrt_x]
     if how == "inputs":
-        loss.backward(inputs=params[::2])
-        return y, plain_graph(y), param_grads(models)
-    return y, plain_graph(y), list(torch.autograd.grad(loss, params))
+        loss.backward(inputs=params[::2] + wrt_x)
+        return y, plain_graph(y), param_grads(models) + [t.grad for t in wrt_x]
+    return y, plain_graph(y), list(torch.autograd.grad(loss, params + wrt_x))
 
 
+@pytest.mark.parametrize("x_grad", [False, True])
 @pytest.mark.parametrize("preset", [False, True])
 @pytest.mark.parametrize("how", ["backward", "inputs", "autograd.grad"])
 @pytest.mark.parametrize("weights", list(WEIGHTS))
-def test_the_bits_of_the_general_paths(weights, how, preset, cores, monkeypatch):
+def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, cores, monkeypatch):
+    # With x_grad, the argument's gradient too (NOTE [ An argument that needs a gradient in a
+    # plain graph ] in parsum._plain_graph)
     cores(1)  # one thread: the calling thread's intra-op count is every chunk's
-    x = torch.randn(10, IN)
+    x = torch.randn(10, IN, requires_grad=x_grad)
     w = WEIGHTS[weights]
     base = heads()
     runs = []
@@ -124,6 +129,55 @@ def test_a_penalty_through_the_plain_graph(cores):
     got = torch.autograd.grad(penalty(y), params)
     expected = torch.autograd.grad(penalty(plain_sum(models, x)), params)
     for a, b in zip(got, expected):  # batched matmuls in the stacked groups: other roundings
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_trunk_before_the_heads(cores, monkeypatch):
+    # Heads over a trunk's features, which need a gradient: a plain graph, whose gradients
+    # (the trunk's too) are the general path's bit for bit
+    cores(1)
+    x = torch.randn(11, IN)
+    torch.manual_seed(12)
+    trunk = nn.Sequential(nn.Linear(IN, IN), nn.Tanh())
+
+    def step(general):
+        if general:
+            without_plain_graphs(monkeypatch)
+        models, body = heads(seed=12), clone_models([trunk])[0]
+        y = parsum.sum_models(models, body(x))
+        assert plain_graph(y) is not general
+        y.pow(2).sum().backward()
+        monkeypatch.undo()
+        return y, param_grads([body, *models])
+
+    (y, grads), (y0, grads0) = step(False), step(True)
+    assert torch.equal(y, y0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads0))
+    models, body = heads(seed=12), clone_models([trunk])[0]
+    plain_sum(models, body(x)).pow(2).sum().backward()
+    for a, b in zip(grads, param_grads([body, *models])):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_gradient_penalty_in_the_argument(cores):
+    # A WGAN-GP penalty: the sum's gradient in x, differentiated again
+    cores(1)
+    x = torch.randn(8, IN)
+
+    def penalty(models, total_of):
+        leaf = x.detach().requires_grad_()
+        total = total_of(models, leaf)
+        (g,) = torch.autograd.grad(total.sum(), leaf, create_graph=True)
+        return (g.norm(dim=1) - 1).pow(2).mean() + total.pow(2).mean(), plain_graph(total)
+
+    models = heads(seed=13)
+    reference = clone_models(models)
+    loss, plain = penalty(models, lambda m, t: parsum.sum_models(m, t))
+    assert plain
+    loss.backward()
+    expected, _ = penalty(reference, plain_sum)
+    expected.backward()
+    for a, b in zip(param_grads(models), param_grads(reference)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -303,7 +357,10 @@ CHANGES = {
     "dropout": (dropout, {}),
     "batch norm": (batch_norm, {}),
     "a class of the user's": (own_class, {}),
-    "an argument that needs a gradient": (lambda m: m, {"x_grad": True}),
+    "an argument whose gradient is too large to sum at once": (
+        lambda m: m,
+        {"x_grad": True, "rows": 6000},
+    ),
     "a weight tensor": (lambda m: m, {"weights": torch.full((15,), 0.5)}),
     "float64": (lambda m: [x.double() for x in m], {"dtype": torch.float64}),
 }
@@ -318,7 +375,8 @@ def test_the_general_path_where_the_conditions_fail(change, cores):
     if edit is with_hook:  # a copy leaves the tensor hooks behind
         with_hook(reference)
     dtype = options.get("dtype", torch.float32)
-    x = torch.randn(9, IN, dtype=dtype, requires_grad=options.get("x_grad", False))
+    rows = options.get("rows", 9)
+    x = torch.randn(rows, IN, dtype=dtype, requires_grad=options.get("x_grad", False))
     weights = options.get("weights")
     y = parsum.sum_models(models, x, weights=weights)
     assert not plain_graph(y)
@@ -335,6 +393,8 @@ def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
     small = heads(seed=6)
     x = torch.randn(16, IN)
     assert plain_graph(parsum.sum_models(small, x))
+    assert plain_graph(parsum.sum_models(small, x.requires_grad_()))
+    x = x.detach()
     # Kernels that weigh more than their Python: workers, the general path
     torch.manual_seed(6)
     large = [
