@@ -199,8 +199,12 @@ plain)
     # Sequentials of known layers as one plain graph against the default's workers, budgets
     # 2-16, with and without Adam (bench_plain_graph.py; fifty-ninth session: on 2 cores one
     # chunk is taken below a kernel share of 2, larger budgets unmeasured; ~6 min)
-    (cd benchmarks && timeout 380 python bench_plain_graph.py --budgets 4,8,16 --rounds 12) \
+    (cd benchmarks && timeout 300 python bench_plain_graph.py --budgets 4,8,16 --rounds 10) \
         > "$out/plain-graph.txt" 2>&1
+    # The same where the argument needs a gradient (sixtieth session; ~3 min)
+    (cd benchmarks && timeout 200 python bench_plain_graph.py --budgets 4,16 --rounds 8 \
+        --x-grad --workloads heterogeneous-tiny,heads,heterogeneous-medium:32) \
+        > "$out/plain-graph-x-grad.txt" 2>&1
     example 60
     ;;
 bisect)

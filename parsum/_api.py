@@ -460,7 +460,7 @@ def _general_sum(
             return out
     if build_graph and fits_callers_graph(plan):
         # NOTE [ Known layers in a plain graph ] in _plain_graph
-        summed = sum_in_plain_graph(plan, call, weight_list)
+        summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)
         if summed is not None:
             return summed
         # NOTE [ The caller's graph ]

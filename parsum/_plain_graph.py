@@ -22,9 +22,9 @@
 # one). A failure in forward (a bad input, outputs that differ) runs the call the general way,
 # which names the model; these layers change nothing when they run, the input excepted, which
 # a first layer in place would change (such models go the general way).
-# What is left to the general path: a weight tensor that needs a gradient, an argument whose
-# gradient is too large to sum at once (NOTE [ An argument that needs a gradient in a plain
-# graph ]), parameters two models share,
+# What is left to the general path: a weight tensor not read as floats (NOTE [ A weight
+# tensor in a plain graph ]), an argument whose gradient is too large to sum at once (NOTE
+# [ An argument that needs a gradient in a plain graph ]), parameters two models share,
 # tensor hooks, FlatGrad slots, random layers, outputs other than float32 or too large to sum
 # at once, other devices, autocast, anomaly detection and saved-tensor hooks (Python that the
 # backward would run in the models' graphs, which may fail there), and calls on several
@@ -46,6 +46,21 @@
 # (0.66x -> 0.92x the plain loop) and, for the 16 MLPs at batch 32, 0.95x (their kernels weigh
 # 1-2 times their Python: the trade-off of that note, a backward alone); the gradient in x
 # alone 1.49x, 1.30x and 1.13x.
+#
+# NOTE [ A weight tensor in a plain graph ]
+# A weight tensor that the general path reads as Python floats (a real floating-point one on
+# the CPU: NOTE [ A weight tensor read as floats ] in _function) weighs the terms as those
+# floats do. Where it needs a gradient (learned weights, ``softmax(logits)``), the outputs are
+# kept, unweighted, and the node that rounds the sum (``_CheckedRounding``) takes the tensor
+# as an input and returns its gradient from them with ``weight_grad_of``, the general path's
+# own (each model's output in model order, a stacked group's rows included): the same bits,
+# tested against the caller's graph and ParallelSum at n_jobs 1-3 for a leaf, a softmax and a
+# frozen tensor. It is saved for backward as there: written in place since, it raises. Against
+# the code before in one process (bench_against.py --weights learned, 30 rounds, 2 cores): by
+# default 1.245x a step for 64 tiny MLPs, 1.351x for 16 small heads (0.63x -> 0.85x the
+# unweighted plain loop), 0.959x for 16 MLPs of widths 128-512 at batch 32 (the trade-off of
+# NOTE [ Known layers on one thread ]); with n_jobs=1 on a budget of 1, 1.296x, 1.234x and, at
+# batch 64, 1.016x.
 #
 # NOTE [ Tensors written before the backward ]
 # One failure in backward these layers can meet: a tensor their graph saved (a Linear's weight
@@ -80,8 +95,8 @@
 # at batch 32 and 48 1.05x and 1.02x faster than the workers, and the main example's 12 members
 # (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
 # training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
-# Not where a weight tensor needs a gradient, an argument's gradient is too large to sum at
-# once, the optimizer steps in the backward, or models share parameters (the general path
+# Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
+# at once, the optimizer steps in the backward, or models share parameters (the general path
 # would run the one chunk); larger
 # budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
 """
@@ -107,7 +122,7 @@ from ._engines import (
     direct_calls_allowed,
     run_direct,
 )
-from ._function import SumPlan
+from ._function import SumPlan, weight_grad_of, weight_values
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
 from ._sparse import sum_terms
@@ -125,11 +140,18 @@ _QUIET_ELEMENTWISE = frozenset(kind for kind in ELEMENTWISE if kind is not nn.Dr
 
 
 def sum_in_plain_graph(
-    plan: SumPlan, call: CallArgs, weights: Sequence[float] | None
+    plan: SumPlan,
+    call: CallArgs,
+    weights: Sequence[float] | None,
+    weight_tensor: Tensor | None = None,
 ) -> Tensor | None:
     """The weighted sum of the models run in the caller's graph as plain autograd operations
     (NOTE [ Known layers in a plain graph ]); None where the call does not fit, or a forward
     failed (the general path then runs it, and names the model)."""
+    if weight_tensor is not None:  # NOTE [ A weight tensor in a plain graph ]
+        weights = _floats_of(weight_tensor)
+        if weights is None:
+            return None
     if not _fits(plan, call, weights):
         return None
     x = call.leaves[0]
@@ -170,15 +192,21 @@ def sum_in_plain_graph(
     if not sums_at_once(len(order), pieces[0][0]):  # summed chunk by chunk there
         return None
     terms = torch.cat(pieces)
+    # NOTE [ A weight tensor in a plain graph ]: the outputs, kept for the weights' gradient
+    kept = (
+        terms.detach().clone()
+        if weight_tensor is not None and weight_tensor.requires_grad
+        else None
+    )
     if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
         column = [weights[i] for i in order]
         terms = weigh_terms(terms, column, one_weight(column))
     wide = wide_sum_over_models(terms)
-    if not wide.requires_grad:
+    if not wide.requires_grad and kept is None:
         return wide.to(torch.float32)
     watched = [x, *plan.walk.linear_weights]
-    guard = _Guard(plan, placed, watched, list(map(_version, watched)))
-    return _CheckedRounding.apply(wide, guard)
+    guard = _Guard(plan, placed, watched, list(map(_version, watched)), kept, order)
+    return _CheckedRounding.apply(wide, guard, weight_tensor if kept is not None else None)
 
 
 class _FannedOut(torch.autograd.Function):
@@ -206,25 +234,41 @@ class _Guard(NamedTuple):
     units: list[Unit]
     watched: list[Tensor]
     versions: list[int]
+    # The outputs in the order of the pieces, where a weight tensor needs a gradient, and the
+    # model of each (NOTE [ A weight tensor in a plain graph ])
+    kept: Tensor | None
+    order: list[int]
 
 
 class _CheckedRounding(torch.autograd.Function):
     """The wide sum rounded to float32 (``.to(torch.float32)``), whose backward first checks
     that no tensor the models' graphs saved was written in place since (NOTE [ Tensors written
-    before the backward ]). A node of parsum's own, not a pre-hook on the rounding's node:
-    against a hook, 64 tiny MLPs' steps 1.03x faster."""
+    before the backward ]), and which returns a weight tensor's gradient (NOTE [ A weight
+    tensor in a plain graph ]). A node of parsum's own: a pre-hook on the rounding's node cost
+    more."""
 
     @staticmethod
-    def forward(ctx: Any, wide: Tensor, guard: _Guard) -> Tensor:
+    def forward(ctx: Any, wide: Tensor, guard: _Guard, weight_tensor: Tensor | None) -> Tensor:
         ctx.guard = guard
+        # Saved as the general path saves it: written in place before the backward, it raises
+        ctx.save_for_backward(weight_tensor)
         return wide.to(torch.float32)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         guard: _Guard = ctx.guard
+        (weight_tensor,) = ctx.saved_tensors
         if list(map(_version, guard.watched)) != guard.versions:
             _raise_first_failure(guard.plan, guard.units, _pieces_of(ctx))
-        return grad.to(torch.float64), None
+        weight_grad = None
+        if weight_tensor is not None and ctx.needs_input_grad[2]:
+            assert guard.kept is not None
+            # NOTE [ A weight tensor in a plain graph ]: each model's output, in model order
+            rows = dict(zip(guard.order, guard.kept.unbind(0)))
+            outputs = [[rows[i]] for i in range(len(rows))]
+            weight_grad = weight_grad_of(weight_tensor, [grad], outputs)
+        wide_grad = grad.to(torch.float64) if ctx.needs_input_grad[0] else None
+        return wide_grad, None, weight_grad
 
 
 def _pieces_of(node: Any) -> list[Node | None]:
@@ -281,7 +325,9 @@ def plain_graph_pays(
     rather than their pullbacks on workers (NOTE [ Known layers on one thread ]), a choice made
     once a plan: the models' layers and sizes, whether an argument or a weight tensor is
     differentiated, whether the optimizer steps in the backward."""
-    if stepping or weight_tensor is not None or budget != torch.get_num_threads():
+    if stepping or budget != torch.get_num_threads():
+        return False
+    if weight_tensor is not None and _floats_of(weight_tensor) is None:
         return False
     if any(walk.shared) or not _of_known_layers(walk) or len(model_params) < 2:
         return False
@@ -291,6 +337,15 @@ def plain_graph_pays(
     ):
         return False
     return one_thread_pays(model_params, batch, budget)
+
+
+def _floats_of(weight_tensor: Tensor) -> list[float] | None:
+    """A weight tensor's values as the general path's products read them, where they are
+    Python floats (NOTE [ A weight tensor read as floats ] in _function); else None."""
+    read = weight_values(weight_tensor)
+    if not isinstance(read, list) or not all(type(w) is float for w in read):
+        return None
+    return read
 
 
 def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> bool:
@@ -307,7 +362,6 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         and x.device.type == "cpu"
         # NOTE [ An argument that needs a gradient in a plain graph ]
         and (not x.requires_grad or argument_terms_at_once(len(plan.models), [x]))
-        and not plan.has_weight_tensor
         and (weights is None or all(type(w) is float for w in weights))
         and walk.params_are_leaves
         and not any(plan.shared)

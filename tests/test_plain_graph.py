@@ -93,6 +93,44 @@ def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, cores, monk
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+def weighted_by_a_tensor(models, x, kind, n_jobs):
+    """The sum weighted by a tensor of ``kind``, and the gradients of a squared loss: the
+    parameters', and the logits' or the weights' where they need one."""
+    logits = torch.linspace(-1.0, 1.5, len(models)).requires_grad_(kind != "frozen")
+    weights = {"a leaf": logits, "a softmax": torch.softmax(logits, 0), "frozen": logits}[kind]
+    y = parsum.sum_models(models, x, weights=weights, n_jobs=n_jobs)
+    y.pow(2).sum().backward()
+    return y, plain_graph(y), [*param_grads(models), logits.grad]
+
+
+@pytest.mark.parametrize("kind", ["a leaf", "a softmax", "frozen"])
+def test_a_weight_tensor(kind, cores, monkeypatch):
+    # NOTE [ A weight tensor in a plain graph ] in parsum._plain_graph: the sum, the
+    # parameters' gradients and the weights' (a softmax's logits') those of the general paths
+    cores(1)
+    x = torch.randn(10, IN)
+    base = heads(seed=14)
+    runs = [weighted_by_a_tensor(clone_models(base), x, kind, n_jobs) for n_jobs in (None, 1)]
+    monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
+    runs.append(weighted_by_a_tensor(clone_models(base), x, kind, None))
+    through_parallel_sum(monkeypatch)
+    for n_jobs in (1, 2, 3):
+        runs.append(weighted_by_a_tensor(clone_models(base), x, kind, n_jobs))
+    assert [r[1] for r in runs] == [True, True, False, False, False, False]
+    y0, _, g0 = runs[0]
+    assert (g0[-1] is None) == (kind == "frozen")
+    for y, _, g in runs[1:]:
+        assert torch.equal(y, y0)
+        for a, b in zip(g, g0, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    reference = clone_models(base)
+    logits = torch.linspace(-1.0, 1.5, len(base)).requires_grad_(kind != "frozen")
+    weights = torch.softmax(logits, 0) if kind == "a softmax" else logits
+    plain_sum(reference, x, weights=weights).pow(2).sum().backward()
+    for a, b in zip(g0, [*param_grads(reference), logits.grad], strict=True):
+        assert (a is None and b is None) or torch.testing.assert_close(a, b) is None
+
+
 @pytest.mark.parametrize("weights", ["none", "distinct"])
 def test_the_plain_loop_and_float64(weights, cores):
     cores(1)
@@ -361,7 +399,7 @@ CHANGES = {
         lambda m: m,
         {"x_grad": True, "rows": 6000},
     ),
-    "a weight tensor": (lambda m: m, {"weights": torch.full((15,), 0.5)}),
+    "a weight tensor of integers": (lambda m: m, {"weights": torch.full((15,), 2)}),
     "float64": (lambda m: [x.double() for x in m], {"dtype": torch.float64}),
 }
 
@@ -394,6 +432,8 @@ def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
     x = torch.randn(16, IN)
     assert plain_graph(parsum.sum_models(small, x))
     assert plain_graph(parsum.sum_models(small, x.requires_grad_()))
+    learned = torch.softmax(torch.zeros(len(small), requires_grad=True), 0)
+    assert plain_graph(parsum.sum_models(small, x, weights=learned))
     x = x.detach()
     # Kernels that weigh more than their Python: workers, the general path
     torch.manual_seed(6)
