@@ -50,17 +50,23 @@
 # NOTE [ A weight tensor in a plain graph ]
 # A weight tensor that the general path reads as Python floats (a real floating-point one on
 # the CPU: NOTE [ A weight tensor read as floats ] in _function) weighs the terms as those
-# floats do. Where it needs a gradient (learned weights, ``softmax(logits)``), the outputs are
-# kept, unweighted, and the node that rounds the sum (``_CheckedRounding``) takes the tensor
-# as an input and returns its gradient from them with ``weight_grad_of``, the general path's
-# own (each model's output in model order, a stacked group's rows included): the same bits,
-# tested against the caller's graph and ParallelSum at n_jobs 1-3 for a leaf, a softmax and a
-# frozen tensor. It is saved for backward as there: written in place since, it raises. Against
-# the code before in one process (bench_against.py --weights learned, 30 rounds, 2 cores): by
-# default 1.245x a step for 64 tiny MLPs, 1.351x for 16 small heads (0.63x -> 0.85x the
-# unweighted plain loop), 0.959x for 16 MLPs of widths 128-512 at batch 32 (the trade-off of
-# NOTE [ Known layers on one thread ]); with n_jobs=1 on a budget of 1, 1.296x, 1.234x and, at
-# batch 64, 1.016x.
+# floats do. Where it needs a gradient (learned weights, ``softmax(logits)``), one node,
+# ``_LearnedWeights``, weighs, sums and rounds the terms as the other path does, and its
+# backward (after the check of NOTE [ Tensors written before the backward ]) gives each term
+# ``g * w`` with the weight taken from the tensor, rounded as the forward's float, and the
+# weights' gradient by ``weight_grad_of``, the general path's own, from the outputs it saved
+# (each model's in model order, a stacked group's rows included): the same bits, tested
+# against the caller's graph and ParallelSum at n_jobs 1-3 for a leaf, a softmax and a frozen
+# tensor. Both from tensors with their graphs, so that a derivative under create_graph=True
+# (a penalty on the weights' or the parameters' gradients) reaches the weights and the
+# parameters as the plain loop's does (tested): the weights as floats alone, in a first
+# version, gave a second derivative without the weights' part. The tensor is saved for
+# backward as there: written in place since, it raises. Against the session's first code in
+# one process (bench_against.py --rev f8c6510 --weights learned, 30 rounds, 2 cores): by
+# default 1.256x a step for 64 tiny MLPs, 1.409x for 16 small heads (0.59x -> 0.83x the
+# unweighted plain loop), 0.961x for 16 MLPs of widths 128-512 at batch 32 (the trade-off of
+# NOTE [ Known layers on one thread ]); the first version, against its parent, with n_jobs=1
+# on a budget of 1: 1.296x, 1.234x and, at batch 64, 1.016x.
 #
 # NOTE [ Tensors written before the backward ]
 # One failure in backward these layers can meet: a tensor their graph saved (a Linear's weight
@@ -192,21 +198,20 @@ def sum_in_plain_graph(
     if not sums_at_once(len(order), pieces[0][0]):  # summed chunk by chunk there
         return None
     terms = torch.cat(pieces)
-    # NOTE [ A weight tensor in a plain graph ]: the outputs, kept for the weights' gradient
-    kept = (
-        terms.detach().clone()
-        if weight_tensor is not None and weight_tensor.requires_grad
-        else None
-    )
+    watched = [x, *plan.walk.linear_weights]
+    if weight_tensor is not None and weight_tensor.requires_grad:
+        # NOTE [ A weight tensor in a plain graph ]
+        assert weights is not None
+        guard = _Guard(plan, placed, watched, list(map(_version, watched)))
+        return _LearnedWeights.apply(terms, weight_tensor, guard, weights, order)
     if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
         column = [weights[i] for i in order]
         terms = weigh_terms(terms, column, one_weight(column))
     wide = wide_sum_over_models(terms)
-    if not wide.requires_grad and kept is None:
+    if not wide.requires_grad:
         return wide.to(torch.float32)
-    watched = [x, *plan.walk.linear_weights]
-    guard = _Guard(plan, placed, watched, list(map(_version, watched)), kept, order)
-    return _CheckedRounding.apply(wide, guard, weight_tensor if kept is not None else None)
+    guard = _Guard(plan, placed, watched, list(map(_version, watched)))
+    return _CheckedRounding.apply(wide, guard)
 
 
 class _FannedOut(torch.autograd.Function):
@@ -234,41 +239,70 @@ class _Guard(NamedTuple):
     units: list[Unit]
     watched: list[Tensor]
     versions: list[int]
-    # The outputs in the order of the pieces, where a weight tensor needs a gradient, and the
-    # model of each (NOTE [ A weight tensor in a plain graph ])
-    kept: Tensor | None
-    order: list[int]
+
+    def check(self, node: Any) -> None:
+        """Raise, naming the model, where a tensor the models' graphs saved was written in
+        place since; ``node``: the node the backward runs, above the pieces' join."""
+        if list(map(_version, self.watched)) != self.versions:
+            _raise_first_failure(self.plan, self.units, _pieces_of(node))
 
 
 class _CheckedRounding(torch.autograd.Function):
     """The wide sum rounded to float32 (``.to(torch.float32)``), whose backward first checks
     that no tensor the models' graphs saved was written in place since (NOTE [ Tensors written
-    before the backward ]), and which returns a weight tensor's gradient (NOTE [ A weight
-    tensor in a plain graph ]). A node of parsum's own: a pre-hook on the rounding's node cost
+    before the backward ]). A node of parsum's own: a pre-hook on the rounding's node cost
     more."""
 
     @staticmethod
-    def forward(ctx: Any, wide: Tensor, guard: _Guard, weight_tensor: Tensor | None) -> Tensor:
+    def forward(ctx: Any, wide: Tensor, guard: _Guard) -> Tensor:
         ctx.guard = guard
-        # Saved as the general path saves it: written in place before the backward, it raises
-        ctx.save_for_backward(weight_tensor)
         return wide.to(torch.float32)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
-        guard: _Guard = ctx.guard
-        (weight_tensor,) = ctx.saved_tensors
-        if list(map(_version, guard.watched)) != guard.versions:
-            _raise_first_failure(guard.plan, guard.units, _pieces_of(ctx))
-        weight_grad = None
-        if weight_tensor is not None and ctx.needs_input_grad[2]:
-            assert guard.kept is not None
-            # NOTE [ A weight tensor in a plain graph ]: each model's output, in model order
-            rows = dict(zip(guard.order, guard.kept.unbind(0)))
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.guard.check(ctx)
+        return grad.to(torch.float64), None
+
+
+class _LearnedWeights(torch.autograd.Function):
+    """The terms weighted by a weight tensor that needs a gradient, summed and rounded as
+    ``_CheckedRounding`` rounds them (NOTE [ A weight tensor in a plain graph ]): forward with
+    its values as the general path reads them, floats; backward with the tensor itself, so
+    that derivatives of higher order reach the weights."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        terms: Tensor,
+        weight_tensor: Tensor,
+        guard: _Guard,
+        weights: Sequence[float],
+        order: list[int],
+    ) -> Tensor:
+        ctx.guard, ctx.order = guard, order
+        ctx.save_for_backward(terms, weight_tensor)  # written in place since, it raises
+        column = [weights[i] for i in order]
+        one = one_weight(column)
+        weighed = terms * column[0] if one else weigh_terms(terms, column, one)
+        return wide_sum_over_models(weighed).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+        ctx.guard.check(ctx)
+        terms, weight_tensor = ctx.saved_tensors
+        order = ctx.order
+        terms_grad = weight_grad = None
+        if ctx.needs_input_grad[0]:
+            # Each term's cotangent ``g * w``, as the product's backward gives it (the sum's
+            # backward hands every term ``g`` itself), with the weight rounded as the forward
+            # rounds it
+            column = weight_tensor[torch.tensor(order)].to(torch.float32)
+            terms_grad = grad.unsqueeze(0) * column.view(-1, *([1] * grad.dim()))
+        if ctx.needs_input_grad[1]:
+            rows = dict(zip(order, terms.unbind(0)))  # each model's output, in model order
             outputs = [[rows[i]] for i in range(len(rows))]
             weight_grad = weight_grad_of(weight_tensor, [grad], outputs)
-        wide_grad = grad.to(torch.float64) if ctx.needs_input_grad[0] else None
-        return wide_grad, None, weight_grad
+        return terms_grad, weight_grad, None, None, None
 
 
 def _pieces_of(node: Any) -> list[Node | None]:

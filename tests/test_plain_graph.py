@@ -131,6 +131,28 @@ def test_a_weight_tensor(kind, cores, monkeypatch):
         assert (a is None and b is None) or torch.testing.assert_close(a, b) is None
 
 
+def test_a_penalty_on_learned_weights(cores):
+    # The weights' gradient differentiated again (create_graph=True): through the outputs
+    # kept with their graph, it reaches the parameters as in the plain loop
+    cores(1)
+    x = torch.randn(8, IN)
+
+    def penalty(models, total_of):
+        logits = torch.linspace(-1.0, 1.0, len(models)).requires_grad_()
+        total = total_of(models, x, torch.softmax(logits, 0))
+        params = [p for m in models for p in m.parameters()]
+        grads = torch.autograd.grad(total.pow(2).sum(), [logits, *params], create_graph=True)
+        loss = sum(g.pow(2).sum() for g in grads)
+        return torch.autograd.grad(loss, [logits, *params]), plain_graph(total)
+
+    models = heads(seed=15)
+    got, plain = penalty(models, lambda m, t, w: parsum.sum_models(m, t, weights=w))
+    assert plain
+    expected, _ = penalty(clone_models(models), lambda m, t, w: plain_sum(m, t, weights=w))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("weights", ["none", "distinct"])
 def test_the_plain_loop_and_float64(weights, cores):
     cores(1)
@@ -303,6 +325,20 @@ def test_tensors_written_before_the_backward(write, cores, monkeypatch):
         assert "raised RuntimeError in backward" in error
         assert "modified by an inplace operation" in error
         assert all(g is None for g in grads)
+
+
+def test_a_tensor_written_before_the_backward_with_learned_weights(cores):
+    cores(1)
+    models = heads(seed=16)
+    logits = torch.zeros(len(models), requires_grad=True)
+    y = parsum.sum_models(models, torch.randn(9, IN), weights=torch.softmax(logits, 0))
+    assert plain_graph(y)
+    with torch.no_grad():
+        models[13][2].weight.mul_(2.0)
+    with pytest.raises(parsum.ParsumError, match=r"model 13 \(Sequential\) raised RuntimeError"):
+        y.pow(2).sum().backward()
+    assert logits.grad is None
+    assert all(p.grad is None for m in models for p in m.parameters())
 
 
 def test_the_check_reads_no_graph_where_nothing_was_written(cores, monkeypatch):
