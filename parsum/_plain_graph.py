@@ -136,6 +136,7 @@ from ._summation import (
     argument_terms_at_once,
     one_weight,
     sums_at_once,
+    weigh_models,
     weigh_terms,
     wide_sum_over_models,
 )
@@ -199,10 +200,10 @@ def sum_in_plain_graph(
         return None
     terms = torch.cat(pieces)
     watched = [x, *plan.walk.linear_weights]
+    guard = _Guard(plan, placed, watched, list(map(_version, watched)))
     if weight_tensor is not None and weight_tensor.requires_grad:
         # NOTE [ A weight tensor in a plain graph ]
         assert weights is not None
-        guard = _Guard(plan, placed, watched, list(map(_version, watched)))
         return _LearnedWeights.apply(terms, weight_tensor, guard, weights, order)
     if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
         column = [weights[i] for i in order]
@@ -210,7 +211,6 @@ def sum_in_plain_graph(
     wide = wide_sum_over_models(terms)
     if not wide.requires_grad:
         return wide.to(torch.float32)
-    guard = _Guard(plan, placed, watched, list(map(_version, watched)))
     return _CheckedRounding.apply(wide, guard)
 
 
@@ -282,8 +282,8 @@ class _LearnedWeights(torch.autograd.Function):
         ctx.guard, ctx.order = guard, order
         ctx.save_for_backward(terms, weight_tensor)  # written in place since, it raises
         column = [weights[i] for i in order]
-        one = one_weight(column)
-        weighed = terms * column[0] if one else weigh_terms(terms, column, one)
+        # out of place: the terms are saved
+        weighed = terms * column[0] if one_weight(column) else weigh_models(terms, column)
         return wide_sum_over_models(weighed).to(torch.float32)
 
     @staticmethod
