@@ -160,7 +160,8 @@ def sum_models(
             (``torch.func.vjp`` over ``functional_call``; pure models only), ``"stacked"``
             (structurally identical models vmapped as one group, the others by autograd) or
             ``"auto"`` (``parsum.config``'s engine if set, else: groups of small identical
-            models stacked, 4 or more MLPs or 8 or more of other kinds, the rest by
+            models stacked, 4 or more MLPs (on one thread, 5 or more of two Linear layers,
+            9 of one) or 8 or more of other kinds, the rest by
             autograd).
         chunk_size: models per task; with the models' shapes and the batch rows it decides
             the order of additions (outputs small enough are added all at once at the end, in

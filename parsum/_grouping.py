@@ -320,6 +320,25 @@ AUTO_STACK_MIN_BATCHED = 4
 # AUTO_STACK_BATCHED_LIMITS. Larger budgets keep the limits above: unmeasured there.
 AUTO_STACK_BATCHED_LIMITS = {1: (131_072, 6_000_000), 2: (327_680, 24_000_000)}
 
+# NOTE [ Small groups of few layers ]
+# A stacked group saves, for every model but its first, the calls of each of its layers,
+# forward and backward; it costs, once a group, the stacking of its tensors in and of their
+# gradients out, in Python and copies. Once Sequentials of known layers ran as a plain graph
+# (NOTE [ Known layers in a plain graph ] in _plain_graph), whose models one by one cost far
+# less than on the general path, small groups of few layers stopped paying on one thread.
+# Measured on 2 cores (interleaved, groups stacked (engine "stacked") against one by one
+# ("autograd"), both as a plain graph, 4 architectures of g models, inputs of 16 and 128
+# features, hidden widths 16-256, batches 32-256), with L Linear layers a model, stacked / one
+# by one on 1 thread: L=2, g=4 1.01-1.18 (slower), g=5 0.94-1.02, g=6 0.87-1.00, g=8 0.70-1.09
+# (1.04-1.09 from 2.3M parameter-rows); L=3, g=4 0.94-1.02; L=4, g=4 0.89-1.03; one Linear,
+# g=6 1.04-1.14, g=8 0.97-1.01, g=12 0.82-0.88. So on one thread a batched group is stacked
+# only where (g - 1) * L >= AUTO_STACK_MIN_SAVED_LAYERS: one Linear from 9 models, L=2 from 5,
+# L=3 from 4. On 2 threads the batched kernels also split over both where the small ones do
+# not: L=2, g=4 0.93-1.08, and 16 heads of widths 32-80 over 128 features (4 groups of 4, L=2)
+# one by one ran 0.93-0.97x as fast as stacked at batch 128-512 (bench_against.py): larger
+# budgets keep AUTO_STACK_MIN_BATCHED.
+AUTO_STACK_MIN_SAVED_LAYERS = 8
+
 # NOTE [ Stacked storage sizes ]
 # Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
 # in and no gradient out, and running them one by one instead costs more than it costs models
@@ -453,6 +472,10 @@ def plan_units(
         batched = auto and estimate(model_params[first], "batched", _batched, models[first])
         if len(members) < (auto_min_group(batched) if auto else min_models):
             continue
+        if batched and len(members) < _min_batched_group(
+            models[first], model_params[first], budget
+        ):
+            continue  # NOTE [ Small groups of few layers ]
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
             piece = tuple(members[start : start + size])
@@ -490,6 +513,18 @@ def auto_min_group(batched: bool) -> int:
     """The fewest identical models engine="auto" stacks, ``batched`` if they run as batched
     matmuls, which pay from fewer than vmap (NOTE [ Stacked groups ])."""
     return AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS
+
+
+def _min_batched_group(model: Any, mp: ModelParams, budget: int | None) -> int:
+    """The fewest such models engine="auto" stacks as batched matmuls on ``budget`` threads
+    of the CPU (NOTE [ Small groups of few layers ]): on one, by their layers."""
+    on_cpu = mp.tensors[0].device.type == "cpu"
+    if not on_cpu or (thread_budget() if budget is None else budget) > 1:
+        return AUTO_STACK_MIN_BATCHED
+    program = program_of(model)
+    assert program is not None  # a batched group's
+    layers = sum(isinstance(step, tuple) for step in program)
+    return max(AUTO_STACK_MIN_BATCHED, 1 + -(-AUTO_STACK_MIN_SAVED_LAYERS // layers))
 
 
 def _group_param_rows(budget: int) -> int:

@@ -30,8 +30,10 @@ def heads(seed: int = 0) -> list[nn.Module]:
     """Sequentials of Linear layers and activations: repeated architectures (stacked groups,
     interleaved with each other) and models of their own."""
     torch.manual_seed(seed)
+    # Two hidden layers: groups of 4 stack on one thread (NOTE [ Small groups of few layers ]
+    # in parsum._grouping)
     models: list[nn.Module] = [
-        mlp([(5, 7, 9)[i % 3] if i < 12 else 11 + i], (nn.Tanh, nn.ReLU, nn.GELU)[i % 3])
+        mlp([(5, 7, 9)[i % 3] if i < 12 else 11 + i] * 2, (nn.Tanh, nn.ReLU, nn.GELU)[i % 3])
         for i in range(14)
     ]
     models.append(nn.Linear(IN, OUT))
@@ -459,7 +461,8 @@ def test_the_general_path_where_the_conditions_fail(change, cores):
     torch.testing.assert_close(y, expected)
     expected.pow(2).sum().backward()
     for a, b in zip(param_grads(models), param_grads(reference)):
-        torch.testing.assert_close(a, b)
+        # float32 gradients over up to 6000 rows, each adding in its own order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_small_models_on_two_threads_run_as_a_plain_graph(cores):

@@ -28,6 +28,7 @@ from tests.zoo import (
     clone_models,
     mlp,
     param_grads,
+    plain_graph,
     plain_sum,
     thread_recorder,
 )
@@ -51,10 +52,10 @@ def family(dtype=torch.float32, seed=0):
     return [m.to(dtype) for m in models]
 
 
-def groups(models, engine, x=None, chunk_size=None):
+def groups(models, engine, x=None, chunk_size=None, budget=2):
     x = torch.randn(4, IN) if x is None else x
     units = plan_units(
-        models, [ModelParams.of(m) for m in models], engine, Batch.of([x]), chunk_size
+        models, [ModelParams.of(m) for m in models], engine, Batch.of([x]), chunk_size, budget
     )
     return [u.models for u in units if u.engine == "stacked"]
 
@@ -76,6 +77,41 @@ def test_auto_groups_only_many_small_models():
     big = [mlp([1024, 1024]) for _ in range(8)]  # 1.06M parameters x 4 rows
     assert groups(big, "auto") == []
     assert groups(big, "stacked") == [tuple(range(8))]
+
+
+def test_auto_groups_on_one_thread_by_their_layers(cores):
+    # NOTE [ Small groups of few layers ]: on one thread a group of g models of L Linear
+    # layers stacks where (g - 1) * L >= 8; on more, from 4 models as before.
+    def shapes(n_models, widths):
+        return [mlp(widths) for _ in range(n_models)] + [mlp([3])]
+
+    for n_models, widths, on_one in [
+        (4, [8], False),  # L=2: 6
+        (5, [8], True),  # 8
+        (4, [8, 6], True),  # L=3: 9
+        (3, [8, 6, 5], False),  # fewer than 4: never
+    ]:
+        expected = [tuple(range(n_models))]
+        models = shapes(n_models, widths)
+        assert groups(models, "auto", budget=1) == (expected if on_one else []), widths
+        assert groups(models, "auto", budget=2) == (expected if n_models >= 4 else [])
+        assert groups(models, "stacked", budget=1) == expected
+    linears = [nn.Linear(IN, OUT) for _ in range(9)]
+    assert groups(linears[:8], "auto", budget=1) == []  # one layer: 7
+    assert groups(linears, "auto", budget=1) == [tuple(range(9))]
+    # One by one, the same values as stacked
+    torch.manual_seed(0)
+    models, x = shapes(4, [8]), torch.randn(6, IN)
+    ref = copy.deepcopy(models)
+    cores(1)
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y)
+    y.pow(2).sum().backward()
+    y_ref = sum(m(x) for m in ref)
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    for p, q in zip(param_grads(models), param_grads(ref)):
+        torch.testing.assert_close(p, q)
 
 
 class _Bag(nn.Module):
