@@ -106,6 +106,12 @@ def test_auto_groups_on_one_thread_by_their_layers(cores):
     cores(1)
     y = parsum.sum_models(models, x)
     assert plain_graph(y)
+    like_the_plain_loop(y, models, ref, x)
+
+
+def like_the_plain_loop(y, models, ref, x):
+    """``y``, the sum of ``models`` at ``x``, and their gradients as the plain loop over
+    ``ref``, their copies, gives them."""
     y.pow(2).sum().backward()
     y_ref = sum(m(x) for m in ref)
     y_ref.pow(2).sum().backward()
@@ -134,12 +140,7 @@ def test_auto_leaves_embedding_bags_unstacked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # vmap's "performance drop" warning among them
         y = parsum.sum_models(models, x)
-    y.pow(2).sum().backward()
-    y_ref = sum(m(x) for m in ref)
-    y_ref.pow(2).sum().backward()
-    torch.testing.assert_close(y, y_ref)
-    for p, q in zip(param_grads(models), param_grads(ref)):
-        torch.testing.assert_close(p, q)
+    like_the_plain_loop(y, models, ref, x)
 
 
 def test_auto_groups_by_parameters_rows_and_budget():
