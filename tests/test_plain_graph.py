@@ -67,25 +67,28 @@ def grads_of(models, x, weights, how, n_jobs, preset):
     return y, plain_graph(y), list(torch.autograd.grad(loss, params + wrt_x))
 
 
+@pytest.mark.parametrize("engine", ["auto", "autograd"])
 @pytest.mark.parametrize("x_grad", [False, True])
 @pytest.mark.parametrize("preset", [False, True])
 @pytest.mark.parametrize("how", ["backward", "inputs", "autograd.grad"])
 @pytest.mark.parametrize("weights", list(WEIGHTS))
-def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, cores, monkeypatch):
+def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, engine, cores, monkeypatch):
     # With x_grad, the argument's gradient too (NOTE [ An argument that needs a gradient in a
-    # plain graph ] in parsum._plain_graph)
+    # plain graph ] in parsum._plain_graph); engine "autograd": every model one by one, their
+    # outputs joined by one stack
     cores(1)  # one thread: the calling thread's intra-op count is every chunk's
     x = torch.randn(10, IN, requires_grad=x_grad)
     w = WEIGHTS[weights]
     base = heads()
     runs = []
-    for n_jobs in (None, 1):
-        runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
-    monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
-    runs.append(grads_of(clone_models(base), x, w, how, None, preset))
-    through_parallel_sum(monkeypatch)
-    for n_jobs in (1, 2, 3):
-        runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
+    with parsum.config(engine=engine):
+        for n_jobs in (None, 1):
+            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
+        monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
+        runs.append(grads_of(clone_models(base), x, w, how, None, preset))
+        through_parallel_sum(monkeypatch)
+        for n_jobs in (1, 2, 3):
+            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
     assert [r[1] for r in runs] == [True, True, False, False, False, False]
     y0, _, g0 = runs[0]
     for y, _, g in runs[1:]:
