@@ -373,7 +373,9 @@ def test_flatgrad_used_from_another_thread_leaves_the_callers_graph(kind, cores)
     # whose backward alone writes their .grad (NOTE [ Backward passes in several threads ]).
     # Identical models too, which run as one group there.
     cores(1)
-    models = [mlp([4 + k if kind == "different" else 4]) for k in range(4)]
+    # Identical: three Linear layers, a group on one thread (NOTE [ Small groups of few
+    # layers ] in parsum._grouping)
+    models = [mlp([4 + k] if kind == "different" else [4, 4]) for k in range(4)]
     flat = parsum.FlatGrad(models)
     x = torch.randn(5, IN)
 

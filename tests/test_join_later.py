@@ -50,8 +50,9 @@ def heterogeneous():
 
 
 def with_stacked():
-    # Four identical MLPs make a stacked group, beside other models.
-    return [*(mlp([5]) for _ in range(4)), mlp([7, 3]), mlp([9])]
+    # Four identical MLPs make a stacked group, beside other models, on any budget (three
+    # Linear layers: NOTE [ Small groups of few layers ] in parsum._grouping).
+    return [*(mlp([5, 5]) for _ in range(4)), mlp([7, 3]), mlp([9])]
 
 
 @pytest.fixture(autouse=True)
