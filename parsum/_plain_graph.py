@@ -26,11 +26,10 @@
 # a first layer in place would change (such models go the general way).
 # What is left to the general path: a weight tensor not read as floats (NOTE [ A weight
 # tensor in a plain graph ]), an argument whose gradient is too large to sum at once (NOTE
-# [ An argument that needs a gradient in a plain graph ]), parameters two models share,
-# tensor hooks, FlatGrad slots, random layers, outputs other than float32 or too large to sum
-# at once, other devices, autocast, anomaly detection and saved-tensor hooks (Python that the
-# backward would run in the models' graphs, which may fail there), and calls on several
-# threads.
+# [ An argument that needs a gradient in a plain graph ]), tensor hooks, FlatGrad slots,
+# random layers, outputs other than float32 or too large to sum at once, other devices,
+# autocast, anomaly detection and saved-tensor hooks (Python that the backward would run in
+# the models' graphs, which may fail there), and calls on several threads.
 #
 # NOTE [ An argument that needs a gradient in a plain graph ]
 # The argument's gradient is a sum over the models, which autograd would add in its own order,
@@ -104,9 +103,24 @@
 # (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
 # training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
 # Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
-# at once, the optimizer steps in the backward, or models share parameters (the general path
-# would run the one chunk); larger
-# budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
+# at once, or the optimizer steps in the backward (the general path would run the one chunk);
+# larger budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
+#
+# NOTE [ Parameters several models use in a plain graph ]
+# A parameter several models use (a trunk each model runs before its head, a model listed
+# twice) gets a gradient that is a sum over its models, which autograd would add in its own
+# order, uncompensated. So each use reads it through an alias of its own, an output of one
+# ``_SharedReads`` node a parameter, whose backward adds the uses' gradients as the general
+# path does (NOTE [ Parameters several models use in the caller's graph ] in _inline): in the
+# order it pulls the models back, model by model in a chunk with the chunks' sums merged in
+# chunk order, or all at once with one wide reduction where the argument's gradients are
+# added so (it needs one): the same bits, tested against the caller's graph and ParallelSum at
+# n_jobs 1-3, with chunks of 3 models too. Under create_graph=True it adds them as autograd
+# would, differentiably (so does the general path, in one engine call). Until 2026-12-06 such
+# calls kept the general path, whose pullback ran each model that uses one in an engine call
+# of its own: 16 heads over one trunk that each model runs, batch 64, 2 cores, 1.22x a step
+# in one process against the code before (0.71x -> 0.87x the plain loop, by default and at
+# n_jobs=1 on one thread alike).
 """
 
 from __future__ import annotations
@@ -133,7 +147,7 @@ from ._engines import (
 from ._function import SumPlan, weight_grad_of, weight_values
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
-from ._sparse import sum_terms
+from ._sparse import GradSum, add_grad, merge_grads, sum_terms
 from ._summation import (
     argument_terms_at_once,
     one_weight,
@@ -173,6 +187,8 @@ def sum_in_plain_graph(
     # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
     n_units = sum(map(len, plan.chunks))
     reads = _FannedOut.apply(x, n_units) if x.requires_grad else (x,) * n_units
+    # NOTE [ Parameters several models use in a plain graph ]
+    own_reads = _shared_reads(plan, x.requires_grad) if any(plan.shared) else {}
     try:
         for chunk in plan.chunks:
             for u in chunk:
@@ -181,7 +197,11 @@ def sum_in_plain_graph(
                 if len(members) == 1:
                     program = programs[members[0]]
                     assert program is not None
-                    piece = run_direct(program, read)
+                    model_reads = own_reads.get(members[0])
+                    if model_reads is None:
+                        piece = run_direct(program, read)
+                    else:
+                        piece = _run_reading(program, read, model_reads)
                 else:
                     whole = False
                     first = models[members[0]]
@@ -235,6 +255,78 @@ class _FannedOut(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
         terms = [g for g in grads if g is not None]
         return (sum_terms(terms) if terms else None), None
+
+
+def _shared_reads(plan: SumPlan, at_once: bool) -> dict[int, dict[int, Tensor]]:
+    """For each model that uses a parameter another model uses, the alias of it that the
+    model reads, one ``_SharedReads`` node a parameter (NOTE [ Parameters several models use in
+    a plain graph ]): model index -> {id of the parameter: its alias}."""
+    users: dict[int, list[tuple[int, int]]] = {}  # slot -> (chunk, model), in pullback order
+    for k, chunk in enumerate(plan.chunks):
+        for u in chunk:
+            for i in plan.units[u].models:
+                for slot in plan.param_slots[i]:
+                    if plan.shared[slot]:
+                        users.setdefault(slot, []).append((k, i))
+    found: dict[int, dict[int, Tensor]] = {}
+    for slot, its_users in users.items():
+        param = plan.params[slot]
+        chunks = tuple(k for k, _ in its_users)
+        aliases = _SharedReads.apply(param, chunks, at_once)
+        for (_, i), alias in zip(its_users, aliases):
+            found.setdefault(i, {})[id(param)] = alias
+    return found
+
+
+class _SharedReads(torch.autograd.Function):
+    """A parameter several models use, as an alias for each use (``chunks``: each one's
+    chunk, in the order the general path pulls them back), whose gradients are added as that
+    path adds them (NOTE [ Parameters several models use in a plain graph ])."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, param: Tensor, chunks: tuple[int, ...], at_once: bool
+    ) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a model whose graph does not reach it gives None
+        ctx.chunks, ctx.at_once = chunks, at_once
+        return tuple(param.view_as(param) for _ in chunks)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None]:
+        given = [(k, g) for k, g in zip(ctx.chunks, grads) if g is not None]
+        if not given:
+            return None, None, None
+        if torch.is_grad_enabled():  # create_graph: autograd's own adding, differentiable
+            total = given[0][1]
+            for _, g in given[1:]:
+                total = total + g
+            return total, None, None
+        if ctx.at_once:  # as the arguments' terms (NOTE [ Argument gradients at once ])
+            return sum_terms([g for _, g in given]), None, None
+        # Model by model within a chunk, the chunks' sums merged in chunk order
+        totals: dict[int, GradSum] = {}
+        partial: dict[int, GradSum] = {}
+        for n, (k, g) in enumerate(given):
+            add_grad(partial, 0, g)
+            if n + 1 == len(given) or given[n + 1][0] != k:
+                merge_grads(totals, 0, partial.pop(0))
+        return totals[0].result(), None, None
+
+
+def _run_reading(program: DirectProgram, x: Tensor, reads: dict[int, Tensor]) -> Tensor:
+    """``run_direct`` of a program of known layers, each parameter in ``reads`` read through
+    its alias there."""
+    h = x
+    for step in program.steps:
+        if isinstance(step, tuple):
+            weight, bias = step
+            bias = None if bias is None else reads.get(id(bias), bias)
+            h = torch._C._nn.linear(h, reads.get(id(weight), weight), bias)
+            continue
+        module = step()
+        assert module is not None  # the walk that holds the program found it alive
+        h = module.forward(h)
+    return h
 
 
 class _Guard(NamedTuple):
@@ -370,7 +462,7 @@ def plain_graph_pays(
         return False
     if weight_tensor is not None and _floats_of(weight_tensor) is None:
         return False
-    if any(walk.shared) or not _of_known_layers(walk) or len(model_params) < 2:
+    if not _of_known_layers(walk) or len(model_params) < 2:
         return False
     # NOTE [ An argument that needs a gradient in a plain graph ]
     if any(t.requires_grad for t in tensors) and not (
@@ -405,7 +497,6 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         and (not x.requires_grad or argument_terms_at_once(len(plan.models), [x]))
         and (weights is None or all(type(w) is float for w in weights))
         and walk.params_are_leaves
-        and not any(plan.shared)
         and walk.no_user_tensor_hooks()
         and not walk.slots_in_flat_grads.any_slot()
         and not torch.is_autocast_enabled("cpu")

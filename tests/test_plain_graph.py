@@ -98,6 +98,87 @@ def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, engine, cor
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+def with_a_trunk(seed: int = 0) -> list[nn.Module]:
+    """Heads over one trunk each model runs, a head of its own twice, and models that share
+    nothing: parameters several models use (NOTE [ Parameters several models use in a plain
+    graph ] in parsum._plain_graph)."""
+    torch.manual_seed(seed)
+    trunk = nn.Sequential(nn.Linear(IN, 6), nn.Tanh())
+    models: list[nn.Module] = [
+        nn.Sequential(trunk, nn.Linear(6, 3 + i % 3), nn.ReLU(), nn.Linear(3 + i % 3, OUT))
+        for i in range(7)
+    ]
+    models.append(models[2])  # the same model twice: every parameter of it twice
+    models += [mlp([5 + i]) for i in range(3)]
+    models.insert(4, nn.Sequential(nn.Linear(IN, 6), trunk[1], nn.Linear(6, OUT)))
+    return models
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("x_grad", [False, True])
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+@pytest.mark.parametrize("weights", ["none", "distinct"])
+def test_parameters_several_models_use(weights, how, x_grad, chunk_size, cores, monkeypatch):
+    # Their gradients added as the general path adds them: model by model within a chunk and
+    # the chunks in order, or all at once where the argument's are (x_grad)
+    cores(1)
+    x = torch.randn(10, IN, requires_grad=x_grad)
+    base = with_a_trunk()
+    w = None if weights == "none" else [0.5 + 0.25 * i for i in range(len(base))]
+    runs = []
+    with parsum.config(chunk_size=chunk_size):
+        for n_jobs in (None, 1):
+            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, False))
+        monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
+        runs.append(grads_of(clone_models(base), x, w, how, None, False))
+        through_parallel_sum(monkeypatch)
+        for n_jobs in (1, 2, 3):
+            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, False))
+    assert [r[1] for r in runs] == [True, True, False, False, False, False]
+    y0, _, g0 = runs[0]
+    for y, _, g in runs[1:]:
+        assert torch.equal(y, y0)
+        for a, b in zip(g, g0, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    # And the plain loop's, within rounding
+    reference = clone_models(base)
+    xr = x.detach().requires_grad_(x_grad)
+    expected = plain_sum(reference, xr, weights=w)
+    torch.testing.assert_close(y0, expected)
+    if how == "backward":
+        expected.pow(2).sum().backward()
+        wanted = param_grads(reference) + ([xr.grad] if x_grad else [])
+    else:
+        params = [p for m in reference for p in m.parameters()] + ([xr] if x_grad else [])
+        wanted = list(torch.autograd.grad(expected.pow(2).sum(), params))
+    for a, b in zip(g0, wanted, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_penalty_through_parameters_several_models_use(cores):
+    # Second derivatives through a trunk's gradient, against the plain loop
+    cores(1)
+    base = with_a_trunk(seed=3)
+    x = torch.randn(8, IN)
+
+    def penalized(models, y):
+        params = [p for m in models for p in m.parameters()]
+        first = torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
+        return torch.autograd.grad(sum(g.pow(2).sum() for g in first), params)
+
+    models, reference = clone_models(base), clone_models(base)
+    wide = [m.double() for m in clone_models(base)]
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y)
+    got, expected = penalized(models, y), penalized(reference, plain_sum(reference, x))
+    exact = penalized(wide, plain_sum(wide, x.double()))
+    for a, b, c in zip(got, expected, exact, strict=True):
+        # float32 second derivatives of up to about 30: rounding of 1e-5 relative
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        scale = c.abs().max().item()
+        assert (a.double() - c).abs().max() <= 1e-6 * scale + 1e-7
+
+
 def weighted_by_a_tensor(models, x, kind, n_jobs):
     """The sum weighted by a tensor of ``kind``, and the gradients of a squared loss: the
     parameters', and the logits' or the weights' where they need one."""
@@ -401,11 +482,6 @@ def with_hook(models):
     return models
 
 
-def shared(models):
-    models[4][0] = models[1][0]
-    return models
-
-
 def in_place_first(models):
     models[0] = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(IN, OUT))
     return models
@@ -431,7 +507,6 @@ def own_class(models):
 
 CHANGES = {
     "a hooked parameter": (with_hook, {}),
-    "a shared layer": (shared, {}),
     "a first layer in place": (in_place_first, {}),
     "dropout": (dropout, {}),
     "batch norm": (batch_norm, {}),
