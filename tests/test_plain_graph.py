@@ -80,22 +80,29 @@ def test_the_bits_of_the_general_paths(weights, how, preset, x_grad, engine, cor
     x = torch.randn(10, IN, requires_grad=x_grad)
     w = WEIGHTS[weights]
     base = heads()
-    runs = []
     with parsum.config(engine=engine):
-        for n_jobs in (None, 1):
-            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
-        monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
-        runs.append(grads_of(clone_models(base), x, w, how, None, preset))
-        through_parallel_sum(monkeypatch)
-        for n_jobs in (1, 2, 3):
-            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, preset))
+        the_same_bits_on_every_path(base, x, w, how, preset, monkeypatch)
+
+
+def the_same_bits_on_every_path(base, x, weights, how, preset, monkeypatch):
+    """Assert that copies of ``base`` give the same sum and gradients (``grads_of``) as a
+    plain graph with n_jobs unset and 1, through the caller's graph and through ParallelSum at
+    n_jobs 1-3; the plain graph's sum and gradients."""
+    runs = []
+    for n_jobs in (None, 1):
+        runs.append(grads_of(clone_models(base), x, weights, how, n_jobs, preset))
+    monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
+    runs.append(grads_of(clone_models(base), x, weights, how, None, preset))
+    through_parallel_sum(monkeypatch)
+    for n_jobs in (1, 2, 3):
+        runs.append(grads_of(clone_models(base), x, weights, how, n_jobs, preset))
     assert [r[1] for r in runs] == [True, True, False, False, False, False]
     y0, _, g0 = runs[0]
     for y, _, g in runs[1:]:
         assert torch.equal(y, y0)
-        assert len(g) == len(g0)
-        for a, b in zip(g, g0):
+        for a, b in zip(g, g0, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+    return y0, g0
 
 
 def with_a_trunk(seed: int = 0) -> list[nn.Module]:
@@ -125,21 +132,8 @@ def test_parameters_several_models_use(weights, how, x_grad, chunk_size, cores, 
     x = torch.randn(10, IN, requires_grad=x_grad)
     base = with_a_trunk()
     w = None if weights == "none" else [0.5 + 0.25 * i for i in range(len(base))]
-    runs = []
     with parsum.config(chunk_size=chunk_size):
-        for n_jobs in (None, 1):
-            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, False))
-        monkeypatch.setattr(_api, "sum_in_plain_graph", lambda *a: None)  # the caller's graph
-        runs.append(grads_of(clone_models(base), x, w, how, None, False))
-        through_parallel_sum(monkeypatch)
-        for n_jobs in (1, 2, 3):
-            runs.append(grads_of(clone_models(base), x, w, how, n_jobs, False))
-    assert [r[1] for r in runs] == [True, True, False, False, False, False]
-    y0, _, g0 = runs[0]
-    for y, _, g in runs[1:]:
-        assert torch.equal(y, y0)
-        for a, b in zip(g, g0, strict=True):
-            assert (a is None and b is None) or torch.equal(a, b)
+        y0, g0 = the_same_bits_on_every_path(base, x, w, how, False, monkeypatch)
     # And the plain loop's, within rounding
     reference = clone_models(base)
     xr = x.detach().requires_grad_(x_grad)
