@@ -322,6 +322,9 @@ class ModelMaker:
         elif kind == "tied":
             self.shared = self.shared or nn.Linear(IN, 5)
             m = Tied(self.shared)
+        elif kind == "tied sequential":  # known layers: a plain graph on one thread
+            self.shared = self.shared or nn.Linear(IN, 5)
+            m = nn.Sequential(self.shared, nn.Tanh(), nn.Linear(5, OUT))
         elif kind == "rows":  # the table of an earlier one, or its own
             tables = [m.table for m in models if isinstance(m, Rows)]
             m = Rows(rng.choice(tables) if tables and rng.random() < 0.5 else None)
@@ -439,7 +442,8 @@ class Case:
         # autograd.grad does not reach the models of a stack (docs/identical-models.md)
         case.stacked_storage = case.how != "autograd.grad" and rng.random() < 0.25
         # StepInBackward takes each model once, and no parameter of two models.
-        once_each = len({id(m) for m in case.models}) == n and "tied" not in case.kinds
+        once_each = len({id(m) for m in case.models}) == n
+        once_each = once_each and not {"tied", "tied sequential"} & set(case.kinds)
         once_each = once_each and len({id(p) for p in unique_params(case.models)}) == sum(
             len(list(m.parameters())) for m in case.models
         )
@@ -538,14 +542,16 @@ class Case:
             self.kinds = ["tree"] * rng.randint(1, 5)
             return [TreeOut(rng.choice([4, 8])) for _ in self.kinds]
         maker = ModelMaker(rng)
+        kinds = (
+            ["mlp"] * 3
+            + ["relu mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank"]
+            + ["batchnorm", "dropout", "repeated", "tied", "rows", "checkpointed"]
+            + ["nested", "constant", "bag", "compiled", "tied sequential"]
+        )
+        if rng.random() < 0.15:  # known layers alone (NOTE [ Known layers in a plain graph ])
+            kinds = ["mlp", "relu mlp", "random mlp", "repeated", "tied sequential"]
         for _ in range(rng.randint(1, 8)):
-            kind = rng.choice(
-                ["mlp"] * 3
-                + ["relu mlp", "random mlp", "layernorm", "conv", "parametrized", "low rank"]
-                + ["batchnorm", "dropout", "repeated", "tied", "rows", "checkpointed"]
-                + ["nested", "constant", "bag", "compiled"]
-            )
-            self.kinds.append(maker.add(kind))
+            self.kinds.append(maker.add(rng.choice(kinds)))
         models = maker.models
         if all(map(_constant, models)):  # else nothing to differentiate (and under "vjp"
             models.append(mlp([8]))  # the plain loop's loss needs no gradient, parsum's does)
