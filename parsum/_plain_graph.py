@@ -183,7 +183,6 @@ def sum_in_plain_graph(
     pieces: list[Tensor] = []
     order: list[int] = []
     placed: list[Unit] = []  # each piece's unit, whose first model a failure in backward names
-    whole = True  # every piece one model's output: joined by one stack, with no unsqueezes
     # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
     n_units = sum(map(len, plan.chunks))
     reads = _FannedOut.apply(x, n_units) if x.requires_grad else (x,) * n_units
@@ -198,12 +197,10 @@ def sum_in_plain_graph(
                     program = programs[members[0]]
                     assert program is not None
                     model_reads = own_reads.get(members[0])
-                    if model_reads is None:
-                        piece = run_direct(program, read)
-                    else:
-                        piece = _run_reading(program, read, model_reads)
+                    if model_reads is not None:
+                        program = _reading(program, model_reads)
+                    piece = run_direct(program, read)
                 else:
-                    whole = False
                     first = models[members[0]]
                     assert isinstance(first, nn.Module)  # a direct program's model
                     group = [plan.model_params[i] for i in members]
@@ -216,11 +213,12 @@ def sum_in_plain_graph(
                 pieces.append(piece)
                 order.extend(members)
                 placed.append(units[u])
-        # Outputs of different shapes raise here (neither joins them by broadcasting)
-        if whole:
+        # Outputs of different shapes raise here (neither joins them by broadcasting). Where
+        # every piece is one model's output, one stack joins them, with no unsqueezes.
+        singles = [len(unit.models) == 1 for unit in placed]
+        if all(singles):
             terms = torch.stack(pieces)
         else:
-            singles = [len(unit.models) == 1 for unit in placed]
             terms = torch.cat([p.unsqueeze(0) if one else p for p, one in zip(pieces, singles)])
     except Exception:
         return None
@@ -313,20 +311,18 @@ class _SharedReads(torch.autograd.Function):
         return totals[0].result(), None, None
 
 
-def _run_reading(program: DirectProgram, x: Tensor, reads: dict[int, Tensor]) -> Tensor:
-    """``run_direct`` of a program of known layers, each parameter in ``reads`` read through
-    its alias there."""
-    h = x
-    for step in program.steps:
-        if isinstance(step, tuple):
-            weight, bias = step
-            bias = None if bias is None else reads.get(id(bias), bias)
-            h = torch._C._nn.linear(h, reads.get(id(weight), weight), bias)
-            continue
-        module = step()
-        assert module is not None  # the walk that holds the program found it alive
-        h = module.forward(h)
-    return h
+def _reading(program: DirectProgram, reads: dict[int, Tensor]) -> DirectProgram:
+    """``program`` with each parameter in ``reads`` read through its alias there."""
+    steps = [
+        (
+            reads.get(id(step[0]), step[0]),
+            None if step[1] is None else reads.get(id(step[1]), step[1]),
+        )
+        if isinstance(step, tuple)
+        else step
+        for step in program.steps
+    ]
+    return program._replace(steps=steps)
 
 
 class _Guard(NamedTuple):
