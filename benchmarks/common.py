@@ -96,6 +96,20 @@ class Bag(nn.Module):
         return self.head(self.bag(x))
 
 
+class TrunkHead(nn.Module):
+    """A head over a trunk that other heads share: the trunk's output through two Linear
+    layers, as a class of its own."""
+
+    def __init__(self, trunk: nn.Module, width: int) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.hidden = nn.Linear(128, width)
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.trunk(x))))
+
+
 class Recurrent(nn.Module):
     """An LSTM over 8 features a step with a Linear head on its last step."""
 
@@ -216,6 +230,16 @@ def workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 64
         desc = f"16 heads of widths 32-80 over one trunk of width 128, batch {b}"
         return Workload(name, desc, models, torch.randn(b, 64))
+    if name == "trunk-classes":
+        # The heads of shared-trunk as a user writes a multi-head model: a class of its own
+        # that runs the trunk it holds. Not a Sequential of known layers, so never a plain
+        # graph: the caller's graph pulls back each model that uses the trunk in an engine
+        # call of its own (NOTE [ Parameters several models use in the caller's graph ]).
+        trunk = nn.Sequential(nn.Linear(64, 128), nn.Tanh())
+        models = [TrunkHead(trunk, 32 + 16 * (i % 4)) for i in range(16)]
+        b = batch or 64
+        desc = f"16 head classes of widths 32-80 over one trunk of width 128, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
     if name == "heads":
         # Heads over features that a trunk made before the sum (x standing for them: with
         # ``--step train-x`` its gradient is wanted too): small models with many repeats.
@@ -254,7 +278,8 @@ def workload(name: str, batch: int | None = None) -> Workload:
         return Workload(name, desc, models, torch.randn(b, 10, 8))
     extra = (
         "distinct-tiny", "distinct-medium", "identical-classes", "mixed-sizes", "dropout-medium",
-        "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk", "heads",
+        "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk",
+        "trunk-classes", "heads",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 
