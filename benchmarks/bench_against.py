@@ -60,6 +60,7 @@ from common import (
     Members,
     interleaved,
     loss_of,
+    parameters_of,
     parsum_adam_step,
     parsum_sib_step,
     parsum_step,
@@ -187,7 +188,7 @@ def step_of(
     if args.sib:
         return functools.partial(parsum_sib_step(models, package, args.n_jobs), x)
     if args.adam:
-        params = [p for m in models for p in m.parameters()]
+        params = parameters_of(models)
         return functools.partial(parsum_adam_step(models, params, False, args.n_jobs, package), x)
     return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
 
@@ -210,7 +211,7 @@ def _gradient_in_x(total: Callable[..., Any], models: list, x: torch.Tensor, n_j
 def _gradient_in_params(
     total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any
 ) -> None:
-    params = [p for m in models for p in m.parameters()]
+    params = parameters_of(models)
     torch.autograd.grad(loss_of(total(models, x, n_jobs=n_jobs)), params)
 
 
@@ -219,7 +220,7 @@ def _micro_batch(total: Callable[..., Any], models: list, x: torch.Tensor, n_job
 
 
 def _with_l2_term(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
-    params = [p for m in models for p in m.parameters()]
+    params = parameters_of(models)
     loss = loss_of(total(models, x, n_jobs=n_jobs)) + 1e-4 * sum(p.pow(2).sum() for p in params)
     loss.backward()
     zero_grads(models)  # .grad None: a FlatGrad's views come back at the next backward

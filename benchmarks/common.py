@@ -586,10 +586,16 @@ def vmap_step(models: list[nn.Module], adam: bool = False) -> Callable[[torch.Te
     return step
 
 
+def parameters_of(models: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Every model's parameters, each once (models may share some: a trunk), in model order:
+    an optimizer given one twice steps it twice, and warns."""
+    return list(dict.fromkeys(p for m in models for p in m.parameters()))
+
+
 def plain_adam_step(models: list[nn.Module]) -> Callable[[torch.Tensor], None]:
     """The plain loop then one ``torch.optim.Adam`` step over every model's parameters (its
     ``zero_grad()`` first): a training step as users write it."""
-    optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-3)
+    optimizer = torch.optim.Adam(parameters_of(models), lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
         optimizer.zero_grad()
