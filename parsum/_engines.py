@@ -846,14 +846,7 @@ def run_through_views(
         steps = program.steps
         linear = {id(t) for step in steps if isinstance(step, tuple) for t in step}
         if linear.issuperset(views):
-            get = views.get
-            mine = [
-                (get(id(s[0]), s[0]), s[1] if s[1] is None else get(id(s[1]), s[1]))
-                if isinstance(s, tuple)
-                else s
-                for s in steps
-            ]
-            return run_direct(program._replace(steps=mine), args[0])
+            return run_direct(program_reading(program, views), args[0])
     shadowed: dict[int, tuple[nn.Module, nn.Module]] = {}
     module = module_of(model)
     assert module is not None
@@ -1591,6 +1584,19 @@ class DirectProgram(NamedTuple):
     noise: list[Tensor | None] | None = None
     misses: list[nn.Module] | None = None
     record: list[tuple[torch.Size, torch.dtype, torch.device, bool]] | None = None
+
+
+def program_reading(program: DirectProgram, reads: dict[int, Tensor]) -> DirectProgram:
+    """``program`` with each Linear tensor in ``reads`` (by its id) read as the tensor there:
+    a view of a hooked parameter, an alias of a shared one."""
+    get = reads.get
+    steps = [
+        (get(id(s[0]), s[0]), s[1] if s[1] is None else get(id(s[1]), s[1]))
+        if isinstance(s, tuple)
+        else s
+        for s in program.steps
+    ]
+    return program._replace(steps=steps)
 
 
 def direct_program(model: Any, params: ModelParams) -> DirectProgram | None:

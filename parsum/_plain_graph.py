@@ -142,6 +142,7 @@ from ._engines import (
     Unit,
     batched_in_graph,
     direct_calls_allowed,
+    program_reading,
     run_direct,
 )
 from ._function import SumPlan, weight_grad_of, weight_values
@@ -198,7 +199,7 @@ def sum_in_plain_graph(
                     assert program is not None
                     model_reads = own_reads.get(members[0])
                     if model_reads is not None:
-                        program = _reading(program, model_reads)
+                        program = program_reading(program, model_reads)
                     piece = run_direct(program, read)
                 else:
                     first = models[members[0]]
@@ -309,20 +310,6 @@ class _SharedReads(torch.autograd.Function):
             if n + 1 == len(given) or given[n + 1][0] != k:
                 merge_grads(totals, 0, partial.pop(0))
         return totals[0].result(), None, None
-
-
-def _reading(program: DirectProgram, reads: dict[int, Tensor]) -> DirectProgram:
-    """``program`` with each parameter in ``reads`` read through its alias there."""
-    steps = [
-        (
-            reads.get(id(step[0]), step[0]),
-            None if step[1] is None else reads.get(id(step[1]), step[1]),
-        )
-        if isinstance(step, tuple)
-        else step
-        for step in program.steps
-    ]
-    return program._replace(steps=steps)
 
 
 class _Guard(NamedTuple):
