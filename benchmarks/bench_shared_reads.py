@@ -30,10 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import loss_of, parameters_of, workload, zero_grads
+from common import loss_of, parameters_of, parsum_step, plain_step, workload, zero_grads
 from torch.overrides import TorchFunctionMode
-
-import parsum
 
 
 class ReadThrough(TorchFunctionMode):
@@ -73,13 +71,15 @@ class Views(torch.autograd.Function):
         return total.to(given[0].dtype), None
 
 
-def views_step(models: list[Any], x: torch.Tensor, shared: list[torch.Tensor]) -> torch.Tensor:
+def views_step(models: list[Any], x: torch.Tensor, shared: list[torch.Tensor]) -> None:
+    """The prototype's step, forward and backward, from ``.grad`` None."""
+    zero_grads(models)
     views = [Views.apply(p, len(models)) for p in shared]
     outs = []
     for i, model in enumerate(models):
         with ReadThrough({id(p): v[i] for p, v in zip(shared, views)}):
             outs.append(model(x))
-    return loss_of(torch.stack(outs).double().sum(0).float())
+    loss_of(torch.stack(outs).double().sum(0).float()).backward()
 
 
 def escapes_mode() -> bool:
@@ -114,12 +114,11 @@ def main() -> None:
     params = parameters_of(models)
 
     def grads_of(step: Callable[[], None]) -> list[torch.Tensor]:
-        zero_grads(models)
         step()
         return [p.grad.clone() for p in params]  # type: ignore[union-attr]
 
-    plain = grads_of(lambda: loss_of(sum(m(x) for m in models)).backward())
-    views = grads_of(lambda: views_step(models, x, shared).backward())
+    plain = grads_of(lambda: plain_step(models, x))
+    views = grads_of(lambda: views_step(models, x, shared))
     diff = max((a - b).abs().max().item() for a, b in zip(plain, views))
     print(f"{w.description}, torch {torch.__version__}, one intra-op thread")
     print(f"views' gradients against the plain loop's: max difference {diff:.3g}")
@@ -132,9 +131,9 @@ def main() -> None:
                 m(x)
 
     methods: dict[str, Callable[[], Any]] = {
-        "plain": lambda: loss_of(sum(m(x) for m in models)).backward(),
-        "parsum 1": lambda: loss_of(parsum.sum_models(models, x, n_jobs=1)).backward(),
-        "views": lambda: views_step(models, x, shared).backward(),
+        "plain": lambda: plain_step(models, x),
+        "parsum 1": lambda: parsum_step(models, x, n_jobs=1),
+        "views": lambda: views_step(models, x, shared),
         "forward plain": lambda: [m(x) for m in models],
         "forward mode": forward_under_mode,
     }
@@ -143,7 +142,6 @@ def main() -> None:
         for name, step in methods.items():
             start = time.thread_time_ns()
             for _ in range(opts.steps):
-                zero_grads(models)
                 step()
             best[name] = min(best[name], (time.thread_time_ns() - start) / opts.steps / 1e6)
     for name, ms in best.items():
