@@ -198,6 +198,7 @@ def sum_models(
 
     call = CallArgs.flatten(args, kwargs)
     _check_hidden_tensors(call)
+    _check_nested_tensors(call)
     if torch._C._are_functorch_transforms_active() or (
         _dual_level() >= 0 and _tangent_carrier(models, call, weight_tensor) is not None
     ):  # NOTE [ Inside a transform ] in _transformed; NOTE [ Forward-mode AD ]
@@ -579,6 +580,26 @@ def _check_hidden_tensors(call: CallArgs) -> None:
                     "this one would get none: pass the tensor itself, or register the class "
                     "as a pytree node (torch.utils._pytree.register_dataclass)"
                 )
+
+
+def _check_nested_tensors(call: CallArgs) -> None:
+    """Refuse a nested tensor argument (``torch.nested``) before any model runs: the plans'
+    cost estimates read an argument's shape, which a nested tensor does not have, and the
+    pullbacks and sums take dense tensors."""
+    for j in call.tensor_positions:
+        t = call.leaves[j]
+        if t.is_nested:
+            if call.spec is not None:
+                which = "an argument"
+            elif j < call.n_args:
+                which = f"argument {j}"
+            else:
+                which = f"keyword argument {call.keywords[j - call.n_args]!r}"
+            raise ParsumError(
+                f"{_WHERE}: {which} is a nested tensor (torch.nested, layout {t.layout}, "
+                f"{t.size(0)} components); parsum runs models on dense tensors: pass "
+                "nt.to_padded_tensor(0.0) with a mask, or one call a component"
+            )
 
 
 # NOTE [ Forward-mode AD ]

@@ -276,7 +276,8 @@ def _has_backward_hooks(model: Any) -> bool:
 
 
 def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature]:
-    if isinstance(out, Tensor) and out.layout == torch.strided:  # the usual output: no pytree walk
+    if isinstance(out, Tensor) and out.layout == torch.strided and not out.is_nested:
+        # the usual output: no pytree walk
         return [out], (LEAF_SPEC, ((out.shape, out.dtype, out.device),))
     leaves, spec = pytree.tree_flatten(out)
     if not leaves:
@@ -290,6 +291,12 @@ def _signature(plan: SumPlan, i: int, out: Any) -> tuple[list[Tensor], Signature
             raise ParsumError(
                 f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a "
                 f"{type(leaf).__name__} as output leaf {j}; expected tensors only"
+            )
+        if leaf.is_nested:
+            raise ParsumError(
+                f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a nested "
+                f"tensor (torch.nested, layout {leaf.layout}) as output leaf {j}; parsum sums "
+                "dense (strided) tensors: return out.to_padded_tensor(0.0)"
             )
         if leaf.layout != torch.strided:
             raise ParsumError(

@@ -216,6 +216,19 @@ def _inside_a_transform(rank: int) -> None:
     _same_on_every_rank(parsum.distributed.sum_models(mine, x))
 
 
+def _nested_argument(rank: int) -> None:
+    # Every rank refuses it (the arguments are the same on every rank) before any model runs,
+    # with or without a gradient wanted, and the ranks are still in step.
+    mine = [nn.Linear(IN, OUT)]
+    parts = [torch.randn(2, IN), torch.randn(3, IN)]
+    for needs_grad in (False, True):
+        nt = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=needs_grad)
+        with pytest.raises(parsum.ParsumError, match=r"argument 0 is a nested tensor"):
+            parsum.distributed.sum_models(mine, nt)
+    assert all(p.grad is None for p in mine[0].parameters())
+    _same_on_every_rank(parsum.distributed.sum_models(mine, torch.randn(4, IN)))
+
+
 def _mismatch(rank: int) -> None:
     mine = [nn.Linear(IN, OUT + rank)]
     with pytest.raises(parsum.ParsumError, match=r"returned another output structure, shape"):
@@ -680,6 +693,7 @@ SCENARIOS = {
     "forward_failure": _forward_failure,
     "inside_a_transform": _inside_a_transform,
     "mismatch": _mismatch,
+    "nested_argument": _nested_argument,
     "backward_failure": _backward_failure,
     "nccl": _nccl,
     "stacked_storage": _stacked_storage,
@@ -709,6 +723,7 @@ SCENARIOS = {
         "forward_failure",
         "inside_a_transform",
         "mismatch",
+        "nested_argument",
         "stacked_storage",
         "one_exchange",
         "shares",

@@ -111,13 +111,52 @@ class Returns(nn.Module):
         (lambda y: (), r"model 4 \(Returns\) returned no tensor \(tuple\)"),
         # A raw RuntimeError from parsum's sum before ("COO only supports memory format")
         (lambda y: y.to_sparse(), r"model 4 \(Returns\) returned a torch.sparse_coo tensor"),
+        # A raw RuntimeError before ("NestedTensorImpl doesn't support sizes")
+        (
+            lambda y: torch.nested.nested_tensor(list(y)),
+            r"model 4 \(Returns\) returned a nested tensor \(torch.nested, layout "
+            r"torch.strided\) as output leaf 0",
+        ),
+        (
+            lambda y: torch.nested.nested_tensor(list(y), layout=torch.jagged),
+            r"model 4 \(Returns\) returned a nested tensor \(torch.nested, layout "
+            r"torch.jagged\) as output leaf 0",
+        ),
     ],
 )
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("chunk_size", [2, 3])  # model 4 first in its chunk, or second
 def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match, chunk_size):
     models = [Returns(lambda y: y) for _ in range(4)] + [Returns(bad) for _ in range(3)]
     with pytest.raises(parsum.ParsumError, match=match):
         parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=chunk_size)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.parametrize(
+    ("call", "which"),
+    [
+        (lambda models, nt: parsum.sum_models(models, nt), "argument 0"),
+        (lambda models, nt: parsum.sum_models(models, x=nt), "keyword argument 'x'"),
+        (lambda models, nt: parsum.sum_models(models, [nt]), "an argument"),
+    ],
+)
+def test_a_nested_tensor_argument_is_refused_before_any_model_runs(layout, call, which):
+    # Before, a raw RuntimeError from the plan's cost estimate ("NestedTensorImpl doesn't
+    # support sizes"), or a model's backward failing on the jagged layout.
+    calls = []
+    models = [Returns(lambda y: calls.append(1) or y) for _ in range(3)]
+    nt = torch.nested.nested_tensor(
+        [torch.randn(2, IN), torch.randn(3, IN)], layout=layout, requires_grad=True
+    )
+    with pytest.raises(
+        parsum.ParsumError,
+        match=rf"sum_models: {which} is a nested tensor \(torch.nested, layout {layout}, 2 "
+        r"components\); .* nt.to_padded_tensor\(0.0\)",
+    ):
+        call(models, nt)
+    assert not calls and nt.grad is None
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2, 3])
