@@ -19,6 +19,7 @@ from . import _config, _pool
 from ._engines import (
     COMPILED_MODULES,
     GLOBAL_BACKWARD_HOOKS,
+    GLOBAL_HOOKS,
     CallArgs,
     ModelParams,
     Unit,
@@ -86,7 +87,7 @@ from ._random import (
 )
 from ._sparse import has_user_hooks
 from ._stack import (
-    TOO_LARGE,
+    ONE_BY_ONE,
     StackedForwardFailed,
     group_in_callers_graph,
     stack_for,
@@ -241,7 +242,7 @@ def sum_models(
                 out = general(step_in_backward)
                 stack.give_up(f"its batched forward raised {failed.__cause__!r:.200}")
                 return out
-            if out is TOO_LARGE:
+            if out is ONE_BY_ONE:
                 out = general(step_in_backward)
                 if step_in_backward is None:  # else the gradients are stepped and dropped
                     stack.attach_at_backward(out)
@@ -330,6 +331,7 @@ def _general_sum(
         gil,
         vmap_failure_count(),
         differentiable_args,
+        any(GLOBAL_HOOKS),  # NOTE [ Global module hooks and stacked groups ] in _grouping
     )
     derived = walk.derived.get(key)
     if derived is None:

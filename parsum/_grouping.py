@@ -284,6 +284,7 @@ from torch import Tensor, nn
 from . import _config, _pool
 from ._config import thread_budget
 from ._engines import (
+    GLOBAL_HOOKS,
     MODULE_INTERNALS,
     VMAP_FAILED,
     ModelParams,
@@ -428,6 +429,20 @@ def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int
     return AUTO_STACK_STORAGE_MAX_PARAM_ROWS_ONE_THREAD
 
 
+# NOTE [ Global module hooks and stacked groups ]
+# A global module hook (``register_module_forward_hook`` and the like: ModuleTracker's,
+# FlopCounterMode's, a user's activation logger) runs, in the plain loop, for every module of
+# every model. A stacked group runs none of its models' modules: Sequentials of known layers as
+# batched matmuls (NOTE [ Batched layers ] in _engines), which called no hook at all (8
+# identical MLPs with a hook scaling each Linear's output by 1.5 summed to values off by 1.6 to
+# 6, silently), others through vmap over shadow modules, whose hooks ran once a group on the
+# shadows (3 calls where the plain loop makes 24). So while one is registered no group is
+# stacked, whatever the engine: the models run one by one, through their own modules, and
+# models in ``stack_`` storage too, for that call, their gradients gathered into the stack's
+# buffers as for models too large to stack (``ONE_BY_ONE`` in _stack); the next call without
+# a hook stacks them again. The hook's presence is part of the plan's key.
+
+
 def plan_units(
     models: Sequence[Callable[..., Any]],
     model_params: Sequence[ModelParams],
@@ -442,6 +457,8 @@ def plan_units(
     model i's ``structure_key`` where it is known already."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
+    if any(GLOBAL_HOOKS):  # NOTE [ Global module hooks and stacked groups ]
+        return [Unit((i,), "autograd") for i in range(len(models))]
     auto = engine == "auto"
     min_models = AUTO_STACK_MIN_BATCHED if auto else 2
     # Models of one parameter layout first: the sharing check and structure keys cost far more,

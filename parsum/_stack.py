@@ -610,7 +610,7 @@ class Stack(Sequence[nn.Module]):
             self._drop_zeroed_frozen()
         if self._handles_seen is None or handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
-            if any(map(len, self._hook_dicts)) or any(map(len, GLOBAL_HOOKS)):
+            if any(map(len, self._hook_dicts)):
                 return "a module hook was registered"
             tensors = self._trainable_tensors
             if any(map(_tensor_hooks, tensors)):
@@ -1018,9 +1018,11 @@ def stack_for(models: Sequence[Any]) -> Stack | None:
     return stack
 
 
-# What ``stacked_sum`` returns where ``auto`` finds the models too large for one batched
-# forward: they run one by one, into the stack's gradient buffers (``Stack.attach_at_backward``).
-TOO_LARGE = object()
+# What ``stacked_sum`` returns where the models run one by one this call, into the stack's
+# gradient buffers (``Stack.attach_at_backward``): ``auto`` finds them too large for one batched
+# forward, or a global module hook is registered (NOTE [ Global module hooks and stacked
+# groups ] in _grouping).
+ONE_BY_ONE = object()
 
 
 # Raised inside ``stacked_sum`` where the models' batched forward failed; the caller runs
@@ -1038,14 +1040,17 @@ def stacked_sum(
     step_in_backward: StepInBackward | None = None,
 ) -> Any:
     """The weighted sum of a stack's models' outputs, the models run as one batched forward;
-    None when the stack cannot run as one now, TOO_LARGE when ``auto`` finds the models too
-    large to pay (``max_param_rows``, parameters times batch rows; None: any size).
+    None when the stack cannot run as one now, ONE_BY_ONE when ``auto`` finds the models too
+    large to pay (``max_param_rows``, parameters times batch rows; None: any size) or a
+    global module hook is registered.
 
     Raises:
         StackedForwardFailed: the batched forward raised (chained).
     """
     if autocast_states() and not runs_as_program(stack._program, *call.build()):
         return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
+    if any(GLOBAL_HOOKS):  # NOTE [ Global module hooks and stacked groups ] in _grouping
+        return ONE_BY_ONE
     handles = handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:
         reason = stack._check()
@@ -1054,7 +1059,7 @@ def stacked_sum(
             stack._warn(reason)
             return None
         if max_param_rows is not None and stack._numel * _batch(call).rows > max_param_rows:
-            return TOO_LARGE
+            return ONE_BY_ONE
         values, program = stack.values, stack._program
         trainable = stack._trainable
         build_graph = torch.is_grad_enabled()

@@ -1367,3 +1367,88 @@ def test_a_group_beside_others_failing_in_backward_is_named_and_changes_no_grad(
     parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).sum().backward()  # usable after
     plain_sum(ref, x).pow(2).sum().backward()
     assert_same_grads(models, ref)
+
+
+class _TwoLayers(nn.Module):
+    """mlp([8]) as a class of its own: its groups run through vmap, not batched matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, 8), nn.Linear(8, OUT)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+_GLOBAL_HOOKS = {
+    # Each scales a Linear's output (or its input, or its output's gradient), so that a
+    # module the hook did not run for gives other values, and records which modules it ran for.
+    "forward": lambda seen: nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append(m) or (o * 1.5 if isinstance(m, nn.Linear) else o)
+    ),
+    "forward_pre": lambda seen: nn.modules.module.register_module_forward_pre_hook(
+        lambda m, i: seen.append(m) or ((i[0] * 0.5,) if isinstance(m, nn.Linear) else i)
+    ),
+    "full_backward_pre": lambda seen: nn.modules.module.register_module_full_backward_pre_hook(
+        lambda m, go: seen.append(m) or ((go[0] * 2,) if isinstance(m, nn.Linear) else go)
+    ),
+}
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", ["auto", "stacked"])
+@pytest.mark.parametrize("storage", [False, True])
+@pytest.mark.parametrize("kind", ["Sequential", "class"])
+@pytest.mark.parametrize("hook", list(_GLOBAL_HOOKS))
+def test_a_global_module_hook_runs_for_every_module_of_identical_models(
+    hook, kind, storage, engine, n_jobs
+):
+    # A stacked group ran none of its models' modules: identical Sequentials as batched
+    # matmuls called no hook (a forward hook scaling each Linear's output by 1.5: values off by
+    # 1.6 to 6, silently), classes through vmap ran it once a group on shadow modules. While a
+    # global hook is registered the models run one by one through their own modules, also in
+    # stack_ storage (gradients still into the stack's buffers), and stack again after.
+    torch.manual_seed(0)
+    models = [mlp([8]) if kind == "Sequential" else _TwoLayers() for _ in range(8)]
+    plain = copy.deepcopy(models)
+    stack = parsum.stack_(models) if storage else None
+    opts = [  # an optimizer over the stack's storage, and its twin over the plain models'
+        torch.optim.SGD(params, lr=0.1)
+        for params in (stack.parameters(), [p for m in plain for p in m.parameters()])
+    ] if storage else []  # fmt: skip
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)  # planned before the hook
+    tol = TOL[torch.float32]
+    seen_parsum, seen_plain, outputs = [], [], []
+    for ms, seen in ((models, seen_parsum), (plain, seen_plain)):
+        handle = _GLOBAL_HOOKS[hook](seen)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", "parsum")  # the stack is not given up
+                if ms is models:
+                    y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
+                else:
+                    y = plain_sum(plain, x)
+                y.pow(2).sum().backward()
+        finally:
+            handle.remove()
+        outputs.append(y)
+    torch.testing.assert_close(outputs[0], outputs[1], **tol)
+    # The same modules, by their place among the models, as often as in the plain loop
+    place = {
+        id(m): f"{j}.{name}"
+        for ms in (models, plain)
+        for j, model in enumerate(ms)
+        for name, m in model.named_modules()
+    }
+    assert sorted(place[id(m)] for m in seen_parsum) == sorted(place[id(m)] for m in seen_plain)
+    assert_same_grads(models, plain, **tol)
+    if storage:  # the stack's optimizer steps them, and the next call without it stacks again
+        for opt in opts:
+            opt.step()
+        for m, q in zip(models, plain):
+            for a, b in zip(m.parameters(), q.parameters()):
+                torch.testing.assert_close(a, b, **tol)
+        y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
+        torch.testing.assert_close(y, plain_sum(plain, x), **tol)
+        assert parsum.stack_(models) is stack
