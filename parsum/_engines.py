@@ -1125,8 +1125,10 @@ def check_own_leaves(
         raise ForeignLeaves(
             f"its autograd graph reaches {len(found)} tensor(s) that require grad and are not "
             f"its parameters, attributes or arguments (shapes {shapes}{more}): read from a "
-            "global or a plain object, or the parameters of a module kept in a Python list "
-            "instead of an nn.ModuleList; parsum would give them no gradient: register them "
+            "global or a plain object, the parameters of a module kept in a Python list "
+            "instead of an nn.ModuleList, or a tensor set as a plain attribute of a torch.nn "
+            "layer (whose attributes parsum does not scan); parsum would give them no "
+            "gradient: register them "
             "in the module (nn.Parameter, nn.ModuleList, nn.ParameterList) or pass them as "
             "arguments (a leaf the forward makes to differentiate with respect to is its own "
             "where it shares an argument's data: x.detach().requires_grad_())"

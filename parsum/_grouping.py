@@ -1152,6 +1152,16 @@ def _holds_state(t: Any) -> bool:
     return not isinstance(t, nn.Module) or bool(t._parameters or t._buffers)
 
 
+# NOTE [ Forwards of their own and stacked groups ]
+# A module whose instance was given a ``forward`` of its own (``layer.forward = f``) runs it when
+# called. A group of Sequentials runs as batched matmuls (NOTE [ Batched layers ] in _engines),
+# which call no module: 8 MLPs whose first Linear had the same ``f`` assigned (one function, so
+# one structure key) summed to values off by 1.3, silently, and in ``stack_`` storage one
+# assigned after stacking went unseen as well (off by 0.98). Such a module keeps its model out
+# of every group, as a hook does; a stack's check sees a module's attributes grow (``_record``
+# in _stack) and stacks again, which then refuses them.
+
+
 def structure_key(mp: ModelParams) -> Hashable | None:
     """What two models must share to run as one stacked group; None if this one cannot."""
     if mp.loose:  # functional_call swaps parameters and buffers, not plain attributes
@@ -1164,7 +1174,10 @@ def structure_key(mp: ModelParams) -> Hashable | None:
             return None
         attributes = vars(module)  # this runs for every candidate model on every call
         if (
-            attributes["_forward_hooks"]
+            # a forward of its own, which a group's batched layers would not call (NOTE
+            # [ Forwards of their own and stacked groups ])
+            "forward" in attributes
+            or attributes["_forward_hooks"]
             or attributes["_forward_pre_hooks"]
             or attributes["_backward_hooks"]
             or attributes["_backward_pre_hooks"]

@@ -514,6 +514,9 @@ class Stack(Sequence[nn.Module]):
             for module in info.modules:
                 attributes = vars(module)
                 hooks.extend(attributes[key] for key in HOOK_DICTS)
+                # an attribute added (a forward of its own: NOTE [ Forwards of their own and
+                # stacked groups ] in _grouping) makes the check stack them again
+                sized.append(attributes)
                 kind = type(module)
                 if kind is nn.Linear:  # its forward reads its weight and bias, nothing else
                     inner = attributes["_parameters"]
@@ -943,10 +946,10 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
         if key is None:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) cannot run as a stacked "
-                "model: it has a module hook, a tensor attribute that requires grad, a "
-                "TorchScript or compiled module (torch.compile: stack the models first, then "
-                "compile), or a module with buffers in training mode (BatchNorm: call eval() "
-                "first or train it unstacked)"
+                "model: it has a module hook, a forward assigned to a module, a tensor "
+                "attribute that requires grad, a TorchScript or compiled module "
+                "(torch.compile: stack the models first, then compile), or a module with "
+                "buffers in training mode (BatchNorm: call eval() first or train it unstacked)"
             )
         if keys and key != keys[0]:
             raise ParsumError(

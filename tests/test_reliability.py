@@ -544,6 +544,25 @@ def test_a_module_reading_tensors_it_does_not_own_is_named(kind, n_jobs, path):
         parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs, **kwargs)
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_tensor_set_as_a_plain_attribute_of_a_torch_nn_layer_is_named_as_such(n_jobs):
+    # torch.nn's own layers are not scanned for tensor attributes (ModelParams.of): a weight
+    # swapped for a plain tensor that requires grad raises as a tensor the model does not own,
+    # and the message says this case too.
+    torch.manual_seed(0)
+    models = [mlp([5]) for _ in range(3)]
+    layer = models[1][0]
+    weight = layer.weight.detach().clone().requires_grad_()
+    del layer.weight
+    layer.weight = weight
+    match = (
+        r"model 1 \(Sequential\) raised ParsumError in forward: .* plain attribute of a torch.nn"
+    )
+    with pytest.raises(parsum.ParsumError, match=match):
+        parsum.sum_models(models, torch.randn(4, IN), n_jobs=n_jobs)
+    assert weight.grad is None and all(p.grad is None for m in models for p in m.parameters())
+
+
 class _ScalesByAGlobal(nn.Module):
     def __init__(self):
         super().__init__()
