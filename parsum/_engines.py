@@ -1552,7 +1552,13 @@ def _models_per_slice(per_model: int, n_models: int) -> int | None:
 def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: dict) -> bool:
     """Whether a batched forward runs ``program`` (one tensor argument, no keyword) rather
     than vmap (NOTE [ Batched layers ])."""
-    return program is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor)
+    return (
+        program is not None
+        and not kwargs
+        and len(args) == 1
+        and isinstance(args[0], Tensor)
+        and torch_nn_untouched()  # NOTE [ torch.nn's calls replaced ]
+    )
 
 
 # NOTE [ Direct programs ]
@@ -1567,7 +1573,8 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
 # do nothing more: when the walk was made, no module of the model had a hook, a ``forward`` of
 # its own or a compiled call (``Module.compile``), and the walk's check notices any of them
 # added since (NOTE [ Reused plans ] in _plans: the next call plans anew); on the call, no global
-# module hook, no JIT tracer, one tensor argument and no keyword (``direct_calls_allowed``).
+# module hook, no JIT tracer, one tensor argument and no keyword, torch.nn's calls its own
+# (``direct_calls_allowed``; NOTE [ torch.nn's calls replaced ]).
 # Layers of classes outside torch.nn are called as modules: such a class may define its own
 # ``__call__``. The program holds its modules weakly: a walk keeps no model alive. Looking for a
 # forward of its own and a compiled call in every module on every call, in the program, cost
@@ -1674,7 +1681,7 @@ module_hooks = operator.attrgetter(*HOOK_DICTS)
 
 def direct_calls_allowed(call: CallArgs) -> bool:
     """Whether this call may run direct programs: one tensor argument, no keyword, no global
-    module hook, no JIT tracing (NOTE [ Direct programs ])."""
+    module hook, no JIT tracing, torch.nn's calls its own (NOTE [ Direct programs ])."""
     return (
         call.spec is None
         and call.n_args == 1
@@ -1682,7 +1689,45 @@ def direct_calls_allowed(call: CallArgs) -> bool:
         and isinstance(call.leaves[0], Tensor)
         and not any(GLOBAL_HOOKS)
         and torch._C._get_tracing_state() is None
+        and torch_nn_untouched()
     )
+
+
+# NOTE [ torch.nn's calls replaced ]
+# Direct and batched programs stand in for ``nn.Module.__call__``, ``nn.Sequential.forward`` and
+# ``nn.Linear.forward`` (``F.linear``). A library or a user may replace one of them on the class
+# (``nn.Linear.forward = f``, to scale or log every layer): the plain loop then runs the
+# replacement, and the programs did not (3 and 8 MLPs with Linear's forward doubling its output
+# summed to values off by 2.0-2.5, silently). So programs run only while these are torch's own
+# functions, told by where they were defined (a replacement made before parsum was imported is
+# seen too); otherwise the modules are called. Other layers' programs call their class's
+# ``forward`` as it is at the time.
+_TORCH_NN_CALLS = (
+    (nn.Module, "__call__", "Module._wrapped_call_impl"),
+    (nn.Module, "_call_impl", "Module._call_impl"),
+    (nn.Sequential, "forward", "Sequential.forward"),
+    (nn.Linear, "forward", "Linear.forward"),
+)
+
+
+def _torch_own(cls: type, name: str, qualname: str) -> Any:
+    """``cls.name`` where it is torch's own function of that name, else None."""
+    fn = getattr(cls, name, None)
+    own = getattr(fn, "__qualname__", None) == qualname and getattr(
+        fn, "__module__", ""
+    ).startswith("torch.nn.modules.")
+    return fn if own else None
+
+
+_TORCH_NN_OWN = tuple(_torch_own(*entry) for entry in _TORCH_NN_CALLS)
+
+
+def torch_nn_untouched() -> bool:
+    """Whether torch.nn's module call and Sequential's and Linear's forwards are torch's own
+    (NOTE [ torch.nn's calls replaced ])."""
+    # written out: a loop over _TORCH_NN_CALLS took 1.6 us a call (a None never compares equal)
+    current = (nn.Module.__call__, nn.Module._call_impl, nn.Sequential.forward, nn.Linear.forward)
+    return current == _TORCH_NN_OWN
 
 
 # NOTE [ Aliases behind a view ]

@@ -602,3 +602,53 @@ def test_a_global_module_hook_runs(cores):
         handle.remove()
     assert not plain_graph(y)
     assert "Linear" in seen
+
+
+def _doubling_linear_forward(self, x):
+    return torch.nn.functional.linear(x, self.weight, self.bias) * 2
+
+
+def _halving_sequential_forward(self, x):
+    for module in self:
+        x = module(x)
+    return x / 2
+
+
+_ORIGINAL_CALL = nn.Module.__call__
+
+
+def _negating_call(self, *args, **kwargs):
+    out = _ORIGINAL_CALL(self, *args, **kwargs)
+    return -out if isinstance(self, nn.Linear) else out
+
+
+@pytest.mark.parametrize("engine", ["auto", "stacked", "autograd"])
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("budget", [1, 2])
+@pytest.mark.parametrize(
+    ("cls", "name", "replacement"),
+    [
+        (nn.Linear, "forward", _doubling_linear_forward),
+        (nn.Sequential, "forward", _halving_sequential_forward),
+        (nn.Module, "__call__", _negating_call),
+    ],
+)
+def test_torch_nn_calls_replaced_on_the_class_are_run(
+    cls, name, replacement, budget, n_jobs, engine, cores, monkeypatch
+):
+    # NOTE [ torch.nn's calls replaced ] in parsum._engines: the layers called directly (plain
+    # graphs, direct programs) and stacked groups' batched matmuls stood in for these and ran
+    # torch's own (Linear's forward doubling: values off by 2.0-2.5, silently).
+    cores(budget)
+    models = heads(seed=9)
+    twins = clone_models(models)
+    x = torch.randn(4, IN)
+    parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine)  # planned before
+    monkeypatch.setattr(cls, name, replacement)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine)
+    want = plain_sum(twins, x)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for got, expected in zip(param_grads(models), param_grads(twins)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
