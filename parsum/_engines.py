@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.nn import functional
 from torch.nn.modules import module as module_globals
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -1696,7 +1697,8 @@ def direct_calls_allowed(call: CallArgs) -> bool:
 # NOTE [ torch.nn's calls replaced ]
 # Direct and batched programs stand in for ``nn.Module.__call__``, ``nn.Sequential.forward`` and
 # ``nn.Linear.forward`` (``F.linear``). A library or a user may replace one of them on the class
-# (``nn.Linear.forward = f``, to scale or log every layer): the plain loop then runs the
+# (``nn.Linear.forward = f``, to scale or log every layer), or ``torch.nn.functional.linear``
+# itself, which nn.Linear's forward looks up on each call: the plain loop then runs the
 # replacement, and the programs did not (3 and 8 MLPs with Linear's forward doubling its output
 # summed to values off by 2.0-2.5, silently). So programs run only while these are torch's own
 # functions, told by where they were defined (a replacement made before parsum was imported is
@@ -1719,14 +1721,21 @@ def _torch_own(cls: type, name: str, qualname: str) -> Any:
     return fn if own else None
 
 
-_TORCH_NN_OWN = tuple(_torch_own(*entry) for entry in _TORCH_NN_CALLS)
+# and the function nn.Linear's forward calls, torch.nn.functional.linear, torch's C binding
+_TORCH_NN_OWN = (*(_torch_own(*entry) for entry in _TORCH_NN_CALLS), torch._C._nn.linear)
 
 
 def torch_nn_untouched() -> bool:
     """Whether torch.nn's module call and Sequential's and Linear's forwards are torch's own
     (NOTE [ torch.nn's calls replaced ])."""
     # written out: a loop over _TORCH_NN_CALLS took 1.6 us a call (a None never compares equal)
-    current = (nn.Module.__call__, nn.Module._call_impl, nn.Sequential.forward, nn.Linear.forward)
+    current = (
+        nn.Module.__call__,
+        nn.Module._call_impl,
+        nn.Sequential.forward,
+        nn.Linear.forward,
+        functional.linear,
+    )
     return current == _TORCH_NN_OWN
 
 

