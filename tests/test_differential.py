@@ -373,6 +373,10 @@ class Case:
     how: str = "backward"
     steps: int = 1
     change: str = "none"
+    # A "forward hook" change registered as a global module hook (register_module_forward_hook)
+    # doubling every Linear's output of the run's models: no group is stacked while it is
+    # (NOTE [ Global module hooks and stacked groups ] in parsum._grouping).
+    global_hook: bool = False
     step_in_backward: bool = False
     stacked_storage: bool = False
     scale: bool = False  # every model takes a keyword argument
@@ -429,6 +433,10 @@ class Case:
         )
         case.steps = rng.randint(1, 3)
         case.change = rng.choice(CHANGES)
+        # Drawn apart, so that every other draw of a seed stays what it was
+        case.global_hook = (
+            case.change == "forward hook" and random.Random(seed * 7919 + 3).random() < 0.5
+        )
         case.chunk_size = rng.choice([None, None, 1, 2, 3])
         case.module = case.weights in ("none", "list") and rng.random() < 0.15
         # (Not with a model whose output autocast leaves in float32, which sum_models refuses
@@ -603,6 +611,16 @@ class Case:
         ``.grad``, the buffers and the argument's and weights' gradients at the end. With
         ``share``, this rank's models of a ``parsum.distributed`` run: the parameters,
         buffers and weights of those models."""
+        handles: list[Any] = []  # a global hook's, removed whatever happens
+        try:
+            return self._run(n_jobs, plain, share, handles)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _run(
+        self, n_jobs: int | None, plain: bool, share: list[int] | None, handles: list[Any]
+    ) -> dict[str, Any]:
         models = copy.deepcopy(self.models)
         first = models[0] if share is None or 0 in share else None  # what _change changes
         init = torch.Generator().manual_seed(self.seed + 1)
@@ -656,7 +674,7 @@ class Case:
             if step >= self.change_step and self.change == "batch":
                 x = x[:3]
             if step == self.change_step:
-                self._change(models, first)
+                self._change(models, first, handles)
                 params = unique_params(models)
             failing = step == self.failing_step
             for m in models:
@@ -782,12 +800,26 @@ class Case:
             wanted.append(weights)
         return wanted
 
-    def _change(self, models: list[nn.Module], first: nn.Module | None) -> None:
+    def _change(self, models: list[nn.Module], first: nn.Module | None, handles: list[Any]) -> None:
         """The change between two calls (before ``change_step``), alike in every run: to model 0
-        (``first``; None where this rank does not hold it), or to every model."""
+        (``first``; None where this rank does not hold it), or to every model (a global hook,
+        registered into ``handles``, on this run's models alone)."""
         if self.change == "train":
             for m in models:
                 m.train()
+        if self.global_hook:
+            # This run's modules carry its tag, which engine "vjp"'s shadows of them share
+            tag = object()
+            for m in (m for model in models for m in model.modules()):
+                m._run_tag = tag
+
+            def hook(module: nn.Module, args: Any, out: Any) -> Any:
+                if isinstance(module, nn.Linear) and getattr(module, "_run_tag", None) is tag:
+                    return pytree.tree_map(_double, out)
+                return None
+
+            handles.append(nn.modules.module.register_module_forward_hook(hook))
+            return
         if first is None:
             return
         if self.change == "eval":
@@ -964,10 +996,14 @@ def check_concurrently(seeds: range, n_jobs: int = 2) -> None:
     # failure depends on the threads' timing, and a table read makes the next call take
     # ParallelSum's path instead of the caller's graph, whose bits differ where a FlatGrad slot
     # and a term of the loss outside the sum add to one parameter: docs/limits.md.)
+    # (Nor a global hook, whose presence changes the plans, hence the bits, of the other
+    # threads' calls: NOTE [ Global module hooks and stacked groups ] in parsum._grouping.)
     cases = [
         case
         for case in map(Case.make, seeds)
-        if not case.draws and not (case.failing_step is not None and "rows" in case.kinds)
+        if not case.draws
+        and not (case.failing_step is not None and "rows" in case.kinds)
+        and not case.global_hook
     ]
     saved = _function.JOIN_LATER_PARAMS
     _function.JOIN_LATER_PARAMS = 0  # every case the same way: one module-wide setting
