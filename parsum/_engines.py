@@ -41,7 +41,6 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.nn import functional
 from torch.nn.modules import module as module_globals
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -53,6 +52,7 @@ from ._errors import ParsumError, a_kind_of
 from ._pool import autocast_states
 from ._random import draws_now, may_recompute
 from ._sparse import GradSum, add_grad, has_user_hooks, has_user_post_hooks
+from ._torch_calls import torch_nn_untouched
 
 # Models whose stacked group vmap could not run; engine="auto" no longer stacks them, instead of
 # failing again on every call (a model vmap cannot run once rarely runs later).
@@ -1558,7 +1558,7 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
         and not kwargs
         and len(args) == 1
         and isinstance(args[0], Tensor)
-        and torch_nn_untouched()  # NOTE [ torch.nn's calls replaced ]
+        and torch_nn_untouched()  # NOTE [ torch.nn's calls replaced ] in _torch_calls
     )
 
 
@@ -1575,7 +1575,7 @@ def runs_as_program(program: list[Step] | None, args: tuple[Any, ...], kwargs: d
 # its own or a compiled call (``Module.compile``), and the walk's check notices any of them
 # added since (NOTE [ Reused plans ] in _plans: the next call plans anew); on the call, no global
 # module hook, no JIT tracer, one tensor argument and no keyword, torch.nn's calls its own
-# (``direct_calls_allowed``; NOTE [ torch.nn's calls replaced ]).
+# (``direct_calls_allowed``; NOTE [ torch.nn's calls replaced ] in _torch_calls).
 # Layers of classes outside torch.nn are called as modules: such a class may define its own
 # ``__call__``. The program holds its modules weakly: a walk keeps no model alive. Looking for a
 # forward of its own and a compiled call in every module on every call, in the program, cost
@@ -1692,51 +1692,6 @@ def direct_calls_allowed(call: CallArgs) -> bool:
         and torch._C._get_tracing_state() is None
         and torch_nn_untouched()
     )
-
-
-# NOTE [ torch.nn's calls replaced ]
-# Direct and batched programs stand in for ``nn.Module.__call__``, ``nn.Sequential.forward`` and
-# ``nn.Linear.forward`` (``F.linear``). A library or a user may replace one of them on the class
-# (``nn.Linear.forward = f``, to scale or log every layer), or ``torch.nn.functional.linear``
-# itself, which nn.Linear's forward looks up on each call: the plain loop then runs the
-# replacement, and the programs did not (3 and 8 MLPs with Linear's forward doubling its output
-# summed to values off by 2.0-2.5, silently). So programs run only while these are torch's own
-# functions, told by where they were defined (a replacement made before parsum was imported is
-# seen too); otherwise the modules are called. Other layers' programs call their class's
-# ``forward`` as it is at the time.
-_TORCH_NN_CALLS = (
-    (nn.Module, "__call__", "Module._wrapped_call_impl"),
-    (nn.Module, "_call_impl", "Module._call_impl"),
-    (nn.Sequential, "forward", "Sequential.forward"),
-    (nn.Linear, "forward", "Linear.forward"),
-)
-
-
-def _torch_own(cls: type, name: str, qualname: str) -> Any:
-    """``cls.name`` where it is torch's own function of that name, else None."""
-    fn = getattr(cls, name, None)
-    own = getattr(fn, "__qualname__", None) == qualname and getattr(
-        fn, "__module__", ""
-    ).startswith("torch.nn.modules.")
-    return fn if own else None
-
-
-# and the function nn.Linear's forward calls, torch.nn.functional.linear, torch's C binding
-_TORCH_NN_OWN = (*(_torch_own(*entry) for entry in _TORCH_NN_CALLS), torch._C._nn.linear)
-
-
-def torch_nn_untouched() -> bool:
-    """Whether torch.nn's module call and Sequential's and Linear's forwards are torch's own
-    (NOTE [ torch.nn's calls replaced ])."""
-    # written out: a loop over _TORCH_NN_CALLS took 1.6 us a call (a None never compares equal)
-    current = (
-        nn.Module.__call__,
-        nn.Module._call_impl,
-        nn.Sequential.forward,
-        nn.Linear.forward,
-        functional.linear,
-    )
-    return current == _TORCH_NN_OWN
 
 
 # NOTE [ Aliases behind a view ]

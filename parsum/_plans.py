@@ -80,6 +80,7 @@ from ._sparse import (
     sampled_elements,
 )
 from ._stack import _data_ptr, _tensor_hooks
+from ._torch_calls import torch_nn_untouched
 
 MAX_PLANS = 8
 MAX_QUIET = 4096  # models marked quiet (NOTE [ Models seen not to draw ] in _random)
@@ -203,6 +204,7 @@ class Walk:
         # The handle count and the slots of ``hooked_slots``'s last answer.
         self._hooked: tuple[int | None, list[int]] = (None, [])
         self._calls: list[bool] = []
+        self._torch_nn: bool | None = True  # torch.nn's calls untouched when recorded
         # Each model's modules' training flags, made when the walk is kept (NOTE [ Models
         # seen not to draw ] in _random).
         self.model_modes: list[tuple[bool, ...]] = []
@@ -340,6 +342,7 @@ class Walk:
             list(map(type, modules)) != self._types
             or list(map(_training, modules)) != self._training
             or own_calls(modules) != self._calls
+            or torch_nn_untouched() != self._torch_nn
             or list(map(len, self._sized)) != self._sizes
             or not all(
                 map(_is, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values)
@@ -454,6 +457,7 @@ class Walk:
         self._types = list(map(type, modules))
         self._training = list(map(_training, modules))
         self._calls = own_calls(modules)
+        self._torch_nn = torch_nn_untouched()  # NOTE [ torch.nn's calls replaced ]
         self._sizes = list(map(len, sized))
         self._entry_dicts = list(chain.from_iterable(map(repeat, sized, self._sizes)))
         self._entry_keys = list(chain.from_iterable(sized))
@@ -486,7 +490,7 @@ class Walk:
 # What ``Walk._record`` sets and ``holds`` compares.
 _RECORD_FIELDS = (
     "_handles", "_hook_ids", "_module_refs", "_custom", "_sized", "_types", "_training",
-    "_calls", "_sizes", "_entry_dicts", "_entry_keys", "_entry_values", "_tensors",
+    "_calls", "_torch_nn", "_sizes", "_entry_dicts", "_entry_keys", "_entry_values", "_tensors",
     "_requires", "_ptrs",
 )  # fmt: skip
 # The record's lists with an entry per module, or per entry of a module's dicts, or per tensor:
@@ -835,6 +839,9 @@ def _join(walks: list[Walk]) -> Walk:
     handles = {w._handles for w in walks}
     # Recorded at different counts: ``holds`` then compares the hook ids themselves.
     joined._handles = handles.pop() if len(handles) == 1 else -1
+    # Recorded on both sides of a replacement: None, which no check equals (it never holds)
+    flags = {w._torch_nn for w in walks}
+    joined._torch_nn = flags.pop() if len(flags) == 1 else None
     joined.programs = [w.programs[0] for w in walks]
     joined.model_modes = [w.model_modes[0] for w in walks]
     joined.module_counts = counts

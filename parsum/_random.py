@@ -111,6 +111,7 @@ import torch
 from torch import Tensor, nn
 
 from ._locks import Latch, Lock
+from ._torch_calls import dropout_untouched
 
 if TYPE_CHECKING:
     from ._engines import DirectProgram
@@ -168,7 +169,11 @@ def draws_now(module: nn.Module) -> bool:
     0 or 1 draws nothing (many models keep an ``nn.Dropout(0.0)`` as their default)."""
     if isinstance(module, nn.RReLU):
         return module.training
-    if not isinstance(module, nn.modules.dropout._DropoutNd) or not module.training:
+    if not isinstance(module, nn.modules.dropout._DropoutNd):
+        return False
+    if type(module) is nn.Dropout and not dropout_untouched():
+        return True  # it may draw, in eval mode too (NOTE [ torch.nn's calls replaced ])
+    if not module.training:
         return False
     p: float = module.p
     return 0 < p < 1

@@ -644,7 +644,7 @@ def _negating_call(self, *args, **kwargs):
 def test_torch_nn_calls_replaced_on_the_class_are_run(
     cls, name, replacement, budget, n_jobs, engine, cores, monkeypatch
 ):
-    # NOTE [ torch.nn's calls replaced ] in parsum._engines: the layers called directly (plain
+    # NOTE [ torch.nn's calls replaced ] in parsum._torch_calls: the layers called directly (plain
     # graphs, direct programs) and stacked groups' batched matmuls stood in for these and ran
     # torch's own (Linear's forward doubling: values off by 2.0-2.5, silently).
     cores(budget)

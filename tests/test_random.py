@@ -487,6 +487,41 @@ def test_dropout_forwards_run_on_the_threads_once_their_shapes_are_known(monkeyp
     assert workers[5:] == [2]
 
 
+def _dropout_of_p_0_7(self, x):  # Monte Carlo dropout's: drops in eval mode too
+    return torch.nn.functional.dropout(x, 0.7, training=True)
+
+
+_ORIGINAL_DROPOUT = torch.nn.functional.dropout
+
+
+def _halved_dropout(x, p=0.5, training=True, inplace=False):
+    return _ORIGINAL_DROPOUT(x, p, training, inplace) / 2
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("replaced", ["nn.Dropout.forward", "F.dropout"])
+@pytest.mark.parametrize("n_jobs", [1, 2, None])
+def test_dropout_replaced_on_the_class_or_in_functional_is_run(
+    replaced, n_jobs, training, monkeypatch
+):
+    # NOTE [ torch.nn's calls replaced ] in parsum._torch_calls: noise drawn beforehand stood in
+    # for nn.Dropout's forward (4 MLPs whose dropout's forward was replaced by one of p 0.7: off
+    # by 2.9, silently).
+    models = dropout_mlps()
+    for m in models:
+        m.train(training)
+    plain = copy.deepcopy(models)
+    x = torch.randn(32, 8)
+    for seed in range(2):  # a plan that draws beforehand
+        step(models, x, seed, n_jobs=n_jobs)
+    if replaced == "nn.Dropout.forward":
+        monkeypatch.setattr(nn.Dropout, "forward", _dropout_of_p_0_7)
+    else:
+        monkeypatch.setattr(torch.nn.functional, "dropout", _halved_dropout)
+    for seed in range(2, 4):
+        assert_close(step(models, x, seed, n_jobs=n_jobs), plain_step(plain, x, seed))
+
+
 def test_dropout_whose_p_changes_draws_the_plain_loops_numbers():
     """p is read when the noise is drawn; at 0 (or 1) F.dropout draws nothing."""
     models = dropout_mlps()
