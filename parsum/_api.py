@@ -331,7 +331,8 @@ def _general_sum(
         gil,
         vmap_failure_count(),
         differentiable_args,
-        any(GLOBAL_HOOKS),  # NOTE [ Global module hooks and stacked groups ] in _grouping
+        # NOTE [ Global module hooks and stacked groups ] in _grouping
+        any(GLOBAL_HOOKS) or _pool.modes_stay_here(),
     )
     derived = walk.derived.get(key)
     if derived is None:

@@ -440,7 +440,11 @@ def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int
 # stacked, whatever the engine: the models run one by one, through their own modules, and
 # models in ``stack_`` storage too, for that call, their gradients gathered into the stack's
 # buffers as for models too large to stack (``ONE_BY_ONE`` in _stack); the next call without
-# a hook stacks them again. The hook's presence is part of the plan's key.
+# a hook stacks them again. The hook's presence is part of the plan's key. The same holds under
+# a torch function or dispatch mode other than the default device's (``modes_stay_here`` in
+# _pool): a group's batched matmuls call ``addmm`` and ``baddbmm`` where each model calls
+# ``F.linear``, so a mode that rounds every ``F.linear``'s output (fake quantization) saw none
+# of them (8 MLPs off by 1.6, silently).
 
 
 def plan_units(
@@ -457,7 +461,8 @@ def plan_units(
     model i's ``structure_key`` where it is known already."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
-    if any(GLOBAL_HOOKS):  # NOTE [ Global module hooks and stacked groups ]
+    # NOTE [ Global module hooks and stacked groups ]
+    if any(GLOBAL_HOOKS) or _pool.modes_stay_here():
         return [Unit((i,), "autograd") for i in range(len(models))]
     auto = engine == "auto"
     min_models = AUTO_STACK_MIN_BATCHED if auto else 2

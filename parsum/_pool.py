@@ -687,12 +687,12 @@ def intra_op_threads(n_tasks: int, budget: int | None = None) -> int:
 
 def threads_for(n_tasks: int, n_workers: int) -> int:
     """Threads a job of ``n_tasks`` chunks runs on, caller included (1 inside a task)."""
-    if _local.in_task or _modes_stay_here() or _pool.is_parked:
+    if _local.in_task or modes_stay_here() or _pool.is_parked:
         return 1
     return min(n_workers, n_tasks, _config.usable_cores())
 
 
-def _modes_stay_here() -> bool:
+def modes_stay_here() -> bool:
     """Whether a torch function mode other than the default device's, or a dispatch mode, is
     on in this thread: then jobs run here (NOTE [ Modes stay in the calling thread ])."""
     if _dispatch_modes():

@@ -136,7 +136,7 @@ from ._grads import (
 )
 from ._grouping import Batch, structure_key
 from ._locks import Lock
-from ._pool import autocast_states
+from ._pool import autocast_states, modes_stay_here
 from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
 from ._summation import sum_dtype, weigh_models, wide_sum_over_models
 
@@ -1052,7 +1052,8 @@ def stacked_sum(
     """
     if autocast_states() and not runs_as_program(stack._program, *call.build()):
         return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
-    if any(GLOBAL_HOOKS):  # NOTE [ Global module hooks and stacked groups ] in _grouping
+    # NOTE [ Global module hooks and stacked groups ] in _grouping
+    if any(GLOBAL_HOOKS) or modes_stay_here():
         return ONE_BY_ONE
     handles = handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:

@@ -1494,3 +1494,37 @@ def test_a_forward_assigned_to_a_layer_of_identical_models_runs(storage, when, e
     y.pow(2).sum().backward()
     want.pow(2).sum().backward()
     assert_same_grads(models, plain, **TOL[torch.float32])
+
+
+class _RoundsLinearOutputs(torch.overrides.TorchFunctionMode):
+    """Fake quantization: every F.linear's output rounded."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out.round() if func is torch.nn.functional.linear else out
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("engine", ["auto", "stacked"])
+@pytest.mark.parametrize("storage", [False, True])
+@pytest.mark.parametrize("kind", ["Sequential", "class"])
+def test_a_torch_function_mode_sees_every_models_calls(kind, storage, engine, n_jobs):
+    # A stacked group's batched matmuls call addmm and baddbmm where each model calls F.linear:
+    # a mode rounding every F.linear's output saw none of them (8 MLPs off by 1.6, silently).
+    # Under a mode the models run one by one (NOTE [ Global module hooks and stacked groups ]).
+    torch.manual_seed(0)
+    models = [mlp([8]) if kind == "Sequential" else _TwoLayers() for _ in range(8)]
+    plain = copy.deepcopy(models)
+    if storage:
+        parsum.stack_(models)
+    x = torch.randn(5, IN) * 3
+    parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)  # planned outside the mode
+    with _RoundsLinearOutputs():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "parsum")  # the stack is not given up
+            y = parsum.sum_models(models, x, engine=engine, n_jobs=n_jobs)
+        want = plain_sum(plain, x)
+    torch.testing.assert_close(y, want, **TOL[torch.float32])
+    torch.testing.assert_close(
+        parsum.sum_models(models, x), plain_sum(plain, x), **TOL[torch.float32]
+    )
