@@ -1023,8 +1023,8 @@ def stack_for(models: Sequence[Any]) -> Stack | None:
 
 # What ``stacked_sum`` returns where the models run one by one this call, into the stack's
 # gradient buffers (``Stack.attach_at_backward``): ``auto`` finds them too large for one batched
-# forward, or a global module hook is registered (NOTE [ Global module hooks and stacked
-# groups ] in _grouping).
+# forward, or a global module hook is registered or a torch function or dispatch mode is on
+# (NOTE [ Global module hooks and stacked groups ] in _grouping).
 ONE_BY_ONE = object()
 
 
@@ -1044,8 +1044,8 @@ def stacked_sum(
 ) -> Any:
     """The weighted sum of a stack's models' outputs, the models run as one batched forward;
     None when the stack cannot run as one now, ONE_BY_ONE when ``auto`` finds the models too
-    large to pay (``max_param_rows``, parameters times batch rows; None: any size) or a
-    global module hook is registered.
+    large to pay (``max_param_rows``, parameters times batch rows; None: any size), or a
+    global module hook or a mode is on.
 
     Raises:
         StackedForwardFailed: the batched forward raised (chained).
