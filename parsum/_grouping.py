@@ -1163,8 +1163,9 @@ def _holds_state(t: Any) -> bool:
 # which call no module: 8 MLPs whose first Linear had the same ``f`` assigned (one function, so
 # one structure key) summed to values off by 1.3, silently, and in ``stack_`` storage one
 # assigned after stacking went unseen as well (off by 0.98). Such a module keeps its model out
-# of every group, as a hook does; a stack's check sees a module's attributes grow (``_record``
-# in _stack) and stacks again, which then refuses them.
+# of every group, as a hook does, and a stack's check looks for one in every module's
+# attributes (``_record`` in _stack; about 10 us for 64 tiny MLPs): the stack then runs them
+# one by one.
 
 
 def structure_key(mp: ModelParams) -> Hashable | None:

@@ -96,6 +96,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 import warnings
@@ -510,13 +511,12 @@ class Stack(Sequence[nn.Module]):
         entries: list[tuple[dict, str, Any]] = []
         sized: list[dict] = []
         hooks: list[dict] = []
+        owns: list[dict] = []  # each module's attributes
         for info in infos:
             for module in info.modules:
                 attributes = vars(module)
                 hooks.extend(attributes[key] for key in HOOK_DICTS)
-                # an attribute added (a forward of its own: NOTE [ Forwards of their own and
-                # stacked groups ] in _grouping) makes the check stack them again
-                sized.append(attributes)
+                owns.append(attributes)
                 kind = type(module)
                 if kind is nn.Linear:  # its forward reads its weight and bias, nothing else
                     inner = attributes["_parameters"]
@@ -537,6 +537,10 @@ class Stack(Sequence[nn.Module]):
         self._sized = sized
         self._sizes = list(map(len, sized))
         self._hook_dicts = hooks
+        # A forward assigned to a module since (NOTE [ Forwards of their own and stacked
+        # groups ] in _grouping); not any attribute: compiling in place after stacking adds
+        # one, and the stack goes on (the batched forward computes what the compiled call does)
+        self._attribute_dicts = owns
         self._handles_seen: int | None = None
         self._own_post_hooks = 0  # post-accumulate hooks on the parameters, all parsum's
         self._program = program_of(infos[0].modules[0]) if infos[0].modules else None
@@ -611,6 +615,8 @@ class Stack(Sequence[nn.Module]):
             self._check_slots()
         if self._frozen_grads or self._frozen_given:
             self._drop_zeroed_frozen()
+        if any(map(operator.contains, self._attribute_dicts, _FORWARD)):
+            return "a module was given a forward of its own"
         if self._handles_seen is None or handle_count() != self._handles_seen:
             # a hook was registered somewhere since the last call: look for one here
             if any(map(len, self._hook_dicts)):
@@ -1019,6 +1025,9 @@ def stack_for(models: Sequence[Any]) -> Stack | None:
     if not all(map(operator.is_, [ref() for ref in stack._refs], models)):
         return None
     return stack
+
+
+_FORWARD = itertools.repeat("forward")
 
 
 # What ``stacked_sum`` returns where the models run one by one this call, into the stack's

@@ -1197,7 +1197,7 @@ def test_an_interrupt_as_the_caller_releases_a_chunk_does_not_hang(monkeypatch, 
     assert all(p.grad is not None for m in models for p in m.parameters())
 
 
-class _TwoLayers(nn.Module):
+class _ActivatedTwoLayers(nn.Module):
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
         self.a, self.act, self.b = nn.Linear(IN, 8), act, nn.Linear(8, OUT)
@@ -1243,7 +1243,7 @@ def test_module_calls_changed_after_planning_run_as_the_plain_loop_runs_them(see
         models.append(
             nn.Sequential(nn.Linear(IN, 8), act, nn.Linear(8, OUT))
             if this == "Sequential"
-            else _TwoLayers(act)
+            else _ActivatedTwoLayers(act)
         )
     if storage:
         parsum.stack_(models)
