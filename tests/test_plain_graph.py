@@ -660,3 +660,11 @@ def test_torch_nn_calls_replaced_on_the_class_are_run(
     want.pow(2).sum().backward()
     for got, expected in zip(param_grads(models), param_grads(twins)):  # rounding, scaled
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * expected.abs().max())
+
+
+def test_torch_nn_calls_are_recognised_as_torchs_own_on_this_torch():
+    # Told by their names and modules (NOTE [ torch.nn's calls replaced ]): a release that
+    # renamed one would turn every shortcut off, silently slower; this says so instead.
+    from parsum._torch_calls import _TORCH_NN_OWN, torch_nn_untouched
+
+    assert None not in _TORCH_NN_OWN and torch_nn_untouched()
