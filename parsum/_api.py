@@ -19,7 +19,6 @@ from . import _config, _pool
 from ._engines import (
     COMPILED_MODULES,
     GLOBAL_BACKWARD_HOOKS,
-    GLOBAL_HOOKS,
     CallArgs,
     ModelParams,
     Unit,
@@ -55,6 +54,7 @@ from ._grouping import (
     estimate,
     estimated_costs,
     intra_op_only,
+    module_calls_watched,
     plan_units,
     small_last_chunk,
     stepping_chunks,
@@ -331,8 +331,7 @@ def _general_sum(
         gil,
         vmap_failure_count(),
         differentiable_args,
-        # NOTE [ Global module hooks and stacked groups ] in _grouping
-        any(GLOBAL_HOOKS) or _pool.modes_stay_here(),
+        module_calls_watched(),  # NOTE [ Global module hooks and stacked groups ] in _grouping
     )
     derived = walk.derived.get(key)
     if derived is None:

@@ -447,6 +447,12 @@ def storage_stack_limit(device: torch.device, budget: int, batched: bool) -> int
 # of them (8 MLPs off by 1.6, silently).
 
 
+def module_calls_watched() -> bool:
+    """Whether a global module hook is registered or a mode is on in this thread: then no
+    models are stacked (NOTE [ Global module hooks and stacked groups ])."""
+    return any(GLOBAL_HOOKS) or _pool.modes_stay_here()
+
+
 def plan_units(
     models: Sequence[Callable[..., Any]],
     model_params: Sequence[ModelParams],
@@ -461,8 +467,7 @@ def plan_units(
     model i's ``structure_key`` where it is known already."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
-    # NOTE [ Global module hooks and stacked groups ]
-    if any(GLOBAL_HOOKS) or _pool.modes_stay_here():
+    if module_calls_watched():
         return [Unit((i,), "autograd") for i in range(len(models))]
     auto = engine == "auto"
     min_models = AUTO_STACK_MIN_BATCHED if auto else 2

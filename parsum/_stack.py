@@ -111,7 +111,6 @@ from torch.utils import _pytree as pytree
 from ._config import check_model_sequence
 from ._engines import (
     ELEMENTWISE,
-    GLOBAL_HOOKS,
     HOOK_DICTS,
     MODULE_INTERNALS,
     CallArgs,
@@ -135,9 +134,9 @@ from ._grads import (
     owners_generation,
     slot_block,
 )
-from ._grouping import Batch, structure_key
+from ._grouping import Batch, module_calls_watched, structure_key
 from ._locks import Lock
-from ._pool import autocast_states, modes_stay_here
+from ._pool import autocast_states
 from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
 from ._summation import sum_dtype, weigh_models, wide_sum_over_models
 
@@ -1061,8 +1060,7 @@ def stacked_sum(
     """
     if autocast_states() and not runs_as_program(stack._program, *call.build()):
         return None  # NOTE [ Autocast under vmap ] in _engines: the general path, this call
-    # NOTE [ Global module hooks and stacked groups ] in _grouping
-    if any(GLOBAL_HOOKS) or modes_stay_here():
+    if module_calls_watched():  # NOTE [ Global module hooks and stacked groups ] in _grouping
         return ONE_BY_ONE
     handles = handle_count()  # before the check: a hook registered after it is seen next time
     with stack._lock:
