@@ -28,11 +28,13 @@ from tests.zoo import (
     OUT,
     Probe,
     TwoHeads,
+    TwoLayers,
     clone_models,
     doubling_hook,
     mlp,
     param_grads,
     plain_sum,
+    zeros_of_width_8,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -1197,21 +1199,8 @@ def test_an_interrupt_as_the_caller_releases_a_chunk_does_not_hang(monkeypatch, 
     assert all(p.grad is not None for m in models for p in m.parameters())
 
 
-class _ActivatedTwoLayers(nn.Module):
-    def __init__(self, act: nn.Module) -> None:
-        super().__init__()
-        self.a, self.act, self.b = nn.Linear(IN, 8), act, nn.Linear(8, OUT)
-
-    def forward(self, x):
-        return self.b(self.act(self.a(x)))
-
-
 def _scaled_linear_forward(self, x):
     return torch.nn.functional.linear(x, self.weight, self.bias) * 1.5
-
-
-def _zeros_of_width_8(x):
-    return torch.zeros(x.shape[0], 8)
 
 
 def _close_or_both_zero(got, want) -> bool:
@@ -1238,13 +1227,9 @@ def test_module_calls_changed_after_planning_run_as_the_plain_loop_runs_them(see
     acts = [rng.choice([nn.Tanh, nn.ReLU, nn.GELU])] * 8 if storage else None
     models = []
     for k in range(rng.choice([2, 4, 8])):
-        act = (acts[k] if acts else rng.choice([nn.Tanh, nn.ReLU, nn.GELU]))()
+        act = acts[k] if acts else rng.choice([nn.Tanh, nn.ReLU, nn.GELU])
         this = kind if kind != "mixed" else rng.choice(["Sequential", "class"])
-        models.append(
-            nn.Sequential(nn.Linear(IN, 8), act, nn.Linear(8, OUT))
-            if this == "Sequential"
-            else _ActivatedTwoLayers(act)
-        )
+        models.append(mlp([8], act) if this == "Sequential" else TwoLayers(act))
     if storage:
         parsum.stack_(models)
     engine = rng.choice(["auto", "auto", "stacked", "autograd", "vjp"])
@@ -1258,7 +1243,7 @@ def test_module_calls_changed_after_planning_run_as_the_plain_loop_runs_them(see
             ms[0].register_forward_hook(lambda module, args, out: out * 0.5)
         if "instance" in changes:
             for m in ms:
-                (m[0] if isinstance(m, nn.Sequential) else m.a).forward = _zeros_of_width_8
+                (m[0] if isinstance(m, nn.Sequential) else m.a).forward = zeros_of_width_8
     if "class" in changes:
         monkeypatch.setattr(nn.Linear, "forward", _scaled_linear_forward)
     handle = None

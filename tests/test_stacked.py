@@ -25,12 +25,14 @@ from tests.zoo import (
     Branchy,
     ConvNet,
     Probe,
+    TwoLayers,
     clone_models,
     mlp,
     param_grads,
     plain_graph,
     plain_sum,
     thread_recorder,
+    zeros_of_width_8,
 )
 
 
@@ -1369,17 +1371,6 @@ def test_a_group_beside_others_failing_in_backward_is_named_and_changes_no_grad(
     assert_same_grads(models, ref)
 
 
-class _TwoLayers(nn.Module):
-    """mlp([8]) as a class of its own: its groups run through vmap, not batched matmuls."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(IN, 8), nn.Linear(8, OUT)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-
 _GLOBAL_HOOKS = {
     # Each scales a Linear's output (or its input, or its output's gradient), so that a
     # module the hook did not run for gives other values, and records which modules it ran for.
@@ -1409,7 +1400,7 @@ def test_a_global_module_hook_runs_for_every_module_of_identical_models(
     # global hook is registered the models run one by one through their own modules, also in
     # stack_ storage (gradients still into the stack's buffers), and stack again after.
     torch.manual_seed(0)
-    models = [mlp([8]) if kind == "Sequential" else _TwoLayers() for _ in range(8)]
+    models = [mlp([8]) if kind == "Sequential" else TwoLayers() for _ in range(8)]
     plain = copy.deepcopy(models)
     stack = parsum.stack_(models) if storage else None
     opts = [  # an optimizer over the stack's storage, and its twin over the plain models'
@@ -1454,10 +1445,6 @@ def test_a_global_module_hook_runs_for_every_module_of_identical_models(
         assert parsum.stack_(models) is stack
 
 
-def _zeros_of_width_8(x):
-    return torch.zeros(x.shape[0], 8)
-
-
 @pytest.mark.parametrize("engine", ["auto", "stacked"])
 @pytest.mark.parametrize("when", ["before the first call", "after it"])
 @pytest.mark.parametrize("storage", [False, True])
@@ -1470,11 +1457,11 @@ def test_a_forward_assigned_to_a_layer_of_identical_models_runs(storage, when, e
     models = [mlp([8]) for _ in range(8)]
     plain = copy.deepcopy(models)
     for m in plain:
-        m[0].forward = _zeros_of_width_8
+        m[0].forward = zeros_of_width_8
     x = torch.randn(5, IN)
     if when == "before the first call":
         for m in models:
-            m[0].forward = _zeros_of_width_8
+            m[0].forward = zeros_of_width_8
         if storage:
             with pytest.raises(parsum.ParsumError, match="a forward assigned to a module"):
                 parsum.stack_(models)
@@ -1483,7 +1470,7 @@ def test_a_forward_assigned_to_a_layer_of_identical_models_runs(storage, when, e
             parsum.stack_(models)
         parsum.sum_models(models, x, engine=engine)
         for m in models:
-            m[0].forward = _zeros_of_width_8
+            m[0].forward = zeros_of_width_8
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y = parsum.sum_models(models, x, engine=engine)
@@ -1513,7 +1500,7 @@ def test_a_torch_function_mode_sees_every_models_calls(kind, storage, engine, n_
     # a mode rounding every F.linear's output saw none of them (8 MLPs off by 1.6, silently).
     # Under a mode the models run one by one (NOTE [ Global module hooks and stacked groups ]).
     torch.manual_seed(0)
-    models = [mlp([8]) if kind == "Sequential" else _TwoLayers() for _ in range(8)]
+    models = [mlp([8]) if kind == "Sequential" else TwoLayers() for _ in range(8)]
     plain = copy.deepcopy(models)
     if storage:
         parsum.stack_(models)

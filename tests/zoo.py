@@ -25,6 +25,23 @@ def mlp(widths: list[int], act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
+class TwoLayers(nn.Module):
+    """``mlp([8], act)`` as a class of its own: what is not a Sequential of torch.nn layers runs
+    through module calls, and its stacked groups through vmap, not batched matmuls."""
+
+    def __init__(self, act: type[nn.Module] = nn.Tanh) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(IN, 8), act(), nn.Linear(8, OUT)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def zeros_of_width_8(x: torch.Tensor) -> torch.Tensor:
+    """A forward to assign to a model's first layer of width 8 (``layer.forward = ...``)."""
+    return torch.zeros(x.shape[0], 8)
+
+
 def tiny_mlps(n: int, depth: int = 2) -> list[nn.Sequential]:
     """``n`` tiny MLPs of different widths, ``depth`` hidden layers each: none stacked, and too
     small for workers in forward (NOTE [ Pullbacks of small models ] in parsum._grouping)."""
