@@ -496,12 +496,13 @@ def plan_units(
     group_of: dict[int, tuple[int, ...]] = {}
     for members in groups.values():
         first = members[0]
-        batched = auto and estimate(model_params[first], "batched", _batched, models[first])
+        layers = (
+            estimate(model_params[first], "batched", _batched_layers, models[first]) if auto else 0
+        )
+        batched = layers > 0
         if len(members) < (auto_min_group(batched) if auto else min_models):
             continue
-        if batched and len(members) < _min_batched_group(
-            models[first], model_params[first], budget
-        ):
+        if batched and len(members) < _min_batched_group(model_params[first], layers, budget):
             continue  # NOTE [ Small groups of few layers ]
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -530,10 +531,11 @@ def _layout_now(model: nn.Module, mp: ModelParams) -> Hashable:
     return type(model), tuple(p.shape for p in mp.tensors)
 
 
-def _batched(model: Any) -> bool:
-    """Whether a stacked group of such models runs as batched matmuls (NOTE [ Batched layers ]
-    in _engines)."""
-    return isinstance(model, nn.Module) and program_of(model) is not None
+def _batched_layers(model: Any) -> int:
+    """The Linear layers of such a model where a stacked group of them runs as batched matmuls
+    (NOTE [ Batched layers ] in _engines); 0 where it does not."""
+    program = program_of(model) if isinstance(model, nn.Module) else None
+    return 0 if program is None else sum(isinstance(step, tuple) for step in program)
 
 
 def auto_min_group(batched: bool) -> int:
@@ -542,15 +544,13 @@ def auto_min_group(batched: bool) -> int:
     return AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS
 
 
-def _min_batched_group(model: Any, mp: ModelParams, budget: int | None) -> int:
-    """The fewest such models engine="auto" stacks as batched matmuls on ``budget`` threads
-    of the CPU (NOTE [ Small groups of few layers ]): on one, by their layers."""
+def _min_batched_group(mp: ModelParams, layers: int, budget: int | None) -> int:
+    """The fewest models like ``mp``, of ``layers`` Linear layers, that engine="auto" stacks
+    as batched matmuls on ``budget`` threads of the CPU (NOTE [ Small groups of few layers ]):
+    on one, by their layers."""
     on_cpu = mp.tensors[0].device.type == "cpu"
     if not on_cpu or (thread_budget() if budget is None else budget) > 1:
         return AUTO_STACK_MIN_BATCHED
-    program = program_of(model)
-    assert program is not None  # a batched group's
-    layers = sum(isinstance(step, tuple) for step in program)
     return max(AUTO_STACK_MIN_BATCHED, 1 + -(-AUTO_STACK_MIN_SAVED_LAYERS // layers))
 
 
@@ -581,7 +581,7 @@ def _small_enough_now(model: Any, mp: ModelParams, batch: Batch, budget: int) ->
     if mp.tensors[0].device.type == "cuda":
         return True  # kernels launched one model at a time cost more than batched ones
     max_params, max_rows = AUTO_STACK_MAX_PARAMS, _group_param_rows(budget)
-    if budget in AUTO_STACK_BATCHED_LIMITS and _batched(model):
+    if budget in AUTO_STACK_BATCHED_LIMITS and _batched_layers(model) > 0:
         max_params, max_rows = AUTO_STACK_BATCHED_LIMITS[budget]
     return (
         sum([t.numel() for t in mp.tensors]) <= max_params
