@@ -9,8 +9,10 @@
 # changed: every module (held weakly) alive, of the same class and training flag; its
 # ``_parameters``, ``_buffers`` and ``_modules`` holding the same objects under the same names;
 # a module of a class outside torch.nn (whose tensor attributes the walk collects) holding the
-# same attributes; every tensor's ``requires_grad`` and storage (``m.to(dtype or device)`` and
-# ``p.data = ...`` give it a new one); the same module hooks (which decide which models may be
+# same attributes; every tensor's ``requires_grad``, storage (``m.to(dtype or device)`` and
+# ``p.data = ...`` give it a new one) and number of elements (``p.data = p.data[:16]``, a
+# narrower layer, keeps the storage: the plan held, and engine="stacked" stacked such models
+# with the others, which raised); the same module hooks (which decide which models may be
 # stacked): looked for only when a hook was registered anywhere since, which one counter of
 # hook handles tells (a model that registers a tensor hook in its forward made every call plan
 # anew, 0.65 ms for 64 tiny MLPs; the look at their 382 modules costs 0.12 ms). The units and
@@ -27,9 +29,10 @@
 # Not reused: calls where a model is another callable (a ``functools.partial``: its arguments
 # may be anything), a lazy module is not initialized, a tensor is a subclass, or ``take_rows``
 # has read one of the models' tensors (the chunks count the rows such a table gathers).
-# Not seen (the walk would have seen them): a tensor's shape changed in place without a new
-# storage (``p.data = p.data.view(...)``), and a torch.nn layer's settings changed (a
-# convolution's stride, which the cost estimate reads).
+# Not seen (the walk would have seen them): a tensor's shape changed in place with the same
+# storage and number of elements (``p.data = p.data.view(...)``: its sizes would be a third
+# look at every tensor), and a torch.nn layer's settings changed (a convolution's stride,
+# which the cost estimate reads).
 # Lifetime: at most MAX_PLANS walks are kept, each holding its modules (and the attributes of
 # modules of classes outside torch.nn, where they can be held weakly: a method of the module
 # kept as an attribute would keep it alive) weakly and its tensors strongly, and dropped as
@@ -79,7 +82,7 @@ from ._sparse import (
     post_accumulate_hooks,
     sampled_elements,
 )
-from ._stack import _data_ptr, _tensor_hooks
+from ._stack import _data_ptr, _numel, _tensor_hooks
 from ._torch_calls import torch_nn_untouched
 
 MAX_PLANS = 8
@@ -178,6 +181,7 @@ class Walk:
         self._custom: _Watched = _Watched([], [], [])
         self._tensors: list[Tensor] = []
         self._ptrs: list[int] = []
+        self._numels: list[int] = []
         self._requires: list[bool] = []
         self._handles: int | None = None
         self._hook_ids: list[tuple[int, ...]] = []
@@ -349,6 +353,8 @@ class Walk:
             )
             or list(map(_requires_grad, self._tensors)) != self._requires
             or list(map(_data_ptr, self._tensors)) != self._ptrs
+            # ``p.data = p.data[:16]`` keeps the address: its shape is found from it anew
+            or list(map(_numel, self._tensors)) != self._numels
         ):
             return False
         watched = self._custom  # one read: _watch_settings replaces it whole
@@ -465,6 +471,7 @@ class Walk:
         self._tensors = tensors
         self._requires = list(map(_requires_grad, tensors))
         self._ptrs = list(map(_data_ptr, tensors))
+        self._numels = list(map(_numel, tensors))
         return True
 
     def _record_models(
@@ -491,13 +498,13 @@ class Walk:
 _RECORD_FIELDS = (
     "_handles", "_hook_ids", "_module_refs", "_custom", "_sized", "_types", "_training",
     "_calls", "_torch_nn", "_sizes", "_entry_dicts", "_entry_keys", "_entry_values", "_tensors",
-    "_requires", "_ptrs",
+    "_requires", "_ptrs", "_numels",
 )  # fmt: skip
 # The record's lists with an entry per module, or per entry of a module's dicts, or per tensor:
 # a walk over several models' modules records them one model after the other.
 _CONCATENATED = (
     "_hook_ids", "_module_refs", "_sized", "_types", "_training", "_calls", "_sizes",
-    "_entry_dicts", "_entry_keys", "_entry_values", "_tensors", "_requires", "_ptrs",
+    "_entry_dicts", "_entry_keys", "_entry_values", "_tensors", "_requires", "_ptrs", "_numels",
 )  # fmt: skip
 
 

@@ -16,7 +16,8 @@
 # The models stay ordinary modules, and everything that can break the storage or the
 # identity of the group is checked on every call, cheaply: the same model objects, every
 # parameter, buffer and submodule still in its place, every tensor still at its address
-# (``.data`` swapped, ``m.to(dtype)``, ``load_state_dict(assign=True)``), requires_grad,
+# (``.data`` swapped, ``m.to(dtype)``, ``load_state_dict(assign=True)``) and of its slice's
+# elements and strides (``p.data = p.data[:16]`` keeps the address), requires_grad,
 # training flags and plain attributes as recorded, no module or gradient hooks. A failed check
 # runs the full comparison again: models still identical are re-stacked (new storage, the
 # values they hold now); otherwise the call goes the general way (``ParallelSum``, correct for
@@ -148,6 +149,8 @@ _stack_of: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictiona
 _wanted: weakref.WeakSet[Stack] = weakref.WeakSet()
 
 _data_ptr = Tensor.data_ptr
+_numel = Tensor.numel
+_stride = Tensor.stride
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _grad_of = operator.attrgetter("grad")
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -545,6 +548,8 @@ class Stack(Sequence[nn.Module]):
         self._program = program_of(infos[0].modules[0]) if infos[0].modules else None
         self._tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         self._ptrs = list(map(_data_ptr, self._tensors))
+        self._numels = list(map(_numel, self._tensors))
+        self._strides = list(map(_stride, self._tensors))
         self._requires = list(map(_requires_grad, self._tensors))
         self._trainable_tensors = [t for info in infos for t in info.tensors]
         self._numel = sum(t.numel() for t in infos[0].tensors)
@@ -604,6 +609,7 @@ class Stack(Sequence[nn.Module]):
         if (
             not all(same)
             or list(map(_data_ptr, self._tensors)) != self._ptrs
+            or not self._still_slices(self._tensors)
             or list(map(_requires_grad, self._tensors)) != self._requires
             or list(map(len, self._sized)) != self._sizes
         ):
@@ -633,6 +639,18 @@ class Stack(Sequence[nn.Module]):
                 self._own_post_hooks = posts
         return None
 
+    def _still_slices(self, tensors: list[Tensor]) -> bool:
+        """Whether ``tensors``, at the addresses of the stack's slices, still have the slices'
+        sizes and strides: ``p.data = p.data[:16]`` (a narrower layer) keeps the address, and
+        the stacked forward then read the whole slice (NOTE [ Stacked storage ]). Elements and
+        strides tell every view the models' own layers can read from a slice's shape (its
+        strides give every size but the first, the elements that one), at two C calls a tensor
+        (sizes are a third)."""
+        return (
+            list(map(_numel, tensors)) == self._numels
+            and list(map(_stride, tensors)) == self._strides
+        )
+
     def _restack(self) -> str | None:
         """After a change: stack the models again if they are still identical."""
         if any(_stack_of.get(m) is not self for m in self.models):
@@ -644,6 +662,7 @@ class Stack(Sequence[nn.Module]):
         tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         if (
             list(map(_data_ptr, tensors)) == self._ptrs
+            and self._still_slices(tensors)
             and all(map(operator.is_, tensors, self._tensors))
             # The same names trainable: a model's last trainable tensor frozen on every model
             # keeps the tensors' order, and the stack had gone on training it, silently.

@@ -14,7 +14,17 @@ from torch import nn
 import parsum
 from parsum import _plans
 from parsum._plans import known_walk
-from tests.zoo import IN, OUT, Branchy, clone_models, mlp, param_grads, plain_sum, zoo
+from tests.zoo import (
+    IN,
+    OUT,
+    Branchy,
+    clone_models,
+    mlp,
+    narrow_in_place,
+    param_grads,
+    plain_sum,
+    zoo,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,6 +94,8 @@ CHANGES = {
     "parameter data made non-contiguous": lambda ms: setattr(
         ms[0][0].weight, "data", randn(IN, 8).t()
     ),
+    # The same addresses, other shapes: a plan that compared addresses alone held.
+    "parameter data narrowed in place": lambda ms: narrow_in_place(ms[0], 4),
 }
 
 
@@ -174,6 +186,25 @@ def test_a_dtype_change_is_noticed():
     y = parsum.sum_models(models, x.double(), n_jobs=1)
     assert y.dtype == torch.float64
     torch.testing.assert_close(y, plain_sum(ref, x.double()))
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_identical_models_narrowed_in_place_are_grouped_anew(n_jobs):
+    # Every third model's hidden layer narrowed by .data slices, which keep the addresses: the
+    # plan held, and engine="stacked" stacked its old group of eight, which raised.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(8)]
+    x = torch.randn(5, IN)
+    parsum.sum_models(models, x, engine="stacked", n_jobs=n_jobs).sum().backward()
+    ref = changed_alike(models, lambda ms: [narrow_in_place(m, 4) for m in ms[::3]])
+    for m in [*models, *ref]:
+        m.zero_grad(set_to_none=True)
+    y = parsum.sum_models(models, x, engine="stacked", n_jobs=n_jobs)
+    y.pow(2).mean().backward()
+    y_ref = plain_sum(ref, x)
+    y_ref.pow(2).mean().backward()
+    torch.testing.assert_close(y, y_ref)
+    assert_changed_grads_match(models, ref, "narrowed")
 
 
 @pytest.mark.parametrize("n_jobs", [1, 3])

@@ -16,7 +16,16 @@ import torch
 from torch import nn
 
 import parsum
-from tests.zoo import IN, OUT, mlp, param_grads, plain_graph, plain_sum, unique_params
+from tests.zoo import (
+    IN,
+    OUT,
+    mlp,
+    narrow_in_place,
+    param_grads,
+    plain_graph,
+    plain_sum,
+    unique_params,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,8 +45,8 @@ class TwoLayer(nn.Module):
 
 def members(kind: str = "mlp", n: int = 10, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
     torch.manual_seed(0)
-    if kind == "mlp":
-        return [mlp([8, 7], nn.LeakyReLU).to(dtype) for _ in range(n)]
+    if kind in ("mlp", "square"):  # square: its second layer's weight
+        return [mlp([8, 7 if kind == "mlp" else 8], nn.LeakyReLU).to(dtype) for _ in range(n)]
     return [TwoLayer().to(dtype) for _ in range(n)]
 
 
@@ -446,6 +455,11 @@ def replace_weight(models):
     models[4][0].weight = nn.Parameter(torch.randn_like(models[4][0].weight))
 
 
+def narrow_one_in_place(models):
+    # The addresses kept, the shapes changed: the stacked forward read the whole slices.
+    narrow_in_place(models[4], 5)
+
+
 def freeze_one(models):
     models[4][0].weight.requires_grad_(False)
 
@@ -489,6 +503,7 @@ def post_accumulate_hook_on_one(models):
     "change",
     [
         replace_weight,
+        narrow_one_in_place,
         freeze_one,
         one_to_double,
         assign_state,
@@ -550,6 +565,37 @@ def test_a_change_made_to_every_model_restacks_silently():
         y = parsum.sum_models(models, x.double())
     assert runs_stacked(y) and y.dtype == torch.float64
     assert stack.values["0.weight"].dtype == torch.float64
+    assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
+
+
+def test_a_square_weight_transposed_in_place_is_noticed():
+    # The same address and elements, other strides: the stacked forward read the slice as it
+    # was, silently. Still identical to the others, the model is stacked again with them.
+    models, plain, stack = stacked_and_plain("square")
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x)
+    for ms in (models, plain):
+        ms[4][2].weight.data = ms[4][2].weight.data.t()
+    assert models[4][2].weight.data_ptr() == stack.values["2.weight"][4].data_ptr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(plain, x))
+        step_like_plain(models, plain, x, stacked=True)
+    assert models[4][2].weight.data_ptr() == stack.values["2.weight"][4].data_ptr()
+
+
+def test_every_model_narrowed_in_place_alike_restacks_silently():
+    models, plain, stack = stacked_and_plain()
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x)
+    for ms in (models, plain):
+        for m in ms:
+            narrow_in_place(m, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(plain, x))
+        step_like_plain(models, plain, x, stacked=True)
+    assert stack.values["0.weight"].shape == (10, 5, IN)
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
 
 

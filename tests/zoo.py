@@ -42,6 +42,17 @@ def zeros_of_width_8(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros(x.shape[0], 8)
 
 
+@torch.no_grad()
+def narrow_in_place(model: nn.Sequential, width: int) -> None:
+    """The first hidden layer of an ``mlp`` cut to ``width`` units by ``.data`` slices that
+    keep each tensor's address (the first rows of the first layer, the first columns of the
+    next): the model's shapes change, its tensors' addresses do not."""
+    first, second = model[0], model[2]
+    first.weight.data = first.weight.data[:width]
+    first.bias.data = first.bias.data[:width]
+    second.weight.data = second.weight.data[:, :width]
+
+
 def tiny_mlps(n: int, depth: int = 2) -> list[nn.Sequential]:
     """``n`` tiny MLPs of different widths, ``depth`` hidden layers each: none stacked, and too
     small for workers in forward (NOTE [ Pullbacks of small models ] in parsum._grouping)."""
