@@ -17,7 +17,8 @@
 # identity of the group is checked on every call, cheaply: the same model objects, every
 # parameter, buffer and submodule still in its place, every tensor still at its address
 # (``.data`` swapped, ``m.to(dtype)``, ``load_state_dict(assign=True)``) and of its slice's
-# elements and strides (``p.data = p.data[:16]`` keeps the address), requires_grad,
+# elements and strides (``p.data = p.data[:16]`` keeps the address), every module of its
+# class (``module.__class__`` assigned), requires_grad,
 # training flags and plain attributes as recorded, no module or gradient hooks. A failed check
 # runs the full comparison again: models still identical are re-stacked (new storage, the
 # values they hold now); otherwise the call goes the general way (``ParallelSum``, correct for
@@ -151,6 +152,8 @@ _wanted: weakref.WeakSet[Stack] = weakref.WeakSet()
 _data_ptr = Tensor.data_ptr
 _numel = Tensor.numel
 _stride = Tensor.stride
+# A weak reference called: its object, or None once collected (Python 3.10 has no operator.call).
+_deref = getattr(operator, "call", weakref.ref.__call__)
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _grad_of = operator.attrgetter("grad")
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -543,6 +546,12 @@ class Stack(Sequence[nn.Module]):
         # groups ] in _grouping); not any attribute: compiling in place after stacking adds
         # one, and the stack goes on (the batched forward computes what the compiled call does)
         self._attribute_dicts = owns
+        # Each module's class: ``module.__class__ = nn.Sigmoid`` (as a lazy module becomes
+        # its ``cls_to_become``) changes no attribute, and the stacked forward ran the old
+        # class's program. Held weakly: the stack, which the models keep, must not keep them.
+        modules = [module for info in infos for module in info.modules]
+        self._module_refs = list(map(weakref.ref, modules))
+        self._types = list(map(type, modules))
         self._handles_seen: int | None = None
         self._own_post_hooks = 0  # post-accumulate hooks on the parameters, all parsum's
         self._program = program_of(infos[0].modules[0]) if infos[0].modules else None
@@ -608,6 +617,7 @@ class Stack(Sequence[nn.Module]):
         )
         if (
             not all(same)
+            or list(map(type, map(_deref, self._module_refs))) != self._types
             or list(map(_data_ptr, self._tensors)) != self._ptrs
             or not self._still_slices(self._tensors)
             or list(map(_requires_grad, self._tensors)) != self._requires

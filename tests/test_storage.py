@@ -460,6 +460,11 @@ def narrow_one_in_place(models):
     narrow_in_place(models[4], 5)
 
 
+def class_of_one(models):
+    # No attribute changes, as when a lazy module becomes its cls_to_become.
+    models[4][1].__class__ = nn.Tanh
+
+
 def freeze_one(models):
     models[4][0].weight.requires_grad_(False)
 
@@ -504,6 +509,7 @@ def post_accumulate_hook_on_one(models):
     [
         replace_weight,
         narrow_one_in_place,
+        class_of_one,
         freeze_one,
         one_to_double,
         assign_state,
@@ -584,18 +590,23 @@ def test_a_square_weight_transposed_in_place_is_noticed():
     assert models[4][2].weight.data_ptr() == stack.values["2.weight"][4].data_ptr()
 
 
-def test_every_model_narrowed_in_place_alike_restacks_silently():
+@pytest.mark.parametrize("change", ["narrowed in place", "activation's class"])
+def test_a_change_to_every_model_alike_restacks_silently(change):
     models, plain, stack = stacked_and_plain()
     x = torch.randn(8, IN)
     parsum.sum_models(models, x)
     for ms in (models, plain):
         for m in ms:
-            narrow_in_place(m, 5)
+            if change == "narrowed in place":
+                narrow_in_place(m, 5)
+            else:
+                m[1].__class__ = nn.Tanh
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(plain, x))
         step_like_plain(models, plain, x, stacked=True)
-    assert stack.values["0.weight"].shape == (10, 5, IN)
+    width = 5 if change == "narrowed in place" else 8
+    assert stack.values["0.weight"].shape == (10, width, IN)
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
 
 
