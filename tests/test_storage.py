@@ -38,9 +38,10 @@ class TwoLayer(nn.Module):
         self.a = nn.Linear(IN, 5)
         self.b = nn.Linear(5, OUT)
         self.scale = nn.Parameter(torch.tensor(0.5), requires_grad=False)  # frozen: state
+        self.a.gain = 1.0  # a plain attribute of a torch.nn layer, which forward reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x))) * self.scale
+        return self.b(torch.relu(self.a(x) * self.a.gain)) * self.scale
 
 
 def members(kind: str = "mlp", n: int = 10, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
@@ -572,6 +573,19 @@ def test_a_change_made_to_every_model_restacks_silently():
     assert runs_stacked(y) and y.dtype == torch.float64
     assert stack.values["0.weight"].dtype == torch.float64
     assert models[7][0].weight.data_ptr() == stack.values["0.weight"][7].data_ptr()
+
+
+def test_an_attribute_of_a_linear_layer_that_the_forward_reads_is_watched():
+    # The check took a Linear's weight and bias alone, all its own forward reads; a model of
+    # other code reads more of it, and the stacked forward took the first model's value.
+    models, plain, _ = stacked_and_plain("two-layer")
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x)
+    for ms in (models, plain):
+        ms[4].a.gain = 2.0
+    with pytest.warns(UserWarning, match="one by one"):
+        torch.testing.assert_close(parsum.sum_models(models, x), plain_sum(plain, x))
+    step_like_plain(models, plain, x, stacked=False)
 
 
 def test_a_square_weight_transposed_in_place_is_noticed():
