@@ -237,7 +237,7 @@ def sum_in_plain_graph(
     wide = wide_sum_over_models(terms)
     if not wide.requires_grad:
         return wide.to(torch.float32)
-    return _CheckedRounding.apply(wide, guard)
+    return _CheckedRounding.apply(wide, guard, weight_tensor)
 
 
 class _FannedOut(torch.autograd.Function):
@@ -333,17 +333,23 @@ class _CheckedRounding(torch.autograd.Function):
     """The wide sum rounded to float32 (``.to(torch.float32)``), whose backward first checks
     that no tensor the models' graphs saved was written in place since (NOTE [ Tensors written
     before the backward ]). A node of parsum's own: a pre-hook on the rounding's node cost
-    more."""
+    more. A weight tensor read as floats is saved here as the general path's node saves it
+    (and the plain loop's products): written in place before the backward, autograd's error
+    is raised before any model's gradient is written (it ran on with the forward's floats,
+    where every other path and the plain loop raise)."""
 
     @staticmethod
-    def forward(ctx: Any, wide: Tensor, guard: _Guard) -> Tensor:
+    def forward(ctx: Any, wide: Tensor, guard: _Guard, weight_tensor: Tensor | None) -> Tensor:
         ctx.guard = guard
+        if weight_tensor is not None:
+            ctx.save_for_backward(weight_tensor)
         return wide.to(torch.float32)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        _ = ctx.saved_tensors  # read: a weight tensor written in place since raises
         ctx.guard.check(ctx)
-        return grad.to(torch.float64), None
+        return grad.to(torch.float64), None, None
 
 
 class _LearnedWeights(torch.autograd.Function):

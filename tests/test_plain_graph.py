@@ -421,6 +421,25 @@ def test_a_tensor_written_before_the_backward_with_learned_weights(cores):
     assert all(p.grad is None for m in models for p in m.parameters())
 
 
+@pytest.mark.parametrize("general", [False, True], ids=["plain graph", "general path"])
+def test_a_weight_tensor_written_before_the_backward_raises_as_in_the_plain_loop(
+    general, cores, monkeypatch
+):
+    # Read as floats, the weights were saved by the general path's node and by the plain
+    # loop's products, not by the plain graph, whose backward ran on with the forward's floats.
+    cores(1)
+    models = heads(seed=17)
+    weights = torch.linspace(0.5, 1.5, len(models))
+    if general:
+        without_plain_graphs(monkeypatch)
+    y = parsum.sum_models(models, torch.randn(9, IN), weights=weights)
+    assert plain_graph(y) is not general
+    weights.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.pow(2).sum().backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
 def test_the_check_reads_no_graph_where_nothing_was_written(cores, monkeypatch):
     cores(1)
     models = heads(seed=10)
