@@ -530,18 +530,14 @@ class Stack(Sequence[nn.Module]):
                 if kind is nn.Linear:  # its forward reads its weight and bias, nothing else
                     inner = attributes["_parameters"]
                     entries.extend((inner, k, inner.get(k)) for k in ("weight", "bias"))
-                    if self._program is None:
-                        # A model of other code may read more of it (``self.lin.scale``),
-                        # which the batched forward took from the first model's, silently.
-                        sized.extend((attributes, inner))
-                        entries.extend(
-                            (attributes, key, attributes[key])
-                            for key in attributes.keys() - MODULE_INTERNALS
-                        )
-                    continue
+                    if self._program is not None:
+                        continue
+                    # A model of other code may read more of it (``self.lin.scale``), which
+                    # the batched forward took from the first model's, silently.
+                    sized.extend((attributes, inner))
                 for key in attributes.keys() - MODULE_INTERNALS:
                     entries.append((attributes, key, attributes[key]))
-                if kind in ELEMENTWISE and kind is not nn.Dropout:
+                if kind is nn.Linear or (kind in ELEMENTWISE and kind is not nn.Dropout):
                     continue  # its forward reads its settings alone, not its training flag
                 entries.append((attributes, "training", attributes["training"]))
                 for key in ("_parameters", "_buffers", "_modules"):
