@@ -726,6 +726,10 @@ def run_forward(
                     for waiting, v in zip(pending, values):
                         waiting.append(v)
 
+        # The first chunk whose terms wait: where its outputs are summed at once, it is the
+        # one handed over, whose first model consume checks against model 0 (a later chunk's
+        # models that differ from model 0's may be small enough where model 0's were not).
+        start = ks[0]
         for k in ks:
             try:
                 if turns is not None:
@@ -736,11 +740,12 @@ def run_forward(
                 raise
             if at_once:
                 if k == ks[-1]:
-                    done(ks[0], ChunkSum(None, pending, term_weights))
+                    done(start, ChunkSum(None, pending, term_weights))
                 continue  # the next chunk's terms follow this one's
             _flush(accs, pending, term_weights)
             done(k, ChunkSum(accs, None))
             first = lone = None  # the next chunk admits its own first model
+            start = k + 1
 
     def consume(k: int, chunk: ChunkSum) -> None:
         # The chunk's models all match its first (sum_chunk): that one against model 0's.

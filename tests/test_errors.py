@@ -132,6 +132,34 @@ def test_outputs_that_differ_name_the_first_model(n_jobs, bad, match, chunk_size
         parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=chunk_size)
 
 
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize(
+    ("good", "bad", "match"),
+    [
+        (
+            lambda y: y.double(),
+            lambda y: y,
+            "with dtype torch.float32, model 0 with dtype torch.float64",
+        ),
+        (
+            lambda y: y.repeat(1, 40_000),
+            lambda y: y,
+            r"with shape \(2, 3\), model 0 with shape \(2, 120000\)",
+        ),
+    ],
+)
+def test_outputs_summed_at_once_after_ones_that_are_not_are_named(n_jobs, good, bad, match):
+    # Model 0's outputs too wide to be summed at once (float64 has no wider type; 120K
+    # elements), model 4's narrow enough: at one thread, model 4's chunk was handed over as
+    # chunk 0 and checked as chunk 0, its outputs added to model 0's (float32 to float64, or
+    # broadcast) where n_jobs=2 raised.
+    models = [Returns(good) for _ in range(4)] + [Returns(bad) for _ in range(3)]
+    with pytest.raises(
+        parsum.ParsumError, match=f"model 4 \\(Returns\\) returned output leaf 0 {match}"
+    ):
+        parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=2)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 @pytest.mark.parametrize(
