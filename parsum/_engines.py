@@ -1399,6 +1399,25 @@ def check_weight_tensor(
             )
 
 
+def version_of(t: Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def written_after_return(where: str, i: int, model: Any) -> ParsumError:
+    """The error for model ``i``'s output written in place before it was summed (NOTE
+    [ Outputs written before they are summed ] in _function)."""
+    return ParsumError(
+        f"{where}: model {i} ({model_kind(model)}) returned a tensor that a forward run after "
+        "it wrote in place before parsum summed it (its argument, or its module's buffer or "
+        "state, or a view of one): the plain loop adds each output as its model returns it, "
+        "parsum once the forwards have run. Return a copy (out.clone())"
+    )
+
+
 class SinglePullback:
     """A one-model unit's pullback (a ``UnitPullback``); ``inner`` is the model's own."""
 

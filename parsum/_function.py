@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ from ._engines import (
     shared_snapshot,
     stacked_in_graph,
     unit_forward,
+    version_of,
+    written_after_return,
     wrote_shared,
 )
 from ._errors import ParsumError, message_of
@@ -424,6 +427,9 @@ def run_forward(
                 raise _describe_mismatch(plan, i, sig, ref) from None
 
     failed_chunks: list[int] = []
+    # The runs' terms summed at the end, watched until then (NOTE [ Outputs written before
+    # they are summed ]): ``pending``, ``versions`` and ``admitted`` of each.
+    awaiting: list[tuple[list[list[Tensor]], list[list[int]], list[int]]] = []
     weighted = weight_tensor is not None or plan.weights is not None
     # NOTE [ Weights in the reduction ] in _summation: float weights wait beside their terms,
     # as do a weight tensor's read as floats (NOTE [ A weight tensor read as floats ]) beside
@@ -581,6 +587,10 @@ def run_forward(
         # Each output leaf's values not added yet: added together, in model order, with one
         # reduction (CompensatedAccumulator.add_all) before a group's sum and at the end.
         pending: list[list[Tensor]] = []
+        # NOTE [ Outputs written before they are summed ]: each waiting term's version when its
+        # model returned it, beside ``pending``, and the models whose terms wait, in order.
+        versions: list[list[int]] = []
+        admitted: list[int] = []
         # The weight of each term waiting, where they are added times it (None: weighted
         # already), the same for every output leaf; None where none waits.
         term_weights: list[float | None] | None = None
@@ -592,12 +602,13 @@ def run_forward(
         def admit(i: int, leaves: list[Tensor], sig: Signature) -> None:
             """Model i's output leaves: the chunk's first (its sums follow them), or checked
             against the first's."""
-            nonlocal first, accs, pending, term_weights, at_once, lone
+            nonlocal first, accs, pending, versions, term_weights, at_once, lone
             if first is None:
                 check_weight_tensor(plan.where, weight_tensor, leaves, i, models[i])
                 first = i
                 accs = [CompensatedAccumulator() for _ in leaves]
                 pending = [[] for _ in leaves]
+                versions = [[] for _ in leaves]
                 term_weights = (
                     []
                     if in_reduction
@@ -609,6 +620,14 @@ def run_forward(
                     lone = sig[1][0]
             elif sig != signatures[first]:
                 raise _ChunkMismatch
+
+        def flush() -> None:
+            """The terms waiting added to ``accs``, once none was written since it came."""
+            check_unwritten(plan, pending, versions, admitted)
+            for seen in versions:
+                seen.clear()
+            admitted.clear()
+            _flush(accs, pending, term_weights)
 
         def sum_units(k: int) -> None:
             """Chunk k's models, run and added to the terms waiting."""
@@ -665,6 +684,8 @@ def run_forward(
                         elif weighted:
                             value = value * plan.weight(i, weight_tensor)  # type: ignore[operator]
                         pending[0].append(value)
+                        versions[0].append(version_of(value))
+                        admitted.append(i)
                         continue
                     run = UnitRun([out], None)
                 pullbacks[u] = run.pullback
@@ -695,10 +716,12 @@ def run_forward(
                             group = _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                             if term_weights is not None:
                                 term_weights.extend([None] * len(unit.models))
-                        for waiting, v in zip(pending, group):
+                        for waiting, seen, v in zip(pending, versions, group):
                             waiting.extend(v.unbind(0))
+                            seen.extend([version_of(v)] * len(unit.models))
+                        admitted.extend(unit.models)
                         continue
-                    _flush(accs, pending, term_weights)
+                    flush()
                     for acc, v in zip(
                         accs, _weighted_group(plan, unit.models, run.stacked, weight_tensor)
                     ):
@@ -723,8 +746,10 @@ def run_forward(
                     elif weighted:
                         w = plan.weight(i, weight_tensor)
                         values = [v * w for v in values]  # type: ignore[operator]  # never None
-                    for waiting, v in zip(pending, values):
+                    for waiting, seen, v in zip(pending, versions, values):
                         waiting.append(v)
+                        seen.append(version_of(v))
+                    admitted.append(i)
 
         # The first chunk whose terms wait: where its outputs are summed at once, it is the
         # one handed over, whose first model consume checks against model 0 (a later chunk's
@@ -741,8 +766,9 @@ def run_forward(
             if at_once:
                 if k == ks[-1]:
                     done(start, ChunkSum(None, pending, term_weights))
+                    awaiting.append((pending, versions, admitted))
                 continue  # the next chunk's terms follow this one's
-            _flush(accs, pending, term_weights)
+            flush()
             done(k, ChunkSum(accs, None))
             first = lone = None  # the next chunk admits its own first model
             start = k + 1
@@ -792,6 +818,8 @@ def run_forward(
                 plan.callers_last,
                 every_chunk,  # NOTE [ Chunks in one pass ]
             )
+        for run in sorted(awaiting, key=lambda run: run[2][0]):  # the first model named
+            check_unwritten(plan, *run)
         # Where a backward will run (the caller's graph runs only with grad enabled).
         differentiated = build_graph or roots is not None
         made = params_made_in_forward(plan) if differentiated and walk.grew() else None
@@ -867,6 +895,40 @@ def run_forward(
 # warns, naming the caller's line, and the next calls with these models run their forwards in
 # model order, as the plain loop does. Arguments that need a gradient are read through aliases
 # that autograd protects: modifying one in place raises in the model, named.
+
+
+# NOTE [ Outputs written before they are summed ]
+# The plain loop adds each model's output to its sum as the model returns it; parsum adds them
+# once a chunk's forwards (or all of them: NOTE [ One reduction for small outputs ] in
+# _summation) have run. An output that is its argument, a buffer or other state of its module,
+# or a view of one, and that a forward after it writes in place (one model returns ``x``, the
+# next halves it or starts with ``ReLU(inplace=True)``; a module listed twice updates and
+# returns a running mean), had its later value summed: off by the change, silently, and not the
+# same at every n_jobs. Each waiting term's version counter, read as its model returns it and
+# again before it is added (about 0.25 us a model), tells: the call raises, naming the model,
+# and its buffers are restored. Copying every output instead would cost a kernel a model on
+# every call, for what models almost never do.
+
+
+_read_version = operator.attrgetter("_version")
+
+
+def check_unwritten(
+    plan: SumPlan, pending: list[list[Tensor]], versions: list[list[int]], admitted: list[int]
+) -> None:
+    """Raise, naming the first model, where a term waiting in ``pending`` (``admitted[k]``'s
+    for each output leaf's k-th term) was written in place since its model returned it (NOTE
+    [ Outputs written before they are summed ])."""
+    for terms, seen in zip(pending, versions):
+        try:
+            if list(map(_read_version, terms)) == seen:
+                continue
+        except RuntimeError:  # an inference tensor among them
+            if list(map(version_of, terms)) == seen:
+                continue
+        k = next(k for k, (t, v) in enumerate(zip(terms, seen)) if version_of(t) != v)
+        i = admitted[k]
+        raise written_after_return(plan.where, i, plan.models[i])
 
 
 # NOTE [ Arguments made to need a gradient ]

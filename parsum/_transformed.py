@@ -26,9 +26,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
-from ._engines import CallArgs, ModelParams, check_weight_tensor, model_kind
+from ._engines import (
+    CallArgs,
+    ModelParams,
+    check_weight_tensor,
+    model_kind,
+    version_of,
+    written_after_return,
+)
 from ._errors import ParsumError, message_of
 from ._grads import has_compensated_flat_grads
 from ._summation import WIDE, sum_dtype
@@ -57,6 +65,7 @@ def sum_in_transform(
         )
     args, kwargs = call.build()
     outputs: list[list[Tensor]] = []
+    versions: list[list[int]] = []  # of each output leaf, as its model returned it
     spec: pytree.TreeSpec | None = None
     first: list[Tensor] = []  # model 0's output leaves, unweighted
     for i, model in enumerate(models):
@@ -98,9 +107,22 @@ def sum_in_transform(
         elif weight_list is not None:
             leaves = [t * weight_list[i] for t in leaves]
         outputs.append(leaves)
+        versions.append([_unwrapped_version(t) for t in leaves])
+    # NOTE [ Outputs written before they are summed ] in _function
+    for i, (leaves, seen) in enumerate(zip(outputs, versions)):
+        if [_unwrapped_version(t) for t in leaves] != seen:
+            raise written_after_return(where, i, models[i])
     assert spec is not None
     sums = [compensated_sum([out[j] for out in outputs]) for j in range(len(outputs[0]))]
     return pytree.tree_unflatten(sums, spec)
+
+
+def _unwrapped_version(t: Tensor) -> int:
+    """The version counter of the tensor a transform's wrappers hold: a batched tensor's own
+    stays 0 when the tensor it wraps is written in place."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return version_of(t)
 
 
 def _describe(spec: pytree.TreeSpec, leaves: Sequence[Tensor]) -> str:

@@ -1,6 +1,7 @@
 """Bad input and failing models: ParsumError naming the argument, value, index and type;
 a failed call changes nothing and the pool stays usable."""
 
+import copy
 import functools
 import re
 import threading
@@ -15,6 +16,8 @@ import parsum
 from tests.zoo import (
     IN,
     OUT,
+    HalvesItsArgument,
+    ReturnsItsArgument,
     SlowBackward,
     clone_models,
     mlp,
@@ -158,6 +161,95 @@ def test_outputs_summed_at_once_after_ones_that_are_not_are_named(n_jobs, good, 
         parsum.ParsumError, match=f"model 4 \\(Returns\\) returned output leaf 0 {match}"
     ):
         parsum.sum_models(models, torch.randn(2, IN), n_jobs=n_jobs, chunk_size=2)
+
+
+class RunningMean(nn.Module):
+    """Updates and returns a buffer (or a copy of it)."""
+
+    def __init__(self, copy=False):
+        super().__init__()
+        self.copy = copy
+        self.register_buffer("mean", torch.zeros(2, OUT))
+
+    def forward(self, x):
+        self.mean.mul_(0.5).add_(x[:, :OUT])
+        return self.mean.clone() if self.copy else self.mean
+
+
+def _writes_after(case):
+    if case == "a view of the argument, model 1":
+        return [mlp([4]), ReturnsItsArgument(), HalvesItsArgument()], 1, "ReturnsItsArgument"
+    if case == "view of the argument":
+        return [ReturnsItsArgument(), HalvesItsArgument()], 0, "ReturnsItsArgument"
+    if case == "a buffer, the module listed twice":
+        mean = RunningMean()
+        return [mlp([4]), mean, mean], 1, "RunningMean"
+    if case == "an argument to inplace ReLUs":
+        first = [nn.Sequential(ReturnsItsArgument()) for _ in range(8)]
+        return [*first, nn.Sequential(nn.ReLU(inplace=True), nn.Linear(IN, OUT))], 0, "Sequential"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "a view of the argument, model 1",
+        "view of the argument",
+        "a buffer, the module listed twice",
+        "an argument to inplace ReLUs",
+    ],
+)
+def test_an_output_that_a_later_forward_writes_in_place_is_named(case, grad, n_jobs):
+    # The plain loop adds each output as it comes; parsum summed the output's later value:
+    # off by the change, silently (NOTE [ Outputs written before they are summed ]).
+    models, bad, kind = _writes_after(case)
+    x = torch.randn(2, IN)
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(
+            parsum.ParsumError,
+            match=rf"model {bad} \({kind}\) returned a tensor that a forward run after it wrote in "
+            r"place before parsum summed it .* Return a copy \(out.clone\(\)\)",
+        ),
+    ):
+        parsum.sum_models(models, x, n_jobs=n_jobs)
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+def test_outputs_copied_or_written_before_they_return_sum_as_in_the_plain_loop(n_jobs):
+    mean, ref_mean = RunningMean(copy=True), RunningMean(copy=True)
+    models = [HalvesItsArgument(), ReturnsItsArgument(copy=True), mean, mean, HalvesItsArgument()]
+    refs = [copy.deepcopy(m) for m in models[:2]] + [ref_mean, ref_mean, copy.deepcopy(models[4])]
+    x = torch.randn(2, IN)
+    x_ref = x.clone()
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    torch.testing.assert_close(y, plain_sum(refs, x_ref))
+    torch.testing.assert_close(x, x_ref)
+    torch.testing.assert_close(mean.mean, ref_mean.mean)
+
+
+class ReturnsAnInferenceTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with torch.inference_mode():
+            self.constant = torch.randn(2, OUT)
+
+    def forward(self, x):
+        return self.constant
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+def test_an_inference_tensor_returned_outside_inference_mode_is_summed(n_jobs):
+    # It keeps no version counter to read: the sum as the plain loop's, nothing raised.
+    models = [mlp([4]), ReturnsAnInferenceTensor(), mlp([4])]
+    x = torch.randn(2, IN)
+    y = parsum.sum_models(models, x, n_jobs=n_jobs)
+    torch.testing.assert_close(y, plain_sum(models, x))
+    y.sum().backward()
+    assert all(p.grad is not None for p in models[0].parameters())
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

@@ -7,7 +7,7 @@ from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
 import parsum
-from tests.zoo import IN, OUT, mlp, plain_sum, zoo
+from tests.zoo import IN, OUT, HalvesItsArgument, ReturnsItsArgument, mlp, plain_sum, zoo
 
 TRANSFORMS = {
     "grad": lambda f: grad(lambda x: f(x).pow(2).sum()),
@@ -142,3 +142,18 @@ def test_failures_inside_a_transform_are_named():
         vmap(lambda x: parsum.sum_models(models, x))(x)
     with pytest.raises(parsum.ParsumError, match=r"invalid n_jobs=0"):
         vmap(lambda x: parsum.sum_models(models, x, n_jobs=0))(x)
+
+
+@pytest.mark.parametrize("name", ["grad", "vmap", "vmap of jacrev"])
+def test_an_output_that_a_later_forward_writes_in_place_is_named_inside_a_transform(name):
+    # Summed after every model ran, the view's later value was summed: off by the change,
+    # silently (vmap: a batched tensor's own version stays 0; the tensor it wraps is read).
+    models = [ReturnsItsArgument(), HalvesItsArgument()]
+    x = torch.randn(3, IN)
+    with pytest.raises(
+        parsum.ParsumError, match=r"model 0 \(ReturnsItsArgument\) returned a tensor"
+    ):
+        TRANSFORMS[name](lambda x: parsum.sum_models(models, x.clone()))(x)
+    copied = [ReturnsItsArgument(copy=True), models[1]]
+    got = TRANSFORMS[name](lambda x: parsum.sum_models(copied, x.clone()))(x)
+    torch.testing.assert_close(got, TRANSFORMS[name](lambda x: plain_sum(copied, x.clone()))(x))

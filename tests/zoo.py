@@ -264,3 +264,28 @@ def plain_graph(y: torch.Tensor) -> bool:
     """Whether ``sum_models`` returned ``y`` summed as a plain graph of known layers."""
     ref = _PLAIN_RESULTS.get(id(y))
     return ref is not None and ref() is y
+
+
+class ReturnsItsArgument(nn.Module):
+    """Returns a view of its argument (or a copy of it)."""
+
+    def __init__(self, copy=False):
+        super().__init__()
+        self.copy = copy
+
+    def forward(self, x):
+        view = x[..., :OUT]
+        return view.clone() if self.copy else view
+
+
+class HalvesItsArgument(nn.Module):
+    """Halves its argument in place after reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        y = self.lin(x)
+        x.mul_(0.5)
+        return y
