@@ -55,6 +55,7 @@ from ._function import (
     _at_end_of_backward,
     _engine_keeps_graph,
     _on_device_thread,
+    check_outputs_kept,
     direct_apply,
     freed_graph_error,
     model_weight_grad,
@@ -373,6 +374,7 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
         if wanted_inputs(ctx, 1 + ctx.n_args, 1)[0]:
             # Kept by the forward where the weights need a gradient, dropped with the edges
             assert state.attached is not None
+            check_outputs_kept(plan, state.outputs, state.output_versions)
             held.weight_outputs = state.attached
     grads = _apply(held, incoming, (), ctx.call_tensors[:n_args])
     if held.weight_outputs is not None:  # the weights' gradient: the node's last output

@@ -347,6 +347,9 @@ class _Forward:
     # them, with their graph (NOTE [ A learned weight tensor's derivatives ] in
     # _double_backward); the same tensors as ``outputs``, not detached.
     attached: list[list[Tensor] | None] | None = None
+    # Each of ``outputs``' version counters as its model returned it (NOTE [ Outputs written
+    # before they are summed ]).
+    output_versions: list[list[int] | None] | None = None
 
 
 # NOTE [ Parameters made in forward ]
@@ -408,6 +411,7 @@ def run_forward(
     signatures: list[Signature | None] = [None] * n
     pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
     outputs: list[list[Tensor] | None] = [None] * n
+    output_versions: list[list[int] | None] = [None] * n  # of ``outputs``, as returned
     attached: list[list[Tensor] | None] | None = (
         [None] * n if keep_outputs and roots is not None else None
     )
@@ -677,6 +681,7 @@ def run_forward(
                         value = out.detach()
                         if keep_outputs:
                             outputs[i] = [value]
+                            output_versions[i] = [version_of(value)]
                             if attached is not None:
                                 attached[i] = [out]
                         if term_weights is not None:
@@ -739,6 +744,7 @@ def run_forward(
                     values = [leaf.detach() for leaf in leaves]
                     if keep_outputs:
                         outputs[i] = values
+                        output_versions[i] = list(map(version_of, values))
                         if attached is not None:
                             attached[i] = leaves
                     if term_weights is not None:
@@ -858,7 +864,7 @@ def run_forward(
             part.leaves_checked = True
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
-    return _Forward(leaves, pullbacks, outputs, made, attached)
+    return _Forward(leaves, pullbacks, outputs, made, attached, output_versions)
 
 
 # NOTE [ Chunks in one pass ]
@@ -911,6 +917,25 @@ def run_forward(
 
 
 _read_version = operator.attrgetter("_version")
+
+
+def check_outputs_kept(
+    plan: SumPlan,
+    outputs: Sequence[list[Tensor] | None],
+    versions: Sequence[list[int] | None] | None,
+) -> None:
+    """Raise, naming the first model, where an output kept for the weights' gradient was
+    written in place since its model returned it (NOTE [ Outputs written before they are
+    summed ]): the plain loop's product with the weight saved it, and autograd raises there."""
+    for i, (kept, seen) in enumerate(zip(outputs, versions or ())):
+        if kept is not None and seen is not None and list(map(version_of, kept)) != seen:
+            raise ParsumError(
+                f"{plan.where}: model {i} ({model_kind(plan.models[i])}) returned a tensor "
+                "that was written in place since (its argument, or its module's buffer or "
+                "state, or a view of one), and the weights' gradient needs its value as "
+                "returned, as autograd needs a tensor its graph saved: return a copy "
+                "(out.clone())"
+            )
 
 
 def check_unwritten(
@@ -2026,6 +2051,7 @@ class ParallelSum(torch.autograd.Function):
         ctx.call = call
         ctx.pullbacks = result.pullbacks
         ctx.outputs = result.outputs
+        ctx.output_versions = result.output_versions
         ctx.weight_needs_grad = weight_needs_grad
         ctx.announce_failure = _announcer.hook
         ctx.call_tensors = tensors[: n_args + int(plan.has_weight_tensor)]
@@ -2134,6 +2160,8 @@ class _Backward:
         self.ctx, self.plan, self.grad_outputs = ctx, plan, grad_outputs
         self.pullbacks: list[UnitPullback | None] = ctx.pullbacks
         self.outputs: list[list[Tensor] | None] = ctx.outputs
+        if ctx.weight_needs_grad:
+            check_outputs_kept(plan, self.outputs, ctx.output_versions)
         # NOTE [ Freeing per-model graphs ]: keep them only when the engine keeps the graph
         # (retain_graph=True, gradcheck, jacobian); otherwise each pullback is dropped as soon
         # as it ran, so memory falls during backward as in plain PyTorch.

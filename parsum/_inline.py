@@ -253,6 +253,7 @@ from ._function import (
     _notes_a_trainer,
     _on_device_thread,
     _once_differentiable,
+    check_outputs_kept,
     direct_apply,
     freed_by_the_failed_call,
     freed_graph_error,
@@ -362,6 +363,9 @@ class _State:
         # Each model's output edges, with the output leaf each belongs to; None once freed.
         self.edges: list[list[tuple[GradientEdge, int]]] | None = edges
         self.outputs = outputs  # detached, for the weights' gradient
+        # Their version counters as returned (NOTE [ Outputs written before they are summed ]
+        # in _function).
+        self.output_versions: list[list[int] | None] | None = None
         # The same outputs with their graph, for the weights' gradient made differentiable
         # (NOTE [ A learned weight tensor's derivatives ] in _double_backward).
         self.attached: list[list[Tensor] | None] | None = None
@@ -424,6 +428,7 @@ def sum_in_callers_graph(
     in_order = _pool.threads_for(len(plan.chunks), plan.forward_workers) <= 1
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     state.made_in_forward = result.made_in_forward
+    state.output_versions = result.output_versions
     state.attached = result.attached
     if views:
         read_as = [views.get(s) for s in range(len(plan.params))]
@@ -548,6 +553,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     edges = state.edges
     if edges is None:
         raise freed_graph_error(plan)
+    if plan.has_weight_tensor and ctx.needs_input_grad[3 + ctx.n_args]:
+        check_outputs_kept(plan, state.outputs, state.output_versions)
     keep_graph = keeps_models_graphs(state)
     if not keep_graph:
         state.edges = None  # the models' graphs go when this backward ends

@@ -14,6 +14,7 @@ from parsum import _engines as engines
 from tests.zoo import (
     IN,
     OUT,
+    ReturnsItsArgument,
     TwoHeads,
     clone_models,
     doubling_hook,
@@ -852,6 +853,43 @@ def test_weight_tensor_changed_in_place_before_backward_raises_as_the_plain_loop
         w.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+
+
+class _BiasOnly(nn.Module):
+    """An output whose graph saves nothing of the argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(OUT))
+
+    def forward(self, x):
+        return self.bias.expand(x.shape[0], OUT) * 1.0
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_an_output_the_learned_weights_need_written_before_backward_raises(create_graph, n_jobs):
+    # The plain loop's w[i] * m_i(x) saved the output, and autograd raises for it; parsum's
+    # weights' gradient read the output's new value, silently (NOTE [ Outputs written before
+    # they are summed ] in parsum._function).
+    models = [_BiasOnly(), ReturnsItsArgument()]
+    for total in (plain_sum, parsum.sum_models):
+        w = torch.tensor([0.5, 2.0], requires_grad=True)
+        x = torch.randn(2, IN)
+        if total is plain_sum:
+            y = sum(w[i] * m(x) for i, m in enumerate(models))
+        else:
+            y = parsum.sum_models(models, x, weights=w, n_jobs=n_jobs)
+        x.mul_(3.0)
+        error = RuntimeError if total is plain_sum else parsum.ParsumError
+        match = (
+            "modified by an inplace operation"
+            if total is plain_sum
+            else r"model 1 \(ReturnsItsArgument\) returned a tensor that was written in place since"
+        )
+        with pytest.raises(error, match=match):
+            torch.autograd.grad(y.pow(2).sum(), w, create_graph=create_graph)
+        assert w.grad is None and all(p.grad is None for p in models[0].parameters())
 
 
 def test_identity_model_does_not_alias_input():
