@@ -1731,6 +1731,14 @@ def model_weight_grad(grad_outputs: Sequence[Tensor], out: Sequence[Tensor]) -> 
 # there, and those go model by model, as do others.
 WEIGHT_GRAD_ELEMENTS = 32768
 
+# NOTE [ Weights' gradient before the steps ]
+# A learned weight tensor's gradient reads the models' outputs. An output may be a view of its
+# model's own parameter (``self.bias.expand(n, k)``), which ``step_in_backward`` writes in place
+# in the backward; the plain loop takes every gradient before its optimizer steps. So the
+# weights' gradient is taken before any step: at once before the pullbacks, or model by model
+# before the unit's models step (their weights' gradient was taken after, and read the stepped
+# values: off by 4.6 in a probe, silently).
+
 
 def fits_weight_grad_at_once(
     grad_outputs: Sequence[Tensor | None], outputs: Sequence[Sequence[Tensor] | None]
@@ -2175,6 +2183,7 @@ class _Backward:
         self.weights = weight_values(self.weight_tensor)
         self.param_grads: list[Tensor | None] = [None] * len(plan.params)
         self.weight_grads: list[Tensor | None] = [None] * len(plan.models)
+        self.weight_grad: Tensor | None = None  # taken at once (NOTE [ Weight gradients at once ])
         self.weight_grads_per_model = ctx.weight_needs_grad and not fits_weight_grad_at_once(
             grad_outputs, self.outputs
         )
@@ -2374,17 +2383,20 @@ class _Backward:
                     if g is not None:
                         (add_term if self.args_at_once else add_grad)(arg_accs, j, g)
                 del arg_grads
-                for i, grads in zip(unit.models, model_grads):
-                    self.route(i, grads, shared_accs, waiting, to_flat)
-                del model_grads
-                if to_flat and sum(g.numel() for _, g in to_flat) >= FLAT_WRITE_ELEMENTS:
-                    self.write_flat(to_flat)  # large models' gradients go as they come
+                # Before the unit's models step (in route, or after the chunk): an output may
+                # be a view of its model's parameter (NOTE [ Weights' gradient before the
+                # steps ]).
                 for i in unit.models if self.weight_grads_per_model else ():
                     out = self.outputs[i]
                     if not self.keep_graph:
                         self.outputs[i] = None
                     assert out is not None
                     self.weight_grads[i] = model_weight_grad(grad_outputs, out)
+                for i, grads in zip(unit.models, model_grads):
+                    self.route(i, grads, shared_accs, waiting, to_flat)
+                del model_grads
+                if to_flat and sum(g.numel() for _, g in to_flat) >= FLAT_WRITE_ELEMENTS:
+                    self.write_flat(to_flat)  # large models' gradients go as they come
         self.write_flat(to_flat)
         if waiting is not None and waiting.entries:
             self.step_waiting(waiting)
@@ -2411,6 +2423,16 @@ class _Backward:
         parameters with hooks.)
         """
         plan, flat = self.plan, self.flat
+        if self.ctx.weight_needs_grad and not self.weight_grads_per_model:
+            # NOTE [ Weight gradients at once ], before any step (NOTE [ Weights' gradient
+            # before the steps ])
+            assert self.weight_tensor is not None
+            with _pool.as_one_task(len(plan.chunks)):
+                self.weight_grad = weight_grad_at_once(
+                    self.weight_tensor, self.grad_outputs, self.outputs
+                )
+            if not self.keep_graph:
+                self.outputs = []
         try:
             with torch.no_grad():
                 # NOTE [ Device threads ]
@@ -2562,18 +2584,10 @@ class _Backward:
         needs = ctx.needs_input_grad[1 : 1 + len(plan.call.tensor_positions)]
         grads_in: list[Tensor | None] = [next(arg_results) if need else None for need in needs]
         if plan.has_weight_tensor:
-            weight_grad = None
+            weight_grad = self.weight_grad
             if self.weight_grads_per_model:
                 assert self.weight_tensor is not None
                 weight_grad = stack_weight_grads(self.weight_tensor, self.weight_grads)
-            elif ctx.weight_needs_grad:  # NOTE [ Weight gradients at once ]
-                assert self.weight_tensor is not None
-                with _pool.as_one_task(len(plan.chunks)):
-                    weight_grad = weight_grad_at_once(
-                        self.weight_tensor, self.grad_outputs, self.outputs
-                    )
-                if not self.keep_graph:
-                    self.outputs = []
             grads_in.append(weight_grad)
         joined = (None,) if plan.join is not None else ()  # the join node's gradient
         return (None, *grads_in, *joined, *self.param_grads)

@@ -865,3 +865,44 @@ def test_a_step_left_to_the_default_runs_in_one_call():
         x = torch.randn(3, IN)
         parsum.sum_models(models, x, step_in_backward=sib).sum().backward()
     assert seen == [True, True, False, False, None, None]
+
+
+class _ParameterOut(nn.Module):
+    """Returns a view of its own parameter, which its optimizer steps in the backward."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return self.bias.expand(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+@pytest.mark.parametrize("width", [OUT, 40_000])  # the weights' gradient at once, per model
+def test_learned_weights_take_their_gradient_before_the_steps(width, chunk_size, n_jobs):
+    # NOTE [ Weights' gradient before the steps ] in parsum._function: taken after the steps,
+    # the weights' gradient read the outputs that view a stepped parameter, silently.
+    torch.manual_seed(0)
+    models = [_ParameterOut(width), nn.Linear(IN, width), _ParameterOut(width)]
+    ref = copy.deepcopy(models)
+    x = torch.randn(5, IN)
+    logits = torch.zeros(3, requires_grad=True)
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.5)
+    y = parsum.sum_models(
+        models,
+        x,
+        weights=logits.softmax(0),
+        step_in_backward=sib,
+        n_jobs=n_jobs,
+        chunk_size=chunk_size,
+    )
+    y.pow(2).sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    w = ref_logits.softmax(0)
+    sum(w[i] * m(x) for i, m in enumerate(ref)).pow(2).sum().backward()
+    torch.optim.SGD(trainable(ref), lr=0.5).step()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+    for p, q in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, q)
