@@ -77,7 +77,7 @@ from ._engines import (
     wrote_shared,
 )
 from ._errors import ParsumError, message_of
-from ._fused import MERGED_STEP_ELEMENTS, StepInBackward
+from ._fused import MERGED_STEP_ELEMENTS, StepInBackward, stepped_twice
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._locks import Lock
 from ._random import (
@@ -2198,6 +2198,8 @@ class _Backward:
         # NOTE [ Who writes a FlatGrad slot ] in _grads; NOTE [ Fused steps ] in _fused.
         first_param = len(ctx.next_functions) - len(plan.params)
         self.accumulates = engine_runs_all([node for node, _ in ctx.next_functions[first_param:]])
+        if self.sib is not None:
+            self.note_steps()
         # Gradients that step_in_backward consumes never reach .grad, FlatGrad or not.
         stepping = {
             s
@@ -2280,6 +2282,21 @@ class _Backward:
                     _store_grad(plan.params[slot], g)
             else:
                 self.param_grads[slot] = g
+
+    def note_steps(self) -> None:
+        """Note the models this backward steps; raise where another call's backward in the
+        same backward stepped one (NOTE [ One step a backward ] in _fused)."""
+        plan, sib, accumulates = self.plan, self.sib, self.accumulates
+        assert sib is not None and plan.step_index is not None
+        mine = {
+            j: i
+            for i, j in enumerate(plan.step_index)
+            if j is not None and any(accumulates[s] for s in plan.param_slots[i])
+        }
+        again = sib.claim_steps(list(mine), True)
+        if again is not None:
+            i = mine[again[0]]
+            raise stepped_twice(plan.where, f"model {i}", plan.models[i], again[1])
 
     def step(self, i: int, j: int, params: list[Tensor], grads: list[Tensor | None]) -> None:
         """Model ``i``'s optimizer step (``sib.optimizers[j]``); none after a failure, its

@@ -23,6 +23,21 @@
 # The hook holds the StepInBackward weakly: a strong reference would be a cycle through C++
 # (parameter, hook, optimizer, parameter) that the garbage collector cannot see.
 #
+# NOTE [ One step a backward ]
+# A loss over two sum_models calls with one StepInBackward (micro-batches summed, then one
+# backward) stepped each model once in each call's backward, with that call's gradient alone:
+# two Adam steps where plain training takes one with both (0.18 off after one step), silently,
+# or, where a model's graph saved a weight the first step wrote, autograd's "modified by an
+# inplace operation" from the second call's pullback, naming nothing of the cause. Each
+# backward of ParallelSum (and a stack_ storage call's first gradient) notes the models it
+# steps under autograd's graph task, and one that would step a model another call's backward
+# stepped in the same task raises, before its own pullbacks: the other call's steps ran
+# there, or, where its models are in stack_ storage,
+# they would have run at the backward's end, which a failed backward does not reach. A second
+# backward through a retained graph is another task: it steps again, as a plain optimizer
+# stepped between the two would. The notes go as the backward ends (autograd's final
+# callback; a failed backward leaves its few, and the oldest go past 64).
+#
 # NOTE [ Steps of one model in several threads ]
 # Threads training the same models with one StepInBackward step each model in their own
 # backward passes. Steps of one model at once (its ``.grad`` set, stepped and dropped by two
@@ -173,6 +188,9 @@ class StepInBackward:
         # ids of the parameters stepped in the running backward (NOTE [ Gradients from
         # outside the sum ]).
         self._stepped: set[int] = set()
+        # NOTE [ One step a backward ]: the models that each running backward (by autograd's
+        # graph task id) steps, each with whether its step runs inside it (not at its end).
+        self._stepping: dict[int, dict[int, bool]] = {}
         # NOTE [ One step over stacked models ]: per stack, the optimizer over its tensors and
         # the per-model state entries it installed; ids of the step counts they share.
         self._stacked: dict[int, _StackedStep] = {}
@@ -239,6 +257,7 @@ class StepInBackward:
         self._step_locks = [Lock() for _ in self.models]
         self._index = {id(model): i for i, model in enumerate(self.models)}
         self._stepped = set()
+        self._stepping = {}
         self._stacked = {}
         self._merged = {}
         seen: set[int] = set()
@@ -274,6 +293,28 @@ class StepInBackward:
     def __repr__(self) -> str:
         kinds = {type(o).__name__ for o in self.optimizers if o is not None}
         return f"StepInBackward({len(self.models)} models, {', '.join(sorted(kinds))})"
+
+    def claim_steps(self, js: Sequence[int], inside: bool) -> tuple[int, bool] | None:
+        """Note that the running backward steps models ``js``, inside it or at its end; the
+        first of them that another call's backward in it steps already, with whether that step
+        runs inside (nothing noted then), or None (NOTE [ One step a backward ])."""
+        task = torch._C._current_graph_task_id()
+        stepped = self._stepping.get(task)
+        if stepped is None:
+            if len(self._stepping) >= 64:  # left by failed backward passes: the oldest go
+                for old in sorted(self._stepping)[:32]:
+                    self._stepping.pop(old, None)
+            stepped = self._stepping[task] = {}
+
+            def forget() -> None:
+                self._stepping.pop(task, None)
+
+            torch.autograd.Variable._execution_engine.queue_callback(forget)
+        again = next((j for j in js if j in stepped), None)
+        if again is not None:
+            return again, stepped[again]
+        stepped.update(dict.fromkeys(js, inside))
+        return None
 
     def step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Step model ``j`` with this backward's gradients (added to any ``.grad``), drop them.
@@ -365,6 +406,20 @@ class StepInBackward:
         _count_steps(optimizers)
         self._stepped.update(map(id, params))
         return True
+
+
+def stepped_twice(where: str, which: str, model: Any, ran: bool) -> ParsumError:
+    """The error for a model that a second call's backward would step in the same backward
+    (NOTE [ One step a backward ]); ``ran``: whether the other call's step ran."""
+    return ParsumError(
+        f"{where}: {which} ({type(model).__name__}) is stepped in this backward by the "
+        "step_in_backward of another sum_models call that the loss holds too (micro-batches "
+        "summed before one backward), each with its own call's gradient alone, where plain "
+        "training steps once a backward"
+        + ("; that call's steps already ran" if ran else "; no step ran")
+        + ". Call backward() on each call's loss in turn, or leave step_in_backward out and "
+        "step an optimizer after the backward"
+    )
 
 
 class _SharedState(collections.defaultdict):

@@ -130,7 +130,7 @@ from ._engines import (
 )
 from ._errors import ParsumError, a_kind_of, message_of
 from ._function import _engine_keeps_graph
-from ._fused import StepInBackward, step_stacked
+from ._fused import StepInBackward, step_stacked, stepped_twice
 from ._grads import (
     FlatWrites,
     SlotBlock,
@@ -1236,6 +1236,15 @@ class _Stepping:
         if grad is None:
             return
         if not self.grads:  # the first: step when this backward is done with every alias
+            stack = self.stack()
+            if stack is not None:  # NOTE [ One step a backward ] in _fused
+                order = [self.sib.index(m) for m in stack.models]
+                again = self.sib.claim_steps(order, False)  # type: ignore[arg-type]  # all in it
+                if again is not None:
+                    k = order.index(again[0])
+                    raise stepped_twice(
+                        "sum_models", f"stacked model {k}", stack.models[k], again[1]
+                    )
             torch.autograd.Variable._execution_engine.queue_callback(self.step)
         self.grads[name] = grad
 

@@ -906,3 +906,48 @@ def test_learned_weights_take_their_gradient_before_the_steps(width, chunk_size,
     torch.testing.assert_close(logits.grad, ref_logits.grad)
     for p, q in zip(trainable(models), trainable(ref)):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("how", ["models", "stack_"])
+def test_a_loss_over_two_calls_raises_instead_of_stepping_twice(how, n_jobs):
+    # NOTE [ One step a backward ] in parsum._fused: each call's backward stepped the models
+    # with its own gradient, two Adam steps where plain training takes one, silently (or
+    # autograd's "modified by an inplace operation" where a graph saved a stepped weight).
+    torch.manual_seed(0)
+    models = [mlp([4]) for _ in range(8)]
+    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
+    called = parsum.stack_(models) if how == "stack_" else models
+    x1, x2 = torch.randn(5, IN), torch.randn(5, IN)
+    before = snapshot(models)
+    loss = sum(
+        parsum.sum_models(called, x, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum()
+        for x in (x1, x2)
+    )
+    ran = "no step ran" if how == "stack_" else "that call's steps already ran"
+    with pytest.raises(
+        parsum.ParsumError,
+        match=rf"is stepped in this backward by the step_in_backward of another sum_models "
+        rf"call .*; {ran}\. Call backward\(\) on each call's loss in turn",
+    ):
+        loss.backward()
+    if how == "stack_":  # its steps run at the backward's end, which it did not reach
+        assert all(
+            torch.equal(p, q) for ps, qs in zip(snapshot(models), before) for p, q in zip(ps, qs)
+        )
+    # The next backward steps each model once, as it should, and torch.autograd.grad over
+    # two calls (in their arguments) steps nothing and raises nothing.
+    counts = [step_count(models, sib, k) for k in range(8)]
+    parsum.sum_models(called, x1, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum().backward()
+    assert [step_count(models, sib, k) for k in range(8)] == [c + 1 for c in counts]
+    xs = [x1.clone().requires_grad_(), x2.clone().requires_grad_()]
+    loss = sum(
+        parsum.sum_models(called, x, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum() for x in xs
+    )
+    assert all(g is not None for g in torch.autograd.grad(loss, xs))
+    assert [step_count(models, sib, k) for k in range(8)] == [c + 1 for c in counts]
+
+
+def step_count(models, sib, k):
+    state = sib.optimizers[k].state.get(next(models[k].parameters()), {})
+    return int(state.get("step", 0))
