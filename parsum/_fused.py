@@ -31,9 +31,10 @@
 # inplace operation" from the second call's pullback, naming nothing of the cause. Each
 # backward of ParallelSum (and a stack_ storage call's first gradient) notes the models it
 # steps under autograd's graph task, and one that would step a model another call's backward
-# stepped in the same task raises, before its own pullbacks: the other call's steps ran
-# there, or, where its models are in stack_ storage,
-# they would have run at the backward's end, which a failed backward does not reach. A second
+# stepped in the same task raises, before its own pullbacks: the other call's steps ran there
+# (or run on the helpers, where its pullbacks are joined later), or, where its models are in
+# stack_ storage, would have run at the backward's end, which a failed backward does not
+# reach. A second
 # backward through a retained graph is another task: it steps again, as a plain optimizer
 # stepped between the two would. The notes go as the backward ends (autograd's final
 # callback; a failed backward leaves its few, and the oldest go past 64).
@@ -410,13 +411,13 @@ class StepInBackward:
 
 def stepped_twice(where: str, which: str, model: Any, ran: bool) -> ParsumError:
     """The error for a model that a second call's backward would step in the same backward
-    (NOTE [ One step a backward ]); ``ran``: whether the other call's step ran."""
+    (NOTE [ One step a backward ]); ``ran``: whether the other call steps inside its backward."""
     return ParsumError(
         f"{where}: {which} ({type(model).__name__}) is stepped in this backward by the "
         "step_in_backward of another sum_models call that the loss holds too (micro-batches "
         "summed before one backward), each with its own call's gradient alone, where plain "
         "training steps once a backward"
-        + ("; that call's steps already ran" if ran else "; no step ran")
+        + ("; the other call's steps may have run" if ran else "; no step ran")
         + ". Call backward() on each call's loss in turn, or leave step_in_backward out and "
         "step an optimizer after the backward"
     )
