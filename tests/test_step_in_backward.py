@@ -951,3 +951,25 @@ def test_a_loss_over_two_calls_raises_instead_of_stepping_twice(how, n_jobs):
 def step_count(models, sib, k):
     state = sib.optimizers[k].state.get(next(models[k].parameters()), {})
     return int(state.get("step", 0))
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+def test_a_loss_over_two_calls_of_other_models_steps_each_once(n_jobs):
+    # NOTE [ One step a backward ]: calls whose models differ share a backward freely.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(6)]
+    ref = copy.deepcopy(models)
+    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
+    opt = torch.optim.Adam(trainable(ref), lr=0.1)
+    x1, x2 = torch.randn(5, IN), torch.randn(5, IN)
+    for _ in range(3):
+        halves = ((models[:3], x1), (models[3:], x2))
+        sum(
+            parsum.sum_models(ms, x, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum()
+            for ms, x in halves
+        ).backward()
+        (plain_sum(ref[:3], x1).pow(2).sum() + plain_sum(ref[3:], x2).pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(p, q)
