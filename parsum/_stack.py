@@ -1230,6 +1230,11 @@ class _Stepping:
     def __init__(self, stack: weakref.ref[Stack], sib: StepInBackward) -> None:
         self.stack, self.sib = stack, sib
         self.grads: dict[str, Tensor] = {}
+        found = stack()
+        assert found is not None  # the call that makes this holds it
+        # Each stacked model's index in ``sib``, where sum_models found every one of them.
+        self.order = [j for j in map(sib.index, found.models) if j is not None]
+        assert len(self.order) == len(found.models)
 
     def __call__(self, name: str, alias: Tensor) -> None:
         grad, alias.grad = alias.grad, None
@@ -1238,10 +1243,9 @@ class _Stepping:
         if not self.grads:  # the first: step when this backward is done with every alias
             stack = self.stack()
             if stack is not None:  # NOTE [ One step a backward ] in _fused
-                order = [self.sib.index(m) for m in stack.models]
-                again = self.sib.claim_steps(order, False)  # type: ignore[arg-type]  # all in it
+                again = self.sib.claim_steps(self.order, False)
                 if again is not None:
-                    k = order.index(again[0])
+                    k = self.order.index(again[0])
                     raise stepped_twice(
                         "sum_models", f"stacked model {k}", stack.models[k], again[1]
                     )
@@ -1255,15 +1259,15 @@ class _Stepping:
             return
         names = stack._trainable
         stepped: list[int] = []
+        order = self.order
         try:
-            order = [self.sib.index(m) for m in stack.models]
             try:
                 done_as_one = self.sib.holding(
-                    order,  # type: ignore[arg-type]  # checked by sum_models
+                    order,
                     lambda: step_stacked(
                         self.sib,
                         id(stack),
-                        order,  # type: ignore[arg-type]
+                        order,
                         [stack._params[name] for name in names],
                         [stack.values[name] for name in names],
                         [grads.get(name) for name in names],
@@ -1278,7 +1282,6 @@ class _Stepping:
             if done_as_one:
                 return
             for k, (model, j) in enumerate(zip(stack.models, order)):
-                assert j is not None  # checked by sum_models
                 params = [stack._params[name][k] for name in names]
                 slices = [grads[name][k] if name in grads else None for name in names]
                 try:
