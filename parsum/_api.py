@@ -455,8 +455,14 @@ def _general_sum(
     if _one_stacked_group(plan) and not (weight_tensor is not None and weight_tensor.is_complex()):
         try:
             stacked = cast(list[nn.Module], models)  # a stacked group holds modules
+            group = plan.units[0].models
             out = group_in_callers_graph(
-                stacked, plan.model_params, call, weight_list, weight_tensor
+                stacked,
+                plan.model_params,
+                call,
+                weight_list,
+                weight_tensor,
+                lambda k, exc: plan.model_error(group[k], "backward", exc),
             )
         except Exception:
             pass  # the general way runs them again, and names the model that fails

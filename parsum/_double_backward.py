@@ -55,6 +55,7 @@ from ._function import (
     _at_end_of_backward,
     _engine_keeps_graph,
     _on_device_thread,
+    check_groups,
     check_outputs_kept,
     direct_apply,
     freed_graph_error,
@@ -359,6 +360,7 @@ def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[T
     plan: SumPlan = state.plan
     if state.made_in_forward is not None:  # NOTE [ Parameters made in forward ] in _function
         raise ParsumError(state.made_in_forward)
+    check_groups(plan, state.groups)
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     if state.derivatives is None:
         state.derivatives = Holds(state, ctx, not _on_device_thread(grad_outputs))

@@ -48,6 +48,8 @@ from ._engines import (
     CallArgs,
     ForeignLeaves,
     GraphPullback,
+    GroupReads,
+    GroupWritten,
     ModelParams,
     SinglePullback,
     Unit,
@@ -350,6 +352,30 @@ class _Forward:
     # Each of ``outputs``' version counters as its model returned it (NOTE [ Outputs written
     # before they are summed ]).
     output_versions: list[list[int] | None] | None = None
+    # In the caller's graph, each stacked group's models, reads and output nodes (NOTE
+    # [ Weights written before a group's backward ] in _engines).
+    groups: list[GroupInGraph] | None = None
+
+
+class GroupInGraph(NamedTuple):
+    """A stacked group run in the caller's graph: its models, what its graph read (NOTE
+    [ Weights written before a group's backward ] in _engines) and its output's nodes."""
+
+    models: Sequence[int]
+    reads: GroupReads
+    nodes: list[Any]
+
+
+def check_groups(plan: SumPlan, groups: Sequence[GroupInGraph] | None) -> None:
+    """Raise, naming the model, where a stacked group's model's tensor that its graph saved
+    was written in place since the forward (NOTE [ Weights written before a group's
+    backward ] in _engines), before any gradient is written."""
+    for group in groups or ():
+        if group.reads.written():
+            found = group.reads.first_saved_write(group.nodes)
+            if found is not None:
+                k, exc = found
+                raise plan.model_error(group.models[k], "backward", exc) from exc
 
 
 # NOTE [ Parameters made in forward ]
@@ -412,6 +438,7 @@ def run_forward(
     pullbacks: list[UnitPullback | None] = [None] * len(plan.units)
     outputs: list[list[Tensor] | None] = [None] * n
     output_versions: list[list[int] | None] = [None] * n  # of ``outputs``, as returned
+    groups: list[GroupInGraph] = []  # the caller's graph's stacked groups
     attached: list[list[Tensor] | None] | None = (
         [None] * n if keep_outputs and roots is not None else None
     )
@@ -694,6 +721,9 @@ def run_forward(
                         continue
                     run = UnitRun([out], None)
                 pullbacks[u] = run.pullback
+                if roots is not None and run.reads is not None:
+                    ends = [t.grad_fn for t in run.stacked or () if t.grad_fn is not None]
+                    groups.append(GroupInGraph(unit.models, run.reads, ends))
                 if nodes is not None:  # extend holds the GIL
                     produced = pytree.tree_leaves([run.outs, run.stacked])
                     nodes.extend(t.grad_fn for t in produced if isinstance(t, Tensor))
@@ -864,7 +894,7 @@ def run_forward(
             part.leaves_checked = True
     with _pool.as_one_task(len(plan.chunks)):
         leaves = [t.result() for t in totals]
-    return _Forward(leaves, pullbacks, outputs, made, attached, output_versions)
+    return _Forward(leaves, pullbacks, outputs, made, attached, output_versions, groups)
 
 
 # NOTE [ Chunks in one pass ]
@@ -1687,6 +1717,9 @@ def _pull_back_chunk(
         unit_weights = [plan.weight(i, weights) for i in unit.models]
         try:
             arg_grads, model_grads = pullback(grad_outputs, unit_weights, keep_graph)
+        except GroupWritten as written:  # NOTE [ Weights written before a group's backward ]
+            error = written.error
+            raise plan.model_error(unit.models[written.member], "backward", error) from error
         except Exception as exc:
             if done is None or not freed_by_the_failed_call(exc):
                 raise plan.model_error(unit.models[0], "backward", exc, unit) from exc

@@ -248,11 +248,13 @@ from ._engines import (
 from ._errors import ParsumError
 from ._function import (
     FLAT_WRITE_ELEMENTS,
+    GroupInGraph,
     PendingJoin,
     SumPlan,
     _notes_a_trainer,
     _on_device_thread,
     _once_differentiable,
+    check_groups,
     check_outputs_kept,
     direct_apply,
     freed_by_the_failed_call,
@@ -366,6 +368,8 @@ class _State:
         # Their version counters as returned (NOTE [ Outputs written before they are summed ]
         # in _function).
         self.output_versions: list[list[int] | None] | None = None
+        # Its stacked groups (NOTE [ Weights written before a group's backward ] in _engines).
+        self.groups: list[GroupInGraph] | None = None
         # The same outputs with their graph, for the weights' gradient made differentiable
         # (NOTE [ A learned weight tensor's derivatives ] in _double_backward).
         self.attached: list[list[Tensor] | None] | None = None
@@ -429,6 +433,7 @@ def sum_in_callers_graph(
     state = _State(plan, result.leaves, edges, result.outputs, in_order, aliases)
     state.made_in_forward = result.made_in_forward
     state.output_versions = result.output_versions
+    state.groups = result.groups
     state.attached = result.attached
     if views:
         read_as = [views.get(s) for s in range(len(plan.params))]
@@ -555,6 +560,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         raise freed_graph_error(plan)
     if plan.has_weight_tensor and ctx.needs_input_grad[3 + ctx.n_args]:
         check_outputs_kept(plan, state.outputs, state.output_versions)
+    check_groups(plan, state.groups)
     keep_graph = keeps_models_graphs(state)
     if not keep_graph:
         state.edges = None  # the models' graphs go when this backward ends

@@ -138,12 +138,15 @@ from ._engines import (
     LEAF_SPEC,
     CallArgs,
     DirectProgram,
+    GroupReads,
     ModelParams,
     Unit,
     batched_in_graph,
     direct_calls_allowed,
+    program_of,
     program_reading,
     run_direct,
+    unpack_saved,
 )
 from ._function import SumPlan, weight_grad_of, weight_values
 from ._grouping import Batch, one_thread_pays
@@ -182,6 +185,7 @@ def sum_in_plain_graph(
     programs = plan.walk.programs
     models, units = plan.models, plan.units
     pieces: list[Tensor] = []
+    groups: dict[int, GroupReads] = {}  # each stacked group's reads, by its piece
     order: list[int] = []
     placed: list[Unit] = []  # each piece's unit, whose first model a failure in backward names
     # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
@@ -205,10 +209,14 @@ def sum_in_plain_graph(
                     first = models[members[0]]
                     assert isinstance(first, nn.Module)  # a direct program's model
                     group = [plan.model_params[i] for i in members]
-                    _, leaves, spec = batched_in_graph(first, group, (read,), {})
+                    trainable, leaves, spec = batched_in_graph(first, group, (read,), {})
                     if spec != LEAF_SPEC:
                         return None
                     piece = leaves[0]
+                    # NOTE [ Weights written before a group's backward ] in _engines
+                    groups[len(pieces)] = GroupReads.of(
+                        trainable, [mp.tensors for mp in group], program_of(first)
+                    )
                 if piece.dtype != torch.float32 or piece.layout != torch.strided:
                     return None
                 pieces.append(piece)
@@ -226,7 +234,7 @@ def sum_in_plain_graph(
     if not sums_at_once(1, terms):  # as many values as the models' outputs together
         return None
     watched = [x, *plan.walk.linear_weights]
-    guard = _Guard(plan, placed, watched, list(map(_version, watched)))
+    guard = _Guard(plan, placed, watched, list(map(_version, watched)), groups)
     if weight_tensor is not None and weight_tensor.requires_grad:
         # NOTE [ A weight tensor in a plain graph ]
         assert weights is not None
@@ -321,12 +329,13 @@ class _Guard(NamedTuple):
     units: list[Unit]
     watched: list[Tensor]
     versions: list[int]
+    groups: dict[int, GroupReads]  # each stacked group's, by its piece
 
     def check(self, node: Any) -> None:
         """Raise, naming the model, where a tensor the models' graphs saved was written in
         place since; ``node``: the node the backward runs, above the pieces' join."""
         if list(map(_version, self.watched)) != self.versions:
-            _raise_first_failure(self.plan, self.units, _pieces_of(node))
+            _raise_first_failure(self.plan, self.units, _pieces_of(node), self.groups)
 
 
 class _CheckedRounding(torch.autograd.Function):
@@ -403,31 +412,25 @@ def _pieces_of(node: Any) -> list[Node | None]:
     return [] if below is None else [edge[0] for edge in below.next_functions]
 
 
-def _raise_first_failure(plan: SumPlan, units: list[Unit], roots: list[Node | None]) -> None:
-    """Raise, naming its model (a stacked group's first), the error that the first unit in
-    model order whose graph saved a tensor changed since would raise in backward; nothing
-    where none would."""
-    for unit, root in sorted(zip(units, roots), key=lambda pair: pair[0].models[0]):
+def _raise_first_failure(
+    plan: SumPlan, units: list[Unit], roots: list[Node | None], groups: dict[int, GroupReads]
+) -> None:
+    """Raise, naming its model, the error that the first unit in model order whose graph
+    saved a tensor changed since would raise in backward (a stacked group's model whose own
+    tensor was written, else its first: ``groups``, by the unit's place); nothing where none
+    would."""
+    places = sorted(range(len(units)), key=lambda p: units[p].models[0])
+    for place in places:
+        unit, root = units[place], roots[place]
+        reads = groups.get(place)
+        found = None if reads is None else reads.first_saved_write([root])
+        if found is not None:
+            k, exc = found
+            raise plan.model_error(unit.models[k], "backward", exc) from exc
         try:
-            _unpack_saved(root)
+            unpack_saved([root])
         except Exception as exc:
             raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
-
-
-def _unpack_saved(root: Node | None) -> None:
-    """Read every tensor saved by the nodes of the graph behind ``root`` (down to its
-    leaves), as its backward would: one written in place since raises autograd's error."""
-    seen: set[Node] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                getattr(node, name)
-        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _version(t: Tensor) -> int:

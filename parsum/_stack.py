@@ -106,6 +106,7 @@ import operator
 import sys
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -119,11 +120,13 @@ from ._engines import (
     HOOK_DICTS,
     MODULE_INTERNALS,
     CallArgs,
+    GroupReads,
     ModelParams,
     Step,
     _requires_grad,
     batched_forward,
     batched_in_graph,
+    model_kind,
     module_of,
     program_of,
     runs_as_program,
@@ -568,6 +571,7 @@ class Stack(Sequence[nn.Module]):
         self._strides = list(map(_stride, self._tensors))
         self._requires = list(map(_requires_grad, self._tensors))
         self._trainable_tensors = [t for info in infos for t in info.tensors]
+        self._tensors_by_model = [info.tensors for info in infos]  # trainable, by name
         self._numel = sum(t.numel() for t in infos[0].tensors)
 
     def parameters(self) -> Iterator[Tensor]:
@@ -1128,6 +1132,8 @@ def stacked_sum(
                     alias = tensors[name] = values[name].detach().requires_grad_()
                     alias.register_post_accumulate_grad_hook(functools.partial(stepping, name))
                     hooked += 1
+        # NOTE [ Weights written before a group's backward ] in _engines
+        reads = GroupReads.of({n: tensors[n] for n in trainable}, stack._tensors_by_model, program)
     names = set(trainable)
     try:
         args, kwargs = call.build()
@@ -1143,22 +1149,63 @@ def stacked_sum(
         raise StackedForwardFailed() from exc
     if handles is not None and handle_count() == handles + hooked:
         stack._handles_seen = handles + hooked  # no hook but ours since the check
-    return pytree.tree_unflatten(_sum_over_models(leaves, weights, weight_tensor), spec)
+    check = _GroupCheck(reads, functools.partial(_stacked_model_error, weakref.ref(stack)))
+    return pytree.tree_unflatten(_sum_over_models(leaves, weights, weight_tensor, check), spec)
+
+
+def _stacked_model_error(stack: weakref.ref[Stack], k: int, exc: Exception) -> ParsumError:
+    """The error of a stack's model ``k`` in backward, as sum_models names a model."""
+    model = stack()
+    kind = "?" if model is None else model_kind(model[k])
+    return ParsumError(
+        f"sum_models: model {k} ({kind}) raised {type(exc).__name__} in backward: {message_of(exc)}"
+    )
+
+
+class _GroupCheck(NamedTuple):
+    """What a group's backward checks before it writes any gradient (NOTE [ Weights written
+    before a group's backward ] in _engines): its reads, and the error naming its model."""
+
+    reads: GroupReads
+    model_error: Any  # (the model's place in the group, autograd's error) -> ParsumError
 
 
 def _sum_over_models(
-    leaves: list[Tensor], weights: list[float] | None, weight_tensor: Tensor | None
+    leaves: list[Tensor],
+    weights: list[float] | None,
+    weight_tensor: Tensor | None,
+    check: _GroupCheck,
 ) -> list[Tensor]:
     """Each output leaf, the models' along dim 0, weighted and summed in the wide dtype (NOTE
-    [ Compensated summation ] in _summation)."""
+    [ Compensated summation ] in _summation); where it needs a gradient, ``check`` runs on
+    the wide sum's gradient, before the group's graph is reached."""
     summed = []
     w = weight_tensor if weight_tensor is not None else weights
     for leaf in leaves:
+        ends = [leaf.grad_fn]  # below the hook: no cycle through the node that holds it
         if w is not None:
             leaf = weigh_models(leaf, w)
         # Booleans counted, as the plain sum counts them.
-        summed.append(wide_sum_over_models(leaf).to(sum_dtype(leaf.dtype)))
+        wide = wide_sum_over_models(leaf)
+        if wide.requires_grad:
+            # Set as register_hook sets it, without a handle (``own_rows_in_backward``)
+            wide._backward_hooks = OrderedDict(check=functools.partial(_checked, check, ends))
+            node = wide.grad_fn
+            assert node is not None
+            node._register_hook_dict(wide)
+        summed.append(wide.to(sum_dtype(leaf.dtype)))
     return summed
+
+
+def _checked(check: _GroupCheck, ends: list[Any], grad: Tensor) -> None:
+    """Raise where a model's tensor that the group's graph behind ``ends`` saved was written
+    in place since the forward; a hook on the wide sum's gradient."""
+    reads = check.reads
+    if reads.written():
+        found = reads.first_saved_write(ends)
+        if found is not None:
+            k, exc = found
+            raise check.model_error(k, exc) from exc
 
 
 def group_in_callers_graph(
@@ -1167,12 +1214,17 @@ def group_in_callers_graph(
     call: CallArgs,
     weights: list[float] | None,
     weight_tensor: Tensor | None,
+    model_error: Any,
 ) -> Any:
     """The weighted sum of identical models run as one batched forward in the caller's own
-    graph (NOTE [ One group in the caller's graph ])."""
+    graph (NOTE [ One group in the caller's graph ]); ``model_error``: (the model's index,
+    autograd's error) -> the error that names it."""
     args, kwargs = call.build()
-    _, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
-    summed = _sum_over_models(leaves, weights, weight_tensor)
+    trainable, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
+    # NOTE [ Weights written before a group's backward ] in _engines
+    program = program_of(models[0])
+    reads = GroupReads.of(trainable, [mp.tensors for mp in model_params], program)
+    summed = _sum_over_models(leaves, weights, weight_tensor, _GroupCheck(reads, model_error))
     return pytree.tree_unflatten(summed, spec)
 
 

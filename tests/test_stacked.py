@@ -1515,3 +1515,110 @@ def test_a_torch_function_mode_sees_every_models_calls(kind, storage, engine, n_
     torch.testing.assert_close(
         parsum.sum_models(models, x), plain_sum(plain, x), **TOL[torch.float32]
     )
+
+
+class NormedHead(nn.Module):
+    """A class of its own (its group runs through vmap) whose LayerNorm's weight, a 1-D
+    tensor, its graph saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.last = nn.Linear(IN, 8), nn.LayerNorm(8), nn.Linear(8, OUT)
+
+    def forward(self, x):
+        return self.last(self.norm(torch.tanh(self.first(x))))
+
+
+# What each write reaches: (the model's tensor, whether the argument needs a gradient).
+GROUP_WRITES = {
+    "a later weight": (
+        lambda m: m[-1].weight if isinstance(m, nn.Sequential) else m.last.weight,
+        False,
+    ),
+    "a bias": (lambda m: m[-1].bias if isinstance(m, nn.Sequential) else m.last.bias, False),
+    "the first weight": (
+        lambda m: m[0].weight if isinstance(m, nn.Sequential) else m.first.weight,
+        False,
+    ),
+    "the first weight, x needing a gradient": (
+        lambda m: m[0].weight if isinstance(m, nn.Sequential) else m.first.weight,
+        True,
+    ),
+    "a norm's weight": (
+        lambda m: m[0].bias if isinstance(m, nn.Sequential) else m.norm.weight,
+        False,
+    ),
+}
+
+
+def written_between_forward_and_backward(make, write, how, use_parsum):
+    """Eight identical models (beside another where ``how`` says), a tensor of model 5 written
+    in place after the forward; the error the backward raised, or None, and the models'
+    gradients (their values where the optimizer steps in the backward)."""
+    torch.manual_seed(3)
+    models = [make() for _ in range(8)]
+    if how == "beside another":
+        models.insert(2, mlp([5, 7]))
+    tensor_of, x_needs_grad = GROUP_WRITES[write]
+    x = torch.randn(6, IN, requires_grad=x_needs_grad)
+    params = [p for m in models for p in m.parameters()]
+    kwargs = {}
+    if use_parsum and how == "stack_":
+        parsum.stack_(models)
+    if use_parsum and how == "n_jobs=2":
+        kwargs["n_jobs"] = 2
+    if how == "step_in_backward":
+        if use_parsum:
+            kwargs["step_in_backward"] = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+        else:
+            opt = torch.optim.SGD(params, lr=0.1)
+    y = parsum.sum_models(models, x, **kwargs) if use_parsum else plain_sum(models, x)
+    target = models[6 if how == "beside another" else 5]
+    with torch.no_grad():
+        tensor_of(target).mul_(0.5)
+    before = [p.detach().clone() for p in params]
+    error = None
+    try:
+        if how == "create_graph":
+            grads = torch.autograd.grad(y.pow(2).sum(), params, create_graph=True)
+            sum(g.pow(2).sum() for g in grads).backward()
+        else:
+            y.pow(2).sum().backward()
+            if how == "step_in_backward" and not use_parsum:
+                opt.step()
+    except Exception as exc:
+        error = exc
+    if error is not None and use_parsum:  # nothing written, nothing stepped
+        assert all(p.grad is None for p in params)
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+    if how == "step_in_backward":
+        return error, [p.detach() for p in params]
+    return error, [p.grad for p in params]
+
+
+@pytest.mark.parametrize("make", [lambda: mlp([8, 8]), NormedHead], ids=["Sequential", "class"])
+@pytest.mark.parametrize("write", list(GROUP_WRITES))
+@pytest.mark.parametrize(
+    "how", ["auto", "beside another", "n_jobs=2", "stack_", "step_in_backward", "create_graph"]
+)
+def test_a_tensor_written_before_a_groups_backward_raises_where_the_plain_loop_does(
+    make, write, how
+):
+    # NOTE [ Weights written before a group's backward ] in parsum._engines: the group's graph
+    # saved its stacked copies (stack_ storage: aliases of the storage), which a model's own
+    # weight written in place did not mark, and the backward ran on silently with the
+    # forward's weights (stack_ storage: the new ones), where the plain loop raises.
+    expected, expected_grads = written_between_forward_and_backward(make, write, how, False)
+    error, grads = written_between_forward_and_backward(make, write, how, True)
+    if expected is None:
+        assert error is None
+        tol = 1e-3 if how == "create_graph" else 1e-4  # second derivatives of float32 sums
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    else:
+        assert "modified by an inplace operation" in str(expected)
+        assert isinstance(error, parsum.ParsumError)
+        kind = "Sequential" if isinstance(make(), nn.Sequential) else "NormedHead"
+        named = 6 if how == "beside another" else 5
+        assert f"model {named} ({kind}) raised RuntimeError in backward" in str(error)
+        assert "modified by an inplace operation" in str(error)
