@@ -1892,7 +1892,9 @@ def stacked_tensors(
 # more a step). Its cost, toggled in one process (300 interleaved steps, 2 cores): 64
 # identical tiny MLPs 2.1-3.6% of a step (about 0.1-0.16 ms: the versions read twice, a
 # flat list of the models' weights made every call), in stack_ storage 3.1%, as classes
-# through vmap 1.6%.
+# through vmap 1.6%. The reads hold the stacked copies until the backward that frees the
+# graph (the caller's graph) or, elsewhere, while the sum's output is alive: one copy of the
+# group's watched tensors (stack_ storage: none, its aliases view the storage).
 class GroupReads(NamedTuple):
     """A stacked group's tensors as its graph read them (stacked, by name), and the models' own
     (model by model, name by name) with their versions at the forward."""

@@ -564,6 +564,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     keep_graph = keeps_models_graphs(state)
     if not keep_graph:
         state.edges = None  # the models' graphs go when this backward ends
+        state.groups = None  # and the groups' stacked copies with them
     weight_tensor = ctx.saved_tensors[0] if plan.has_weight_tensor else None
     n_args = ctx.n_args
     aliases = state.aliases

@@ -134,8 +134,11 @@ def check_stacked(seed: int) -> None:
     log.append(cls.__name__)
     for step in range(8):
         event = rng.choice(
-            ["none", "freeze", "unfreeze", "keep", "data", "load", "hand", "clip", "scale", "copy"]
-        )
+            [
+                "none", "freeze", "unfreeze", "keep", "data", "load", "hand", "clip", "scale",
+                "copy", "written",
+            ]
+        )  # fmt: skip
         log.append(event)
         _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
         _reload_or_swap(event, plain, models, every=True)
@@ -153,8 +156,37 @@ def check_stacked(seed: int) -> None:
             else:
                 opt.zero_grad()
         x = torch.randn(5, 6, dtype=DTYPE)
-        parsum.sum_models(models, x).pow(2).mean().backward()
-        sum(m(x) for m in plain).pow(2).mean().backward()
+        y, y_plain = parsum.sum_models(models, x), sum(m(x) for m in plain)
+        if event == "written":  # NOTE [ Weights written before a group's backward ]
+            k, name = rng.randrange(len(base)), rng.choice(NAMES)
+            log.append(f"model {k}'s {name}")
+            with torch.no_grad():
+                for ms in (plain, models):
+                    ms[k].get_parameter(name).mul_(0.5)
+        before = [
+            None if p.grad is None else p.grad.clone() for m in models for p in m.parameters()
+        ]
+        raised = []
+        for out in (y, y_plain):
+            try:
+                out.pow(2).mean().backward()
+            except Exception as exc:
+                raised.append(exc)
+        if raised:  # as the plain loop, naming the model, nothing written
+            assert len(raised) == 2, f"seed {seed}: {raised}; events: {', '.join(log)}"
+            assert isinstance(raised[0], parsum.ParsumError) and f"model {k}" in str(raised[0])
+            params = [p for m in models for p in m.parameters()]
+            for p, was in zip(params, before):
+                # An optimizer over the stack that zeroed it zeroed the models' gradients, whose
+                # views the backward's start makes zeros (NOTE [ One buffer for a stack ])
+                assert (
+                    (p.grad is None)
+                    if was is None
+                    else torch.equal(p.grad, was) or (over_stack and not p.grad.any())
+                )
+            for a, b in zip([p for m in plain for p in m.parameters()], params):
+                a.grad = None if b.grad is None else b.grad.clone()  # the plain loop wrote some
+            continue
         if event in ("clip", "scale"):
             for ms in (plain, models):
                 params = [p for m in ms for p in m.parameters()]
