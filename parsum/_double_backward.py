@@ -62,6 +62,7 @@ from ._function import (
     model_weight_grad,
     raise_first_failing_model,
     stack_weight_grads,
+    stacks_attached,
     under_vmap,
 )
 from ._grads import wanted_gradients, wanted_inputs
@@ -353,8 +354,11 @@ def wanted_of_sum(ctx: Any, n_args: int) -> list[bool]:
 def differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
     """CallerGraphSum's backward with create_graph=True: the gradients of its inputs, from a
     ``DifferentiablePullback`` node (NOTE [ Double backward ])."""
-    if ctx.before_backward is not None:  # set by Stack.attach_at_backward
-        ctx.before_backward()
+    with stacks_attached(ctx):
+        return _differentiable_backward(ctx, grad_outputs)
+
+
+def _differentiable_backward(ctx: Any, grad_outputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
     ctx.create_graph = True
     state = ctx.state
     plan: SumPlan = state.plan

@@ -1498,6 +1498,20 @@ def join_input(pending: PendingJoin, held: Tensor | None) -> Tensor | None:
     return join if node._sequence_nr() < joins._sequence_nr() else None
 
 
+@contextlib.contextmanager
+def stacks_attached(ctx: Any) -> Iterator[None]:
+    """Around a node's backward: first ``ctx.before_backward`` (set by
+    ``Stack.attach_at_backward``: the stacks' models' gradients made views of their buffers),
+    undone where the backward fails, so that a failed call leaves every ``.grad`` as it was."""
+    undo = ctx.before_backward() if ctx.before_backward is not None else None
+    try:
+        yield
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
+
+
 def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> Callable[..., Any]:
     """``torch.autograd.function.once_differentiable``, but a backward run with
     ``create_graph=True`` always returns gradients whose differentiation raises, with respect
@@ -1507,10 +1521,8 @@ def _once_differentiable(backward: Callable[..., tuple[Tensor | None, ...]]) -> 
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        if ctx.before_backward is not None:  # set by Stack.attach_at_backward
-            ctx.before_backward()
         create_graph = ctx.create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
+        with stacks_attached(ctx), torch.no_grad():
             grads = backward(ctx, *grad_outputs)
         if not create_graph:
             return grads

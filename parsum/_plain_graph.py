@@ -148,7 +148,7 @@ from ._engines import (
     run_direct,
     unpack_saved,
 )
-from ._function import SumPlan, weight_grad_of, weight_values
+from ._function import SumPlan, stacks_attached, weight_grad_of, weight_values
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
 from ._sparse import GradSum, add_grad, merge_grads, sum_terms
@@ -350,14 +350,16 @@ class _CheckedRounding(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, wide: Tensor, guard: _Guard, weight_tensor: Tensor | None) -> Tensor:
         ctx.guard = guard
+        ctx.before_backward = None  # Stack.attach_at_backward's, where it sets one
         if weight_tensor is not None:
             ctx.save_for_backward(weight_tensor)
         return wide.to(torch.float32)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        _ = ctx.saved_tensors  # read: a weight tensor written in place since raises
-        ctx.guard.check(ctx)
+        with stacks_attached(ctx):
+            _ = ctx.saved_tensors  # read: a weight tensor written in place since raises
+            ctx.guard.check(ctx)
         return grad.to(torch.float64), None, None
 
 
@@ -377,6 +379,7 @@ class _LearnedWeights(torch.autograd.Function):
         order: list[int],
     ) -> Tensor:
         ctx.guard, ctx.order = guard, order
+        ctx.before_backward = None  # Stack.attach_at_backward's, where it sets one
         ctx.save_for_backward(terms, weight_tensor)  # written in place since, it raises
         column = [weights[i] for i in order]
         # out of place: the terms are saved
@@ -385,8 +388,9 @@ class _LearnedWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
-        ctx.guard.check(ctx)
-        terms, weight_tensor = ctx.saved_tensors
+        with stacks_attached(ctx):
+            ctx.guard.check(ctx)
+            terms, weight_tensor = ctx.saved_tensors
         order = ctx.order
         terms_grad = weight_grad = None
         if ctx.needs_input_grad[0]:

@@ -107,7 +107,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -130,6 +130,7 @@ from ._engines import (
     module_of,
     program_of,
     runs_as_program,
+    unpack_saved,
 )
 from ._errors import ParsumError, a_kind_of, message_of
 from ._function import _engine_keeps_graph
@@ -884,14 +885,20 @@ class Stack(Sequence[nn.Module]):
             # every call would make every next call plan anew (NOTE [ Reused plans ]).
             before = node.before_backward  # another stack's models in the same call
 
-            def attach() -> None:
-                if before is not None:
-                    before()
-                _attach(me)
+            def attach() -> Callable[[], None]:
+                undo_before = before() if before is not None else None
+                undo = _attach(me)
+
+                def undo_both() -> None:
+                    undo()
+                    if undo_before is not None:
+                        undo_before()
+
+                return undo_both
 
             node.before_backward = attach
         else:
-            node.register_prehook(lambda grad_outputs: _attach(me))
+            node.register_prehook(functools.partial(_attach_first, me))
 
     def _release(self, name: str) -> None:
         """Before models that ran one by one are pulled back with no optimizer over
@@ -1149,7 +1156,8 @@ def stacked_sum(
         raise StackedForwardFailed() from exc
     if handles is not None and handle_count() == handles + hooked:
         stack._handles_seen = handles + hooked  # no hook but ours since the check
-    check = _GroupCheck(reads, functools.partial(_stacked_model_error, weakref.ref(stack)))
+    model_error = functools.partial(_stacked_model_error, weakref.ref(stack))
+    check = _GroupCheck.of(reads, call, model_error)
     return pytree.tree_unflatten(_sum_over_models(leaves, weights, weight_tensor, check), spec)
 
 
@@ -1164,10 +1172,20 @@ def _stacked_model_error(stack: weakref.ref[Stack], k: int, exc: Exception) -> P
 
 class _GroupCheck(NamedTuple):
     """What a group's backward checks before it writes any gradient (NOTE [ Weights written
-    before a group's backward ] in _engines): its reads, and the error naming its model."""
+    before a group's backward ] in _engines): its reads, the call's tensor arguments with
+    their versions at the forward, and the error naming its model."""
 
     reads: GroupReads
+    arguments: list[Tensor]
+    versions: list[int]
     model_error: Any  # (the model's place in the group, autograd's error) -> ParsumError
+
+    @staticmethod
+    def of(reads: GroupReads, call: CallArgs, model_error: Any) -> _GroupCheck:
+        leaves = call.leaves
+        given = [leaves[j] for j in call.tensor_positions]
+        arguments = [t for t in given if not t.is_inference()]  # no version to read
+        return _GroupCheck(reads, arguments, list(map(_version_of, arguments)), model_error)
 
 
 def _sum_over_models(
@@ -1197,6 +1215,9 @@ def _sum_over_models(
     return summed
 
 
+_version_of = operator.attrgetter("_version")
+
+
 def _checked(check: _GroupCheck, ends: list[Any], grad: Tensor) -> None:
     """Raise where a model's tensor that the group's graph behind ``ends`` saved was written
     in place since the forward; a hook on the wide sum's gradient."""
@@ -1206,6 +1227,13 @@ def _checked(check: _GroupCheck, ends: list[Any], grad: Tensor) -> None:
         if found is not None:
             k, exc = found
             raise check.model_error(k, exc) from exc
+    # An argument written in place: autograd raises, named here with the first model, as the
+    # general path names it (every model of the group read it).
+    if list(map(_version_of, check.arguments)) != check.versions:
+        try:
+            unpack_saved(ends)
+        except Exception as exc:
+            raise check.model_error(0, exc) from exc
 
 
 def group_in_callers_graph(
@@ -1224,7 +1252,8 @@ def group_in_callers_graph(
     # NOTE [ Weights written before a group's backward ] in _engines
     program = program_of(models[0])
     reads = GroupReads.of(trainable, [mp.tensors for mp in model_params], program)
-    summed = _sum_over_models(leaves, weights, weight_tensor, _GroupCheck(reads, model_error))
+    check = _GroupCheck.of(reads, call, model_error)
+    summed = _sum_over_models(leaves, weights, weight_tensor, check)
     return pytree.tree_unflatten(summed, spec)
 
 
@@ -1236,15 +1265,37 @@ def _own_storage(module: nn.Module, state_dict: dict, prefix: str, local_metadat
             state_dict[key] = value.clone()
 
 
-def _attach(stack: weakref.ref[Stack]) -> None:
+def _attach(stack: weakref.ref[Stack]) -> Callable[[], None]:
+    """``Stack.attach_at_backward``'s work as the backward starts; what sets the ``.grad`` it
+    changed back as they were (for a backward that fails: a failed call changes nothing)."""
     found = stack()
-    if found is not None:
-        with found._lock:
-            for name in found._trainable:
-                if found._stacked_grads_wanted:
-                    found._settle(name, None)
-                else:
-                    found._release(name)
+    if found is None:
+        return _nothing
+    with found._lock:
+        tensors = [
+            t for name in found._trainable for t in (found.values[name], *found._params[name])
+        ]
+        kept = list(map(_grad_of, tensors))
+        for name in found._trainable:
+            if found._stacked_grads_wanted:
+                found._settle(name, None)
+            else:
+                found._release(name)
+
+    def undo() -> None:
+        for t, grad in zip(tensors, kept):
+            t.grad = grad
+
+    return undo
+
+
+def _nothing() -> None:
+    pass
+
+
+def _attach_first(stack: weakref.ref[Stack], grad_outputs: Any) -> None:
+    """``_attach`` as a node's pre-hook (which must return None: nothing to undo there)."""
+    _attach(stack)
 
 
 class _Deliver:

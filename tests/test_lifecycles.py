@@ -177,15 +177,17 @@ def check_stacked(seed: int) -> None:
             assert isinstance(raised[0], parsum.ParsumError) and f"model {k}" in str(raised[0])
             params = [p for m in models for p in m.parameters()]
             for p, was in zip(params, before):
-                # An optimizer over the stack that zeroed it zeroed the models' gradients, whose
-                # views the backward's start makes zeros (NOTE [ One buffer for a stack ])
-                assert (
-                    (p.grad is None)
-                    if was is None
-                    else torch.equal(p.grad, was) or (over_stack and not p.grad.any())
-                )
-            for a, b in zip([p for m in plain for p in m.parameters()], params):
-                a.grad = None if b.grad is None else b.grad.clone()  # the plain loop wrote some
+                # An optimizer over the stack that zeroed it zeroed the models' gradients, which
+                # are the buffer's views: a backward's start may write those zeros in place
+                # (NOTE [ One buffer for a stack ])
+                zeroed = over_stack and was is not None and not p.grad.any()
+                assert zeroed or ((p.grad is None) if was is None else torch.equal(p.grad, was))
+            # The plain loop wrote some: both zeroed, as a script would after the error
+            plain_opt.zero_grad(set_to_none=set_to_none)
+            if flat is not None and not over_stack:
+                flat.zero_()
+            else:
+                opt.zero_grad()
             continue
         if event in ("clip", "scale"):
             for ms in (plain, models):

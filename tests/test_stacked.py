@@ -1622,3 +1622,53 @@ def test_a_tensor_written_before_a_groups_backward_raises_where_the_plain_loop_d
         named = 6 if how == "beside another" else 5
         assert f"model {named} ({kind}) raised RuntimeError in backward" in str(error)
         assert "modified by an inplace operation" in str(error)
+
+
+@pytest.mark.parametrize("x_needs_grad", [False, True])
+@pytest.mark.parametrize("how", ["auto", "beside another", "n_jobs=2", "stack_"])
+def test_an_argument_written_before_a_groups_backward_is_named(how, x_needs_grad):
+    # Every path raises autograd's error, as the plain loop does; one group alone, with no
+    # node of parsum's before its graph, raised it naming no model (the others named the
+    # first): its check names the first model too, before any gradient is written.
+    torch.manual_seed(4)
+    models = [mlp([8, 8]) for _ in range(8)]
+    if how == "beside another":
+        models.insert(2, mlp([5, 7]))
+    if how == "stack_":
+        parsum.stack_(models)
+    leaf = torch.randn(6, IN, requires_grad=x_needs_grad)
+    x = leaf.clone() if x_needs_grad else leaf
+    y = parsum.sum_models(models, x, **({"n_jobs": 2} if how == "n_jobs=2" else {}))
+    with torch.no_grad():
+        x.mul_(2.0)
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\).*raised RuntimeError"):
+        y.sum().backward()
+    assert all(p.grad is None for m in models for p in m.parameters())
+    assert leaf.grad is None
+    y = plain_sum(models, x)  # the plain loop raises too
+    with torch.no_grad():
+        x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n_jobs": 1}, {"n_jobs": 2}, {"engine": "autograd"}])
+@pytest.mark.parametrize("grads", ["none", "set"])
+def test_a_failed_backward_of_stack_models_run_one_by_one_leaves_their_gradients(kwargs, grads):
+    # Three models run one by one; an optimizer over the stack wants their gradients in its
+    # buffer, whose views the backward's start makes their .grad: undone where it fails.
+    torch.manual_seed(5)
+    models = [mlp([8, 8]) for _ in range(3)]
+    stack = parsum.stack_(models)
+    stacked = list(stack.parameters())  # an optimizer over them would ask for these
+    if grads == "set":
+        parsum.sum_models(models, torch.randn(6, IN), **kwargs).sum().backward()
+    tensors = [*stacked, *(p for m in models for p in m.parameters())]
+    before = [None if t.grad is None else t.grad.clone() for t in tensors]
+    y = parsum.sum_models(models, torch.randn(6, IN), **kwargs)
+    with torch.no_grad():
+        models[1][-1].weight.mul_(0.5)
+    with pytest.raises(parsum.ParsumError, match=r"model 1 \(Sequential\)"):
+        y.sum().backward()
+    for t, was in zip(tensors, before):
+        assert t.grad is None if was is None else torch.equal(t.grad, was)
