@@ -1880,7 +1880,8 @@ def stacked_tensors(
 # raises autograd's "modified by an inplace operation" for a weight its graph saved (a later
 # layer's, never a bias) and models run one by one raise it naming the model. So a group keeps
 # its models' tensors' versions from the forward (``GroupReads``; a Sequential of Linear and
-# elementwise layers only its weights', which alone its graph can save), and its backward
+# elementwise layers only its weights', which alone its graph can save, the first only where
+# the argument needs a gradient), and its backward
 # compares them before any gradient is written: where one changed, the stacked tensor of that
 # name is marked written too (``increment_version``, as a write into a view marks its base) and
 # the group's saved tensors are read as its backward would read them. A name its graph saved
@@ -1890,11 +1891,12 @@ def stacked_tensors(
 # it (one group holds every model, stack_ storage), the check is a hook on the wide sum's
 # gradient (set as ``own_rows_in_backward`` sets its own: a custom Function there cost 35 us
 # more a step). Its cost, toggled in one process (300 interleaved steps, 2 cores): 64
-# identical tiny MLPs 2.1-3.6% of a step (about 0.1-0.16 ms: the versions read twice, a
-# flat list of the models' weights made every call), in stack_ storage 3.1%, as classes
-# through vmap 1.6%. The reads hold the stacked copies until the backward that frees the
-# graph (the caller's graph) or, elsewhere, while the sum's output is alive: one copy of the
-# group's watched tensors (stack_ storage: none, its aliases view the storage).
+# identical tiny Sequentials 0.4-1.9% of a step (the versions read twice, their list made
+# every call), in stack_ storage, which keeps that list from call to call, 1.2-1.6%, as classes
+# through vmap (every tensor watched) 2.5%. The reads hold the stacked copies until the
+# backward that frees the graph (the caller's graph) or, elsewhere, while the sum's output is
+# alive: one copy of the group's watched tensors (stack_ storage: none, its aliases view the
+# storage).
 class GroupReads(NamedTuple):
     """A stacked group's tensors as its graph read them (stacked, by name), and the models' own
     (model by model, name by name) with their versions at the forward."""
@@ -1908,18 +1910,37 @@ class GroupReads(NamedTuple):
         trainable: dict[str, Tensor],
         tensors: Sequence[Sequence[Tensor]],
         program: list[Step] | None,
+        args: tuple[Any, ...],
     ) -> GroupReads:
         """``tensors``: each model's trainable tensors, in the order of ``trainable``;
         ``program``: the models' batched program (NOTE [ Batched layers ]), whose weights
-        alone are watched."""
+        alone are watched, the first only where the argument ``args`` give needs a gradient
+        (else the first layer's product saves the argument, not the weight)."""
+        needs_grad = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        names, own = GroupReads.watched(list(trainable), tensors, program, needs_grad)
+        return GroupReads.reading(trainable, names, own)
+
+    @staticmethod
+    def watched(
+        names: list[str],
+        tensors: Sequence[Sequence[Tensor]],
+        program: list[Step] | None,
+        needs_grad: bool,
+    ) -> tuple[list[str], list[Tensor]]:
+        """What ``of`` watches: the names, and the models' tensors of those names (model by
+        model), as a stack keeps them from call to call."""
         if program is None:
-            own = [t for mine in tensors for t in mine]
-            return GroupReads(list(trainable.values()), own, list(map(_version_of, own)))
-        weights = {step[0] for step in program if isinstance(step, tuple)}
-        places = [j for j, name in enumerate(trainable) if name in weights]
-        own = [mine[j] for mine in tensors for j in places]
-        stacked = [trainable[name] for name in trainable if name in weights]
-        return GroupReads(stacked, own, list(map(_version_of, own)))
+            return names, [t for mine in tensors for t in mine]
+        weights = [step[0] for step in program if isinstance(step, tuple)]
+        if not needs_grad:
+            weights = weights[1:]
+        places = [j for j, name in enumerate(names) if name in weights]
+        return [names[j] for j in places], [mine[j] for mine in tensors for j in places]
+
+    @staticmethod
+    def reading(trainable: dict[str, Tensor], names: list[str], own: list[Tensor]) -> GroupReads:
+        """The reads of ``own`` (``watched``'s) now, with the stacked tensors of ``names``."""
+        return GroupReads([trainable[n] for n in names], own, list(map(_version_of, own)))
 
     def written(self) -> bool:
         """Whether a model's tensor was written in place since the forward."""
@@ -2464,7 +2485,7 @@ def stacked_forward(
         return UnitRun(outs, None, leaves)
     roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
     # NOTE [ Weights written before a group's backward ]
-    reads = GroupReads.of(trainable, [mp.tensors for mp in params], program_of(model))
+    reads = GroupReads.of(trainable, [mp.tensors for mp in params], program_of(model), args)
     # The stacked parameters, not the originals: one gradient per name, which ``unbind`` cuts
     # into each model's, instead of n_models x names captured gradients.
     wrt = [*inputs.values(), *trainable.values()]
@@ -2560,7 +2581,7 @@ def stacked_in_graph(
         roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
         check_own_leaves(model, roots, own, aliases, call)
     tensors = [mp.tensors for mp in params] if read is None else read
-    reads = GroupReads.of(trainable, tensors, program_of(model))
+    reads = GroupReads.of(trainable, tensors, program_of(model), args)
     return UnitRun(models_outputs(leaves, spec, len(models)), None, leaves, reads)
 
 

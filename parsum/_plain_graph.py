@@ -215,7 +215,7 @@ def sum_in_plain_graph(
                     piece = leaves[0]
                     # NOTE [ Weights written before a group's backward ] in _engines
                     groups[len(pieces)] = GroupReads.of(
-                        trainable, [mp.tensors for mp in group], program_of(first)
+                        trainable, [mp.tensors for mp in group], program_of(first), (read,)
                     )
                 if piece.dtype != torch.float32 or piece.layout != torch.strided:
                     return None

@@ -573,6 +573,9 @@ class Stack(Sequence[nn.Module]):
         self._requires = list(map(_requires_grad, self._tensors))
         self._trainable_tensors = [t for info in infos for t in info.tensors]
         self._tensors_by_model = [info.tensors for info in infos]  # trainable, by name
+        # What a stacked call's backward watches (GroupReads.watched), by whether the
+        # argument needs a gradient
+        self._watching: dict[bool, tuple[list[str], list[Tensor]]] = {}
         self._numel = sum(t.numel() for t in infos[0].tensors)
 
     def parameters(self) -> Iterator[Tensor]:
@@ -1139,11 +1142,19 @@ def stacked_sum(
                     alias = tensors[name] = values[name].detach().requires_grad_()
                     alias.register_post_accumulate_grad_hook(functools.partial(stepping, name))
                     hooked += 1
-        # NOTE [ Weights written before a group's backward ] in _engines
-        reads = GroupReads.of({n: tensors[n] for n in trainable}, stack._tensors_by_model, program)
+        watching = stack._watching
     names = set(trainable)
     try:
         args, kwargs = call.build()
+        # NOTE [ Weights written before a group's backward ] in _engines: what is watched,
+        # kept from call to call
+        needs_grad = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        watched = watching.get(needs_grad)
+        if watched is None:
+            by_model = stack._tensors_by_model
+            watched = GroupReads.watched(trainable, by_model, program, needs_grad)
+            watching[needs_grad] = watched
+        reads = GroupReads.reading(tensors, *watched)
         leaves, spec = batched_forward(
             stack[0],
             program,
@@ -1251,7 +1262,7 @@ def group_in_callers_graph(
     trainable, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
     # NOTE [ Weights written before a group's backward ] in _engines
     program = program_of(models[0])
-    reads = GroupReads.of(trainable, [mp.tensors for mp in model_params], program)
+    reads = GroupReads.of(trainable, [mp.tensors for mp in model_params], program, args)
     check = _GroupCheck.of(reads, call, model_error)
     summed = _sum_over_models(leaves, weights, weight_tensor, check)
     return pytree.tree_unflatten(summed, spec)
