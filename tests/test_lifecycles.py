@@ -174,6 +174,7 @@ def check_stacked(seed: int) -> None:
                 raised.append(exc)
         if raised:  # as the plain loop, naming the model, nothing written
             assert len(raised) == 2, f"seed {seed}: {raised}; events: {', '.join(log)}"
+            assert event == "written", f"seed {seed}: {raised}; events: {', '.join(log)}"
             assert isinstance(raised[0], parsum.ParsumError) and f"model {k}" in str(raised[0])
             params = [p for m in models for p in m.parameters()]
             for p, was in zip(params, before):
