@@ -1946,6 +1946,15 @@ class GroupReads(NamedTuple):
         """Whether a model's tensor was written in place since the forward."""
         return list(map(_version_of, self.tensors)) != self.versions
 
+    def check(self, roots: Iterable[Any], error: Callable[[int, Exception], BaseException]) -> None:
+        """Raise ``error(k, autograd's error)`` where model ``k``'s tensor written since the
+        forward was saved by the group's graph behind ``roots``; nothing where none was."""
+        if self.written():
+            found = self.first_saved_write(roots)
+            if found is not None:
+                k, exc = found
+                raise error(k, exc) from exc
+
     def first_saved_write(self, roots: Iterable[Any]) -> tuple[int, Exception] | None:
         """The first model (its place in the group) whose tensor written since the forward
         the group's graph behind ``roots`` saved, with autograd's error; None where none."""
@@ -2518,10 +2527,7 @@ def stacked_forward(
         if not pairs or not wrt:
             return [None] * n_args, [[None] * len(mp.tensors) for mp in params]
         outs, cots = zip(*pairs)
-        if reads.written():
-            found = reads.first_saved_write(edge.node for edge in outs)
-            if found is not None:
-                raise GroupWritten(*found)
+        reads.check([edge.node for edge in outs], GroupWritten)
         grads = pull_back(outs, wrt, cots, retain_graph)
         by_name: list[Sequence[Tensor | None]] = [
             [None] * n if g is None else _own_rows(g).unbind(0) for g in grads[n_args:]

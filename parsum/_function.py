@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from ._engines import (
     UnitRun,
     WeightedCotangents,
     _edge,
+    _version_of,
     check_argument_hooks,
     check_no_graph_needed,
     check_own_leaves,
@@ -371,11 +371,11 @@ def check_groups(plan: SumPlan, groups: Sequence[GroupInGraph] | None) -> None:
     was written in place since the forward (NOTE [ Weights written before a group's
     backward ] in _engines), before any gradient is written."""
     for group in groups or ():
-        if group.reads.written():
-            found = group.reads.first_saved_write(group.nodes)
-            if found is not None:
-                k, exc = found
-                raise plan.model_error(group.models[k], "backward", exc) from exc
+
+        def error(k: int, exc: Exception, models: Sequence[int] = group.models) -> ParsumError:
+            return plan.model_error(models[k], "backward", exc)
+
+        group.reads.check(group.nodes, error)
 
 
 # NOTE [ Parameters made in forward ]
@@ -948,9 +948,6 @@ def run_forward(
 # would cost a kernel a model on every call, for what models almost never do.
 
 
-_read_version = operator.attrgetter("_version")
-
-
 def check_outputs_kept(
     plan: SumPlan,
     outputs: Sequence[list[Tensor] | None],
@@ -978,7 +975,7 @@ def check_unwritten(
     [ Outputs written before they are summed ])."""
     for terms, seen in zip(pending, versions):
         try:
-            if list(map(_read_version, terms)) == seen:
+            if list(map(_version_of, terms)) == seen:
                 continue
         except RuntimeError:  # an inference tensor among them
             if list(map(version_of, terms)) == seen:

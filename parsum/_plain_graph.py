@@ -141,6 +141,7 @@ from ._engines import (
     GroupReads,
     ModelParams,
     Unit,
+    _version_of,
     batched_in_graph,
     direct_calls_allowed,
     program_of,
@@ -234,7 +235,7 @@ def sum_in_plain_graph(
     if not sums_at_once(1, terms):  # as many values as the models' outputs together
         return None
     watched = [x, *plan.walk.linear_weights]
-    guard = _Guard(plan, placed, watched, list(map(_version, watched)), groups)
+    guard = _Guard(plan, placed, watched, list(map(_version_of, watched)), groups)
     if weight_tensor is not None and weight_tensor.requires_grad:
         # NOTE [ A weight tensor in a plain graph ]
         assert weights is not None
@@ -334,7 +335,7 @@ class _Guard(NamedTuple):
     def check(self, node: Any) -> None:
         """Raise, naming the model, where a tensor the models' graphs saved was written in
         place since; ``node``: the node the backward runs, above the pieces' join."""
-        if list(map(_version, self.watched)) != self.versions:
+        if list(map(_version_of, self.watched)) != self.versions:
             _raise_first_failure(self.plan, self.units, _pieces_of(node), self.groups)
 
 
@@ -435,10 +436,6 @@ def _raise_first_failure(
             unpack_saved([root])
         except Exception as exc:
             raise plan.model_error(unit.models[0], "backward", exc, unit) from exc
-
-
-def _version(t: Tensor) -> int:
-    return t._version
 
 
 def plain_graph_pays(

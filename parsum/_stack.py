@@ -133,7 +133,7 @@ from ._engines import (
     unpack_saved,
 )
 from ._errors import ParsumError, a_kind_of, message_of
-from ._function import _engine_keeps_graph
+from ._function import _engine_keeps_graph, argument_versions
 from ._fused import StepInBackward, step_stacked, stepped_twice
 from ._grads import (
     FlatWrites,
@@ -1187,16 +1187,13 @@ class _GroupCheck(NamedTuple):
     their versions at the forward, and the error naming its model."""
 
     reads: GroupReads
-    arguments: list[Tensor]
-    versions: list[int]
+    call: CallArgs
+    versions: list[int]  # ``argument_versions(call)`` at the forward
     model_error: Any  # (the model's place in the group, autograd's error) -> ParsumError
 
     @staticmethod
     def of(reads: GroupReads, call: CallArgs, model_error: Any) -> _GroupCheck:
-        leaves = call.leaves
-        given = [leaves[j] for j in call.tensor_positions]
-        arguments = [t for t in given if not t.is_inference()]  # no version to read
-        return _GroupCheck(reads, arguments, list(map(_version_of, arguments)), model_error)
+        return _GroupCheck(reads, call, argument_versions(call), model_error)
 
 
 def _sum_over_models(
@@ -1226,21 +1223,13 @@ def _sum_over_models(
     return summed
 
 
-_version_of = operator.attrgetter("_version")
-
-
 def _checked(check: _GroupCheck, ends: list[Any], grad: Tensor) -> None:
     """Raise where a model's tensor that the group's graph behind ``ends`` saved was written
     in place since the forward; a hook on the wide sum's gradient."""
-    reads = check.reads
-    if reads.written():
-        found = reads.first_saved_write(ends)
-        if found is not None:
-            k, exc = found
-            raise check.model_error(k, exc) from exc
+    check.reads.check(ends, check.model_error)
     # An argument written in place: autograd raises, named here with the first model, as the
     # general path names it (every model of the group read it).
-    if list(map(_version_of, check.arguments)) != check.versions:
+    if argument_versions(check.call) != check.versions:
         try:
             unpack_saved(ends)
         except Exception as exc:
