@@ -9,8 +9,10 @@ turn (``common.interleaved``), each after ``--settle-ms`` of untimed steps. A st
 forward, backward and, with ``--adam``, one ``torch.optim.Adam`` step on the caller's threads,
 or with ``--sib`` a ``StepInBackward`` of Adam. ``--step grad-x`` times the forward and the
 loss's gradient in the argument alone (``torch.autograd.grad(loss, x)``: adversarial examples,
-saliency), ``--step train-x`` a training step whose argument needs a gradient too (heads over
-features that a trunk before the sum made: ``backward()`` fills the parameters' and x's),
+saliency), ``--step eval`` the forward alone under ``torch.no_grad()`` (an ensemble's
+evaluation or inference), ``--step train-x`` a training step whose argument needs a gradient
+too (heads over features that a trunk before the sum made: ``backward()`` fills the
+parameters' and x's),
 ``--step penalty`` a gradient-penalty step (the gradient in x with
 ``create_graph=True``, then the backward of the loss plus a penalty on it), ``--step grad-params``
 the loss's gradient in the parameters by ``torch.autograd.grad`` (functional training loops,
@@ -32,7 +34,7 @@ every thread of the process instead (``time.process_time``): a step slower in ti
 CPU time waits longer for the same work; one slower in both does more work.
 
     python benchmarks/bench_against.py --rev HEAD~3|FOLDER[,REV2,...] [--adam] [--sib] [--n-jobs 2]
-        [--step train|train-x|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
+        [--step train|eval|train-x|grad-x|grad-params|accumulate|penalty|flat|flat-zero|flat-both|
             flat-compensated]
         [--members 0.75] [--first 16] [--cpu-time] [--engine autograd] [--hooked]
         [--workloads heterogeneous-medium:64,heterogeneous-medium:256] [--rounds 20]
@@ -174,6 +176,7 @@ def step_of(
     if args.step != "train":
         total = _plain_total if package is None else package.sum_models
         step = {
+            "eval": _evaluation,
             "train-x": _training_with_x,
             "grad-x": _gradient_in_x,
             "grad-params": _gradient_in_params,
@@ -195,6 +198,11 @@ def step_of(
 
 def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:
     return sum(m(x) for m in models)  # type: ignore[return-value]
+
+
+def _evaluation(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
+    with torch.no_grad():
+        total(models, x, n_jobs=n_jobs)
 
 
 def _training_with_x(total: Callable[..., Any], models: list, x: torch.Tensor, n_jobs: Any) -> None:
@@ -269,6 +277,7 @@ def main() -> None:
         "--step",
         choices=[
             "train",
+            "eval",
             "train-x",
             "grad-x",
             "grad-params",

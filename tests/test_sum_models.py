@@ -612,6 +612,57 @@ def test_no_grad_and_inference_mode_save_nothing(n_jobs, mode):
     torch.testing.assert_close(y, y_ref)
 
 
+class _Widened(nn.Module):
+    """A class of its own (no direct program) that takes a keyword and writes into the
+    keywords it was given, which no other model may see."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, width), nn.Linear(width, OUT)
+
+    def forward(self, x, scale=1.0, **extra):
+        assert not extra, extra  # a keyword dict of its own, as the plain loop gives it
+        extra["seen"] = True
+        return self.b(torch.tanh(self.a(x))) * scale
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("weights", [None, "floats"])
+def test_an_evaluation_is_the_plain_loops_and_the_same_bits_for_every_n_jobs(mode, weights):
+    # With no graph, the models of a flat call read one build of the arguments and their
+    # outputs go straight to the sum's terms (NOTE [ Forwards with no graph ] in _function);
+    # odd ones out (a pytree, another dtype) take the general way.
+    torch.manual_seed(0)
+    models = [_Widened(4 + 3 * (i % 5)) for i in range(12)]
+    models.insert(5, functools.partial(lambda x, scale=1.0: x[:, :OUT] * scale))
+    x = torch.randn(6, IN)
+    w = [0.5 + 0.1 * i for i in range(len(models))] if weights else None
+    wide = [copy.deepcopy(m).double() if isinstance(m, nn.Module) else m for m in models]
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with ctx():
+        ref = sum(
+            (1.0 if w is None else w[i]) * m(x.double(), scale=2.0) for i, m in enumerate(wide)
+        )
+        plain = sum((1.0 if w is None else w[i]) * m(x, scale=2.0) for i, m in enumerate(models))
+        outs = [parsum.sum_models(models, x, weights=w, n_jobs=n, scale=2.0) for n in N_JOBS]
+        outs.append(parsum.sum_models(models, x, weights=w, scale=2.0))
+    for y in outs:
+        assert torch.equal(y, outs[0])
+        assert y.dtype == torch.float32 and y.is_inference() == (mode == "inference_mode")
+    torch.testing.assert_close(outs[0], plain)
+    # the compensated sum is the float64 sum rounded once
+    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_an_evaluation_names_a_model_whose_output_is_not_like_the_others():
+    models = [_Widened(4), _Widened(6), lambda x: (x[:, :OUT],), _Widened(5)]
+    with (
+        torch.no_grad(),
+        pytest.raises(parsum.ParsumError, match=r"model 2 \(function <lambda>\)"),
+    ):
+        parsum.sum_models(models, torch.randn(3, IN), n_jobs=1)
+
+
 def test_autocast_is_reentered_in_workers():
     seen = []
 
