@@ -1916,9 +1916,15 @@ class GroupReads(NamedTuple):
         ``program``: the models' batched program (NOTE [ Batched layers ]), whose weights
         alone are watched, the first only where the argument ``args`` give needs a gradient
         (else the first layer's product saves the argument, not the weight)."""
-        needs_grad = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        needs_grad = GroupReads.argument_needs_grad(args)
         names, own = GroupReads.watched(list(trainable), tensors, program, needs_grad)
         return GroupReads.reading(trainable, names, own)
+
+    @staticmethod
+    def argument_needs_grad(args: tuple[Any, ...]) -> bool:
+        """Whether an argument the group's first layer reads needs a gradient (then its
+        product saves that layer's weight, which ``watched`` watches)."""
+        return any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
     @staticmethod
     def watched(

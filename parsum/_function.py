@@ -524,7 +524,8 @@ def run_forward(
         nodes = []
 
     def in_graph(i: int) -> Any:
-        """Model i's output, run in the caller's graph as the plain loop runs it."""
+        """Model i's output, run as the plain loop runs it: in the caller's graph, or with
+        no graph (NOTE [ Forwards with no graph ])."""
         mine: dict[int, Tensor] = {}
         if shared_args is not None:
             args, kwargs = shared_args

@@ -1148,7 +1148,7 @@ def stacked_sum(
         args, kwargs = call.build()
         # NOTE [ Weights written before a group's backward ] in _engines: what is watched,
         # kept from call to call
-        needs_grad = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        needs_grad = GroupReads.argument_needs_grad(args)
         watched = watching.get(needs_grad)
         if watched is None:
             by_model = stack._tensors_by_model
