@@ -1887,7 +1887,11 @@ def stacked_tensors(
 # the group's saved tensors are read as its backward would read them. A name its graph saved
 # raises autograd's own error, named with the model whose tensor was written; a name it did
 # not save (a bias, the first layer's weight where the argument needs no gradient) raises
-# nothing, as in the plain loop. Where the group's graph has no node of parsum's own before
+# nothing, as in the plain loop. The stacked tensors' own versions are kept too: stack_
+# storage's aliases share the storage's, which an optimizer over ``stack.parameters()``
+# stepped before the backward writes (every model's slice, none of the models' own version
+# counters, which ``p.data = values[k]`` kept apart), where autograd raised naming no model:
+# the group's first model is named. Where the group's graph has no node of parsum's own before
 # it (one group holds every model, stack_ storage), the check is a hook on the wide sum's
 # gradient (set as ``own_rows_in_backward`` sets its own: a custom Function there cost 35 us
 # more a step). Its cost, toggled in one process (300 interleaved steps, 2 cores): 64
@@ -1904,6 +1908,7 @@ class GroupReads(NamedTuple):
     stacked: list[Tensor]
     tensors: list[Tensor]
     versions: list[int]
+    stacked_versions: list[int]  # the stacked tensors' own (stack_ storage's aliases)
 
     @staticmethod
     def of(
@@ -1946,11 +1951,18 @@ class GroupReads(NamedTuple):
     @staticmethod
     def reading(trainable: dict[str, Tensor], names: list[str], own: list[Tensor]) -> GroupReads:
         """The reads of ``own`` (``watched``'s) now, with the stacked tensors of ``names``."""
-        return GroupReads([trainable[n] for n in names], own, list(map(_version_of, own)))
+        stacked = [trainable[n] for n in names]
+        return GroupReads(
+            stacked, own, list(map(_version_of, own)), list(map(_version_of, stacked))
+        )
 
     def written(self) -> bool:
-        """Whether a model's tensor was written in place since the forward."""
-        return list(map(_version_of, self.tensors)) != self.versions
+        """Whether a model's tensor, or a stacked tensor itself, was written in place since
+        the forward."""
+        return (
+            list(map(_version_of, self.tensors)) != self.versions
+            or list(map(_version_of, self.stacked)) != self.stacked_versions
+        )
 
     def check(self, roots: Iterable[Any], error: Callable[[int, Exception], BaseException]) -> None:
         """Raise ``error(k, autograd's error)`` where model ``k``'s tensor written since the
@@ -1965,8 +1977,20 @@ class GroupReads(NamedTuple):
         """The first model (its place in the group) whose tensor written since the forward
         the group's graph behind ``roots`` saved, with autograd's error; None where none."""
         names = len(self.stacked)
-        marked: set[int] = set()
         nodes = list(roots)
+        # A stacked tensor written itself (stack_ storage's, by an optimizer over the stack's
+        # parameters() stepped before the backward) is every model's slice written: autograd
+        # raises for it, named with the group's first model.
+        marked = {
+            name
+            for name, (tensor, was) in enumerate(zip(self.stacked, self.stacked_versions))
+            if tensor._version != was
+        }
+        if marked:
+            try:
+                unpack_saved(nodes)
+            except Exception as exc:
+                return 0, exc
         for i, (tensor, was) in enumerate(zip(self.tensors, self.versions)):
             k, name = divmod(i, names)
             if tensor._version == was or name in marked:

@@ -1652,6 +1652,56 @@ def test_an_argument_written_before_a_groups_backward_is_named(how, x_needs_grad
         y.sum().backward()
 
 
+@pytest.mark.parametrize("written", ["every name", "biases"])
+@pytest.mark.parametrize("how", ["auto", "n_jobs=1", "n_jobs=2", "engine=stacked"])
+def test_an_optimizer_over_a_stack_stepped_before_its_backward_is_named(how, written):
+    # The stacked tensors themselves written (an optimizer over stack.parameters() stepped
+    # early): the group's graph saved aliases of them, and autograd raised its own error,
+    # naming no model. Now the first model is named (every model's slice was written), before
+    # any gradient is written; a write that no graph saved (the biases) raises nothing.
+    torch.manual_seed(6)
+    models = [mlp([8, 8]) for _ in range(8)]
+    twins = clone_models(models)
+    stack = parsum.stack_(models)
+    stacked = dict(zip(stack._trainable, stack.parameters()))
+    opt = torch.optim.SGD(
+        [t for name, t in stacked.items() if written == "every name" or "bias" in name], lr=0.1
+    )
+    x = torch.randn(6, IN)
+    kwargs = {"n_jobs": int(how[-1])} if how.startswith("n_jobs") else {}
+    if how == "engine=stacked":
+        kwargs["engine"] = "stacked"
+    y = parsum.sum_models(models, x, **kwargs)
+    for t in opt.param_groups[0]["params"]:
+        t.grad = torch.ones_like(t)
+    opt.step()
+    opt.zero_grad()
+    after_step = [t.detach().clone() for t in stacked.values()]
+    params = [p for m in models for p in m.parameters()]
+    plain = plain_sum(twins, x)  # the plain loop, its weights written as the stack's were
+    with torch.no_grad():
+        for twin in twins:
+            for name, p in twin.named_parameters():
+                if written == "every name" or "bias" in name:
+                    p.sub_(0.1)
+
+    def backward(out: torch.Tensor, wrt: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        out.pow(2).sum().backward()
+        return [p.grad for p in wrt]
+
+    if written == "biases":
+        got = backward(y, params)
+        expected = backward(plain, [p for m in twins for p in m.parameters()])
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return
+    with pytest.raises(parsum.ParsumError, match=r"model 0 \(Sequential\) raised RuntimeError"):
+        backward(y, params)
+    assert all(p.grad is None for p in params)
+    assert all(t.grad is None for t in stacked.values())
+    assert all(torch.equal(t, was) for t, was in zip(stacked.values(), after_step))
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"n_jobs": 1}, {"n_jobs": 2}, {"engine": "autograd"}])
 @pytest.mark.parametrize("grads", ["none", "set"])
 def test_a_failed_backward_of_stack_models_run_one_by_one_leaves_their_gradients(kwargs, grads):
