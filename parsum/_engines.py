@@ -1891,7 +1891,10 @@ def stacked_tensors(
 # storage's aliases share the storage's, which an optimizer over ``stack.parameters()``
 # stepped before the backward writes (every model's slice, none of the models' own version
 # counters, which ``p.data = values[k]`` kept apart), where autograd raised naming no model:
-# the group's first model is named. Where the group's graph has no node of parsum's own before
+# the group's first model is named. Frozen parameters are watched as trainable ones are (a
+# frozen last layer's weight is saved all the same, and the group reads a stacked copy of it,
+# or stack_ storage's tensor: a write was missed until the sixty-ninth session's lifecycles
+# found it). Where the group's graph has no node of parsum's own before
 # it (one group holds every model, stack_ storage), the check is a hook on the wide sum's
 # gradient (set as ``own_rows_in_backward`` sets its own: a custom Function there cost 35 us
 # more a step). Its cost, toggled in one process (300 interleaved steps, 2 cores): 64
@@ -1916,14 +1919,23 @@ class GroupReads(NamedTuple):
         tensors: Sequence[Sequence[Tensor]],
         program: list[Step] | None,
         args: tuple[Any, ...],
+        state: dict[str, Tensor],
+        params: Sequence[ModelParams],
     ) -> GroupReads:
         """``tensors``: each model's trainable tensors, in the order of ``trainable``;
-        ``program``: the models' batched program (NOTE [ Batched layers ]), whose weights
-        alone are watched, the first only where the argument ``args`` give needs a gradient
-        (else the first layer's product saves the argument, not the weight)."""
+        ``state``: the stacked frozen parameters and buffers, ``params`` each model's (its
+        frozen parameters are watched too); ``program``: the models' batched program (NOTE
+        [ Batched layers ]), whose weights alone are watched, the first only where the
+        argument ``args`` give needs a gradient (else the first layer's product saves the
+        argument, not the weight)."""
         needs_grad = GroupReads.argument_needs_grad(args)
-        names, own = GroupReads.watched(list(trainable), tensors, program, needs_grad)
-        return GroupReads.reading(trainable, names, own)
+        frozen = frozen_names(params[0])
+        stacked, own = trainable, tensors
+        if frozen:
+            stacked = {**trainable, **{n: state[n] for n in frozen}}
+            own = [[*mine, *frozen_of(mp)] for mine, mp in zip(tensors, params)]
+        names, watched = GroupReads.watched(list(stacked), own, program, needs_grad)
+        return GroupReads.reading(stacked, names, watched)
 
     @staticmethod
     def argument_needs_grad(args: tuple[Any, ...]) -> bool:
@@ -2005,6 +2017,16 @@ class GroupReads(NamedTuple):
 
 
 _version_of = operator.attrgetter("_version")
+
+
+def frozen_names(params: ModelParams) -> list[str]:
+    """The names of a model's frozen parameters (among its state, with the buffers)."""
+    return [n for n, t in zip(params.state_names, params.state) if isinstance(t, nn.Parameter)]
+
+
+def frozen_of(params: ModelParams) -> list[Tensor]:
+    """A model's frozen parameters, in the order of ``frozen_names``."""
+    return [t for t in params.state if isinstance(t, nn.Parameter)]
 
 
 def unpack_saved(roots: Iterable[Any]) -> None:
@@ -2524,7 +2546,9 @@ def stacked_forward(
         return UnitRun(outs, None, leaves)
     roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
     # NOTE [ Weights written before a group's backward ]
-    reads = GroupReads.of(trainable, [mp.tensors for mp in params], program_of(model), args)
+    reads = GroupReads.of(
+        trainable, [mp.tensors for mp in params], program_of(model), args, state, params
+    )
     # The stacked parameters, not the originals: one gradient per name, which ``unbind`` cuts
     # into each model's, instead of n_models x names captured gradients.
     wrt = [*inputs.values(), *trainable.values()]
@@ -2601,7 +2625,7 @@ def stacked_in_graph(
     model = models[0]
     assert isinstance(model, nn.Module)
     try:
-        trainable, leaves, spec = batched_in_graph(model, params, args, kwargs, read)
+        trainable, state, leaves, spec = batched_in_graph(model, params, args, kwargs, read)
     except AutocastUnderVmap:  # this call only, whatever the engine asked
         return UnitRun(one_by_one(), None)
     except Exception:
@@ -2617,7 +2641,7 @@ def stacked_in_graph(
         roots = [get_gradient_edge(o) if o.requires_grad else None for o in leaves]
         check_own_leaves(model, roots, own, aliases, call)
     tensors = [mp.tensors for mp in params] if read is None else read
-    reads = GroupReads.of(trainable, tensors, program_of(model), args)
+    reads = GroupReads.of(trainable, tensors, program_of(model), args, state, params)
     return UnitRun(models_outputs(leaves, spec, len(models)), None, leaves, reads)
 
 
@@ -2627,17 +2651,17 @@ def batched_in_graph(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     read: Sequence[Sequence[Tensor]] | None = None,
-) -> tuple[dict[str, Tensor], list[Tensor], pytree.TreeSpec]:
+) -> tuple[dict[str, Tensor], dict[str, Tensor], list[Tensor], pytree.TreeSpec]:
     """Identical models' batched forward in the caller's graph: their trainable tensors (as
     ``read`` gives them, where given) stacked by name with their graph (each stacked gradient
-    handed on through ``_own_rows``), and the output's leaves (the models along dim 0) and
-    structure."""
+    handed on through ``_own_rows``), the others stacked, and the output's leaves (the models
+    along dim 0) and structure."""
     trainable, state = stacked_tensors(params, read)
     for stacked in trainable.values():
         if stacked.grad_fn is not None:
             own_rows_in_backward(stacked)
     leaves, spec = forward_on_copies(model, trainable, state, args, kwargs)
-    return trainable, leaves, spec
+    return trainable, state, leaves, spec
 
 
 def models_outputs(leaves: list[Tensor], spec: pytree.TreeSpec, n: int) -> list[Any]:

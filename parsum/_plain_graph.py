@@ -210,13 +210,18 @@ def sum_in_plain_graph(
                     first = models[members[0]]
                     assert isinstance(first, nn.Module)  # a direct program's model
                     group = [plan.model_params[i] for i in members]
-                    trainable, leaves, spec = batched_in_graph(first, group, (read,), {})
+                    trainable, state, leaves, spec = batched_in_graph(first, group, (read,), {})
                     if spec != LEAF_SPEC:
                         return None
                     piece = leaves[0]
                     # NOTE [ Weights written before a group's backward ] in _engines
                     groups[len(pieces)] = GroupReads.of(
-                        trainable, [mp.tensors for mp in group], program_of(first), (read,)
+                        trainable,
+                        [mp.tensors for mp in group],
+                        program_of(first),
+                        (read,),
+                        state,
+                        group,
                     )
                 if piece.dtype != torch.float32 or piece.layout != torch.strided:
                     return None

@@ -126,6 +126,8 @@ from ._engines import (
     _requires_grad,
     batched_forward,
     batched_in_graph,
+    frozen_names,
+    frozen_of,
     model_kind,
     module_of,
     program_of,
@@ -572,7 +574,10 @@ class Stack(Sequence[nn.Module]):
         self._strides = list(map(_stride, self._tensors))
         self._requires = list(map(_requires_grad, self._tensors))
         self._trainable_tensors = [t for info in infos for t in info.tensors]
-        self._tensors_by_model = [info.tensors for info in infos]  # trainable, by name
+        # trainable, then frozen, by name: what a backward watches (NOTE [ Weights written
+        # before a group's backward ] in _engines)
+        self._watched_names = [*self._trainable, *frozen_names(infos[0])]
+        self._tensors_by_model = [[*info.tensors, *frozen_of(info)] for info in infos]
         # What a stacked call's backward watches (GroupReads.watched), by whether the
         # argument needs a gradient
         self._watching: dict[bool, tuple[list[str], list[Tensor]]] = {}
@@ -1152,7 +1157,7 @@ def stacked_sum(
         watched = watching.get(needs_grad)
         if watched is None:
             by_model = stack._tensors_by_model
-            watched = GroupReads.watched(trainable, by_model, program, needs_grad)
+            watched = GroupReads.watched(stack._watched_names, by_model, program, needs_grad)
             watching[needs_grad] = watched
         reads = GroupReads.reading(tensors, *watched)
         leaves, spec = batched_forward(
@@ -1248,10 +1253,11 @@ def group_in_callers_graph(
     graph (NOTE [ One group in the caller's graph ]); ``model_error``: (the model's index,
     autograd's error) -> the error that names it."""
     args, kwargs = call.build()
-    trainable, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
+    trainable, state, leaves, spec = batched_in_graph(models[0], model_params, args, kwargs)
     # NOTE [ Weights written before a group's backward ] in _engines
     program = program_of(models[0])
-    reads = GroupReads.of(trainable, [mp.tensors for mp in model_params], program, args)
+    tensors = [mp.tensors for mp in model_params]
+    reads = GroupReads.of(trainable, tensors, program, args, state, model_params)
     check = _GroupCheck.of(reads, call, model_error)
     summed = _sum_over_models(leaves, weights, weight_tensor, check)
     return pytree.tree_unflatten(summed, spec)

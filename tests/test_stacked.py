@@ -1548,6 +1548,11 @@ GROUP_WRITES = {
         lambda m: m[0].bias if isinstance(m, nn.Sequential) else m.norm.weight,
         False,
     ),
+    # frozen on every model before the forward: the graph saves it all the same
+    "a frozen later weight": (
+        lambda m: m[-1].weight if isinstance(m, nn.Sequential) else m.last.weight,
+        False,
+    ),
 }
 
 
@@ -1560,8 +1565,11 @@ def written_between_forward_and_backward(make, write, how, use_parsum):
     if how == "beside another":
         models.insert(2, mlp([5, 7]))
     tensor_of, x_needs_grad = GROUP_WRITES[write]
+    if "frozen" in write:
+        for m in models:
+            tensor_of(m).requires_grad_(False)
     x = torch.randn(6, IN, requires_grad=x_needs_grad)
-    params = [p for m in models for p in m.parameters()]
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
     kwargs = {}
     if use_parsum and how == "stack_":
         parsum.stack_(models)
