@@ -1929,13 +1929,24 @@ class GroupReads(NamedTuple):
         argument ``args`` give needs a gradient (else the first layer's product saves the
         argument, not the weight)."""
         needs_grad = GroupReads.argument_needs_grad(args)
-        frozen = frozen_names(params[0])
-        stacked, own = trainable, tensors
-        if frozen:
-            stacked = {**trainable, **{n: state[n] for n in frozen}}
-            own = [[*mine, *frozen_of(mp)] for mine, mp in zip(tensors, params)]
-        names, watched = GroupReads.watched(list(stacked), own, program, needs_grad)
+        names, own = GroupReads.with_frozen(list(trainable), tensors, params)
+        stacked = trainable
+        if len(names) > len(trainable):
+            stacked = {**trainable, **{n: state[n] for n in names[len(trainable) :]}}
+        names, watched = GroupReads.watched(names, own, program, needs_grad)
         return GroupReads.reading(stacked, names, watched)
+
+    @staticmethod
+    def with_frozen(
+        names: list[str], tensors: Sequence[Sequence[Tensor]], params: Sequence[ModelParams]
+    ) -> tuple[list[str], Sequence[Sequence[Tensor]]]:
+        """The trainable ``names`` and each model's ``tensors`` of them, followed by the frozen
+        parameters' (``params``: each model's), which a group's graph saves all the same."""
+        frozen = [n for n, t in zip(params[0].state_names, params[0].state) if _frozen(t)]
+        if not frozen:
+            return names, tensors
+        own = [[*mine, *filter(_frozen, mp.state)] for mine, mp in zip(tensors, params)]
+        return [*names, *frozen], own
 
     @staticmethod
     def argument_needs_grad(args: tuple[Any, ...]) -> bool:
@@ -2019,14 +2030,9 @@ class GroupReads(NamedTuple):
 _version_of = operator.attrgetter("_version")
 
 
-def frozen_names(params: ModelParams) -> list[str]:
-    """The names of a model's frozen parameters (among its state, with the buffers)."""
-    return [n for n, t in zip(params.state_names, params.state) if isinstance(t, nn.Parameter)]
-
-
-def frozen_of(params: ModelParams) -> list[Tensor]:
-    """A model's frozen parameters, in the order of ``frozen_names``."""
-    return [t for t in params.state if isinstance(t, nn.Parameter)]
+def _frozen(t: Tensor) -> bool:
+    """Whether a tensor of a model's state (frozen parameters and buffers) is a parameter."""
+    return isinstance(t, nn.Parameter)
 
 
 def unpack_saved(roots: Iterable[Any]) -> None:

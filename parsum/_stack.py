@@ -126,8 +126,6 @@ from ._engines import (
     _requires_grad,
     batched_forward,
     batched_in_graph,
-    frozen_names,
-    frozen_of,
     model_kind,
     module_of,
     program_of,
@@ -576,8 +574,9 @@ class Stack(Sequence[nn.Module]):
         self._trainable_tensors = [t for info in infos for t in info.tensors]
         # trainable, then frozen, by name: what a backward watches (NOTE [ Weights written
         # before a group's backward ] in _engines)
-        self._watched_names = [*self._trainable, *frozen_names(infos[0])]
-        self._tensors_by_model = [[*info.tensors, *frozen_of(info)] for info in infos]
+        self._watched_names, self._tensors_by_model = GroupReads.with_frozen(
+            self._trainable, [info.tensors for info in infos], infos
+        )
         # What a stacked call's backward watches (GroupReads.watched), by whether the
         # argument needs a gradient
         self._watching: dict[bool, tuple[list[str], list[Tensor]]] = {}
