@@ -21,6 +21,19 @@ def message_of(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose str() raised>"
 
 
+def model_failed(
+    where: str, i: int, kind: str, phase: str, exc: BaseException, who: str = "", hint: str = ""
+) -> ParsumError:
+    """The error that names model ``i`` (of type ``kind``, as ``model_kind`` says it) for
+    ``exc``, raised in ``phase`` ("forward", "backward"), with ``exc`` chained."""
+    raised = "ParsumError" if isinstance(exc, ParsumError) else type(exc).__name__
+    err = ParsumError(
+        f"{where}: model {i} ({kind}){who} raised {raised} in {phase}: {message_of(exc)}{hint}"
+    )
+    err.__cause__ = exc
+    return err
+
+
 def a_kind_of(value: object) -> str:
     """``value``'s type name with its article, for messages: "an int", "a Linear"."""
     name = type(value).__name__

@@ -78,7 +78,7 @@ from ._engines import (
     written_after_return,
     wrote_shared,
 )
-from ._errors import ParsumError, message_of
+from ._errors import ParsumError, message_of, model_failed
 from ._fused import MERGED_STEP_ELEMENTS, StepInBackward, stepped_twice
 from ._grads import FlatWrites, engine_runs_all, has_flat_grads
 from ._locks import Lock
@@ -223,13 +223,7 @@ class SumPlan:
             who = f", stacked with models {list(unit.models[1:])} (engine='stacked'),"
             if not isinstance(exc, (ForeignLeaves, ArgumentHooked)):  # which no engine runs
                 hint += "; engine='autograd' runs each model on its own"
-        kind = "ParsumError" if isinstance(exc, ParsumError) else type(exc).__name__
-        err = ParsumError(
-            f"{self.where}: model {i} ({model_kind(model)}){who} raised "
-            f"{kind} in {phase}: {message_of(exc)}{hint}"
-        )
-        err.__cause__ = exc
-        return err
+        return model_failed(self.where, i, model_kind(model), phase, exc, who, hint)
 
     def weight(self, i: int, weights: Tensor | list[float] | None) -> float | Tensor | None:
         """Model ``i``'s weight: from the call's ``weights`` (``weight_values``), else the

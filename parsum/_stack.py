@@ -132,7 +132,7 @@ from ._engines import (
     runs_as_program,
     unpack_saved,
 )
-from ._errors import ParsumError, a_kind_of, message_of
+from ._errors import ParsumError, a_kind_of, message_of, model_failed
 from ._function import _engine_keeps_graph, argument_versions
 from ._fused import StepInBackward, step_stacked, stepped_twice
 from ._grads import (
@@ -1180,9 +1180,7 @@ def _stacked_model_error(stack: weakref.ref[Stack], k: int, exc: Exception) -> P
     """The error of a stack's model ``k`` in backward, as sum_models names a model."""
     model = stack()
     kind = "?" if model is None else model_kind(model[k])
-    return ParsumError(
-        f"sum_models: model {k} ({kind}) raised {type(exc).__name__} in backward: {message_of(exc)}"
-    )
+    return model_failed("sum_models", k, kind, "backward", exc)
 
 
 class _GroupCheck(NamedTuple):

@@ -37,7 +37,7 @@ from ._engines import (
     version_of,
     written_after_return,
 )
-from ._errors import ParsumError, message_of
+from ._errors import ParsumError, model_failed
 from ._grads import has_compensated_flat_grads
 from ._summation import WIDE, sum_dtype
 
@@ -72,10 +72,7 @@ def sum_in_transform(
         try:
             out = model(*args, **kwargs)
         except Exception as exc:
-            raise ParsumError(
-                f"{where}: model {i} ({model_kind(model)}) raised {type(exc).__name__} in "
-                f"forward: {message_of(exc)}"
-            ) from exc
+            raise model_failed(where, i, model_kind(model), "forward", exc) from exc
         leaves, out_spec = pytree.tree_flatten(out)
         bad = [
             j
