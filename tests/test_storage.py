@@ -987,11 +987,21 @@ def test_repeated_calls_leave_nothing_behind():
     assert ref() is None
 
 
+def _one_frozen(k: int, name: str) -> list[nn.Module]:
+    """Two identical MLPs, model ``k``'s parameter ``name`` frozen."""
+    models = [mlp([8]), mlp([8])]
+    dict(models[k].named_parameters())[name].requires_grad_(False)
+    return models
+
+
 @pytest.mark.parametrize(
     ("models", "match"),
     [
         (lambda: [mlp([8])], "at least two"),
-        (lambda: [mlp([8]), mlp([9])], r"models\[1\].*differs"),
+        (lambda: [mlp([8]), mlp([9])], r"models\[1\].*differs.*parameter names, shapes"),
+        # the difference named where it is a frozen parameter (hidden among "names" before)
+        (lambda: _one_frozen(1, "2.bias"), r"models\[1\].*its '2.bias' is frozen where"),
+        (lambda: _one_frozen(0, "0.weight"), r"models\[1\].*its '0.weight' is trainable where"),
         (lambda: [mlp([8]), "x"], r"models\[1\] is a str"),
         (lambda: [nn.Linear(2, 2)] * 2, r"models\[1\].*shares"),
         (lambda: [nn.BatchNorm1d(3), nn.BatchNorm1d(3)], r"models\[0\].*training mode"),
