@@ -1203,6 +1203,80 @@ def structure_key(mp: ModelParams) -> Hashable | None:
     return tuple(parts)
 
 
+def first_difference(
+    model0: nn.Module, first: ModelParams, model: nn.Module, other: ModelParams
+) -> str:
+    """Where ``model`` (``other``: its walk) first differs from ``model0`` among what
+    ``structure_key`` compares, in words, for a refusal to stack them."""
+    where0 = {id(m): name for name, m in model0.named_modules(remove_duplicate=False)}
+    where = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+    def called(module: nn.Module, names: dict[int, str]) -> str:
+        name = names.get(id(module))
+        return f"module '{name}'" if name else "root module"
+
+    if len(first.modules) != len(other.modules):
+        return f"in its modules: {len(other.modules)} where models[0] has {len(first.modules)}"
+    for a, b in zip(first.modules, other.modules):
+        at, at0 = called(b, where), called(a, where0)
+        if type(a) is not type(b):
+            return (
+                f"in its modules: its {at} is a {type(b).__name__} where models[0]'s {at0} is "
+                f"a {type(a).__name__}"
+            )
+        if a.training != b.training:
+            mode = {True: "training", False: "eval"}
+            return (
+                f"in training flags: its {at} is in {mode[b.training]} mode where models[0]'s "
+                f"is in {mode[a.training]} mode"
+            )
+        if list(a._modules) != list(b._modules):
+            return (
+                f"in its modules: its {at} holds {list(b._modules)} where models[0]'s holds "
+                f"{list(a._modules)}"
+            )
+        settings, settings0 = vars(b), vars(a)
+        for key in sorted((settings.keys() | settings0.keys()) - MODULE_INTERNALS):
+            if key not in settings or key not in settings0:
+                has, lacks = ("it", "models[0]") if key in settings else ("models[0]", "it")
+                return f"in settings: {has} has {key!r} in its {at}, which {lacks} lacks"
+            value, value0 = settings[key], settings0[key]
+            if _value_key(value) != _value_key(value0):
+                return (
+                    f"in settings: its {at} has {key}={value!r:.60} where models[0]'s has "
+                    f"{key}={value0!r:.60}"
+                )
+    trainable = dict.fromkeys(first.names, True) | dict.fromkeys(first.state_names, False)
+    others = dict.fromkeys(other.names, True) | dict.fromkeys(other.state_names, False)
+    if trainable.keys() == others.keys():
+        for name, grad in trainable.items():
+            if others[name] != grad:
+                state = {True: "trainable", False: "frozen"}
+                return (
+                    f"in requires_grad: its {name!r} is {state[others[name]]} where models[0]'s "
+                    f"is {state[grad]}"
+                )
+    pairs = [(first.names, first.tensors, other.names, other.tensors)]
+    pairs.append((first.state_names, first.state, other.state_names, other.state))
+    for names0, tensors0, names, tensors in pairs:
+        for name0, t0, name, t in zip(names0, tensors0, names, tensors):
+            if name != name0:
+                return f"in parameter names: {name!r} where models[0] has {name0!r}"
+            for what in ("shape", "dtype", "device", "layout"):
+                value, value0 = getattr(t, what), getattr(t0, what)
+                if value != value0:
+                    if what == "shape":
+                        value, value0 = tuple(value), tuple(value0)
+                    return (
+                        f"in {what}: its {name!r} has {what} {value} where models[0]'s has {value0}"
+                    )
+        if len(names) != len(names0):
+            has, lacks = ("it", "models[0]") if len(names) > len(names0) else ("models[0]", "it")
+            name = (names if len(names) > len(names0) else names0)[min(len(names), len(names0))]
+            return f"in parameter names: {has} has {name!r}, which {lacks} lacks"
+    return "in its modules, settings, training flags or parameter names, shapes, dtypes or devices"
+
+
 def _tensor_key(name: str, t: Tensor) -> Hashable:
     return (name, t.shape, t.dtype, t.device, t.layout)  # torch.Size hashes as a tuple
 

@@ -143,7 +143,7 @@ from ._grads import (
     owners_generation,
     slot_block,
 )
-from ._grouping import Batch, module_calls_watched, structure_key
+from ._grouping import Batch, first_difference, module_calls_watched, structure_key
 from ._locks import Lock
 from ._pool import autocast_states
 from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
@@ -1013,28 +1013,12 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
         if keys and key != keys[0]:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) differs from models[0] "
-                f"({type(models[0]).__name__}) {_first_difference(infos[0], info)}; stacked "
-                "models must be identical"
+                f"({type(models[0]).__name__}) {first_difference(models[0], infos[0], model, info)}"
+                "; stacked models must be identical"
             )
         keys.append(key)
         infos.append(info)
     return infos
-
-
-def _first_difference(first: ModelParams, other: ModelParams) -> str:
-    """How ``other`` differs from ``first``, for ``stack_``'s refusal: a parameter trainable
-    in one and frozen in the other where that is the difference, which the generic words
-    would hide among "parameter names"."""
-    trainable = {name: True for name in first.names} | {n: False for n in first.state_names}
-    others = {name: True for name in other.names} | {n: False for n in other.state_names}
-    if trainable.keys() == others.keys():
-        for name, grad in trainable.items():
-            if others[name] != grad:
-                return (
-                    f"in requires_grad: its '{name}' is {'frozen' if grad else 'trainable'} "
-                    f"where models[0]'s is {'trainable' if grad else 'frozen'}"
-                )
-    return "in its modules, settings, training flags or parameter names, shapes, dtypes or devices"
 
 
 def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:

@@ -998,7 +998,17 @@ def _one_frozen(k: int, name: str) -> list[nn.Module]:
     ("models", "match"),
     [
         (lambda: [mlp([8])], "at least two"),
-        (lambda: [mlp([8]), mlp([9])], r"models\[1\].*differs.*parameter names, shapes"),
+        # the first difference named (before: "in its modules, settings, training flags or
+        # parameter names, shapes, dtypes or devices" for every one)
+        (lambda: [mlp([8]), mlp([9])], r"models\[1\].*its module '0' has out_features=9 where"),
+        (lambda: [mlp([8]), mlp([8], nn.ReLU)], r"its module '1' is a ReLU where models\[0\]'s"),
+        (lambda: [mlp([8]), mlp([8]).eval()], r"its root module is in eval mode where"),
+        (lambda: [mlp([8]), mlp([8]).double()], r"its '0.weight' has dtype torch.float64 where"),
+        (lambda: [mlp([8]), nn.Sequential(*mlp([8]), nn.Tanh())], r"its modules: 5 where .* 4"),
+        (
+            lambda: [nn.Linear(2, 2), nn.Linear(2, 2, bias=False)],
+            r"models\[0\] has 'bias', which it lacks",
+        ),
         # the difference named where it is a frozen parameter (hidden among "names" before)
         (lambda: _one_frozen(1, "2.bias"), r"models\[1\].*its '2.bias' is frozen where"),
         (lambda: _one_frozen(0, "0.weight"), r"models\[1\].*its '0.weight' is trainable where"),
