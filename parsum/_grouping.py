@@ -1203,6 +1203,41 @@ def structure_key(mp: ModelParams) -> Hashable | None:
     return tuple(parts)
 
 
+def unstackable(model: nn.Module, mp: ModelParams) -> str:
+    """Why ``structure_key`` has no key for ``model`` (``mp``: its walk), in words, for a
+    refusal to stack it."""
+    if mp.loose:
+        return f"its tensor attribute {mp.loose[0]!r} requires grad (make it a parameter)"
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    for module in mp.modules:
+        name = names.get(id(module))
+        at = f"module {name!r} ({type(module).__name__})" if name else "root module"
+        if isinstance(module, torch.jit.ScriptModule):
+            return f"its {at} is a TorchScript module"
+        if is_compiled(module):
+            return f"its {at} is compiled (torch.compile: stack the models first, then compile)"
+        attributes = vars(module)
+        if "forward" in attributes:
+            return f"its {at} has a forward assigned to it, which a stacked forward would not call"
+        for hooks, what in (
+            ("_forward_hooks", "a forward hook"),
+            ("_forward_pre_hooks", "a forward pre-hook"),
+            ("_backward_hooks", "a backward hook"),
+            ("_backward_pre_hooks", "a backward pre-hook"),
+        ):
+            if attributes[hooks]:
+                return f"its {at} has {what}"
+        if attributes["training"] and attributes["_buffers"]:
+            return (
+                f"its {at} holds buffers in training mode (BatchNorm: call eval() first or "
+                "train it unstacked)"
+            )
+    return (
+        "it has a module hook, a forward assigned to a module, a tensor attribute that requires "
+        "grad, a TorchScript or compiled module, or a module with buffers in training mode"
+    )
+
+
 def first_difference(
     model0: nn.Module, first: ModelParams, model: nn.Module, other: ModelParams
 ) -> str:

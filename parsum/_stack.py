@@ -143,7 +143,13 @@ from ._grads import (
     owners_generation,
     slot_block,
 )
-from ._grouping import Batch, first_difference, module_calls_watched, structure_key
+from ._grouping import (
+    Batch,
+    first_difference,
+    module_calls_watched,
+    structure_key,
+    unstackable,
+)
 from ._locks import Lock
 from ._pool import autocast_states
 from ._sparse import handle_count, has_user_post_hooks, post_accumulate_hooks
@@ -1005,10 +1011,7 @@ def _check_identical(models: list[nn.Module]) -> list[ModelParams]:
         if key is None:
             raise ParsumError(
                 f"{_WHERE}: models[{i}] ({type(model).__name__}) cannot run as a stacked "
-                "model: it has a module hook, a forward assigned to a module, a tensor "
-                "attribute that requires grad, a TorchScript or compiled module "
-                "(torch.compile: stack the models first, then compile), or a module with "
-                "buffers in training mode (BatchNorm: call eval() first or train it unstacked)"
+                f"model: {unstackable(model, info)}"
             )
         if keys and key != keys[0]:
             raise ParsumError(

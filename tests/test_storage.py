@@ -987,6 +987,24 @@ def test_repeated_calls_leave_nothing_behind():
     assert ref() is None
 
 
+def _hooked(model: nn.Sequential) -> nn.Sequential:
+    """``model`` with a forward hook on its last layer."""
+    model[-1].register_forward_hook(lambda *args: None)
+    return model
+
+
+class _Scaled(nn.Module):
+    """A Linear times a learned scale held as a plain tensor attribute, not a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(IN, OUT)
+        self.scale = torch.ones(1, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.scale
+
+
 def _one_frozen(k: int, name: str) -> list[nn.Module]:
     """Two identical MLPs, model ``k``'s parameter ``name`` frozen."""
     models = [mlp([8]), mlp([8])]
@@ -1015,6 +1033,12 @@ def _one_frozen(k: int, name: str) -> list[nn.Module]:
         (lambda: [mlp([8]), "x"], r"models\[1\] is a str"),
         (lambda: [nn.Linear(2, 2)] * 2, r"models\[1\].*shares"),
         (lambda: [nn.BatchNorm1d(3), nn.BatchNorm1d(3)], r"models\[0\].*training mode"),
+        # why a model cannot be stacked, named (before: one sentence listing every reason)
+        (
+            lambda: [mlp([8]), _hooked(mlp([8]))],
+            r"models\[1\].*module '2' \(Linear\) has a forward hook",
+        ),
+        (lambda: [_Scaled(), _Scaled()], r"models\[0\].*tensor attribute 'scale' requires grad"),
     ],
 )
 def test_stack_refuses_models_it_cannot_stack(models, match):
