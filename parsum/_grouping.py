@@ -280,6 +280,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from . import _config, _pool
 from ._config import thread_budget
@@ -1255,9 +1256,17 @@ def first_difference(
     for a, b in zip(first.modules, other.modules):
         at, at0 = called(b, where), called(a, where0)
         if type(a) is not type(b):
+            if type(a).__name__ != type(b).__name__:
+                return (
+                    f"in its modules: its {at} is a {type(b).__name__} where models[0]'s {at0} "
+                    f"is a {type(a).__name__}"
+                )
+            why = ""
+            if parametrize.is_parametrized(b):  # a class made for each module it parametrizes
+                why = " (torch.nn.utils.parametrize makes a class for each module it parametrizes)"
             return (
-                f"in its modules: its {at} is a {type(b).__name__} where models[0]'s {at0} is "
-                f"a {type(a).__name__}"
+                f"in its modules: its {at} is a {type(b).__name__} of another class than "
+                f"models[0]'s {at0}{why}"
             )
         if a.training != b.training:
             mode = {True: "training", False: "eval"}

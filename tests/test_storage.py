@@ -1005,6 +1005,13 @@ class _Scaled(nn.Module):
         return self.layer(x) * self.scale
 
 
+def _weight_normed() -> nn.Sequential:
+    """An MLP whose first layer's weight is parametrized (weight normalization)."""
+    model = mlp([8])
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model
+
+
 def _one_frozen(k: int, name: str) -> list[nn.Module]:
     """Two identical MLPs, model ``k``'s parameter ``name`` frozen."""
     models = [mlp([8]), mlp([8])]
@@ -1033,6 +1040,9 @@ def _one_frozen(k: int, name: str) -> list[nn.Module]:
         (lambda: [mlp([8]), "x"], r"models\[1\] is a str"),
         (lambda: [nn.Linear(2, 2)] * 2, r"models\[1\].*shares"),
         (lambda: [nn.BatchNorm1d(3), nn.BatchNorm1d(3)], r"models\[0\].*training mode"),
+        # parametrize makes a class for each module: "a ParametrizedLinear where models[0]'s
+        # is a ParametrizedLinear" before
+        (lambda: [_weight_normed(), _weight_normed()], r"another class .*utils.parametrize makes"),
         # why a model cannot be stacked, named (before: one sentence listing every reason)
         (
             lambda: [mlp([8]), _hooked(mlp([8]))],
