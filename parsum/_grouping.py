@@ -1209,10 +1209,11 @@ def unstackable(model: nn.Module, mp: ModelParams) -> str:
     refusal to stack it."""
     if mp.loose:
         return f"its tensor attribute {mp.loose[0]!r} requires grad (make it a parameter)"
-    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    called = _module_labels(model)
     for module in mp.modules:
-        name = names.get(id(module))
-        at = f"module {name!r} ({type(module).__name__})" if name else "root module"
+        at = called.get(id(module), "root module")
+        if at != "root module":
+            at += f" ({type(module).__name__})"
         if isinstance(module, torch.jit.ScriptModule):
             return f"its {at} is a TorchScript module"
         if is_compiled(module):
@@ -1239,22 +1240,24 @@ def unstackable(model: nn.Module, mp: ModelParams) -> str:
     )
 
 
+def _module_labels(model: nn.Module) -> dict[int, str]:
+    """How a refusal names each of ``model``'s modules, by id: "module '0.1'", "root module"."""
+    return {
+        id(m): f"module '{name}'" if name else "root module"
+        for name, m in model.named_modules(remove_duplicate=False)
+    }
+
+
 def first_difference(
     model0: nn.Module, first: ModelParams, model: nn.Module, other: ModelParams
 ) -> str:
     """Where ``model`` (``other``: its walk) first differs from ``model0`` among what
     ``structure_key`` compares, in words, for a refusal to stack them."""
-    where0 = {id(m): name for name, m in model0.named_modules(remove_duplicate=False)}
-    where = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-
-    def called(module: nn.Module, names: dict[int, str]) -> str:
-        name = names.get(id(module))
-        return f"module '{name}'" if name else "root module"
-
+    where0, where = _module_labels(model0), _module_labels(model)
     if len(first.modules) != len(other.modules):
         return f"in its modules: {len(other.modules)} where models[0] has {len(first.modules)}"
     for a, b in zip(first.modules, other.modules):
-        at, at0 = called(b, where), called(a, where0)
+        at, at0 = where.get(id(b), "root module"), where0.get(id(a), "root module")
         if type(a) is not type(b):
             if type(a).__name__ != type(b).__name__:
                 return (
