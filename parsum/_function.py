@@ -91,18 +91,17 @@ from ._random import (
     warn_thread_timing,
 )
 from ._sparse import (
-    GradSum,
     add_grad,
     add_term,
     argument_grad,
     coalesce_later,
     merge_argument_grads,
-    merge_grads,
 )
 from ._summation import (
     ChunkPartials,
     CompensatedAccumulator,
     argument_terms_at_once,
+    shared_terms_at_once,
     sums_at_once,
     weigh_models,
     wide_sum_over_models,
@@ -2244,7 +2243,8 @@ class _Backward:
         # NOTE [ Argument gradients at once ] in _summation
         arguments = [ctx.call.leaves[j] for j in ctx.call.grad_positions]
         self.args_at_once = argument_terms_at_once(len(plan.models), arguments)
-        self.shared_totals: dict[int, GradSum] = {}
+        # GradSum, or lists of terms (NOTE [ Shared gradients at once ] in _summation)
+        self.shared_totals: dict[int, Any] = {}
         self.sib = plan.step_in_backward
         if self.sib is not None:  # NOTE [ Gradients from outside the sum ] in _fused
             _at_end_of_backward(self.sib._stepped.clear)
@@ -2287,6 +2287,7 @@ class _Backward:
             flat = self.flat
             self.direct = [d and k not in flat for k, d in enumerate(self.direct)]
         self.shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
+        self.shared_at_once = shared_terms_at_once(len(plan.models), self.shared_params)
         self.one_call = False
         self.all_chunks: Batched | None = None
         # Pullbacks joined later (NOTE [ Pullbacks joined later ]): the gradients to store,
@@ -2299,7 +2300,7 @@ class _Backward:
         self,
         i: int,
         grads: list[Tensor | None],
-        shared_accs: dict[int, GradSum],
+        shared_accs: dict[int, Any],
         waiting: WaitingSteps | None,
         to_flat: list[tuple[int, Tensor]],
     ) -> None:
@@ -2325,7 +2326,7 @@ class _Backward:
             if g is None:
                 continue
             if plan.shared[slot]:
-                add_grad(shared_accs, slot, g)
+                (add_term if self.shared_at_once else add_grad)(shared_accs, slot, g)
             elif flat is not None and slot in flat:
                 to_flat.append((slot, g))
             elif self.direct[slot]:  # NOTE [ Gradients stored, not returned ]
@@ -2403,7 +2404,7 @@ class _Backward:
                 alone.append(u)
         return frozenset(alone)
 
-    def chunk(self, k: int) -> tuple[dict[int, Any], dict[int, GradSum]]:
+    def chunk(self, k: int) -> tuple[dict[int, Any], dict[int, Any]]:
         """Pull back chunk ``k``; its argument gradients (summed, or its terms: NOTE [ Argument
         gradients at once ] in _summation) and shared-parameter gradients summed."""
         try:
@@ -2412,7 +2413,7 @@ class _Backward:
             self.failed = True  # NOTE [ Steps after a failure ]
             raise
 
-    def _chunk(self, k: int) -> tuple[dict[int, Any], dict[int, GradSum]]:
+    def _chunk(self, k: int) -> tuple[dict[int, Any], dict[int, Any]]:
         plan, grad_outputs = self.plan, self.grad_outputs
         if self.one_call and self.all_chunks is None:
             self.all_chunks = _pull_back_batched(
@@ -2425,7 +2426,7 @@ class _Backward:
                 self.keep_graph,
             )
         arg_accs: dict[int, Any] = {}
-        shared_accs: dict[int, GradSum] = {}
+        shared_accs: dict[int, Any] = {}
         # A chunk of one model steps it right after its pullback.
         units = plan.chunks[k]
         one_model = len(units) == 1 and len(plan.units[units[0]].models) == 1
@@ -2479,11 +2480,10 @@ class _Backward:
             self.flat.write(to_flat)
             to_flat.clear()
 
-    def consume(self, k: int, partial: tuple[dict[int, Any], dict[int, GradSum]]) -> None:
+    def consume(self, k: int, partial: tuple[dict[int, Any], dict[int, Any]]) -> None:
         arg_accs, shared_accs = partial
         merge_argument_grads(self.arg_totals, arg_accs, self.args_at_once)
-        for slot, acc in shared_accs.items():
-            merge_grads(self.shared_totals, slot, acc)
+        merge_argument_grads(self.shared_totals, shared_accs, self.shared_at_once)
 
     def pull_back_all(self) -> None:
         """Every chunk, on the pool; on a failure, undo what was written and raise.
@@ -2554,11 +2554,13 @@ class _Backward:
                     _pool.run_ordered(*job_args, plan.callers_last)
                 # NOTE [ Spinning intra-op threads ] in _pool
                 with _pool.as_one_task(len(plan.chunks)):
-                    for slot, acc in self.shared_totals.items():
+                    for slot in self.shared_totals:
+                        total = argument_grad(self.shared_totals, slot, self.shared_at_once)
+                        assert total is not None  # a slot is there once a model gave it one
                         if flat is not None and slot in flat:
-                            flat.write([(slot, acc.result())])
+                            flat.write([(slot, total)])
                         else:
-                            self.param_grads[slot] = acc.result()
+                            self.param_grads[slot] = total
         except BaseException as exc:
             _pool.abandon_unjoined(leaving=True)  # NOTE [ Interrupted callers ] in _pool
             self.undo()

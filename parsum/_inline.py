@@ -145,7 +145,8 @@
 # of its chunk in an engine call of its own (a model's contribution alone; one used by a single
 # model of the chunk is pulled back with the chunk), and adds them as the arguments' are added:
 # compensated, model by model within a chunk and the chunks in order (or every term at once,
-# where the arguments' are), one engine call a chunk at most (no runs of chunks, no one call
+# where they fit one reduction: NOTE [ Shared gradients at once ] in _summation), one engine
+# call a chunk at most (no runs of chunks, no one call
 # for all), so that the bits do not depend on ``n_jobs``: they are ParallelSum's, which pulled
 # such models back alone and summed them the same way. Derivatives of higher order differentiate
 # every model in one engine call, as without shared parameters, where autograd adds a shared
@@ -289,7 +290,7 @@ from ._sparse import (
     post_accumulate_hooks,
     sampled_elements,
 )
-from ._summation import argument_terms_at_once
+from ._summation import argument_terms_at_once, shared_terms_at_once
 
 
 def fits_callers_graph(plan: SumPlan) -> bool:
@@ -619,12 +620,13 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # NOTE [ Parameters several models use in the caller's graph ]
     shared = plan.shared
     shared_any = any(shared)
+    shared_params = [p for p, used in zip(params, shared) if used] if shared_any else []
+    # NOTE [ Shared gradients at once ] in _summation
+    shared_at_once = shared_terms_at_once(len(plan.models), shared_params)
     # NOTE [ Row-sparse gradients ] in _sparse: a shared table's take_rows gradients
     # uncoalesced, for a RowSparseAccumulator to sum in the wide dtype
     deferred = (
-        functools.partial(coalesce_later, [p for p, used in zip(params, shared) if used])
-        if shared_any
-        else contextlib.nullcontext
+        functools.partial(coalesce_later, shared_params) if shared_any else contextlib.nullcontext
     )
     # NOTE [ Tensor hooks in the caller's graph ]: a hooked parameter's gradient is returned
     accumulate = (
@@ -733,7 +735,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         for slot, grad in zip(slots, found):
             if shared[slot]:  # a term of its sum, in model order
                 if grad is not None:
-                    (add_term if at_once or vmapped else add_grad)(shared_part, slot, grad)
+                    (add_term if shared_at_once or vmapped else add_grad)(shared_part, slot, grad)
             elif writes is not None and grad is not None and slot in writes:
                 to_flat.append((slot, grad))
             else:
@@ -801,7 +803,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         return accs
 
     def add_in_order(k: int, partial: dict[int, Any] | None) -> None:
-        merge_argument_grads(totals, partial or {}, at_once)
+        for key, acc in (partial or {}).items():  # a shared parameter's under -1 - slot
+            merge_argument_grads(totals, {key: acc}, at_once if key >= 0 else shared_at_once)
 
     n_chunks = len(plan.chunks)
     # A model with CPU parameters may still return CUDA tensors: then this backward runs
@@ -1011,7 +1014,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
         else:
             with _pool.as_one_task(n_chunks):
                 for key in [key for key in totals if key < 0]:
-                    param_grads[-1 - key] = argument_grad(totals, key, at_once)
+                    param_grads[-1 - key] = argument_grad(totals, key, shared_at_once)
     return (None, None, None, *arg_grads, *weight_part, *param_grads, *joined)
 
 

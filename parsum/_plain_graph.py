@@ -26,10 +26,12 @@
 # a first layer in place would change (such models go the general way).
 # What is left to the general path: a weight tensor not read as floats (NOTE [ A weight
 # tensor in a plain graph ]), an argument whose gradient is too large to sum at once (NOTE
-# [ An argument that needs a gradient in a plain graph ]), tensor hooks, FlatGrad slots,
-# random layers, outputs other than float32 or too large to sum at once, other devices,
-# autocast, anomaly detection and saved-tensor hooks (Python that the backward would run in
-# the models' graphs, which may fail there), and calls on several threads.
+# [ An argument that needs a gradient in a plain graph ]) or a parameter several models use
+# whose gradients are (NOTE [ Parameters several models use in a plain graph ]), tensor
+# hooks, FlatGrad slots, random layers, outputs other than float32 or too large to sum at
+# once, other devices, autocast, anomaly detection and saved-tensor hooks (Python that the
+# backward would run in the models' graphs, which may fail there), and calls on several
+# threads.
 #
 # NOTE [ An argument that needs a gradient in a plain graph ]
 # The argument's gradient is a sum over the models, which autograd would add in its own order,
@@ -112,15 +114,18 @@
 # order, uncompensated. So each use reads it through an alias of its own, an output of one
 # ``_SharedReads`` node a parameter, whose backward adds the uses' gradients as the general
 # path does (NOTE [ Parameters several models use in the caller's graph ] in _inline): in the
-# order it pulls the models back, model by model in a chunk with the chunks' sums merged in
-# chunk order, or all at once with one wide reduction where the argument's gradients are
-# added so (it needs one): the same bits, tested against the caller's graph and ParallelSum at
-# n_jobs 1-3, with chunks of 3 models too. Under create_graph=True it adds them as autograd
-# would, differentiably (so does the general path, in one engine call). Until 2026-12-06 such
-# calls kept the general path, whose pullback ran each model that uses one in an engine call
-# of its own: 16 heads over one trunk that each model runs, batch 64, 2 cores, 1.22x a step
-# in one process against the code before (0.71x -> 0.87x the plain loop, by default and at
-# n_jobs=1 on one thread alike).
+# order it pulls the models back, with one wide reduction (NOTE [ Shared gradients at once ]
+# in _summation): the same bits, tested against the caller's graph and ParallelSum at n_jobs
+# 1-3, with chunks of 3 models too. Only where they fit one reduction: the node receives
+# every use's gradient together (autograd holds each until all have come), which the general
+# path, adding them model by model, does not (16 heads over a 2048 x 2048 trunk at a budget
+# of one took a process's peak resident memory to 0.66-0.68 GiB, the plain loop's to
+# 0.39-0.41, the general path's to 0.45-0.62). Under create_graph=True it adds them as
+# autograd would, differentiably (so does the general path, in one engine call).
+# Until 2026-12-06 such calls kept the general path, whose pullback ran each model that uses
+# one in an engine call of its own: 16 heads over one trunk that each model runs, batch 64, 2
+# cores, 1.22x a step in one process against the code before (0.71x -> 0.87x the plain loop,
+# by default and at n_jobs=1 on one thread alike).
 """
 
 from __future__ import annotations
@@ -152,10 +157,11 @@ from ._engines import (
 from ._function import SumPlan, stacks_attached, weight_grad_of, weight_values
 from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
-from ._sparse import GradSum, add_grad, merge_grads, sum_terms
+from ._sparse import sum_terms
 from ._summation import (
     argument_terms_at_once,
     one_weight,
+    shared_terms_at_once,
     sums_at_once,
     weigh_models,
     weigh_terms,
@@ -193,7 +199,7 @@ def sum_in_plain_graph(
     n_units = sum(map(len, plan.chunks))
     reads = _FannedOut.apply(x, n_units) if x.requires_grad else (x,) * n_units
     # NOTE [ Parameters several models use in a plain graph ]
-    own_reads = _shared_reads(plan, x.requires_grad) if any(plan.shared) else {}
+    own_reads = _shared_reads(plan) if any(plan.shared) else {}
     try:
         for chunk in plan.chunks:
             for u in chunk:
@@ -270,60 +276,47 @@ class _FannedOut(torch.autograd.Function):
         return (sum_terms(terms) if terms else None), None
 
 
-def _shared_reads(plan: SumPlan, at_once: bool) -> dict[int, dict[int, Tensor]]:
+def _shared_reads(plan: SumPlan) -> dict[int, dict[int, Tensor]]:
     """For each model that uses a parameter another model uses, the alias of it that the
     model reads, one ``_SharedReads`` node a parameter (NOTE [ Parameters several models use in
     a plain graph ]): model index -> {id of the parameter: its alias}."""
-    users: dict[int, list[tuple[int, int]]] = {}  # slot -> (chunk, model), in pullback order
-    for k, chunk in enumerate(plan.chunks):
+    users: dict[int, list[int]] = {}  # slot -> its models, in pullback order
+    for chunk in plan.chunks:
         for u in chunk:
             for i in plan.units[u].models:
                 for slot in plan.param_slots[i]:
                     if plan.shared[slot]:
-                        users.setdefault(slot, []).append((k, i))
+                        users.setdefault(slot, []).append(i)
     found: dict[int, dict[int, Tensor]] = {}
     for slot, its_users in users.items():
         param = plan.params[slot]
-        chunks = tuple(k for k, _ in its_users)
-        aliases = _SharedReads.apply(param, chunks, at_once)
-        for (_, i), alias in zip(its_users, aliases):
+        aliases = _SharedReads.apply(param, len(its_users))
+        for i, alias in zip(its_users, aliases):
             found.setdefault(i, {})[id(param)] = alias
     return found
 
 
 class _SharedReads(torch.autograd.Function):
-    """A parameter several models use, as an alias for each use (``chunks``: each one's
-    chunk, in the order the general path pulls them back), whose gradients are added as that
-    path adds them (NOTE [ Parameters several models use in a plain graph ])."""
+    """A parameter several models use, as an alias for each of its ``n`` uses, in the order
+    the general path pulls them back, whose gradients are added as that path adds them (NOTE
+    [ Parameters several models use in a plain graph ])."""
 
     @staticmethod
-    def forward(
-        ctx: Any, param: Tensor, chunks: tuple[int, ...], at_once: bool
-    ) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, param: Tensor, n: int) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # a model whose graph does not reach it gives None
-        ctx.chunks, ctx.at_once = chunks, at_once
-        return tuple(param.view_as(param) for _ in chunks)
+        return tuple(param.view_as(param) for _ in range(n))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None]:
-        given = [(k, g) for k, g in zip(ctx.chunks, grads) if g is not None]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
+        given = [g for g in grads if g is not None]
         if not given:
-            return None, None, None
+            return None, None
         if torch.is_grad_enabled():  # create_graph: autograd's own adding, differentiable
-            total = given[0][1]
-            for _, g in given[1:]:
+            total = given[0]
+            for g in given[1:]:
                 total = total + g
-            return total, None, None
-        if ctx.at_once:  # as the arguments' terms (NOTE [ Argument gradients at once ])
-            return sum_terms([g for _, g in given]), None, None
-        # Model by model within a chunk, the chunks' sums merged in chunk order
-        totals: dict[int, GradSum] = {}
-        partial: dict[int, GradSum] = {}
-        for n, (k, g) in enumerate(given):
-            add_grad(partial, 0, g)
-            if n + 1 == len(given) or given[n + 1][0] != k:
-                merge_grads(totals, 0, partial.pop(0))
-        return totals[0].result(), None, None
+            return total, None
+        return sum_terms(given), None  # NOTE [ Shared gradients at once ] in _summation
 
 
 class _Guard(NamedTuple):
@@ -493,6 +486,8 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         and x.device.type == "cpu"
         # NOTE [ An argument that needs a gradient in a plain graph ]
         and (not x.requires_grad or argument_terms_at_once(len(plan.models), [x]))
+        # NOTE [ Parameters several models use in a plain graph ]
+        and (not any(plan.shared) or shared_terms_at_once(len(plan.models), _shared(plan)))
         and (weights is None or all(type(w) is float for w in weights))
         and walk.params_are_leaves
         and walk.no_user_tensor_hooks()
@@ -505,6 +500,11 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         and _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
         and _pool.intra_op_threads(len(plan.chunks)) == torch.get_num_threads()
     )
+
+
+def _shared(plan: SumPlan) -> list[Tensor]:
+    """The parameters several of the models use."""
+    return [p for p, shared in zip(plan.params, plan.shared) if shared]
 
 
 def _of_known_layers(walk: Walk) -> bool:
