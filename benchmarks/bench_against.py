@@ -196,6 +196,16 @@ def step_of(
     return functools.partial(parsum_step, models, x, package, n_jobs=args.n_jobs)
 
 
+def synchronized(step: Callable[[], None]) -> Callable[[], None]:
+    """``step``, then a wait for the GPU's work: timed as done, not as queued."""
+
+    def run() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
 def _plain_total(models: list[torch.nn.Module], x: torch.Tensor, **_: Any) -> torch.Tensor:
     return sum(m(x) for m in models)  # type: ignore[return-value]
 
@@ -308,6 +318,12 @@ def main() -> None:
         "(learned weights); the plain loop stays unweighted",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and the argument are (cuda: every step synchronized before it "
+        "is timed as done)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time the CPU time of all threads instead of the time that passed: more work a "
@@ -323,7 +339,8 @@ def main() -> None:
         ]
         plain = "plain+adam" if args.adam or args.sib else "plain"
         print(
-            f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; this "
+            f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+            f"{args.device}; this "
             f"checkout against {args.rev}; medians of {args.rounds} interleaved rounds"
             + ("; CPU time of all threads" if args.cpu_time else "")
             + ("" if args.members is None else f"; {args.members} of the models drawn a step")
@@ -332,17 +349,20 @@ def main() -> None:
             methods = {}
             packages = [(plain, None), ("this", parsum), *bases]
             chosen = w.models[: args.first]
+            x = w.x.to(args.device)
             for label, pkg in packages:
-                models = copy.deepcopy(chosen)
+                models = [m.to(args.device) for m in copy.deepcopy(chosen)]
                 if args.hooked:
                     masked(models)
                 if pkg is not None and args.weights != "none":
                     pkg = Weighted(pkg, args.weights)
                 if pkg is not None and args.engine is not None:
                     pkg = WithEngine(pkg, args.engine)
-                step = step_of(pkg, models, w.x, args)
+                step = step_of(pkg, models, x, args)
                 if args.members is not None:
                     step = Members(models, args.members).around(step)
+                if torch.device(args.device).type == "cuda":
+                    step = synchronized(step)
                 methods[label] = step
             settle = args.settle_ms / 1e3
             seconds = interleaved(methods, args.rounds, settle_seconds=settle, clock=clock)

@@ -104,6 +104,10 @@
 #                                           # session: whether the 0.9x hand-split target is in
 #                                           # reach of any design; about 4-5 minutes in all)
 #   bash benchmarks/run_16cores.sh ceiling  # that ceiling alone (about 1-2 minutes)
+#   bash benchmarks/run_16cores.sh gpueval  # evaluation and a training step on the GPU, the
+#                                           # default and n_jobs=1 against the plain loop
+#                                           # (bench_against.py --device cuda), the CUDA smoke
+#                                           # test and tests (about 5 minutes; seventy-first)
 #   bash benchmarks/run_16cores.sh engine   # that ceiling, then a prototype of worker
 #                                           # processes inside one call against parsum's
 #                                           # threads, the hand split and torchrun-like
@@ -236,6 +240,21 @@ gputhreads)
     ;;
 ceiling)
     ceiling 200
+    ;;
+gpueval)
+    # Evaluation (no_grad) and a training step on the GPU, parsum's default and n_jobs=1
+    # against the plain loop, every step synchronized (bench_against.py --device cuda; the
+    # seventy-first session: evaluation was never timed on a GPU; about 3 minutes), then the
+    # CUDA smoke test and tests
+    for step in eval train; do
+        for jobs in "" "--n-jobs 1"; do
+            # shellcheck disable=SC2086
+            (cd benchmarks && timeout 45 python bench_against.py --rev none --device cuda \
+                --step $step $jobs --rounds 20 --workloads heterogeneous-medium:64,\
+heterogeneous-medium:4096,heterogeneous-tiny,large,cnn-ensemble) >> "$out/against-cuda.txt" 2>&1
+        done
+    done
+    cuda_checks 100
     ;;
 engine)
     ceiling 110
