@@ -36,7 +36,7 @@
 # NOTE [ An argument that needs a gradient in a plain graph ]
 # The argument's gradient is a sum over the models, which autograd would add in its own order,
 # uncompensated. So where it needs one, each unit reads it through an alias of its own, an
-# output of one ``_FannedOut`` node, whose backward sums the units' gradients in the order of
+# output of one ``_Reads`` node, whose backward sums the units' gradients in the order of
 # the pieces (a stacked group's is its first model's term, as on the general path) with
 # ``sum_terms``: the general path's own sum where the gradients fit one reduction (NOTE
 # [ Argument gradients at once ] in _summation), the same bits, tested with a trunk's features
@@ -112,7 +112,7 @@
 # A parameter several models use (a trunk each model runs before its head, a model listed
 # twice) gets a gradient that is a sum over its models, which autograd would add in its own
 # order, uncompensated. So each use reads it through an alias of its own, an output of one
-# ``_SharedReads`` node a parameter, whose backward adds the uses' gradients as the general
+# ``_Reads`` node a parameter, whose backward adds the uses' gradients as the general
 # path does (NOTE [ Parameters several models use in the caller's graph ] in _inline): in the
 # order it pulls the models back, with one wide reduction (NOTE [ Shared gradients at once ]
 # in _summation): the same bits, tested against the caller's graph and ParallelSum at n_jobs
@@ -197,7 +197,7 @@ def sum_in_plain_graph(
     placed: list[Unit] = []  # each piece's unit, whose first model a failure in backward names
     # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
     n_units = sum(map(len, plan.chunks))
-    reads = _FannedOut.apply(x, n_units) if x.requires_grad else (x,) * n_units
+    reads = _Reads.apply(x, n_units, False) if x.requires_grad else (x,) * n_units
     # NOTE [ Parameters several models use in a plain graph ]
     own_reads = _shared_reads(plan) if any(plan.shared) else {}
     try:
@@ -260,25 +260,37 @@ def sum_in_plain_graph(
     return _CheckedRounding.apply(wide, guard, weight_tensor)
 
 
-class _FannedOut(torch.autograd.Function):
-    """``x`` as ``n`` aliases, one a unit, whose gradients are summed in the units' order as
-    the general path sums an argument's (NOTE [ An argument that needs a gradient in a plain
-    graph ])."""
+class _Reads(torch.autograd.Function):
+    """``t`` as ``n`` aliases, one for each reader (a unit reading the argument, a model using
+    a parameter several use), whose gradients are summed in the readers' order as the general
+    path sums them: with its wide reduction (NOTE [ An argument that needs a gradient in a
+    plain graph ], NOTE [ Parameters several models use in a plain graph ]); under
+    create_graph, a parameter's (``as_autograd``) as autograd adds them, differentiably, as the
+    general path's one engine call does, an argument's by the same reduction, differentiable
+    too."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, n: int) -> tuple[Tensor, ...]:
-        ctx.set_materialize_grads(False)  # a unit whose graph does not reach x gives None
-        return tuple(x.view_as(x) for _ in range(n))
+    def forward(ctx: Any, t: Tensor, n: int, as_autograd: bool) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a reader whose graph does not reach t gives None
+        ctx.as_autograd = as_autograd
+        return tuple(t.view_as(t) for _ in range(n))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
-        terms = [g for g in grads if g is not None]
-        return (sum_terms(terms) if terms else None), None
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None]:
+        given = [g for g in grads if g is not None]
+        if not given:
+            return None, None, None
+        if ctx.as_autograd and torch.is_grad_enabled():
+            total = given[0]
+            for g in given[1:]:
+                total = total + g
+            return total, None, None
+        return sum_terms(given), None, None
 
 
 def _shared_reads(plan: SumPlan) -> dict[int, dict[int, Tensor]]:
     """For each model that uses a parameter another model uses, the alias of it that the
-    model reads, one ``_SharedReads`` node a parameter (NOTE [ Parameters several models use in
+    model reads, one ``_Reads`` node a parameter (NOTE [ Parameters several models use in
     a plain graph ]): model index -> {id of the parameter: its alias}."""
     users: dict[int, list[int]] = {}  # slot -> its models, in pullback order
     for chunk in plan.chunks:
@@ -290,33 +302,10 @@ def _shared_reads(plan: SumPlan) -> dict[int, dict[int, Tensor]]:
     found: dict[int, dict[int, Tensor]] = {}
     for slot, its_users in users.items():
         param = plan.params[slot]
-        aliases = _SharedReads.apply(param, len(its_users))
+        aliases = _Reads.apply(param, len(its_users), True)
         for i, alias in zip(its_users, aliases):
             found.setdefault(i, {})[id(param)] = alias
     return found
-
-
-class _SharedReads(torch.autograd.Function):
-    """A parameter several models use, as an alias for each of its ``n`` uses, in the order
-    the general path pulls them back, whose gradients are added as that path adds them (NOTE
-    [ Parameters several models use in a plain graph ])."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, n: int) -> tuple[Tensor, ...]:
-        ctx.set_materialize_grads(False)  # a model whose graph does not reach it gives None
-        return tuple(param.view_as(param) for _ in range(n))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
-        given = [g for g in grads if g is not None]
-        if not given:
-            return None, None
-        if torch.is_grad_enabled():  # create_graph: autograd's own adding, differentiable
-            total = given[0]
-            for g in given[1:]:
-                total = total + g
-            return total, None
-        return sum_terms(given), None  # NOTE [ Shared gradients at once ] in _summation
 
 
 class _Guard(NamedTuple):

@@ -319,7 +319,7 @@ def argument_terms_at_once(n_models: int, arguments: Sequence[Tensor]) -> bool:
 # they are held as terms and added with one wide reduction at the end (``sum_terms``), else
 # model by model, whatever the arguments need. That depends on the parameters' sizes and dtypes
 # and the model count alone, so the bits stay those of any n_jobs; every path (ParallelSum, the
-# caller's graph, a plain graph's ``_SharedReads``) follows it. 16 gradients of a 128 x 64 trunk
+# caller's graph, a plain graph's ``_Reads``) follows it. 16 gradients of a 128 x 64 trunk
 # and its bias took 82 us at once against 134 model by model (one thread).
 
 

@@ -170,7 +170,7 @@ def test_a_wide_shared_parameter_has_one_gradient_alive_at_a_time(
 def test_a_shared_parameter_has_the_same_bits_on_every_path(wide, argument, cores, monkeypatch):
     # Its gradients added at once or model by model by its own size, not by the argument's
     # need (NOTE [ Shared gradients at once ]): the same rule on every path and number of
-    # workers, so the same bits; a plain graph's _SharedReads too
+    # workers, so the same bits; a plain graph's _Reads too
     results = []
     for n_jobs, path in [
         (1, "plain"),
