@@ -146,14 +146,14 @@
 # model of the chunk is pulled back with the chunk), and adds them as the arguments' are added:
 # compensated, model by model within a chunk and the chunks in order (or every term at once,
 # where they fit one reduction: NOTE [ Shared gradients at once ] in _summation), one engine
-# call a chunk at most (no runs of chunks, no one call
-# for all), so that the bits do not depend on ``n_jobs``: they are ParallelSum's, which pulled
-# such models back alone and summed them the same way. Derivatives of higher order differentiate
-# every model in one engine call, as without shared parameters, where autograd adds a shared
-# parameter's parts itself (the bits of any ``n_jobs`` still: that call runs in the calling
-# thread). A compensated FlatGrad, whose slots the pullbacks write chunk by chunk in the
-# threads that pull back, keeps such calls in ParallelSum. Until 2026-12-05 every call with a
-# shared parameter ran through ParallelSum, where a second backward raised.
+# call a chunk at most (no runs of chunks, no one call for all), so that the bits do not
+# depend on ``n_jobs``: they are ParallelSum's, which pulled such models back alone and summed
+# them the same way. Derivatives of higher order differentiate every model in one engine
+# call, as without shared parameters, where autograd adds a shared parameter's parts itself
+# (the bits of any ``n_jobs`` still: that call runs in the calling thread). A compensated
+# FlatGrad, whose slots the pullbacks write chunk by chunk in the threads that pull back,
+# keeps such calls in ParallelSum. Until 2026-12-05 every call with a shared parameter ran
+# through ParallelSum, where a second backward raised.
 #
 # NOTE [ Tensor hooks in the caller's graph ]
 # A parameter with a tensor hook (``p.register_hook``: a gradient mask for pruning, a clip) must
