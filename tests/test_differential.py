@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 import parsum
-from parsum import _config, _function, _grads
+from parsum import _config, _function, _grads, _summation
 from tests.zoo import (
     IN,
     OUT,
@@ -1064,6 +1064,19 @@ def test_random_calls_over_parameters_trained_in_two_threads_match_the_plain_loo
     # accumulating it (NOTE [ Parameters trained in several threads ] in parsum._grads): the
     # same checks, every parameter counted as such (300 runner cases so, none failed).
     monkeypatch.setattr(_grads.ParamTrainers, "several", lambda self, note: True)
+    check(seed)
+
+
+@pytest.mark.parametrize("seed", range(3000, 3030))
+def test_random_calls_summing_every_term_one_by_one_match_the_plain_loop(
+    seed, three_cores, monkeypatch
+):
+    # With the one-reduction threshold at 256 bytes, the outputs, the arguments' gradients and
+    # the shared parameters' are added model by model and the chunks' partial sums one by one
+    # (NOTE [ One reduction for small outputs ], NOTE [ Argument gradients at once ] and NOTE
+    # [ Shared gradients at once ] in parsum._summation), which the suite's small models reach
+    # only here: the same checks (400 runner cases so, none failed).
+    monkeypatch.setattr(_summation, "PARTIALS_BYTES", 256)
     check(seed)
 
 
