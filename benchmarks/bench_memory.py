@@ -9,6 +9,12 @@
 3. two backward passes of the same models adding into a compensated FlatGrad (micro-batches),
    at the default and at n_jobs=1: the growth over the buffer and its compensations, which
    exist before, as a multiple of the gradient bytes.
+4. forward + backward of 16 and 32 heads over one wide trunk (a parameter every model uses),
+   with and without a gradient for x, the plain loop against parsum at the default and at
+   n_jobs=1: the extra memory, as a multiple of the trunk's gradient bytes, must not grow with
+   the heads (their gradients of the trunk are not all held at once: NOTE [ Shared gradients
+   at once ]; with x's gradient, 16 and 32 heads grew the peak by 264 and 520 MiB until
+   2026-12-07, where the plain loop's grew by 12).
 
 Every figure is the growth of the peak resident set (VmHWM, reset through
 /proc/self/clear_refs) during the measured work, in a new Python process, after one warm-up
@@ -57,13 +63,17 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
     import parsum
 
     torch.manual_seed(0)
-    models = [
-        nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
-        for _ in range(n_models)
-    ]
-    params = [p for m in models for p in m.parameters()]
+    if mode.startswith("trunk"):  # heads over one trunk every model runs
+        trunk = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        models = [nn.Sequential(trunk, nn.Linear(width, 4)) for _ in range(n_models)]
+    else:
+        models = [
+            nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+            for _ in range(n_models)
+        ]
+    params = list({id(p): p for m in models for p in m.parameters()}.values())
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    x = torch.randn(batch, width, requires_grad=mode in ("plain", "parsum"))
+    x = torch.randn(batch, width, requires_grad=mode in ("plain", "parsum") or mode.endswith("-x"))
 
     def plain_sum() -> torch.Tensor:
         return sum(m(x) for m in models)  # type: ignore[return-value]
@@ -103,6 +113,15 @@ def child(mode: str, n_models: int, width: int, batch: int) -> dict[str, float]:
             flat.zero_()
             for _ in range(2):
                 parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
+        elif mode.startswith("trunk-plain"):
+            plain_sum().pow(2).mean().backward()
+        elif mode.startswith("trunk-parsum"):
+            jobs = 1 if mode.startswith("trunk-parsum-1") else None
+            parsum.sum_models(models, x, n_jobs=jobs).pow(2).mean().backward()
+        if mode.startswith("trunk"):  # every backward starts from None, as after zero_grad()
+            for p in params:
+                p.grad = None
+            x.grad = None
 
     work()  # warm-up: lazily built state (thread pool, Adam's moments) is not the peak's
     gc.collect()
@@ -201,6 +220,28 @@ def main() -> None:
         growth = flat_rows[mode]["peak_growth"]
         print(f"   {label:<34}{growth / MIB:>10.1f} MiB = {growth / grads:.2f}x the gradient bytes")
     results["flat_compensated"] = [flat_rows]
+
+    width, batch = 1024, 8  # x's gradients fit one reduction, the trunk's do not
+    print(f"\n4. forward + backward of M heads over one trunk ({width} -> {width}), batch {batch}")
+    print(f"   {'method':<38}{'M':>4}{'peak growth MiB':>17}{'extra / trunk grad':>20}")
+    trunk_bytes = width * (width + 1) * 4
+    trunk_rows: dict[str, dict[str, float]] = {}
+    for x_grad in ("", "-x"):
+        for heads in (16, 32):
+            plain = measure("trunk-plain" + x_grad, heads, width, batch)
+            for mode, label in (("trunk-plain", "plain loop"), ("trunk-parsum", "parsum"),
+                                ("trunk-parsum-1", "parsum, n_jobs=1")):  # fmt: skip
+                row = (
+                    plain if mode == "trunk-plain" else measure(mode + x_grad, heads, width, batch)
+                )
+                trunk_rows[f"{mode}{x_grad}-{heads}"] = row
+                extra = row["peak_growth"] - plain["peak_growth"]
+                what = f"{label}{', x needs a gradient' if x_grad else ''}"
+                print(
+                    f"   {what:<38}{heads:>4}{row['peak_growth'] / MIB:>17.1f}"
+                    f"{extra / trunk_bytes:>20.2f}"
+                )
+    results["shared_trunk"] = [trunk_rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
