@@ -100,9 +100,8 @@ from ._sparse import (
 from ._summation import (
     ChunkPartials,
     CompensatedAccumulator,
-    argument_terms_at_once,
-    shared_terms_at_once,
     sums_at_once,
+    terms_at_once,
     weigh_models,
     wide_sum_over_models,
 )
@@ -232,6 +231,16 @@ class SumPlan:
         if weights is not None:
             return weights[i]
         return None if self.weights is None else self.weights[i]
+
+    def shared_params(self) -> list[Tensor]:
+        """The parameters several of the models use."""
+        return [p for p, used in zip(self.params, self.shared) if used]
+
+    def shared_at_once(self) -> bool:
+        """Whether the models' gradients of the parameters several of them use are added as
+        terms, with one reduction at the end, on every path (NOTE [ Shared gradients at once ]
+        in _summation)."""
+        return terms_at_once(len(self.models), self.shared_params())
 
 
 # NOTE [ A weight tensor read as floats ]
@@ -2242,7 +2251,7 @@ class _Backward:
         self.arg_totals: dict[int, Any] = {}  # GradSum, or lists of terms
         # NOTE [ Argument gradients at once ] in _summation
         arguments = [ctx.call.leaves[j] for j in ctx.call.grad_positions]
-        self.args_at_once = argument_terms_at_once(len(plan.models), arguments)
+        self.args_at_once = terms_at_once(len(plan.models), arguments)
         # GradSum, or lists of terms (NOTE [ Shared gradients at once ] in _summation)
         self.shared_totals: dict[int, Any] = {}
         self.sib = plan.step_in_backward
@@ -2286,8 +2295,8 @@ class _Backward:
         if self.flat is not None:
             flat = self.flat
             self.direct = [d and k not in flat for k, d in enumerate(self.direct)]
-        self.shared_params = [p for p, shared in zip(plan.params, plan.shared) if shared]
-        self.shared_at_once = shared_terms_at_once(len(plan.models), self.shared_params)
+        self.shared_params = plan.shared_params()
+        self.shared_at_once = plan.shared_at_once()
         self.one_call = False
         self.all_chunks: Batched | None = None
         # Pullbacks joined later (NOTE [ Pullbacks joined later ]): the gradients to store,

@@ -290,7 +290,7 @@ from ._sparse import (
     post_accumulate_hooks,
     sampled_elements,
 )
-from ._summation import argument_terms_at_once, shared_terms_at_once
+from ._summation import terms_at_once
 
 
 def fits_callers_graph(plan: SumPlan) -> bool:
@@ -620,9 +620,8 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     # NOTE [ Parameters several models use in the caller's graph ]
     shared = plan.shared
     shared_any = any(shared)
-    shared_params = [p for p, used in zip(params, shared) if used] if shared_any else []
-    # NOTE [ Shared gradients at once ] in _summation
-    shared_at_once = shared_terms_at_once(len(plan.models), shared_params)
+    shared_params = plan.shared_params() if shared_any else []
+    shared_at_once = shared_any and plan.shared_at_once()  # NOTE [ Shared gradients at once ]
     # NOTE [ Row-sparse gradients ] in _sparse: a shared table's take_rows gradients
     # uncoalesced, for a RowSparseAccumulator to sum in the wide dtype
     deferred = (
@@ -654,7 +653,7 @@ def _pull_back_models(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, .
     at_once = (
         aliases is not None
         and not flipped
-        and argument_terms_at_once(len(plan.models), ctx.call_tensors[:n_args])
+        and terms_at_once(len(plan.models), ctx.call_tensors[:n_args])
     )
     if not params and aliases is None and not flipped:
         return (None, None, None, *weight_part)

@@ -159,10 +159,9 @@ from ._grouping import Batch, one_thread_pays
 from ._plans import Walk
 from ._sparse import sum_terms
 from ._summation import (
-    argument_terms_at_once,
     one_weight,
-    shared_terms_at_once,
     sums_at_once,
+    terms_at_once,
     weigh_models,
     weigh_terms,
     wide_sum_over_models,
@@ -446,7 +445,7 @@ def plain_graph_pays(
         return False
     # NOTE [ An argument that needs a gradient in a plain graph ]
     if any(t.requires_grad for t in tensors) and not (
-        len(tensors) == 1 and argument_terms_at_once(len(model_params), tensors)
+        len(tensors) == 1 and terms_at_once(len(model_params), tensors)
     ):
         return False
     return one_thread_pays(model_params, batch, budget)
@@ -474,9 +473,9 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         x.dtype == torch.float32
         and x.device.type == "cpu"
         # NOTE [ An argument that needs a gradient in a plain graph ]
-        and (not x.requires_grad or argument_terms_at_once(len(plan.models), [x]))
+        and (not x.requires_grad or terms_at_once(len(plan.models), [x]))
         # NOTE [ Parameters several models use in a plain graph ]
-        and (not any(plan.shared) or shared_terms_at_once(len(plan.models), _shared(plan)))
+        and (not any(plan.shared) or plan.shared_at_once())
         and (weights is None or all(type(w) is float for w in weights))
         and walk.params_are_leaves
         and walk.no_user_tensor_hooks()
@@ -489,11 +488,6 @@ def _fits(plan: SumPlan, call: CallArgs, weights: Sequence[float] | None) -> boo
         and _pool.threads_for(len(plan.chunks), plan.n_workers) <= 1
         and _pool.intra_op_threads(len(plan.chunks)) == torch.get_num_threads()
     )
-
-
-def _shared(plan: SumPlan) -> list[Tensor]:
-    """The parameters several of the models use."""
-    return [p for p, shared in zip(plan.params, plan.shared) if shared]
 
 
 def _of_known_layers(walk: Walk) -> bool:

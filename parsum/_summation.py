@@ -301,10 +301,11 @@ def sums_at_once(n_terms: int, like: Tensor) -> bool:
 # depend on the threads: the same bits for any n_jobs, and the same on both.
 
 
-def argument_terms_at_once(n_models: int, arguments: Sequence[Tensor]) -> bool:
-    """Whether the models' gradients of ``arguments`` are added as terms, with one reduction
-    at the end (NOTE [ Argument gradients at once ])."""
-    return bool(arguments) and all(sums_at_once(n_models, t) for t in arguments)
+def terms_at_once(n_models: int, tensors: Sequence[Tensor]) -> bool:
+    """Whether the models' gradients of ``tensors`` (the arguments that need one, or the
+    parameters several models use) are added as terms, with one reduction at the end (NOTE
+    [ Argument gradients at once ], NOTE [ Shared gradients at once ])."""
+    return bool(tensors) and all(sums_at_once(n_models, t) for t in tensors)
 
 
 # NOTE [ Shared gradients at once ]
@@ -319,14 +320,8 @@ def argument_terms_at_once(n_models: int, arguments: Sequence[Tensor]) -> bool:
 # they are held as terms and added with one wide reduction at the end (``sum_terms``), else
 # model by model, whatever the arguments need. That depends on the parameters' sizes and dtypes
 # and the model count alone, so the bits stay those of any n_jobs; every path (ParallelSum, the
-# caller's graph, a plain graph's ``_Reads``) follows it. 16 gradients of a 128 x 64 trunk
-# and its bias took 82 us at once against 134 model by model (one thread).
-
-
-def shared_terms_at_once(n_models: int, params: Sequence[Tensor]) -> bool:
-    """Whether the models' gradients of ``params``, each used by several models, are added as
-    terms, with one reduction at the end (NOTE [ Shared gradients at once ])."""
-    return bool(params) and all(sums_at_once(n_models, p) for p in params)
+# caller's graph, a plain graph's ``_Reads``) asks ``SumPlan.shared_at_once``. 16 gradients of
+# a 128 x 64 trunk and its bias took 82 us at once against 134 model by model (one thread).
 
 
 class ChunkPartials:
