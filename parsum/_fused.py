@@ -37,7 +37,11 @@
 # reach. A second
 # backward through a retained graph is another task: it steps again, as a plain optimizer
 # stepped between the two would. The notes go as the backward ends (autograd's final
-# callback; a failed backward leaves its few, and the oldest go past 64).
+# callback; a failed backward leaves its few, and the oldest go past 64). They are kept for
+# every StepInBackward together, by the parameters each model's optimizer steps: two
+# StepInBackward objects over the same models, one in each call (an optimizer each, say two
+# learning rates tried in turn), had each stepped them with its own call's gradient, silently,
+# as one in both calls had before the check (found on 2026-12-07).
 #
 # NOTE [ Steps of one model in several threads ]
 # Threads training the same models with one StepInBackward step each model in their own
@@ -106,6 +110,11 @@ from ._sparse import OwnPostHook
 
 _WHERE = "StepInBackward"
 MERGED_STEP_ELEMENTS = 2**20  # NOTE [ One step over a chunk's small models ]
+# NOTE [ One step a backward ]: per running backward (autograd's graph task id), the
+# parameters some StepInBackward steps in it, by id, each with whether its step runs inside
+# the backward (not at its end).
+_claims: dict[int, dict[int, bool]] = {}
+_claims_lock = Lock()
 
 
 class StepInBackward:
@@ -189,9 +198,6 @@ class StepInBackward:
         # ids of the parameters stepped in the running backward (NOTE [ Gradients from
         # outside the sum ]).
         self._stepped: set[int] = set()
-        # NOTE [ One step a backward ]: the models that each running backward (by autograd's
-        # graph task id) steps, each with whether its step runs inside it (not at its end).
-        self._stepping: dict[int, dict[int, bool]] = {}
         # NOTE [ One step over stacked models ]: per stack, the optimizer over its tensors and
         # the per-model state entries it installed; ids of the step counts they share.
         self._stacked: dict[int, _StackedStep] = {}
@@ -229,6 +235,15 @@ class StepInBackward:
                     "backward cannot give: step it after the backward, with a closure"
                 )
             self.optimizers.append(optimizer)
+        self._note_stepped_params()
+
+    def _note_stepped_params(self) -> None:
+        """Each model's parameters that its optimizer steps, by id, for the claims of the
+        running backward passes (NOTE [ One step a backward ])."""
+        self._stepped_params = [
+            () if o is None else tuple(id(p) for group in o.param_groups for p in group["params"])
+            for o in self.optimizers
+        ]
 
     def _watch_gradients(self) -> None:
         """Hook every trainable parameter: a gradient after its step raises (NOTE
@@ -258,7 +273,7 @@ class StepInBackward:
         self._step_locks = [Lock() for _ in self.models]
         self._index = {id(model): i for i, model in enumerate(self.models)}
         self._stepped = set()
-        self._stepping = {}
+        self._note_stepped_params()
         self._stacked = {}
         self._merged = {}
         seen: set[int] = set()
@@ -297,24 +312,31 @@ class StepInBackward:
 
     def claim_steps(self, js: Sequence[int], inside: bool) -> tuple[int, bool] | None:
         """Note that the running backward steps models ``js``, inside it or at its end; the
-        first of them that another call's backward in it steps already, with whether that step
-        runs inside (nothing noted then), or None (NOTE [ One step a backward ])."""
+        first of them whose parameters another call's backward in it steps already (with this
+        StepInBackward or another), with whether that step runs inside (nothing noted then),
+        or None (NOTE [ One step a backward ])."""
         task = torch._C._current_graph_task_id()
-        stepped = self._stepping.get(task)
-        if stepped is None:
-            if len(self._stepping) >= 64:  # left by failed backward passes: the oldest go
-                for old in sorted(self._stepping)[:32]:
-                    self._stepping.pop(old, None)
-            stepped = self._stepping[task] = {}
+        mine = self._stepped_params
+        with _claims_lock:
+            claimed = _claims.get(task)
+            if claimed is None:
+                if len(_claims) >= 64:  # left by failed backward passes: the oldest go
+                    for old in sorted(_claims)[:32]:
+                        _claims.pop(old, None)
+                claimed = _claims[task] = {}
 
-            def forget() -> None:
-                self._stepping.pop(task, None)
+                def forget() -> None:
+                    with _claims_lock:
+                        _claims.pop(task, None)
 
-            torch.autograd.Variable._execution_engine.queue_callback(forget)
-        again = next((j for j in js if j in stepped), None)
-        if again is not None:
-            return again, stepped[again]
-        stepped.update(dict.fromkeys(js, inside))
+                torch.autograd.Variable._execution_engine.queue_callback(forget)
+            elif claimed:
+                for j in js:
+                    for other in map(claimed.get, mine[j]):
+                        if other is not None:
+                            return j, other
+            for j in js:
+                claimed.update(dict.fromkeys(mine[j], inside))
         return None
 
     def step(self, j: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:

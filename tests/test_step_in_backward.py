@@ -954,22 +954,71 @@ def step_count(models, sib, k):
 
 
 @pytest.mark.parametrize("n_jobs", [None, 1, 2])
-def test_a_loss_over_two_calls_of_other_models_steps_each_once(n_jobs):
-    # NOTE [ One step a backward ]: calls whose models differ share a backward freely.
+@pytest.mark.parametrize("sibs", ["one", "one a call"])
+def test_a_loss_over_two_calls_of_other_models_steps_each_once(sibs, n_jobs):
+    # NOTE [ One step a backward ]: calls whose models differ share a backward freely, with
+    # one StepInBackward or one each (their claims are kept together, by parameter).
     torch.manual_seed(0)
     models = [mlp([8]) for _ in range(6)]
     ref = copy.deepcopy(models)
-    sib = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
+    if sibs == "one":
+        both = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
+        steppers = [both, both]
+    else:
+        steppers = [
+            parsum.StepInBackward(ms, torch.optim.Adam, lr=0.1) for ms in (models[:3], models[3:])
+        ]
     opt = torch.optim.Adam(trainable(ref), lr=0.1)
     x1, x2 = torch.randn(5, IN), torch.randn(5, IN)
     for _ in range(3):
-        halves = ((models[:3], x1), (models[3:], x2))
+        halves = ((models[:3], x1, steppers[0]), (models[3:], x2, steppers[1]))
         sum(
             parsum.sum_models(ms, x, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum()
-            for ms, x in halves
+            for ms, x, sib in halves
         ).backward()
         (plain_sum(ref[:3], x1).pow(2).sum() + plain_sum(ref[3:], x2).pow(2).sum()).backward()
         opt.step()
         opt.zero_grad()
     for p, q in zip(trainable(models), trainable(ref)):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+@pytest.mark.parametrize("how", ["models", "stack_", "overlapping"])
+def test_two_step_in_backwards_over_the_same_models_in_one_loss_raise(how, n_jobs):
+    # NOTE [ One step a backward ] in parsum._fused: two StepInBackward objects over the same
+    # models, one in each call of a loss, each stepped them with its own call's gradient,
+    # silently, where the same one in both calls raised.
+    torch.manual_seed(0)
+    models = [mlp([4]) for _ in range(8)]
+    first = models if how != "overlapping" else models[:5]
+    second = models if how != "overlapping" else models[3:]
+    sibs = [parsum.StepInBackward(ms, torch.optim.SGD, lr=0.1) for ms in (first, second)]
+    called = [parsum.stack_(ms) if how == "stack_" else ms for ms in (first, second)]
+    before = snapshot(models)
+    x1, x2 = torch.randn(5, IN), torch.randn(5, IN)
+    loss = sum(
+        parsum.sum_models(ms, x, step_in_backward=sib, n_jobs=n_jobs).pow(2).sum()
+        for ms, x, sib in zip(called, (x1, x2), sibs)
+    )
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"is stepped in this backward by the step_in_backward of another sum_models call",
+    ):
+        loss.backward()
+    changed = [
+        not all(torch.equal(p, q) for p, q in zip(ps, qs))
+        for ps, qs in zip(snapshot(models), before)
+    ]
+    if how == "overlapping":  # the call that raises steps none of its models
+        assert sorted([changed[:3], changed[5:]]) == [[False] * 3, [True] * 3]
+    if how == "stack_":
+        assert not any(changed)  # its steps run at the backward's end, not reached
+    # The next backward, through one call, steps its models once, as it should.
+    before = snapshot(models)
+    parsum.sum_models(called[1], x2, step_in_backward=sibs[1], n_jobs=n_jobs).sum().backward()
+    changed = [
+        not all(torch.equal(p, q) for p, q in zip(ps, qs))
+        for ps, qs in zip(snapshot(models), before)
+    ]
+    assert changed == [m in second for m in models]
