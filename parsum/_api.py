@@ -42,7 +42,7 @@ from ._function import (
     run_forward,
     weight_held_back,
 )
-from ._fused import StepInBackward
+from ._fused import StepInBackward, not_stepped
 from ._grads import check_slots, has_compensated_flat_grads
 from ._grouping import (
     Batch,
@@ -783,6 +783,9 @@ def _check_step_in_backward(
                 "does not step; step_in_backward would drop their gradients: register them "
                 "as nn.Parameter"
             )
+        missed = None if j is None else sib.first_not_stepped(j, mp.tensors)
+        if missed is not None:
+            raise not_stepped(_WHERE, i, model, mp.names[missed])
         for name, p in zip(mp.names, mp.tensors):
             if has_user_hooks(p):
                 raise ParsumError(

@@ -238,12 +238,23 @@ class StepInBackward:
         self._note_stepped_params()
 
     def _note_stepped_params(self) -> None:
-        """Each model's parameters that its optimizer steps, by id, for the claims of the
-        running backward passes (NOTE [ One step a backward ])."""
+        """Each model's parameters that its optimizer steps, by id: for the claims of the
+        running backward passes (NOTE [ One step a backward ]) and ``steps``."""
         self._stepped_params = [
-            () if o is None else tuple(id(p) for group in o.param_groups for p in group["params"])
+            frozenset(() if o is None else (id(p) for g in o.param_groups for p in g["params"]))
             for o in self.optimizers
         ]
+
+    def first_not_stepped(self, j: int, params: Sequence[Tensor]) -> int | None:
+        """The position in ``params`` of the first that model ``j``'s optimizer does not step,
+        or None (looked for again in its parameter groups where one is not found:
+        ``add_param_group`` since)."""
+        stepped = self._stepped_params[j]
+        if all(map(stepped.__contains__, map(id, params))):
+            return None
+        self._note_stepped_params()
+        stepped = self._stepped_params[j]
+        return next((k for k, p in enumerate(params) if id(p) not in stepped), None)
 
     def _watch_gradients(self) -> None:
         """Hook every trainable parameter: a gradient after its step raises (NOTE
@@ -429,6 +440,18 @@ class StepInBackward:
         _count_steps(optimizers)
         self._stepped.update(map(id, params))
         return True
+
+
+def not_stepped(where: str, i: int, model: Any, name: str) -> ParsumError:
+    """The error for parameter ``name`` of ``models[i]`` that needs a gradient where the
+    model's optimizer does not step it: its gradient would be dropped."""
+    return ParsumError(
+        f"{where}: parameter {name!r} of models[{i}] ({type(model).__name__}) needs a "
+        "gradient, but its optimizer in step_in_backward does not step it (a parameter "
+        "assigned or unfrozen since the StepInBackward was made), so step_in_backward would "
+        "drop its gradient: make the StepInBackward again, or add the parameter to the "
+        "optimizer (add_param_group)"
+    )
 
 
 def stepped_twice(where: str, which: str, model: Any, ran: bool) -> ParsumError:

@@ -134,7 +134,7 @@ from ._engines import (
 )
 from ._errors import ParsumError, a_kind_of, message_of, model_failed
 from ._function import _engine_keeps_graph, argument_versions
-from ._fused import StepInBackward, step_stacked, stepped_twice
+from ._fused import StepInBackward, not_stepped, step_stacked, stepped_twice
 from ._grads import (
     FlatWrites,
     SlotBlock,
@@ -572,6 +572,7 @@ class Stack(Sequence[nn.Module]):
         self._types = list(map(type, modules))
         self._handles_seen: int | None = None
         self._own_post_hooks = 0  # post-accumulate hooks on the parameters, all parsum's
+        self._stepped_by: weakref.ref[StepInBackward] | None = None  # (_check_stepped)
         self._tensors = [t for info in infos for t in (*info.tensors, *info.state)]
         self._ptrs = list(map(_data_ptr, self._tensors))
         self._numels = list(map(_numel, self._tensors))
@@ -673,6 +674,21 @@ class Stack(Sequence[nn.Module]):
                     return "a parameter has a gradient hook"
                 self._own_post_hooks = posts
         return None
+
+    def _check_stepped(self, sib: StepInBackward) -> None:
+        """Refuse a model's trainable tensor that its optimizer in ``sib`` does not step (one
+        assigned or unfrozen since ``sib`` was made, which the stack now holds): looked at
+        once a stacking."""
+        if self._stepped_by is not None and self._stepped_by() is sib:
+            return
+        names = self._trainable
+        for k, model in enumerate(self.models):
+            j = sib.index(model)
+            assert j is not None  # sum_models found every model in it
+            missed = sib.first_not_stepped(j, [self._params[name][k] for name in names])
+            if missed is not None:
+                raise not_stepped("sum_models", k, model, names[missed])
+        self._stepped_by = weakref.ref(sib)
 
     def _still_slices(self, tensors: list[Tensor]) -> bool:
         """Whether ``tensors``, at the addresses of the stack's slices, still have the slices'
@@ -1126,6 +1142,8 @@ def stacked_sum(
             stack._forget_gradients()
             stack._warn(reason)
             return None
+        if step_in_backward is not None and torch.is_grad_enabled():
+            stack._check_stepped(step_in_backward)
         if max_param_rows is not None and stack._numel * _batch(call).rows > max_param_rows:
             return ONE_BY_ONE
         values, program = stack.values, stack._program

@@ -1022,3 +1022,47 @@ def test_two_step_in_backwards_over_the_same_models_in_one_loss_raise(how, n_job
         for ps, qs in zip(snapshot(models), before)
     ]
     assert changed == [m in second for m in models]
+
+
+@pytest.mark.parametrize("how", ["models", "stack_"])
+@pytest.mark.parametrize("change", ["assigned", "unfrozen"])
+def test_a_parameter_its_optimizer_does_not_step_is_refused_before_anything_runs(change, how):
+    # A parameter assigned or unfrozen since the StepInBackward was made got its gradient
+    # captured and dropped, never stepped, silently (its optimizer holds the old tensors);
+    # in stack_ storage too, which stacks the models again over the new tensors.
+    torch.manual_seed(0)
+    models = [mlp([4]) for _ in range(8)]
+    # stack_ storage: a tensor unfrozen on one model alone would unstack them
+    changed = models if how == "stack_" and change == "unfrozen" else models[1:2]
+    for m in changed if change == "unfrozen" else ():
+        m[0].weight.requires_grad_(False)
+    called = parsum.stack_(models) if how == "stack_" else models
+    sib = parsum.StepInBackward(models, torch.optim.SGD, lr=0.1)
+    for m in changed:
+        if change == "assigned":
+            m[0].weight = nn.Parameter(torch.randn_like(m[0].weight))
+        else:
+            m[0].weight.requires_grad_(True)
+    x = torch.randn(5, IN)
+    before = snapshot(models)
+    with pytest.raises(
+        parsum.ParsumError,
+        match=rf"parameter '0\.weight' of models\[{models.index(changed[0])}\] \(Sequential\) "
+        r"needs a gradient, but its optimizer in step_in_backward does not step it",
+    ):
+        parsum.sum_models(called, x, step_in_backward=sib)
+    assert all(
+        torch.equal(p, q) for ps, qs in zip(snapshot(models), before) for p, q in zip(ps, qs)
+    )
+    # The parameters added to their optimizers, they train as in plain training.
+    ref = copy.deepcopy(models)
+    for m in changed:
+        sib.optimizers[models.index(m)].add_param_group({"params": [m[0].weight]})
+    for _ in range(2):
+        parsum.sum_models(called, x, step_in_backward=sib).pow(2).sum().backward()
+        plain_sum(ref, x).pow(2).sum().backward()
+        torch.optim.SGD(trainable(ref), lr=0.1).step()
+        for m in ref:
+            m.zero_grad()
+    for p, q in zip(trainable(models), trainable(ref), strict=True):
+        torch.testing.assert_close(p, q)
