@@ -102,6 +102,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedParameter
 
 from ._config import check_model_sequence
 from ._errors import ParsumError, a_kind_of, message_of
@@ -151,8 +152,9 @@ class StepInBackward:
             no trainable parameter). Give each an LR scheduler, read or load their state.
 
     Raises:
-        ParsumError: for a bad ``models``, a parameter shared by two models, or an optimizer
-            that cannot be built from the keyword arguments.
+        ParsumError: for a bad ``models``, a parameter shared by two models, a lazy parameter
+            not initialized yet, or an optimizer that cannot be built from the keyword
+            arguments.
     """
 
     def __init__(
@@ -184,6 +186,13 @@ class StepInBackward:
             for name, p in model.named_parameters():
                 if not p.requires_grad:
                     continue
+                if isinstance(p, UninitializedParameter):
+                    raise ParsumError(
+                        f"{_WHERE}: parameter {name!r} of models[{i}] ({type(model).__name__}) "
+                        "is a lazy parameter that is not initialized yet, whose gradient "
+                        "cannot be watched; call the model once first (for example on one "
+                        "batch under torch.no_grad()), then make the StepInBackward"
+                    )
                 other = holder.setdefault(id(p), (i, name))
                 if other[0] != i:
                     raise ParsumError(

@@ -513,6 +513,29 @@ def test_lazy_model_not_yet_initialized_is_named(engine):
         torch.testing.assert_close(got, want)
 
 
+def test_a_step_in_backward_over_a_lazy_model_not_yet_initialized_names_it():
+    # It raised torch's ValueError from registering its gradient check on the parameter.
+    lazy = [mlp([6]), nn.Sequential(nn.Linear(IN, 5), nn.Tanh(), nn.LazyLinear(OUT))]
+    with pytest.raises(
+        parsum.ParsumError,
+        match=r"StepInBackward: parameter '2\.weight' of models\[1\] \(Sequential\) is a "
+        r"lazy parameter that is not initialized yet",
+    ):
+        parsum.StepInBackward(lazy, torch.optim.SGD, lr=0.1)
+    x = torch.randn(8, IN)
+    with torch.no_grad():  # what the message asks for
+        lazy[1](x)
+    plain = clone_models(lazy)
+    sib = parsum.StepInBackward(lazy, torch.optim.SGD, lr=0.1)
+    parsum.sum_models(lazy, x, step_in_backward=sib).square().sum().backward()
+    sum(m(x) for m in plain).square().sum().backward()
+    torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1).step()
+    for got, want in zip(
+        [p for m in lazy for p in m.parameters()], [p for m in plain for p in m.parameters()]
+    ):
+        torch.testing.assert_close(got, want)
+
+
 class MakesItsHead(nn.Module):
     """Makes a layer in its first forward, as a lazy layer of the user's would."""
 
