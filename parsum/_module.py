@@ -94,7 +94,7 @@ class SumOfModels(nn.Module):
             # float64 models took the rounded weights (found by tests/test_differential.py);
             # a float32 model's output times a 0-dim float64 weight stays float32, as before.
             if not isinstance(weights, Tensor):
-                weights = torch.as_tensor(weights, dtype=torch.float64)
+                weights = _float64_weights(weights)
             elif not weights.is_floating_point():
                 weights = weights.to(torch.get_default_dtype())
             self.register_buffer("weights", weights)
@@ -129,3 +129,14 @@ class SumOfModels(nn.Module):
         if self.chunk_size is not None:
             parts.append(f"chunk_size={self.chunk_size}")
         return ", ".join(parts)
+
+
+def _float64_weights(weights: Any) -> Tensor:
+    """``weights`` (floats) as a float64 tensor, or a ParsumError naming them."""
+    try:
+        return torch.as_tensor(weights, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ParsumError(
+            f"{_WHERE}: weights is {weights!r:.60} ({a_kind_of(weights)}); expected None, one "
+            "float per member, or a tensor of them"
+        ) from None

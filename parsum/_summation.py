@@ -468,7 +468,15 @@ def compensated_sum(
             f"{where}: tensors is a 0-d tensor ({tensors.item()!r}); expected a sequence of "
             "tensors, or a tensor whose first dimension indexes the terms"
         )
-    items = list(tensors) if not isinstance(tensors, Tensor) else list(tensors.unbind(0))
+    if isinstance(tensors, Tensor):
+        items = list(tensors.unbind(0))
+    else:
+        try:
+            items = list(tensors)
+        except TypeError:
+            raise ParsumError(
+                f"{where}: tensors is {a_kind_of(tensors)}; expected a sequence of tensors"
+            ) from None
     if not items:
         raise ParsumError(f"{where}: tensors is empty; expected at least one tensor")
     first = items[0]

@@ -107,6 +107,9 @@ def test_bad_arguments_name_what_is_wrong():
         parsum.SumOfModels([nn.Linear(IN, OUT), lambda x: x])
     with pytest.raises(parsum.ParsumError, match=r"weights has shape \(3,\); expected one"):
         parsum.SumOfModels([nn.Linear(IN, OUT)] * 2, weights=[1.0, 2.0, 3.0])
+    for weights in ("ab", {}, [None, None], object()):  # torch.as_tensor's TypeErrors
+        with pytest.raises(parsum.ParsumError, match=r"SumOfModels: weights is .*; expected None"):
+            parsum.SumOfModels([nn.Linear(IN, OUT)] * 2, weights=weights)
     with pytest.raises(parsum.ParsumError, match=r"SumOfModels: invalid engine='fast'"):
         parsum.SumOfModels([nn.Linear(IN, OUT)], engine="fast")
 

@@ -191,6 +191,7 @@ def test_stacked_tensor_is_summed_over_first_dim():
     ("kwargs", "match"),
     [
         (dict(tensors=[]), "compensated_sum: tensors is empty"),
+        (dict(tensors=3), "compensated_sum: tensors is an int; expected a sequence of tensors"),
         (dict(tensors=[torch.ones(2), 3.0]), r"tensors\[1\] is a float"),
         (dict(tensors=[torch.ones(2), torch.ones(3)]), r"tensors\[1\] has shape \(3,\)"),
         (dict(tensors=[torch.ones(2), torch.ones(2, dtype=torch.float64)]), "dtype"),
