@@ -54,6 +54,12 @@
 # thread's backward runs: without the GIL it dropped the .grad a step had just set, whose
 # optimizer then met None (3 in about 100 runs of tests/test_concurrency.py's four threads).
 # (Such threads mostly fail anyway: a step changes the parameters other threads' graphs saved.)
+# The lock is the model's, whichever StepInBackward steps it: with locks of each
+# StepInBackward's own, four threads training the same models, each with a StepInBackward of
+# its own, stepped one model at once again: a segmentation fault in 3 of 3 runs of
+# tests/test_concurrency.py's case of it, and in probe runs (4 threads x 15 calls over 6 MLPs
+# with SGD) a check after a step that dropped the .grad another's step had just set and raised
+# that a gradient came from outside the sum (5 of 12 runs, 10 of 12 in another batch).
 #
 # NOTE [ One step over a chunk's small models ]
 # An optimizer's step costs about 40 us of Python before its first parameter (its hooks, the
@@ -116,6 +122,17 @@ MERGED_STEP_ELEMENTS = 2**20  # NOTE [ One step over a chunk's small models ]
 # the backward (not at its end).
 _claims: dict[int, dict[int, bool]] = {}
 _claims_lock = Lock()
+# NOTE [ Steps of one model in several threads ]: each model's step lock, held weakly.
+_step_locks: weakref.WeakKeyDictionary[nn.Module, Lock] = weakref.WeakKeyDictionary()
+
+
+def _step_lock_of(model: nn.Module) -> Lock:
+    """The lock of ``model``'s steps, for every StepInBackward over it."""
+    with _claims_lock:
+        lock = _step_locks.get(model)
+        if lock is None:
+            lock = _step_locks[model] = Lock()
+        return lock
 
 
 class StepInBackward:
@@ -215,7 +232,7 @@ class StepInBackward:
         # that steps them as one.
         self._merged: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         # NOTE [ Steps of one model in several threads ]: one lock per model.
-        self._step_locks = [Lock() for _ in models]
+        self._step_locks = list(map(_step_lock_of, models))
         self._watch_gradients()
         self.optimizers: list[torch.optim.Optimizer | None] = []
         for i, model in enumerate(models):
@@ -290,7 +307,7 @@ class StepInBackward:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._step_locks = [Lock() for _ in self.models]
+        self._step_locks = list(map(_step_lock_of, self.models))
         self._index = {id(model): i for i, model in enumerate(self.models)}
         self._stepped = set()
         self._note_stepped_params()
@@ -408,8 +425,10 @@ class StepInBackward:
 
     def holding(self, js: Iterable[int], run: Callable[[], T]) -> T:
         """``run()`` holding the step locks of models ``js`` (NOTE [ Steps of one model in
-        several threads ]), taken in index order: no two threads wait on each other."""
-        return run_holding([self._step_locks[j] for j in sorted(set(js))], run)
+        several threads ]), taken in one order for every StepInBackward (by the locks' ids,
+        which are the same while they live): no two threads wait on each other."""
+        locks = {id(lock): lock for lock in map(self._step_locks.__getitem__, js)}
+        return run_holding([locks[k] for k in sorted(locks)], run)
 
     def _step_as_one(
         self, entries: Sequence[tuple[int, Sequence[Tensor], Sequence[Tensor | None]]]
