@@ -931,13 +931,18 @@ def test_a_gradient_from_outside_the_sum_after_a_fused_step_raises():
 
 
 def test_a_step_in_backward_and_its_models_are_freed():
+    from parsum import _fused
+
     models = [nn.Linear(IN, OUT) for _ in range(2)]
     sib = parsum.StepInBackward(models, torch.optim.Adam, lr=0.1)
     parsum.sum_models(models, torch.randn(2, IN), step_in_backward=sib).sum().backward()
     refs = [weakref.ref(models[0].weight), weakref.ref(sib)]
+    assert all(m in _fused._step_locks for m in models)  # the models' step locks
     del models, sib
     gc.collect()
     assert [r() for r in refs] == [None, None]
+    assert not _fused._claims  # the backward's claims went as it ended
+    assert all(r() is not None for r in _fused._step_locks.keyrefs())
 
 
 def test_helpers_run_under_the_callers_config():
