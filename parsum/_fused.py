@@ -121,14 +121,14 @@ MERGED_STEP_ELEMENTS = 2**20  # NOTE [ One step over a chunk's small models ]
 # parameters some StepInBackward steps in it, by id, each with whether its step runs inside
 # the backward (not at its end).
 _claims: dict[int, dict[int, bool]] = {}
-_claims_lock = Lock()
+_registry_lock = Lock()  # guards _claims and _step_locks
 # NOTE [ Steps of one model in several threads ]: each model's step lock, held weakly.
 _step_locks: weakref.WeakKeyDictionary[nn.Module, Lock] = weakref.WeakKeyDictionary()
 
 
 def _step_lock_of(model: nn.Module) -> Lock:
     """The lock of ``model``'s steps, for every StepInBackward over it."""
-    with _claims_lock:
+    with _registry_lock:
         lock = _step_locks.get(model)
         if lock is None:
             lock = _step_locks[model] = Lock()
@@ -231,7 +231,8 @@ class StepInBackward:
         # NOTE [ One step over a chunk's small models ]: per tuple of models, the optimizer
         # that steps them as one.
         self._merged: dict[tuple[int, ...], torch.optim.Optimizer] = {}
-        # NOTE [ Steps of one model in several threads ]: one lock per model.
+        # NOTE [ Steps of one model in several threads ]: each model's lock, the one every
+        # StepInBackward over it takes.
         self._step_locks = list(map(_step_lock_of, models))
         self._watch_gradients()
         self.optimizers: list[torch.optim.Optimizer | None] = []
@@ -265,7 +266,7 @@ class StepInBackward:
 
     def _note_stepped_params(self) -> None:
         """Each model's parameters that its optimizer steps, by id: for the claims of the
-        running backward passes (NOTE [ One step a backward ]) and ``steps``."""
+        running backward passes (NOTE [ One step a backward ]) and ``first_not_stepped``."""
         self._stepped_params = [
             frozenset(() if o is None else (id(p) for g in o.param_groups for p in g["params"]))
             for o in self.optimizers
@@ -354,7 +355,7 @@ class StepInBackward:
         or None (NOTE [ One step a backward ])."""
         task = torch._C._current_graph_task_id()
         mine = self._stepped_params
-        with _claims_lock:
+        with _registry_lock:
             claimed = _claims.get(task)
             if claimed is None:
                 if len(_claims) >= 64:  # left by failed backward passes: the oldest go
@@ -363,7 +364,7 @@ class StepInBackward:
                 claimed = _claims[task] = {}
 
                 def forget() -> None:
-                    with _claims_lock:
+                    with _registry_lock:
                         _claims.pop(task, None)
 
                 torch.autograd.Variable._execution_engine.queue_callback(forget)
