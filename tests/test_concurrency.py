@@ -481,11 +481,14 @@ def test_one_step_in_backward_for_threads_training_at_once_does_not_crash(cores,
         if stacked:
             parsum.stack_(models)
         optimizer = torch.optim.Adam if stacked else torch.optim.SGD
-        steppers = [parsum.StepInBackward(models, optimizer, lr=1e-3) for _ in range(4)]
+        if sibs == "one":
+            steppers = [parsum.StepInBackward(models, optimizer, lr=1e-3)] * 4
+        else:
+            steppers = [parsum.StepInBackward(models, optimizer, lr=1e-3) for _ in range(4)]
         allowed = ("an inplace operation", "after its") if sibs == "one" else ("an inplace",)
 
         def train(t, models=models, steppers=steppers, allowed=allowed):
-            sib = steppers[0 if sibs == "one" else t]
+            sib = steppers[t]
             for _ in range(15):
                 y = parsum.sum_models(models, x, n_jobs=1 + t % 2, step_in_backward=sib)
                 try:

@@ -940,10 +940,11 @@ def test_a_step_in_backward_and_its_models_are_freed():
     assert set(_fused._claims) <= left  # the backward's claims went as it ended
     refs = [weakref.ref(models[0].weight), weakref.ref(sib)]
     assert all(m in _fused._step_locks for m in models)  # the models' step locks
+    locks = len(_fused._step_locks)
     del models, sib
     gc.collect()
     assert [r() for r in refs] == [None, None]
-    assert all(r() is not None for r in _fused._step_locks.keyrefs())
+    assert len(_fused._step_locks) <= locks - 2  # theirs went with them
 
 
 def test_helpers_run_under_the_callers_config():
