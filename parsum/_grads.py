@@ -73,6 +73,20 @@
 # back could meet the other thread's engine. A parameter trained by one thread after another
 # (the first gone) counts as trained by several.
 
+# NOTE [ Frozen parameters' gradients ]
+# ``zero_()`` is a FlatGrad's ``zero_grad()``: it zeroes the buffers and gives every trainable
+# parameter its view again, and a parameter frozen since the FlatGrad was made (fine-tuning:
+# ``requires_grad_(False)`` on a layer) keeps its slot, zeroed, but gets ``.grad`` None, as
+# ``optimizer.zero_grad()`` leaves it. Given its zeroed view instead, an optimizer over it
+# stepped it on every step with a zero gradient: momentum, Adam's moments and weight decay
+# moved the frozen layer (2-4e-2 off the plain loop's after two steps of SGD with momentum),
+# silently. Unfrozen, it gets its view back at the next ``zero_()`` or backward. The same for a
+# block given as a stacked tensor's ``.grad`` (``FlatGrad(stack)``, NOTE [ One buffer for a
+# stack ] in _stack): None while every parameter of the block is frozen. A trainable parameter
+# that a step leaves out (a member not drawn, an expert not routed to) keeps its zeroed view:
+# a FlatGrad cannot know before the backward which gradients will come, and an all-reduce of
+# the buffer needs every rank's ``.grad`` to be the view the reduced values land in.
+#
 # NOTE [ Sparse gradients in a slot ]
 # A parameter with a slot may get a row-sparse gradient (``parsum.take_rows``,
 # ``nn.Embedding(sparse=True)``). ``sum_models`` adds its rows into the slot in place, at a cost
@@ -272,6 +286,9 @@ class FlatGrad:
         self._comp_versions: dict[BufferKey, int] = {}
         self._hooks: dict[int, Any] = {}
         self._held: set[int] = set()  # NOTE [ Slots filled after the join ]
+        # Blocks given as a stacked tensor's ``.grad`` (``SlotBlock.give_to``), by the tensor's
+        # id: the tensor, the block, the first slot and the number of slots.
+        self._given_blocks: dict[int, tuple[weakref.ref[Tensor], Tensor, int, int]] = {}
         # NOTE [ Backward passes in several threads ]: FlatWrites running, the gradients
         # handed in by those that ran beside another, the slots whose fresh .grad waits.
         self._lock = Lock()  # reentrant: a FlatWrites' __del__ may end it
@@ -310,7 +327,9 @@ class FlatGrad:
         return [p for slot in self._slots if (p := slot.param) is not None]
 
     def zero_(self) -> FlatGrad:
-        """Zero every buffer and point every ``.grad`` at its view again."""
+        """Zero every buffer and point every trainable parameter's ``.grad`` at its view
+        again; a frozen one's ``.grad`` becomes None, as ``zero_grad()`` leaves it (NOTE
+        [ Frozen parameters' gradients ])."""
         params = list(map(_deref, [slot.ref for slot in self._slots]))
         alive = not any(map(operator.is_, params, repeat(None)))
         # Compared in C, list against list: looking at each slot took 0.4 ms of zero_()'s 0.7
@@ -324,13 +343,30 @@ class FlatGrad:
         with torch.no_grad():
             for buffer in (*self._buffers.values(), *self._comps.values()):
                 buffer.zero_()
-        if not alive or not all(map(operator.is_, map(_grad_of, params), self._views)):
+        trainable = alive and all(map(_requires_grad, params))
+        if not trainable or not all(map(operator.is_, map(_grad_of, params), self._views)):
             for p, view in zip(params, self._views):
-                if p is not None and p.grad is not view:  # assigning checks; reading is cheap
-                    p.grad = view
+                if p is None:
+                    continue
+                wanted = view if p.requires_grad else None
+                if p.grad is not wanted:  # assigning checks; reading is cheap
+                    p.grad = wanted
+        if self._given_blocks:
+            self._drop_frozen_blocks(params)
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
         return self
+
+    def _drop_frozen_blocks(self, params: Sequence[Tensor | None]) -> None:
+        """``zero_()``'s part for blocks given as a stacked tensor's ``.grad``: None where every
+        parameter of the block is frozen (NOTE [ Frozen parameters' gradients ])."""
+        for key, (ref, block, first, count) in list(self._given_blocks.items()):
+            stacked = ref()
+            if stacked is None or stacked.grad is not block:
+                del self._given_blocks[key]  # given no more
+            elif not any(p is not None and p.requires_grad for p in params[first : first + count]):
+                stacked.grad = None
+                del self._given_blocks[key]
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{d}/{v}: {b.numel()}" for (d, v), b in self._buffers.items())
@@ -344,13 +380,30 @@ class FlatGrad:
     # nothing). A copy, or an unpickled FlatGrad, is one over the copies of the parameters
     # (the ones copied with it, where the models are: copy and pickle keep identities within
     # one call), holding the values of the original's slots and compensations.
+    # Each parameter's ``.grad`` goes with it as the original holds it: None (after
+    # ``optimizer.zero_grad()``, or frozen after ``zero_()``), or its values, in the slot or
+    # outside it (set by hand). ``copy.deepcopy`` and pickling of an ``nn.Parameter`` leave its
+    # ``.grad`` behind, and a copy whose every ``.grad`` was its view had added its next
+    # backward to the gradients that the original's ``zero_grad()`` had dropped.
     def __getstate__(self) -> dict[str, Any]:
         live = [slot for slot in self._slots if slot.param is not None]
+        grads = [cast(Tensor, slot.param).grad for slot in live]
+        outside = [
+            g is not None and g is not slot.view and not _is_view_of(g, slot.view)
+            for slot, g in zip(live, grads)
+        ]
+        values: list[Tensor] = []
+        comps: list[Tensor | None] = []
+        for slot, g, out in zip(live, grads, outside):
+            values.append((_dense(g) if out and g is not None else slot.view).detach().clone())
+            comp = slot.comp
+            comps.append(None if comp is None else torch.zeros_like(comp) if out else comp.clone())
         return {
             "params": [slot.param for slot in live],
             "compensated": self.compensated,
-            "values": [slot.view.detach().clone() for slot in live],
-            "comps": [None if slot.comp is None else slot.comp.clone() for slot in live],
+            "values": values,
+            "comps": comps,
+            "no_grad": [g is None for g in grads],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -371,6 +424,9 @@ class FlatGrad:
                 slot.view.copy_(value)
                 if slot.comp is not None and comp is not None:
                     slot.comp.copy_(comp)
+        for p, none in zip(state["params"], state.get("no_grad", ())):
+            if none:
+                p.grad = None
         self._zero_versions = {}
         self._note_written()
 
@@ -561,6 +617,7 @@ class FlatGrad:
 
 _deref = weakref.ref.__call__
 _grad_of = operator.attrgetter("grad")
+_requires_grad = operator.attrgetter("requires_grad")
 _dtype_of = operator.attrgetter("dtype")
 
 
@@ -613,6 +670,21 @@ class SlotBlock:
     views: list[Tensor]  # the slots' views, each parameter's ``.grad`` when it holds one
     block: Tensor
     comp: Tensor | None
+    first: int  # the first slot's index
+
+    def give_to(self, stacked: Tensor) -> None:
+        """Make the block ``stacked``'s ``.grad``, which the FlatGrad's ``zero_()`` sets to
+        None while every parameter of the block is frozen (NOTE [ Frozen parameters'
+        gradients ])."""
+        stacked.grad = self.block
+        flat = self.owner()
+        if flat is not None:
+            flat._given_blocks[id(stacked)] = (
+                weakref.ref(stacked),
+                self.block,
+                self.first,
+                len(self.views),
+            )
 
     def zero_(self) -> None:
         """Zero the block's gradients and their compensation, in place."""
@@ -667,7 +739,7 @@ def slot_block(params: Sequence[Tensor]) -> SlotBlock | None:
     comp = flat._comps.get(key)
     if comp is not None:
         comp = comp.narrow(0, start, size).view(stacked_shape)
-    return SlotBlock(weakref.ref(flat), key, [s.view for s in slots], block, comp)
+    return SlotBlock(weakref.ref(flat), key, [s.view for s in slots], block, comp, first)
 
 
 def _collect_params(items: Any) -> list[Tensor]:

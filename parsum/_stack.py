@@ -67,9 +67,10 @@
 # after the backward adds to them, where such an optimizer is there to step them (``_adopt``).
 # With a FlatGrad over the stack, the block stays each name's stacked ``.grad`` across a
 # restack, or None where that optimizer zeroed it: the next backward then overwrites the block.
-# A frozen name's block is zeroed in place when that optimizer zeroes its stacked ``.grad`` (a
-# FlatGrad's ``.grad`` is never None), so that a norm or a clip over the models' gradients does
-# not count a stale step.
+# A frozen name's block is zeroed in place when that optimizer zeroes its stacked ``.grad``, so
+# that a norm or a clip over the models' gradients does not count a stale step; the FlatGrad's
+# ``zero_()`` sets that stacked ``.grad`` to None itself (NOTE [ Frozen parameters' gradients ]
+# in _grads).
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -894,7 +895,7 @@ class Stack(Sequence[nn.Module]):
         elif not held:  # the models accumulate into their views next
             for p, view in zip(params, views):
                 p.grad = view
-        stacked.grad = block.block
+        block.give_to(stacked)
         self._given.add(name)
 
     def attach_at_backward(self, out: Any) -> None:

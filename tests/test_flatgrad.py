@@ -193,6 +193,88 @@ def test_a_copied_or_loaded_flatgrad_holds_the_copied_models_gradients(compensat
         assert all(is_view_into(p.grad, flat.flat) for p in trainable(models))
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("compensated", [False, True])
+def test_a_copy_after_zero_grad_adds_nothing_stale(how, compensated):
+    # NOTE [ A copied FlatGrad ]: after optimizer.zero_grad() (.grad None, the slots as they
+    # were), a copy's .grad were every one its view, and its next backward added to the
+    # gradients the original's zero_grad() had dropped (a checkpoint taken after zero_grad()
+    # and trained on: 0.06-0.3 off). A .grad set by hand outside the buffer goes with its values.
+    torch.manual_seed(0)
+    models = [mlp([5]), mlp([3]), nn.Linear(IN, OUT)]
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    x = torch.randn(6, IN)
+    parsum.sum_models(models, x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    by_hand = torch.full_like(models[2].weight, 0.25)
+    models[2].weight.grad = by_hand.clone()
+    if how == "deepcopy":
+        twins, twin_flat = copy.deepcopy((models, flat))
+    else:
+        twins, twin_flat = _copied_and_loaded(models, flat)[1]
+    grads = [p.grad for m in twins for p in m.parameters()]
+    assert sum(g is None for g in grads) == 9  # as the original's: all but the one by hand
+    assert torch.equal(twins[2].weight.grad, by_hand)
+    assert is_view_into(twins[2].weight.grad, twin_flat.flat)
+    ref = clone_models(twins)
+    parsum.sum_models(twins, x).square().sum().backward()
+    for m in ref:
+        m.zero_grad(set_to_none=True)
+    ref[2].weight.grad = by_hand.clone()
+    plain_sum(ref, x).square().sum().backward()
+    for got, want in zip(trainable(twins), trainable(ref)):
+        torch.testing.assert_close(got.grad, want.grad)
+        assert is_view_into(got.grad, twin_flat.flat)
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+        (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
+    ],
+    ids=["SGD", "Adam"],
+)
+@pytest.mark.parametrize("stacked", [False, True], ids=["models", "stack_"])
+def test_a_layer_frozen_during_training_stays_where_zero_grad_leaves_it(stacked, cls, kw, n_jobs):
+    # NOTE [ Frozen parameters' gradients ]: zero_() gave a layer frozen since the FlatGrad was
+    # made its zeroed view, which momentum, Adam's moments and weight decay moved on every
+    # step (2-4e-2 off the plain loop's after two steps), where zero_grad() gives it None and
+    # the optimizer leaves it. Unfrozen, it trains again.
+    torch.manual_seed(0)
+    models = [mlp([8]) for _ in range(8)]
+    ref = clone_models(models)
+    stack = parsum.stack_(models) if stacked else None
+    flat = parsum.FlatGrad(stack if stack is not None else models)
+    opt = cls(stack.parameters() if stack is not None else trainable(models), **kw)
+    ref_opt = cls(trainable(ref), **kw)
+    x = torch.randn(5, IN)
+    for step in range(7):
+        if step in (2, 5):  # frozen for steps 2-4, on every model at once
+            for m in [*models, *ref]:
+                m[0].weight.requires_grad_(step == 5)
+        flat.zero_()
+        ref_opt.zero_grad()
+        if 2 <= step < 5:
+            assert all(m[0].weight.grad is None for m in models)
+            if stack is not None:
+                assert stack.values["0.weight"].grad is None
+            held = [m[0].weight.detach().clone() for m in models]
+        parsum.sum_models(models, x, n_jobs=n_jobs).square().mean().backward()
+        plain_sum(ref, x).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+        if 2 <= step < 5:
+            assert all(torch.equal(m[0].weight, h) for m, h in zip(models, held))
+        for a, b in zip(trainable(models), trainable(ref)):
+            torch.testing.assert_close(a, b)
+            assert is_view_into(a.grad, flat.flat)
+    assert all(p.grad is not None for m in models for p in m.parameters())
+
+
 # -- sum_models' backward ------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import random
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -93,10 +94,33 @@ def _differences(plain: list, models: list, step: int, flat: bool, grads: bool) 
 
 
 def _zero_grads(plain: list) -> None:
-    """Zero ``.grad`` on the plain twins of models under a FlatGrad, whose are never None."""
+    """What ``FlatGrad.zero_()`` does, on the plain twins of models under a FlatGrad: a
+    trainable parameter's ``.grad`` zeroed (its view), a frozen one's None, as ``zero_grad()``
+    leaves it."""
     for m in plain:
         for p in m.parameters():
-            p.grad = torch.zeros_like(p)
+            if not p.requires_grad:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+
+
+def _zero_all(
+    plain_opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer,
+    plain: list,
+    flat: parsum.FlatGrad | None,
+) -> None:
+    """Zero both sides' gradients: by ``flat`` (and ``_zero_grads`` on the plain twins) where
+    it is given, else by the optimizers."""
+    if flat is not None:
+        _zero_grads(plain)
+        flat.zero_()
+    else:
+        plain_opt.zero_grad()
+        opt.zero_grad()
 
 
 def _optimizers(rng: random.Random, plain: list, models: list) -> tuple:
@@ -119,16 +143,14 @@ def check_stacked(seed: int) -> None:
     flat = parsum.FlatGrad(stack) if rng.random() < 0.4 else None
     over_stack = rng.random() < 0.5
     cls, kw = rng.choice(OPTIMIZERS)
-    if flat is not None and not over_stack and cls is torch.optim.Adam:
-        cls, kw = OPTIMIZERS[0]  # Adam counts a frozen parameter's zero-gradient steps
     plain_opt = cls([p for m in plain for p in m.parameters()], **kw)
     opt = cls(
         list(stack.parameters()) if over_stack else [p for m in models for p in m.parameters()],
         **kw,
     )
-    # A FlatGrad zeroes in place (its .grad is never None): the plain twins as well, where the
-    # FlatGrad is what the optimizer over the models zeroes.
-    set_to_none = flat is None or over_stack
+    # A FlatGrad zeroes trainable parameters' gradients in place: the plain twins' as well,
+    # where the FlatGrad is what the optimizer over the models zeroes.
+    zero_as_flat = flat is not None and not over_stack
     frozen: set[str] = set()
     log = [f"{len(base)} models, FlatGrad {flat is not None}, over the stack {over_stack}"]
     log.append(cls.__name__)
@@ -142,7 +164,8 @@ def check_stacked(seed: int) -> None:
         log.append(event)
         _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
         _reload_or_swap(event, plain, models, every=True)
-        if event == "copy":
+        copy_after = event == "copy" and rng.random() < 0.5  # a checkpoint after zero_grad()
+        if event == "copy" and not copy_after:
             models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
         elif event == "hand":
             for k, (a, b) in enumerate(zip(plain, models)):
@@ -150,11 +173,9 @@ def check_stacked(seed: int) -> None:
                     a[2].weight.grad = torch.full_like(a[2].weight, 0.01 * k)
                     b[2].weight.grad = torch.full_like(b[2].weight, 0.01 * k)
         if event not in ("keep", "hand"):
-            plain_opt.zero_grad(set_to_none=set_to_none)
-            if flat is not None and not over_stack:
-                flat.zero_()
-            else:
-                opt.zero_grad()
+            _zero_all(plain_opt, opt, plain, flat if zero_as_flat else None)
+        if copy_after:
+            models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
         x = torch.randn(5, 6, dtype=DTYPE)
         y, y_plain = parsum.sum_models(models, x), sum(m(x) for m in plain)
         if event == "written":  # NOTE [ Weights written before a group's backward ]
@@ -184,11 +205,7 @@ def check_stacked(seed: int) -> None:
                 zeroed = over_stack and was is not None and not p.grad.any()
                 assert zeroed or ((p.grad is None) if was is None else torch.equal(p.grad, was))
             # The plain loop wrote some: both zeroed, as a script would after the error
-            plain_opt.zero_grad(set_to_none=set_to_none)
-            if flat is not None and not over_stack:
-                flat.zero_()
-            else:
-                opt.zero_grad()
+            _zero_all(plain_opt, opt, plain, flat if zero_as_flat else None)
             continue
         if event in ("clip", "scale"):
             for ms in (plain, models):
@@ -226,13 +243,17 @@ def check_flat(seed: int) -> None:
         log.append(event)
         _freeze_or_unfreeze(rng, event, frozen, [*plain[:3], *models[:3]])
         _reload_or_swap(event, plain, models)
-        if event == "copy":
-            models, flat, state = copy.deepcopy((models, flat, opt.state_dict()))
-            opt = cls([p for m in models for p in m.parameters()], **kw)
-            opt.load_state_dict(state)
+        # A copy before the zeroing, or after it (a checkpoint after zero_grad()); the
+        # zeroing by the FlatGrad, or by the optimizers (.grad None, the slots as they were)
+        copy_after = event == "copy" and rng.random() < 0.5
+        if event == "copy" and not copy_after:
+            models, flat, opt = _copied_flat(models, flat, opt, cls, kw)
         if event != "keep":
-            plain_opt.zero_grad(set_to_none=False)
-            flat.zero_()
+            by_flat = rng.random() < 0.7
+            log.append("zeroed by " + ("the FlatGrad" if by_flat else "the optimizers"))
+            _zero_all(plain_opt, opt, plain, flat if by_flat else None)
+        if copy_after:
+            models, flat, opt = _copied_flat(models, flat, opt, cls, kw)
         for _ in range(2 if event == "micro" else 1):
             x = torch.randn(5, 6, dtype=DTYPE)
             parsum.sum_models(models, x, n_jobs=n_jobs).pow(2).mean().backward()
@@ -243,11 +264,13 @@ def check_flat(seed: int) -> None:
         elif event == "scale":
             for m in plain:
                 for p in m.parameters():
-                    p.grad.mul_(0.5)
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
             flat.flat.mul_(0.5)
         found = _differences(plain, models, step, True, grads=True)
         assert all(
-            p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+            (p.grad is None and not p.requires_grad)
+            or p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
             for m in models
             for p in m.parameters()
         ), f"seed {seed}: a .grad left the FlatGrad's buffer at step {step}"
@@ -255,6 +278,15 @@ def check_flat(seed: int) -> None:
         opt.step()
         found = found or _differences(plain, models, step, True, grads=False)
         assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+
+
+def _copied_flat(models: list, flat: parsum.FlatGrad, opt: Any, cls: type, kw: dict) -> tuple:
+    """A deep copy of the models and their FlatGrad, with an optimizer over the copies that
+    holds the original's state."""
+    models, flat, state = copy.deepcopy((models, flat, opt.state_dict()))
+    opt = cls([p for m in models for p in m.parameters()], **kw)
+    opt.load_state_dict(state)
+    return models, flat, opt
 
 
 def check_step_in_backward(seed: int) -> None:
@@ -321,14 +353,14 @@ def check_members(seed: int) -> None:
         event = rng.choice(["none", "freeze", "unfreeze", "load", "data", "keep", "copy"])
         _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
         _reload_or_swap(event, plain, models)
-        if event == "copy":
+        copy_after = event == "copy" and rng.random() < 0.5  # a checkpoint after zero_grad()
+        if event == "copy" and not copy_after:
             models, opt, flat = copy.deepcopy((models, opt, flat))
         if event != "keep":
-            plain_opt.zero_grad(set_to_none=flat is None)
-            if flat is not None:
-                flat.zero_()
-            else:
-                opt.zero_grad()
+            by_flat = flat is not None and rng.random() < 0.7
+            _zero_all(plain_opt, opt, plain, flat if by_flat else None)
+        if copy_after:
+            models, opt, flat = copy.deepcopy((models, opt, flat))
         positions = rng.sample(range(len(models)), rng.randint(1, len(models)))
         if rng.random() < 0.5:
             positions.sort()
