@@ -87,6 +87,18 @@
 # a FlatGrad cannot know before the backward which gradients will come, and an all-reduce of
 # the buffer needs every rank's ``.grad`` to be the view the reduced values land in.
 #
+# NOTE [ Slots of no gradient ]
+# ``optimizer.zero_grad()`` sets ``.grad`` to None and leaves the slots as they were, which the
+# next backward overwrites where it writes. A slot it does not write (a frozen layer's, a
+# member's not drawn, an expert's not routed to) kept the last step's gradient, and the buffer
+# read whole counted it: ``flat.flat.norm()`` for a clip (the docs' own example), an
+# all-reduce that handed it to every rank. Such a slot is nobody's gradient, so ``.flat`` and
+# ``.buffers`` zero the slots whose parameter's ``.grad`` is None (or whose parameter is gone)
+# before they give the buffers out, where no backward is writing them (its fresh slots are
+# None until it ends); the slots zeroed are remembered with the buffer's version, so that a
+# frozen layer's slot is zeroed once, not at every read. A reference to the buffer kept from
+# an earlier read is read without that: take ``.flat`` again after the backward.
+#
 # NOTE [ Sparse gradients in a slot ]
 # A parameter with a slot may get a row-sparse gradient (``parsum.take_rows``,
 # ``nn.Embedding(sparse=True)``). ``sum_models`` adds its rows into the slot in place, at a cost
@@ -276,6 +288,7 @@ class FlatGrad:
                 if p.grad is not None:
                     slot.view.copy_(_dense(p.grad))
         self._views = [slot.view for slot in self._slots]
+        self._refs = [slot.ref for slot in self._slots]
         # Where the views' and the parameters' data were and the parameters' dtypes when the
         # slots were last seen right: a cast, a move or data assigned changes one of them, and
         # only then are the slots looked at whole (NOTE [ Stale slots ]).
@@ -289,6 +302,9 @@ class FlatGrad:
         # Blocks given as a stacked tensor's ``.grad`` (``SlotBlock.give_to``), by the tensor's
         # id: the tensor, the block, the first slot and the number of slots.
         self._given_blocks: dict[int, tuple[weakref.ref[Tensor], Tensor, int, int]] = {}
+        # NOTE [ Slots of no gradient ]: per buffer, its version after the orphaned slots were
+        # zeroed, and those slots.
+        self._orphans_zeroed: dict[BufferKey, tuple[int, set[int]]] = {}
         # NOTE [ Backward passes in several threads ]: FlatWrites running, the gradients
         # handed in by those that ran beside another, the slots whose fresh .grad waits.
         self._lock = Lock()  # reentrant: a FlatWrites' __del__ may end it
@@ -307,7 +323,9 @@ class FlatGrad:
 
     @property
     def buffers(self) -> dict[BufferKey, Tensor]:
-        """The gradient buffers, keyed by ``(dtype, device)``."""
+        """The gradient buffers, keyed by ``(dtype, device)``; a slot whose parameter's
+        ``.grad`` is None reads zero (NOTE [ Slots of no gradient ])."""
+        self._zero_orphaned_slots()
         return dict(self._buffers)
 
     @property
@@ -319,6 +337,7 @@ class FlatGrad:
                 f"{_WHERE}.flat: the parameters have {len(self._buffers)} (dtype, device) "
                 f"pairs ({keys}), so there are as many buffers; use .buffers"
             )
+        self._zero_orphaned_slots()
         return next(iter(self._buffers.values()))
 
     @property
@@ -330,7 +349,7 @@ class FlatGrad:
         """Zero every buffer and point every trainable parameter's ``.grad`` at its view
         again; a frozen one's ``.grad`` becomes None, as ``zero_grad()`` leaves it (NOTE
         [ Frozen parameters' gradients ])."""
-        params = list(map(_deref, [slot.ref for slot in self._slots]))
+        params = list(map(_deref, self._refs))
         alive = not any(map(operator.is_, params, repeat(None)))
         # Compared in C, list against list: looking at each slot took 0.4 ms of zero_()'s 0.7
         # (382 parameters, 2 cores).
@@ -356,6 +375,43 @@ class FlatGrad:
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
         return self
+
+    def _zero_orphaned_slots(self) -> None:
+        """Zero the slots whose parameter's ``.grad`` is None (or whose parameter is gone),
+        which hold gradients nobody refers to, before the buffers are read (NOTE [ Slots of
+        no gradient ]); those zeroed since nothing else wrote the buffer are not zeroed again."""
+        params = list(map(_deref, self._refs))
+        if any(map(operator.is_, params, repeat(None))):  # a parameter gone: its slot too
+            grads = [None if p is None else p.grad for p in params]
+        else:
+            grads = list(map(_grad_of, params))
+        if not any(map(operator.is_, grads, repeat(None))):
+            return  # the usual case: every .grad set (passes in C: 30 us for 384)
+        with self._lock:
+            if self._writing:  # a backward writes the slots: its fresh ones are None until it ends
+                return
+            orphans: dict[BufferKey, list[int]] = {}
+            for index in compress(range(len(grads)), map(operator.is_, grads, repeat(None))):
+                orphans.setdefault(self._slots[index].key, []).append(index)
+            for key, indexes in orphans.items():
+                buffer = self._buffers[key]
+                done = self._orphans_zeroed.get(key)
+                zeroed = done[1] if done is not None and done[0] == buffer._version else set()
+                todo = [i for i in indexes if i not in zeroed]
+                if not todo:
+                    continue
+                ours = self._comp_versions.get(key) == buffer._version
+                known_zero = self._zero_versions.get(key) == buffer._version
+                tensors = [self._slots[i].view for i in todo]
+                tensors += [c for i in todo if (c := self._slots[i].comp) is not None]
+                with torch.no_grad():
+                    torch._foreach_zero_(tensors)
+                version = buffer._version
+                if ours:  # nobody else wrote since parsum did: the compensations stay valid
+                    self._comp_versions[key] = version
+                if known_zero:
+                    self._zero_versions[key] = version
+                self._orphans_zeroed[key] = (version, zeroed | set(todo))
 
     def _drop_frozen_blocks(self, params: Sequence[Tensor | None]) -> None:
         """``zero_()``'s part for blocks given as a stacked tensor's ``.grad``: None where every
@@ -618,6 +674,8 @@ class FlatGrad:
 _deref = weakref.ref.__call__
 _grad_of = operator.attrgetter("grad")
 _requires_grad = operator.attrgetter("requires_grad")
+
+
 _dtype_of = operator.attrgetter("dtype")
 
 

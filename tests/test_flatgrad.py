@@ -275,6 +275,47 @@ def test_a_layer_frozen_during_training_stays_where_zero_grad_leaves_it(stacked,
     assert all(p.grad is not None for m in models for p in m.parameters())
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize("compensated", [False, True])
+@pytest.mark.parametrize("left", ["a frozen layer", "a member not in the call", "a model gone"])
+def test_a_slot_no_backward_wrote_since_zero_grad_reads_zero(left, compensated, n_jobs):
+    # NOTE [ Slots of no gradient ]: after optimizer.zero_grad() (.grad None, the slots as they
+    # were), a slot the next backward did not write kept the last step's gradient, and a
+    # norm of the buffer (for a clip: the docs' own example) or an all-reduce counted it.
+    torch.manual_seed(0)
+    models = [mlp([5]), mlp([3]), nn.Linear(IN, OUT)]
+    flat = parsum.FlatGrad(models, compensated=compensated)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    x = torch.randn(6, IN)
+    for step in range(3):
+        opt.zero_grad()
+        called = models
+        if step > 0 and left == "a frozen layer":
+            models[1][0].weight.requires_grad_(False)
+        elif step > 0:
+            called = models[:2]
+        parsum.sum_models(called, x, n_jobs=n_jobs).square().sum().backward()
+        if step == 1 and left == "a model gone":
+            del models[2], opt  # the model and the last reference to its parameters
+            opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+        want = [p.grad for m in models for p in m.parameters() if p.grad is not None]
+        norm = torch.cat([g.reshape(-1) for g in want]).norm()
+        for _ in range(2):  # the second read finds them zeroed
+            assert torch.equal(flat.flat.norm(), norm), step
+        assert all(is_view_into(g, flat.flat) for g in want)
+        opt.step()
+    # the slots zeroed still take the next gradients, compensated where the FlatGrad is
+    for m in models:
+        m.requires_grad_(True)
+    ref = clone_models(models)
+    opt.zero_grad()
+    for scale in (1.0, 1e-8):
+        parsum.sum_models(models, scale * x, n_jobs=n_jobs).square().sum().backward()
+        plain_sum(ref, scale * x).square().sum().backward()
+    for got, want in zip(trainable(models), trainable(ref)):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 # -- sum_models' backward ------------------------------------------------------------------
 
 

@@ -268,6 +268,7 @@ def check_flat(seed: int) -> None:
                         p.grad.mul_(0.5)
             flat.flat.mul_(0.5)
         found = _differences(plain, models, step, True, grads=True)
+        _check_flat_holds_the_grads(flat, models, seed, step)
         assert all(
             (p.grad is None and not p.requires_grad)
             or p.grad.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
@@ -278,6 +279,15 @@ def check_flat(seed: int) -> None:
         opt.step()
         found = found or _differences(plain, models, step, True, grads=False)
         assert found is None, f"seed {seed}: {found}; events: {', '.join(log)}"
+
+
+def _check_flat_holds_the_grads(flat: parsum.FlatGrad, models: list, seed: int, step: int) -> None:
+    """The FlatGrad's buffer read whole holds the models' gradients, and zero where a
+    ``.grad`` is None (NOTE [ Slots of no gradient ]): its norm is theirs."""
+    grads = [p.grad.reshape(-1) for m in models for p in m.parameters() if p.grad is not None]
+    want = torch.cat(grads).norm() if grads else torch.zeros((), dtype=DTYPE)
+    got = flat.flat.norm()
+    assert torch.allclose(got, want), f"seed {seed}: the buffer's norm {got} at step {step}, {want}"
 
 
 def _copied_flat(models: list, flat: parsum.FlatGrad, opt: Any, cls: type, kw: dict) -> tuple:
@@ -369,6 +379,8 @@ def check_members(seed: int) -> None:
         parsum.sum_models([models[k] for k in positions], x, n_jobs=n_jobs).pow(2).mean().backward()
         sum(plain[k](x) for k in positions).pow(2).mean().backward()
         found = _differences(plain, models, step, flat is not None, grads=True)
+        if flat is not None:
+            _check_flat_holds_the_grads(flat, models, seed, step)
         plain_opt.step()
         opt.step()
         found = found or _differences(plain, models, step, flat is not None, grads=False)
