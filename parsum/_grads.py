@@ -677,8 +677,6 @@ class FlatGrad:
 _deref = weakref.ref.__call__
 _grad_of = operator.attrgetter("grad")
 _requires_grad = operator.attrgetter("requires_grad")
-
-
 _dtype_of = operator.attrgetter("dtype")
 
 
