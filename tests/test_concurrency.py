@@ -366,6 +366,52 @@ def test_concurrent_backward_passes_through_identical_models_keep_every_gradient
             assert (p.grad - total).norm() <= 1e-4 * total.norm()
 
 
+@pytest.mark.parametrize("n_jobs", [None, 1, 2])
+def test_a_flatgrad_read_in_another_thread_while_training_changes_no_gradient(n_jobs, cores):
+    # NOTE [ Slots of no gradient ] in parsum._grads: reading .flat zeroes the slots whose
+    # .grad is None, which a backward beside it is about to fill (a hook moving a fresh
+    # gradient in, or a FlatWrites whose fresh slots are None until it ends): every step's
+    # gradients must still be the plain loop's, and the norm read between steps theirs.
+    cores(2)
+    torch.manual_seed(0)
+    models = [mlp([16]) for _ in range(8)]
+    ref = clone_models(models)
+    flat = parsum.FlatGrad(models)
+    params = [p for m in models for p in m.parameters()]
+    x = torch.randn(8, IN)
+    stop = threading.Event()
+    reads = [0]
+
+    def reader():
+        while not stop.is_set():
+            flat.flat.norm()
+            reads[0] += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for step in range(40):
+            called = models if step % 2 else models[:5]  # slots no backward writes, half the time
+            for p in params:
+                p.grad = None
+            for m in ref:
+                m.zero_grad(set_to_none=True)
+            parsum.sum_models(called, x, n_jobs=n_jobs).square().sum().backward()
+            plain_sum(ref[: len(called)], x).square().sum().backward()
+            for got, want in zip(params, [p for m in ref for p in m.parameters()], strict=True):
+                assert (got.grad is None) == (want.grad is None), step
+                if want.grad is not None:
+                    torch.testing.assert_close(got.grad, want.grad)
+            want_norm = torch.cat(
+                [p.grad.reshape(-1) for m in ref for p in m.parameters() if p.grad is not None]
+            ).norm()
+            torch.testing.assert_close(flat.flat.norm(), want_norm)
+    finally:
+        stop.set()
+        thread.join()
+    assert reads[0] > 40
+
+
 @pytest.mark.parametrize("kind", ["different", "identical"])
 def test_flatgrad_used_from_another_thread_leaves_the_callers_graph(kind, cores):
     # The caller's graph is kept for a FlatGrad trained in the thread that made it; from the
