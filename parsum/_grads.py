@@ -289,6 +289,9 @@ class FlatGrad:
                     slot.view.copy_(_dense(p.grad))
         self._views = [slot.view for slot in self._slots]
         self._refs = [slot.ref for slot in self._slots]
+        # zero_()'s .grad wanted for each slot, and which parameters were trainable then
+        self._trainable: list[bool] | None = None
+        self._wanted: list[Tensor | None] = []
         # Where the views' and the parameters' data were and the parameters' dtypes when the
         # slots were last seen right: a cast, a move or data assigned changes one of them, and
         # only then are the slots looked at whole (NOTE [ Stale slots ]).
@@ -362,8 +365,13 @@ class FlatGrad:
         with torch.no_grad():
             for buffer in (*self._buffers.values(), *self._comps.values()):
                 buffer.zero_()
-        trainable = alive and all(map(_requires_grad, params))
-        if not trainable or not all(map(operator.is_, map(_grad_of, params), self._views)):
+        # Each .grad wanted: its view, or None where the parameter is frozen; made again only
+        # where which are frozen changed (a loop over the slots costs 0.1 ms for 384)
+        trainable = list(map(_requires_grad, params)) if alive else None
+        if trainable != self._trainable:
+            self._trainable = trainable
+            self._wanted = [v if t else None for v, t in zip(self._views, trainable or ())]
+        if not alive or not all(map(operator.is_, map(_grad_of, params), self._wanted)):
             for p, view in zip(params, self._views):
                 if p is None:
                     continue
