@@ -213,6 +213,10 @@ class FlatGrad:
     >>> members[1].weight.grad.data_ptr() == stack.values["weight"].grad[1].data_ptr()
     True
 
+    ``zero_()`` is its ``zero_grad()``: a parameter frozen since the FlatGrad was made gets
+    ``.grad`` None, as ``optimizer.zero_grad()`` leaves it. After ``optimizer.zero_grad()``, a
+    slot whose ``.grad`` is None reads zero in ``.flat`` and ``.buffers``.
+
     A parameter whose gradient comes row-sparse (:func:`parsum.take_rows`,
     ``nn.Embedding(sparse=True)``) has its rows added into its slot by ``sum_models`` (cost in
     proportion to the rows), so its ``.grad`` is dense; leave it out to keep a sparse ``.grad``
