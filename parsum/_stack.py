@@ -524,6 +524,14 @@ class Stack(Sequence[nn.Module]):
                 if block is not None:
                     block.zero_()
                 self._frozen_given.discard(name)
+            elif all(m.get_parameter(name).grad is None for m in self.models):
+                # The models' gradients are gone (the FlatGrad's zero_() gives a frozen
+                # parameter None): the stacked one with them. Where zero_() could not (a copy,
+                # whose stacked .grad is a copy of the block, not the copied FlatGrad's block),
+                # an optimizer over the stack had stepped the frozen layer with the gradients
+                # of before on every step.
+                stacked.grad = None
+                self._frozen_given.discard(name)
 
     def _record(self, infos: list[ModelParams]) -> None:
         """What ``_check`` compares on every call (NOTE [ Stacked storage ])."""

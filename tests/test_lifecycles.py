@@ -148,9 +148,6 @@ def check_stacked(seed: int) -> None:
         list(stack.parameters()) if over_stack else [p for m in models for p in m.parameters()],
         **kw,
     )
-    # A FlatGrad zeroes trainable parameters' gradients in place: the plain twins' as well,
-    # where the FlatGrad is what the optimizer over the models zeroes.
-    zero_as_flat = flat is not None and not over_stack
     frozen: set[str] = set()
     log = [f"{len(base)} models, FlatGrad {flat is not None}, over the stack {over_stack}"]
     log.append(cls.__name__)
@@ -165,8 +162,14 @@ def check_stacked(seed: int) -> None:
         _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
         _reload_or_swap(event, plain, models, every=True)
         copy_after = event == "copy" and rng.random() < 0.5  # a checkpoint after zero_grad()
+        # A FlatGrad zeroes trainable parameters' gradients in place: the plain twins' as
+        # well, where the FlatGrad zeroes (always, where the optimizer is over the models)
+        zero_as_flat = flat is not None and (not over_stack or rng.random() < 0.5)
         if event == "copy" and not copy_after:
             models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
+            if rng.random() < 0.5:  # a layer frozen in the copy before its first backward
+                log.append("freeze")
+                _freeze_or_unfreeze(rng, "freeze", frozen, [*plain, *models])
         elif event == "hand":
             for k, (a, b) in enumerate(zip(plain, models)):
                 if a[2].weight.requires_grad:
