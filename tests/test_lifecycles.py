@@ -60,7 +60,7 @@ def _freeze_or_unfreeze(rng: random.Random, event: str, frozen: set[str], models
     else:
         return
     for m in models:
-        m.get_parameter(name).requires_grad_(name in frozen)
+        m.get_parameter(name).requires_grad_(name not in frozen)
 
 
 def _reload_or_swap(event: str, plain: list, models: list, every: bool = False) -> None:
