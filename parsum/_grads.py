@@ -294,7 +294,7 @@ class FlatGrad:
         self._views = [slot.view for slot in self._slots]
         self._refs = [slot.ref for slot in self._slots]
         # zero_()'s .grad wanted for each slot, and which parameters were trainable then
-        self._trainable: list[bool] | None = None
+        self._trainable: list[bool] = []
         self._wanted: list[Tensor | None] = []
         # Where the views' and the parameters' data were and the parameters' dtypes when the
         # slots were last seen right: a cast, a move or data assigned changes one of them, and
@@ -371,19 +371,19 @@ class FlatGrad:
                 buffer.zero_()
         # Each .grad wanted: its view, or None where the parameter is frozen; made again only
         # where which are frozen changed (a loop over the slots costs 0.1 ms for 384)
-        trainable = list(map(_requires_grad, params)) if alive else None
+        if alive:
+            trainable = list(map(_requires_grad, params))
+        else:
+            trainable = [p is not None and p.requires_grad for p in params]
         if trainable != self._trainable:
             self._trainable = trainable
-            self._wanted = [v if t else None for v, t in zip(self._views, trainable or ())]
+            self._wanted = [v if t else None for v, t in zip(self._views, trainable)]
         if not alive or not all(map(operator.is_, map(_grad_of, params), self._wanted)):
-            for p, view in zip(params, self._views):
-                if p is None:
-                    continue
-                wanted = view if p.requires_grad else None
-                if p.grad is not wanted:  # assigning checks; reading is cheap
+            for p, wanted in zip(params, self._wanted):
+                if p is not None and p.grad is not wanted:  # assigning checks; reading is cheap
                     p.grad = wanted
         if self._given_blocks:
-            self._drop_frozen_blocks(params)
+            self._drop_frozen_blocks()
         self._zero_versions = {k: b._version for k, b in self._buffers.items()}
         self._note_written()  # the compensations are zero and valid
         return self
@@ -428,14 +428,14 @@ class FlatGrad:
             return [None if p is None else p.grad for p in params]
         return list(map(_grad_of, params))
 
-    def _drop_frozen_blocks(self, params: Sequence[Tensor | None]) -> None:
+    def _drop_frozen_blocks(self) -> None:
         """``zero_()``'s part for blocks given as a stacked tensor's ``.grad``: None where every
         parameter of the block is frozen (NOTE [ Frozen parameters' gradients ])."""
         for key, (ref, block, first, count) in list(self._given_blocks.items()):
             stacked = ref()
             if stacked is None or stacked.grad is not block:
                 del self._given_blocks[key]  # given no more
-            elif not any(p is not None and p.requires_grad for p in params[first : first + count]):
+            elif not any(self._trainable[first : first + count]):
                 stacked.grad = None
                 del self._given_blocks[key]
 
