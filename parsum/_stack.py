@@ -72,6 +72,20 @@
 # ``zero_()`` sets that stacked ``.grad`` to None itself (NOTE [ Frozen parameters' gradients ]
 # in _grads).
 #
+# NOTE [ Models that differ, trained over the stack ]
+# A change that leaves the models different (a hook, a setting or ``eval()`` on one model,
+# pruning one) makes them run one by one. Their parameters are still the stack's slices, so an
+# optimizer over ``stack.parameters()`` still gets their gradients: each model's ``.grad`` is
+# made a view of the stack's zeroed buffer as the backward starts (``attach_at_backward``), as
+# for models too large to batch. Until 2026-12-07 the stacked ``.grad`` was dropped instead,
+# and that optimizer stepped no model from then on, with one warning, where the plain loop
+# trains on (a forward hook on one of 10 models, SGD with momentum: every parameter 0.14 off
+# the plain loop four steps later). Not where a tensor left its slice (cast, moved, narrowed)
+# or one model's tensor is frozen alone: one stacked tensor has one gradient, so a frozen
+# slice would be moved by momentum or weight decay with a zero gradient, which the plain loop
+# never does; there the stack gets no gradient, and says so, until ``stack_`` stacks the
+# models again.
+#
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
 # stacked storage, in the caller's own graph: ``torch.stack`` of each parameter name
@@ -288,7 +302,7 @@ class Stack(Sequence[nn.Module]):
         self._refs = tuple(weakref.ref(m) for m in models)
         self.values: dict[str, Tensor] = dict(values or {})
         self._lock = Lock()
-        self._warned: set[str] = set()
+        self._warned: set[Any] = set()  # reasons said, with whether gathered; "flat"
         self._broken: str | None = None
         self._grad_buffers: dict[str, Tensor] = {}
         self._grad_views: dict[str, tuple[Tensor, ...]] = {}
@@ -761,13 +775,30 @@ class Stack(Sequence[nn.Module]):
             self._forget_gradients()
         self._warn(reason)
 
-    def _warn(self, reason: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
+    def _gathers(self) -> bool:
+        """Whether the models' gradients still reach the stacked tensors while the models run
+        one by one because they differ (NOTE [ Models that differ, trained over the stack ]):
+        an optimizer over ``parameters()`` wants them, and every tensor is still its slice,
+        as trainable as when stacked."""
+        return (
+            self._stacked_grads_wanted
+            and bool(self.values)
+            and list(map(_data_ptr, self._tensors)) == self._ptrs
+            and self._still_slices(self._tensors)
+            and list(map(_requires_grad, self._tensors)) == self._requires
+        )
+
+    def _warn(self, reason: str, gathered: bool = False) -> None:
+        if (reason, gathered) not in self._warned:
+            self._warned.add((reason, gathered))
+            then = (
+                "their gradients still reach stack.parameters()"
+                if gathered
+                else "an optimizer over stack.parameters() gets no gradient until "
+                "parsum.stack_ is called again on identical models"
+            )
             warnings.warn(
-                f"parsum: the stacked models run one by one (slower) because {reason}; "
-                "an optimizer over stack.parameters() gets no gradient until parsum.stack_ "
-                "is called again on identical models",
+                f"parsum: the stacked models run one by one (slower) because {reason}; {then}",
                 # At the caller of sum_models: past this, the stack's caller, sum_models and
                 # torch.compiler.disable's wrapper.
                 stacklevel=5,
@@ -1086,12 +1117,14 @@ def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
     for stack in found.values():
         with stack._lock:
             reason = stack._check()
-            if reason is not None:
+            # NOTE [ Models that differ, trained over the stack ]
+            gathers = reason is None or stack._gathers()
+            if not gathers:
                 stack._forget_gradients()
-        if reason is None:
+        if gathers:
             held.append(stack)
-        else:
-            stack._warn(reason)
+        if reason is not None:
+            stack._warn(reason, gathers)
     return held
 
 
@@ -1148,6 +1181,9 @@ def stacked_sum(
     with stack._lock:
         reason = stack._check()
         if reason is not None:
+            if stack._gathers():  # NOTE [ Models that differ, trained over the stack ]
+                stack._warn(reason, gathered=True)
+                return ONE_BY_ONE
             stack._forget_gradients()
             stack._warn(reason)
             return None

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 import parsum
@@ -559,6 +560,116 @@ def test_models_that_differ_now_run_one_by_one_with_a_warning_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         parsum.sum_models(models, x)  # said once
+
+
+def prune_one(models):
+    # The weight becomes weight_orig, the same parameter, read through a forward pre-hook.
+    torch.nn.utils.prune.l1_unstructured(models[4][0], "weight", amount=0.5)
+
+
+def one_to_eval(models):
+    models[4].eval()
+
+
+def forward_pre_hook_on_one(models):
+    models[4][2].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=0.02),
+    ],
+    ids=["sgd", "adam"],
+)
+@pytest.mark.parametrize(
+    "change",
+    [
+        slope_of_one,
+        forward_hook_on_one,
+        forward_pre_hook_on_one,
+        gradient_hook_on_one,
+        post_accumulate_hook_on_one,
+        class_of_one,
+        one_to_eval,
+        prune_one,
+    ],
+)
+def test_models_that_differ_now_still_train_under_an_optimizer_over_the_stack(
+    change, optimizer, flat
+):
+    # A hook, a setting or eval() on one model makes the models run one by one; their
+    # parameters are still the stack's slices, so their gradients still reach the stacked
+    # tensors. The optimizer over stack.parameters() had got none, and stopped training
+    # every model (a warning once), where the plain loop trains on (NOTE [ Models that differ,
+    # trained over the stack ] in parsum._stack).
+    models, plain, stack = stacked_and_plain()
+    flat_grad = parsum.FlatGrad(stack) if flat else None
+    opt = optimizer(stack.parameters())
+    opt_plain = optimizer([p for m in plain for p in m.parameters()])
+    for step in range(4):
+        x = torch.randn(8, IN)
+        if step == 1:
+            for ms in (models, plain):
+                torch.manual_seed(5)
+                change(ms)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            y = parsum.sum_models(models, x)
+        assert not any("gets no gradient" in str(w.message) for w in warned)
+        y.pow(2).mean().backward()
+        plain_sum(plain, x).pow(2).mean().backward()
+        opt.step()
+        opt_plain.step()
+        assert_params_close(models, plain)
+    if flat_grad is not None and change is not prune_one:  # prune: weight_orig, renamed
+        assert one_buffer_for_all(flat_grad, stack)  # still the models' and the stack's
+
+
+def test_some_of_models_that_differ_still_train_under_an_optimizer_over_the_stack():
+    # A call on some of the stack's models runs them one by one (wanted_stacks_among): the
+    # same once a hook on one of them makes them differ.
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1)
+    for ms in (models, plain):
+        forward_hook_on_one(ms)
+    for step in range(3):
+        x = torch.randn(8, IN)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            parsum.sum_models(models[2:8], x).pow(2).mean().backward()
+        said = ["still reach stack.parameters" in str(w.message) for w in warned]
+        assert said == ([True] if step == 0 else [])  # once
+        plain_sum(plain[2:8], x).pow(2).mean().backward()
+        opt.step()
+        opt_plain.step()
+        assert_params_close(models, plain)
+
+
+def test_a_model_frozen_alone_stops_an_optimizer_over_the_stack_with_a_warning():
+    # One model's slice of a stacked tensor cannot be frozen alone: an optimizer over the
+    # stack would move it with a zero gradient (momentum, weight decay). It gets no gradient
+    # instead, and says so, until the models are identical again.
+    models, _, stack = stacked_and_plain()
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, IN)
+    parsum.sum_models(models, x).pow(2).mean().backward()
+    opt.step()
+    freeze_one(models)
+    frozen = models[4][0].weight.detach().clone()
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match="gets no gradient"):
+        parsum.sum_models(models, x).pow(2).mean().backward()
+    assert all(t.grad is None for t in stack.values.values())
+    opt.step()
+    assert torch.equal(models[4][0].weight, frozen)
 
 
 def test_a_change_made_to_every_model_restacks_silently():
