@@ -650,7 +650,7 @@ def model_kind(model: Any) -> str:
 
 def pull_back(
     outputs: Sequence[GradientEdge],
-    inputs: Sequence[Tensor],
+    inputs: Sequence[Tensor | GradientEdge],
     cotangents: Sequence[Tensor],
     retain_graph: bool,
     accumulate: bool = False,
@@ -673,7 +673,7 @@ def pull_back(
 
 def _pull_back(
     outputs: Sequence[GradientEdge],
-    inputs: Sequence[Tensor],
+    inputs: Sequence[Tensor | GradientEdge],
     cotangents: Sequence[Tensor],
     retain_graph: bool,
     accumulate: bool,
@@ -682,14 +682,17 @@ def _pull_back(
     if len(outputs) == 1:  # NOTE [ One root edge ]
         outputs, cotangents = _with_a_root_pad(outputs, cotangents)
     if _run_engine is None or has_torch_function([*cotangents, *inputs]):
+        # Tensors and edges mixed, which the engine takes (torch's annotations name either
+        # alone)
+        wrt = cast(Sequence[Tensor], inputs)
         if accumulate:
             torch.autograd.backward(  # no inputs: every leaf, as the engine call does
-                outputs, cotangents, retain_graph=retain_graph, inputs=list(inputs) or None
+                outputs, cotangents, retain_graph=retain_graph, inputs=list(wrt) or None
             )
             return ()
         return torch.autograd.grad(
             outputs,
-            inputs,
+            wrt,
             cotangents,
             retain_graph=retain_graph,
             create_graph=create_graph,
@@ -794,7 +797,7 @@ def autograd_forward(
     # gradient: the hooks run once, on the whole gradient, as in the plain loop, and the
     # user's tensors are never written to (taking the hooks off the parameter for a while
     # raced with other threads' backward passes and crashed the interpreter).
-    wrt_params = params.tensors
+    wrt_params: Sequence[Tensor | GradientEdge] = params.tensors
     # This runs for every model on every call: no context manager object, and the hook check
     # reads one attribute a parameter unless a parameter has hooks at all.
     hooked = [p for p in params.tensors if p._backward_hooks is not None and has_user_hooks(p)]
@@ -803,7 +806,10 @@ def autograd_forward(
     try:
         views = {id(p): p.view_as(p) for p in hooked} if hooked else None
         if views is not None:
-            wrt_params = [views.get(id(p), p) for p in params.tensors]
+            # Each view's edge as the graph holds it: a parameter written in place before the
+            # backward gives its view a new grad_fn, which the graph does not reach (NOTE
+            # [ Tensor hooks in the caller's graph ] in _inline)
+            wrt_params = [_edge(views[id(p)]) if id(p) in views else p for p in params.tensors]
         inputs = {j: call.leaves[j].detach().requires_grad_() for j in call.grad_positions}
         read = model_arguments(inputs)
         args, kwargs = call.build(read)
@@ -888,7 +894,11 @@ class GraphPullback:
     __slots__ = ("aliased", "n_args", "roots", "wrt")
 
     def __init__(
-        self, roots: list[GradientEdge | None], wrt: list[Tensor], n_args: int, aliased: bool
+        self,
+        roots: list[GradientEdge | None],
+        wrt: list[Tensor | GradientEdge],
+        n_args: int,
+        aliased: bool,
     ) -> None:
         self.roots = roots
         self.wrt = wrt
@@ -924,7 +934,7 @@ def pull_back_together(
     """
     outs: list[GradientEdge] = []
     cots: list[Tensor] = []
-    wrt: list[Tensor] = []
+    wrt: list[Tensor | GradientEdge] = []
     for pb, cotangents in items:
         for o, c in zip(pb.roots, cotangents):
             if o is not None:
@@ -937,7 +947,7 @@ def pull_back_together(
         results: list[tuple[list[Tensor | None], list[Tensor | None]]] = []
         for pb, _ in items:
             arg_grads: list[Tensor | None] = []
-            for alias in pb.wrt[: pb.n_args]:
+            for alias in cast(list[Tensor], pb.wrt[: pb.n_args]):  # the arguments': tensors
                 arg_grads.append(alias.grad)
                 alias.grad = None
             results.append((arg_grads, [None] * (len(pb.wrt) - pb.n_args)))

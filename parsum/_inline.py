@@ -165,7 +165,12 @@
 # order, differentiate with respect to the view (``_State.wrt_params``), and the node returns
 # the gradient, which autograd hands to the hook once (the pullback never accumulates: a
 # None returned would reach the hook too); a stacked group stacks the views of its models'
-# hooked parameters in their place. Only where each such parameter is used by one model, and
+# hooked parameters in their place. The pullbacks differentiate with respect to each view's
+# gradient edge as the forward made it: a parameter written in place between the forward and
+# the backward (a clamp, an optimizer stepped early) makes its view's grad_fn anew, which no
+# model's graph reaches, and until 2026-12-07 a first layer's weight so written, whose graph
+# never reads it back (the plain loop gives its gradient), got None, silently, its hook
+# called with None. Only where each such parameter is used by one model, and
 # no compensated FlatGrad, whose slots the node writes itself (``hooks_fit``); the others
 # stay in ParallelSum. Until 2026-12-05 every call with a hooked parameter ran through
 # ParallelSum, where a second backward raised, and on 2 cores 16 MLPs of widths 128-512 with a
@@ -395,7 +400,7 @@ class _State:
         # What the pullbacks differentiate with respect to for each parameter: the view a
         # parameter with a tensor hook was read through, else itself (NOTE [ Tensor hooks in
         # the caller's graph ]).
-        self.wrt_params: list[Tensor] = plan.params
+        self.wrt_params: Sequence[Tensor | GradientEdge] = plan.params
 
 
 def sum_in_callers_graph(
@@ -438,7 +443,10 @@ def sum_in_callers_graph(
     state.attached = result.attached
     if views:
         read_as = [views.get(s) for s in range(len(plan.params))]
-        state.wrt_params = [p if v is None else v for p, v in zip(plan.params, read_as)]
+        # Each view's edge as its model's graph holds it: a parameter written in place since
+        # gives its view a new grad_fn, which no graph reaches (NOTE [ Tensor hooks in the
+        # caller's graph ])
+        state.wrt_params = [p if v is None else _edge(v) for p, v in zip(plan.params, read_as)]
     del roots, result, edges
     arguments = [t for t, need in zip(tensors, needs) if need]
     if plan.args_made_to_need_grad:  # NOTE [ Arguments made to need a gradient ] in _function
@@ -1077,7 +1085,7 @@ def _raise_first_failure(
     original: Exception,
     aliases: list[list[Tensor]] | None,
     freed_as_it_went: bool,
-    wrt_params: list[Tensor],
+    wrt_params: Sequence[Tensor | GradientEdge],
 ) -> None:
     """Pull each model back alone, in order, and raise naming the first that fails, with its
     own error; or, where none fails again or a graph the failed call freed does, name with
@@ -1103,7 +1111,7 @@ def _raise_first_failure(
         running = None if found is None else units[found].models[0]
     attempts = []
     for unit in units:
-        wrt: list[Tensor] = []
+        wrt: list[Tensor | GradientEdge] = []
         outs: list[GradientEdge] = []
         cots: list[Tensor] = []
         for m in unit.models:

@@ -1718,3 +1718,52 @@ def test_a_failure_beside_a_hooked_parameter_names_its_model_and_changes_no_grad
         y.sum().backward()
     assert calls == []  # no gradient reached a hook
     assert all(p.grad is None for m in models for p in m.parameters())
+
+
+@pytest.mark.parametrize("n_jobs", [1, 2])
+@pytest.mark.parametrize(
+    "layer, engine",
+    # "vjp" runs shadows holding tensors of their own, where a write raises nothing
+    # (docs/limits.md): only the first layer there.
+    [
+        ("first", "auto"), ("first", "autograd"), ("first", "vjp"), ("first", "shared"),
+        ("last", "auto"), ("last", "autograd"),
+    ],
+)  # fmt: skip
+def test_a_hooked_weight_written_before_the_backward_is_differentiated_as_plainly(
+    layer, n_jobs, engine
+):
+    # A first layer's weight written in place between the forward and the backward (a clamp,
+    # an optimizer stepped early): its graph never reads it back, so the plain loop gives its
+    # gradient. Read through a view for its hook, the view's grad_fn was made anew by the write
+    # and the pullback, asked for the view, reached none: the gradient was None, silently (the
+    # hook called with None). A last layer's weight, which the graph saved, raises as plainly.
+    torch.manual_seed(0)
+    base = [mlp([5 + i]).double() for i in range(4)]
+    x = torch.randn(3, IN, dtype=torch.float64)
+    results = []
+    for ours in (False, True):
+        calls: list[int] = []
+        models = _masked(clone_models(base), calls)
+        if engine == "shared":  # a hooked parameter two models use: ParallelSum's views
+            models.append(models[1])
+        if ours:
+            y = parsum.sum_models(models, x, n_jobs=n_jobs, engine=engine.replace("shared", "auto"))
+        else:
+            y = plain_sum(models, x)
+        written = models[1][0 if layer == "first" else -1].weight
+        with torch.no_grad():
+            written.mul_(0.5)
+        if layer == "last":
+            match = r"model 1 \(Sequential\)" if ours else "modified by an inplace operation"
+            with pytest.raises((RuntimeError, parsum.ParsumError), match=match):
+                y.pow(2).sum().backward()
+            results.append(None)
+            continue
+        y.pow(2).sum().backward()
+        assert sorted(set(calls)) == list(range(len(base)))  # each hook once, on a gradient
+        assert len(calls) == len(base)
+        results.append([p.grad for m in models for p in m.parameters()])
+    if layer == "first":
+        for got, want in zip(*results[::-1], strict=True):
+            torch.testing.assert_close(got, want)
