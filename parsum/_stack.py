@@ -84,7 +84,11 @@
 # or one model's tensor is frozen alone: one stacked tensor has one gradient, so a frozen
 # slice would be moved by momentum or weight decay with a zero gradient, which the plain loop
 # never does; there the stack gets no gradient, and says so, until ``stack_`` stacks the
-# models again.
+# models again. A copy (or an unpickled stack) of models that differ so, with an optimizer
+# over ``parameters()``, stacks the copied models into the copied tensors all the same
+# (``_hold_differing``), as one that gave up: they run one by one, their gradients gathered
+# there, until ``stack_`` stacks them again; it had left them their own storage, and the
+# copied optimizer stepped nothing.
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -338,7 +342,9 @@ class Stack(Sequence[nn.Module]):
     # that a copied optimizer over ``parameters()`` steps the copied models. Gradients are
     # not copied, as a copied parameter's are not. A stack that no longer runs as one
     # (``unstack_``, models no longer identical) copies as one that gave up, with its reason:
-    # its copied models run one by one in their own storage.
+    # its copied models run one by one in their own storage, or in the copied tensors where
+    # they only differ in what leaves their tensors alike (NOTE [ Models that differ, trained
+    # over the stack ]).
     def __getstate__(self) -> dict[str, Any]:
         return {
             "models": list(self.models),
@@ -357,12 +363,15 @@ class Stack(Sequence[nn.Module]):
         for t in values.values():
             t.grad = None
         reason = state["broken"]
+        placed = False  # models that differ, stacked all the same
         if reason is None:
             try:
                 self.__init__(models, values)  # type: ignore[misc]
             except ParsumError as exc:
                 reason = str(exc).removeprefix(f"{_WHERE}: ")
-        if reason is not None:
+                # NOTE [ Models that differ, trained over the stack ]
+                placed = state["wanted"] and self._hold_differing(models, values, reason)
+        if reason is not None and not placed:
             self._start(models, None)
             self._broken = reason
         else:
@@ -374,6 +383,42 @@ class Stack(Sequence[nn.Module]):
             self._frozen_given = self._given - set(self._trainable)
         if state["wanted"]:
             self.parameters()
+
+    def _hold_differing(
+        self, models: list[nn.Module], values: dict[str, Tensor], reason: str
+    ) -> bool:
+        """Stack a copy's models that differ into the copied tensors all the same, where each
+        holds tensors of its own of the same names, shapes and kinds as the first's, to run
+        one by one with their gradients gathered there (NOTE [ Models that differ, trained
+        over the stack ]); False, with nothing changed, where they do not fit."""
+        infos = [ModelParams.of(m) for m in models]
+        first = infos[0]
+
+        def kinds(info: ModelParams) -> list[Any]:
+            return [(t.shape, t.dtype, t.device) for t in (*info.tensors, *info.state)]
+
+        held = [id(t) for info in infos for t in (*info.tensors, *info.state)]
+        names = [*first.names, *first.state_names]
+        if not (
+            len(models) >= 2
+            and first.names
+            and len(set(held)) == len(held)  # no tensor two models share
+            and sorted(names) == sorted(values)
+            and all(
+                (info.names, info.state_names, kinds(info))
+                == (first.names, first.state_names, kinds(first))
+                for info in infos
+            )
+        ):
+            return False
+        self._start(models, values)
+        self._place(infos)
+        self._broken = reason  # they run one by one until stack_ stacks them again
+        for model in models:
+            _stack_of[model] = self
+            if not any(h is _own_storage for h in model._state_dict_hooks.values()):
+                model.register_state_dict_post_hook(_own_storage)
+        return True
 
     # -- a sequence of models ------------------------------------------------------------
     @property

@@ -653,6 +653,52 @@ def test_some_of_models_that_differ_still_train_under_an_optimizer_over_the_stac
         assert_params_close(models, plain)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize(
+    "change, how",
+    [(slope_of_one, "deepcopy"), (slope_of_one, "pickle"), (forward_hook_on_one, "deepcopy")],
+)
+def test_a_copy_of_models_that_differ_still_trains_under_an_optimizer_over_the_stack(
+    change, how, flat
+):
+    # A checkpoint of the training state taken while the models differ: the copied models are
+    # stacked into the copied tensors all the same, so the copied optimizer steps them (NOTE
+    # [ Models that differ, trained over the stack ]); they had their own storage, and it
+    # stepped nothing.
+    models, plain, stack = stacked_and_plain()
+    flat_grad = parsum.FlatGrad(stack) if flat else None
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
+    for ms in (models, plain):
+        change(ms)
+    for step in range(4):
+        if step == 2:
+            state = (models, stack, opt, flat_grad)
+            if how == "pickle":
+                buffer = io.BytesIO()
+                torch.save(state, buffer)
+                buffer.seek(0)
+                models, stack, opt, flat_grad = torch.load(buffer, weights_only=False)
+            else:
+                models, stack, opt, flat_grad = copy.deepcopy(state)
+            plain, opt_plain = copy.deepcopy((plain, opt_plain))
+        x = torch.randn(8, IN)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            parsum.sum_models(models, x).pow(2).mean().backward()
+        assert not any("gets no gradient" in str(w.message) for w in warned)
+        plain_sum(plain, x).pow(2).mean().backward()
+        opt.step()
+        opt_plain.step()
+        assert_params_close(models, plain)
+    assert all(
+        m[0].weight.data_ptr() == stack.values["0.weight"][k].data_ptr()
+        for k, m in enumerate(models)
+    )
+
+
 def test_a_model_frozen_alone_stops_an_optimizer_over_the_stack_with_a_warning():
     # One model's slice of a stacked tensor cannot be frozen alone: an optimizer over the
     # stack would move it with a zero gradient (momentum, weight decay). It gets no gradient
