@@ -81,14 +81,16 @@
 # and that optimizer stepped no model from then on, with one warning, where the plain loop
 # trains on (a forward hook on one of 10 models, SGD with momentum: every parameter 0.14 off
 # the plain loop four steps later). Not where a tensor left its slice (cast, moved, narrowed)
-# or one model's tensor is frozen alone: one stacked tensor has one gradient, so a frozen
-# slice would be moved by momentum or weight decay with a zero gradient, which the plain loop
+# or was frozen or unfrozen since: one stacked tensor has one gradient, so a slice frozen
+# alone would be moved by momentum or weight decay with a zero gradient, which the plain loop
 # never does; there the stack gets no gradient, and says so, until ``stack_`` stacks the
-# models again. A copy (or an unpickled stack) of models that differ so, with an optimizer
-# over ``parameters()``, stacks the copied models into the copied tensors all the same
-# (``_hold_differing``), as one that gave up: they run one by one, their gradients gathered
-# there, until ``stack_`` stacks them again; it had left them their own storage, and the
-# copied optimizer stepped nothing.
+# models again (so too for a name frozen on every model while they differ: the records of
+# which names train are made where the models are stacked, which they cannot be). A copy (or
+# an unpickled stack) of models that differ so, with an optimizer over ``parameters()``,
+# stacks the copied models into the copied tensors all the same (``_hold_differing``), as
+# one that gave up: they run one by one, their gradients gathered there, until ``stack_``
+# stacks them again; it had left them their own storage, and the copied optimizer stepped
+# nothing.
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -369,8 +371,9 @@ class Stack(Sequence[nn.Module]):
                 self.__init__(models, values)  # type: ignore[misc]
             except ParsumError as exc:
                 reason = str(exc).removeprefix(f"{_WHERE}: ")
-                # NOTE [ Models that differ, trained over the stack ]
-                placed = state["wanted"] and self._hold_differing(models, values, reason)
+        if reason is not None and state["wanted"]:
+            # NOTE [ Models that differ, trained over the stack ]: also a copy's copy
+            placed = self._hold_differing(models, values, reason)
         if reason is not None and not placed:
             self._start(models, None)
             self._broken = reason

@@ -671,8 +671,8 @@ def test_a_copy_of_models_that_differ_still_trains_under_an_optimizer_over_the_s
     opt_plain = torch.optim.SGD([p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9)
     for ms in (models, plain):
         change(ms)
-    for step in range(4):
-        if step == 2:
+    for step in range(5):
+        if step in (2, 3):  # a copy, and a copy of that copy
             state = (models, stack, opt, flat_grad)
             if how == "pickle":
                 buffer = io.BytesIO()
