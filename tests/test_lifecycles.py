@@ -149,16 +149,52 @@ def check_stacked(seed: int) -> None:
         **kw,
     )
     frozen: set[str] = set()
+    # NOTE [ Models that differ, trained over the stack ] in parsum._stack: a hook or eval()
+    # on one model and its twin makes them differ; "same" takes the hooks off again. While
+    # they differ no layer is frozen or unfrozen and no .data swapped (the stack then gets no
+    # gradient, as its warning says); a copy keeps them differing for good (the twins' hooks
+    # are the originals'), and none is made after a tensor hook (deepcopy drops those).
+    differing: list[Any] = []  # hook handles, and models switched to eval()
+    copied_differing = tensor_hooked = False
     log = [f"{len(base)} models, FlatGrad {flat is not None}, over the stack {over_stack}"]
     log.append(cls.__name__)
     for step in range(8):
         event = rng.choice(
             [
                 "none", "freeze", "unfreeze", "keep", "data", "load", "hand", "clip", "scale",
-                "copy", "written",
+                "copy", "written", "differ", "same",
             ]
         )  # fmt: skip
+        if (event in ("freeze", "unfreeze", "data") and (differing or copied_differing)) or (
+            event == "copy" and tensor_hooked
+        ):
+            event = "none"
+        if event == "same" and copied_differing:
+            event = "none"
         log.append(event)
+        if event == "differ":
+            k, how = rng.randrange(len(base)), rng.choice(["forward", "pre", "eval", "tensor"])
+            if how == "tensor" and not models[k][0].weight.requires_grad:  # frozen: no hook
+                how = "forward"
+            log.append(f"{how} on model {k}")
+            tensor_hooked = tensor_hooked or how == "tensor"
+            for ms in (plain, models):
+                if how == "forward":
+                    differing.append(ms[k].register_forward_hook(lambda m, a, out: out * 0.5))
+                elif how == "pre":
+                    differing.append(ms[k][2].register_forward_pre_hook(lambda m, a: (a[0] * 2,)))
+                elif how == "tensor":
+                    differing.append(ms[k][0].weight.register_hook(lambda g: g * 0.5))
+                else:
+                    differing.append(ms[k].eval())
+        elif event == "same":
+            for held in differing:
+                if isinstance(held, nn.Module):
+                    held.train()
+                else:
+                    held.remove()
+            differing.clear()
+        copied_differing = copied_differing or (event == "copy" and bool(differing))
         _freeze_or_unfreeze(rng, event, frozen, [*plain, *models])
         _reload_or_swap(event, plain, models, every=True)
         copy_after = event == "copy" and rng.random() < 0.5  # a checkpoint after zero_grad()
@@ -167,7 +203,8 @@ def check_stacked(seed: int) -> None:
         zero_as_flat = flat is not None and (not over_stack or rng.random() < 0.5)
         if event == "copy" and not copy_after:
             models, stack, opt, flat = copy.deepcopy((models, stack, opt, flat))
-            if rng.random() < 0.5:  # a layer frozen in the copy before its first backward
+            # a layer frozen in the copy before its first backward, where they do not differ
+            if rng.random() < 0.5 and not copied_differing:
                 log.append("freeze")
                 _freeze_or_unfreeze(rng, "freeze", frozen, [*plain, *models])
         elif event == "hand":
