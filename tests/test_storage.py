@@ -424,7 +424,7 @@ def test_models_that_run_one_by_one_leave_no_stacked_gradient():
     slope_of_one(models)
     with pytest.warns(UserWarning, match="stack.parameters"):
         parsum.sum_models(models, x).sum().backward()
-    assert stack.values["0.weight"].grad is None  # an optimizer over the stack skips them
+    assert stack.values["0.weight"].grad is None  # none asked for (stack.parameters() never called)
 
 
 def test_state_dict_deepcopy_and_save_load():
