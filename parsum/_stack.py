@@ -80,17 +80,18 @@
 # for models too large to batch. Until 2026-12-07 the stacked ``.grad`` was dropped instead,
 # and that optimizer stepped no model from then on, with one warning, where the plain loop
 # trains on (a forward hook on one of 10 models, SGD with momentum: every parameter 0.14 off
-# the plain loop four steps later). Not where a tensor left its slice (cast, moved, narrowed)
-# or was frozen or unfrozen since: one stacked tensor has one gradient, so a slice frozen
-# alone would be moved by momentum or weight decay with a zero gradient, which the plain loop
-# never does; there the stack gets no gradient, and says so, until ``stack_`` stacks the
-# models again (so too for a name frozen on every model while they differ: the records of
-# which names train are made where the models are stacked, which they cannot be). A copy (or
-# an unpickled stack) of models that differ so, with an optimizer over ``parameters()``,
-# stacks the copied models into the copied tensors all the same (``_hold_differing``), as
-# one that gave up: they run one by one, their gradients gathered there, until ``stack_``
-# stacks them again; it had left them their own storage, and the copied optimizer stepped
-# nothing.
+# the plain loop four steps later). A layer frozen or unfrozen on every model, or new
+# ``.data``, while they differ: the models, which still fit the stacked tensors (names,
+# shapes, kinds, ``requires_grad``), are stacked again as they are (``_hold_differing``), as
+# a stack that gave up, running one by one until ``stack_`` stacks them again, their
+# gradients across it as across a restack (NOTE [ Gradients across a restack ]). Not where
+# they no longer fit (one model's parameter frozen alone, cast or narrowed): one stacked
+# tensor has one gradient, so a slice frozen alone would be moved by momentum or weight decay
+# with a zero gradient, which the plain loop never does; there the stack gets no gradient,
+# and says so, until ``stack_`` stacks the models again. A copy (or an unpickled stack) of
+# models that differ, with an optimizer over ``parameters()``, stacks the copied models into
+# the copied tensors the same way; it had left them their own storage, and the copied
+# optimizer stepped nothing.
 #
 # NOTE [ One group in the caller's graph ]
 # A call whose models ``auto`` (or engine "stacked") puts in one stacked group runs, without
@@ -388,12 +389,13 @@ class Stack(Sequence[nn.Module]):
             self.parameters()
 
     def _hold_differing(
-        self, models: list[nn.Module], values: dict[str, Tensor], reason: str
+        self, models: list[nn.Module], values: dict[str, Tensor], reason: str, keep: bool = False
     ) -> bool:
-        """Stack a copy's models that differ into the copied tensors all the same, where each
-        holds tensors of its own of the same names, shapes and kinds as the first's, to run
-        one by one with their gradients gathered there (NOTE [ Models that differ, trained
-        over the stack ]); False, with nothing changed, where they do not fit."""
+        """Stack models that differ into ``values`` all the same (a copy's, or with ``keep``
+        this stack's own, its gradients kept as across a restack), where each holds tensors
+        of its own of the same names, shapes, kinds and ``requires_grad`` as the first's, to
+        run one by one with their gradients gathered there (NOTE [ Models that differ,
+        trained over the stack ]); False, with nothing changed, where they do not fit."""
         infos = [ModelParams.of(m) for m in models]
         first = infos[0]
 
@@ -414,7 +416,8 @@ class Stack(Sequence[nn.Module]):
             )
         ):
             return False
-        self._start(models, values)
+        if not keep:
+            self._start(models, values)
         self._place(infos)
         self._broken = reason  # they run one by one until stack_ stacks them again
         for model in models:
@@ -708,6 +711,8 @@ class Stack(Sequence[nn.Module]):
     def _check(self) -> str | None:
         """Why this stack cannot run as one now, or None (NOTE [ Stacked storage ])."""
         if self._broken is not None:
+            if self.values and (self._frozen_grads or self._frozen_given):
+                self._drop_zeroed_frozen()  # models that differ, held all the same
             return self._broken
         same = map(
             operator.is_, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values
@@ -823,18 +828,26 @@ class Stack(Sequence[nn.Module]):
             self._forget_gradients()
         self._warn(reason)
 
-    def _gathers(self) -> bool:
+    def _gathers(self, reason: str) -> bool:
         """Whether the models' gradients still reach the stacked tensors while the models run
-        one by one because they differ (NOTE [ Models that differ, trained over the stack ]):
-        an optimizer over ``parameters()`` wants them, and every tensor is still its slice,
-        as trainable as when stacked."""
-        return (
-            self._stacked_grads_wanted
-            and bool(self.values)
-            and list(map(_data_ptr, self._tensors)) == self._ptrs
+        one by one because they differ (``reason``; NOTE [ Models that differ, trained over
+        the stack ]): an optimizer over ``parameters()`` wants them, and every tensor is
+        still its slice, as trainable as when stacked, or the models still fit the stacked
+        tensors (a layer frozen on every model, new ``.data``): then stacked again as they
+        are, to run one by one until ``stack_``."""
+        if not (self._stacked_grads_wanted and self.values):
+            return False
+        if (
+            list(map(_data_ptr, self._tensors)) == self._ptrs
             and self._still_slices(self._tensors)
             and list(map(_requires_grad, self._tensors)) == self._requires
-        )
+        ):
+            return True
+        if not self._hold_differing(list(self.models), self.values, reason, keep=True):
+            return False
+        if self._frozen_grads or self._frozen_given:  # as _check does after a restack
+            self._drop_zeroed_frozen()
+        return True
 
     def _warn(self, reason: str, gathered: bool = False) -> None:
         if (reason, gathered) not in self._warned:
@@ -1166,7 +1179,7 @@ def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
         with stack._lock:
             reason = stack._check()
             # NOTE [ Models that differ, trained over the stack ]
-            gathers = reason is None or stack._gathers()
+            gathers = reason is None or stack._gathers(reason)
             if not gathers:
                 stack._forget_gradients()
         if gathers:
@@ -1229,7 +1242,7 @@ def stacked_sum(
     with stack._lock:
         reason = stack._check()
         if reason is not None:
-            if stack._gathers():  # NOTE [ Models that differ, trained over the stack ]
+            if stack._gathers(reason):  # NOTE [ Models that differ, trained over the stack ]
                 stack._warn(reason, gathered=True)
                 return ONE_BY_ONE
             stack._forget_gradients()

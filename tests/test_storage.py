@@ -699,6 +699,41 @@ def test_a_copy_of_models_that_differ_still_trains_under_an_optimizer_over_the_s
     )
 
 
+@pytest.mark.parametrize("change", [one_to_eval, forward_hook_on_one])
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_layer_frozen_on_every_model_while_they_differ_rests_and_the_others_train(change, copied):
+    # Frozen and unfrozen again on every model while one is in eval() or hooked (and in a
+    # copy of that state): the stacked tensors are taken as they are, the frozen layer rests
+    # as in the plain loop (momentum and weight decay would move it with a zero gradient), the
+    # others train; the stack had got no gradient from the freeze on.
+    models, plain, stack = stacked_and_plain()
+    opt = torch.optim.SGD(stack.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt_plain = torch.optim.SGD(
+        [p for m in plain for p in m.parameters()], lr=0.1, momentum=0.9, weight_decay=0.1
+    )
+    for ms in (models, plain):
+        change(ms)
+    for step in range(6):
+        if step == 1 and copied:
+            models, stack, opt = copy.deepcopy((models, stack, opt))
+            plain, opt_plain = copy.deepcopy((plain, opt_plain))
+        if step in (2, 4):
+            for m in (*models, *plain):
+                m[0].weight.requires_grad_(step == 4)
+        x = torch.randn(8, IN)
+        opt.zero_grad()
+        opt_plain.zero_grad()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            parsum.sum_models(models, x).pow(2).mean().backward()
+        assert not any("gets no gradient" in str(w.message) for w in warned)
+        plain_sum(plain, x).pow(2).mean().backward()
+        assert_grads_close(models, plain, atol=1e-5)
+        opt.step()
+        opt_plain.step()
+        assert_params_close(models, plain)
+
+
 def test_a_model_frozen_alone_stops_an_optimizer_over_the_stack_with_a_warning():
     # One model's slice of a stacked tensor cannot be frozen alone: an optimizer over the
     # stack would move it with a zero gradient (momentum, weight decay). It gets no gradient
