@@ -562,6 +562,23 @@ def test_models_that_differ_now_run_one_by_one_with_a_warning_once():
         parsum.sum_models(models, x)  # said once
 
 
+def step_over_the_stack(models, plain, opt, opt_plain, x=None) -> None:
+    """One training step of the models (an optimizer over their stack) and of their plain
+    twins, alike, with no warning that the stack gets no gradient."""
+    x = torch.randn(8, IN) if x is None else x
+    opt.zero_grad()
+    opt_plain.zero_grad()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        parsum.sum_models(models, x).pow(2).mean().backward()
+    assert not any("gets no gradient" in str(w.message) for w in warned)
+    plain_sum(plain, x).pow(2).mean().backward()
+    assert_grads_close(models, plain, atol=1e-5)
+    opt.step()
+    opt_plain.step()
+    assert_params_close(models, plain)
+
+
 def prune_one(models):
     # The weight becomes weight_orig, the same parameter, read through a forward pre-hook.
     torch.nn.utils.prune.l1_unstructured(models[4][0], "weight", amount=0.5)
@@ -615,17 +632,7 @@ def test_models_that_differ_now_still_train_under_an_optimizer_over_the_stack(
             for ms in (models, plain):
                 torch.manual_seed(5)
                 change(ms)
-        opt.zero_grad()
-        opt_plain.zero_grad()
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            y = parsum.sum_models(models, x)
-        assert not any("gets no gradient" in str(w.message) for w in warned)
-        y.pow(2).mean().backward()
-        plain_sum(plain, x).pow(2).mean().backward()
-        opt.step()
-        opt_plain.step()
-        assert_params_close(models, plain)
+        step_over_the_stack(models, plain, opt, opt_plain, x)
     if flat_grad is not None and change is not prune_one:  # prune: weight_orig, renamed
         assert one_buffer_for_all(flat_grad, stack)  # still the models' and the stack's
 
@@ -682,17 +689,7 @@ def test_a_copy_of_models_that_differ_still_trains_under_an_optimizer_over_the_s
             else:
                 models, stack, opt, flat_grad = copy.deepcopy(state)
             plain, opt_plain = copy.deepcopy((plain, opt_plain))
-        x = torch.randn(8, IN)
-        opt.zero_grad()
-        opt_plain.zero_grad()
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            parsum.sum_models(models, x).pow(2).mean().backward()
-        assert not any("gets no gradient" in str(w.message) for w in warned)
-        plain_sum(plain, x).pow(2).mean().backward()
-        opt.step()
-        opt_plain.step()
-        assert_params_close(models, plain)
+        step_over_the_stack(models, plain, opt, opt_plain)
     assert all(
         m[0].weight.data_ptr() == stack.values["0.weight"][k].data_ptr()
         for k, m in enumerate(models)
@@ -720,18 +717,7 @@ def test_a_layer_frozen_on_every_model_while_they_differ_rests_and_the_others_tr
         if step in (2, 4):
             for m in (*models, *plain):
                 m[0].weight.requires_grad_(step == 4)
-        x = torch.randn(8, IN)
-        opt.zero_grad()
-        opt_plain.zero_grad()
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            parsum.sum_models(models, x).pow(2).mean().backward()
-        assert not any("gets no gradient" in str(w.message) for w in warned)
-        plain_sum(plain, x).pow(2).mean().backward()
-        assert_grads_close(models, plain, atol=1e-5)
-        opt.step()
-        opt_plain.step()
-        assert_params_close(models, plain)
+        step_over_the_stack(models, plain, opt, opt_plain)
 
 
 def test_a_model_frozen_alone_stops_an_optimizer_over_the_stack_with_a_warning():
