@@ -853,7 +853,8 @@ class Stack(Sequence[nn.Module]):
         if (reason, gathered) not in self._warned:
             self._warned.add((reason, gathered))
             then = (
-                "their gradients still reach stack.parameters()"
+                "their gradients still reach stack.parameters(), and parsum.stack_ stacks "
+                "them again once they are identical"
                 if gathered
                 else "an optimizer over stack.parameters() gets no gradient until "
                 "parsum.stack_ is called again on identical models"
