@@ -296,6 +296,10 @@ class Stack(Sequence[nn.Module]):
         infos = _check_identical(models)
         self._start(models, values)
         self._place(infos)
+        self._own(models)
+
+    def _own(self, models: Sequence[nn.Module]) -> None:
+        """Be the stack of ``models``, whose ``state_dict`` then holds copies of their slices."""
         for model in models:
             _stack_of[model] = self
             if not any(h is _own_storage for h in model._state_dict_hooks.values()):
@@ -404,26 +408,20 @@ class Stack(Sequence[nn.Module]):
 
         held = [id(t) for info in infos for t in (*info.tensors, *info.state)]
         names = [*first.names, *first.state_names]
+        like_first = (first.names, first.state_names, kinds(first))
         if not (
             len(models) >= 2
             and first.names
             and len(set(held)) == len(held)  # no tensor two models share
             and sorted(names) == sorted(values)
-            and all(
-                (info.names, info.state_names, kinds(info))
-                == (first.names, first.state_names, kinds(first))
-                for info in infos
-            )
+            and all((info.names, info.state_names, kinds(info)) == like_first for info in infos)
         ):
             return False
         if not keep:
             self._start(models, values)
         self._place(infos)
         self._broken = reason  # they run one by one until stack_ stacks them again
-        for model in models:
-            _stack_of[model] = self
-            if not any(h is _own_storage for h in model._state_dict_hooks.values()):
-                model.register_state_dict_post_hook(_own_storage)
+        self._own(models)
         return True
 
     # -- a sequence of models ------------------------------------------------------------
@@ -575,6 +573,8 @@ class Stack(Sequence[nn.Module]):
         """The gradients of frozen names whose stacked ``.grad`` an optimizer over the stack
         zeroed (set to None): the models' too, as ``zero_grad()`` does a frozen parameter's (a
         FlatGrad's block: zeroed in place)."""
+        if not (self._frozen_grads or self._frozen_given):
+            return
         for name, kept in list(self._frozen_grads.items()):
             stacked = self.values.get(name)
             if stacked is None or stacked.grad is None:
@@ -711,7 +711,7 @@ class Stack(Sequence[nn.Module]):
     def _check(self) -> str | None:
         """Why this stack cannot run as one now, or None (NOTE [ Stacked storage ])."""
         if self._broken is not None:
-            if self.values and (self._frozen_grads or self._frozen_given):
+            if self.values:
                 self._drop_zeroed_frozen()  # models that differ, held all the same
             return self._broken
         same = map(
@@ -730,8 +730,7 @@ class Stack(Sequence[nn.Module]):
                 return reason
         if not self._slots_checked:
             self._check_slots()
-        if self._frozen_grads or self._frozen_given:
-            self._drop_zeroed_frozen()
+        self._drop_zeroed_frozen()
         if any(map(operator.contains, self._attribute_dicts, _FORWARD)):
             return "a module was given a forward of its own"
         if self._handles_seen is None or handle_count() != self._handles_seen:
@@ -845,9 +844,16 @@ class Stack(Sequence[nn.Module]):
             return True
         if not self._hold_differing(list(self.models), self.values, reason, keep=True):
             return False
-        if self._frozen_grads or self._frozen_given:  # as _check does after a restack
-            self._drop_zeroed_frozen()
+        self._drop_zeroed_frozen()  # as _check does after a restack
         return True
+
+    def _one_by_one(self, reason: str) -> bool:
+        """Run the models one by one because of ``reason``: whether their gradients still
+        reach the stacked tensors (``_gathers``); where not, the stacked ``.grad`` dropped."""
+        if self._gathers(reason):
+            return True
+        self._forget_gradients()
+        return False
 
     def _warn(self, reason: str, gathered: bool = False) -> None:
         if (reason, gathered) not in self._warned:
@@ -1180,9 +1186,7 @@ def wanted_stacks_among(models: Sequence[Any]) -> list[Stack]:
         with stack._lock:
             reason = stack._check()
             # NOTE [ Models that differ, trained over the stack ]
-            gathers = reason is None or stack._gathers(reason)
-            if not gathers:
-                stack._forget_gradients()
+            gathers = reason is None or stack._one_by_one(reason)
         if gathers:
             held.append(stack)
         if reason is not None:
@@ -1243,12 +1247,10 @@ def stacked_sum(
     with stack._lock:
         reason = stack._check()
         if reason is not None:
-            if stack._gathers(reason):  # NOTE [ Models that differ, trained over the stack ]
-                stack._warn(reason, gathered=True)
-                return ONE_BY_ONE
-            stack._forget_gradients()
-            stack._warn(reason)
-            return None
+            # NOTE [ Models that differ, trained over the stack ]
+            gathered = stack._one_by_one(reason)
+            stack._warn(reason, gathered)
+            return ONE_BY_ONE if gathered else None
         if step_in_backward is not None and torch.is_grad_enabled():
             stack._check_stepped(step_in_backward)
         if max_param_rows is not None and stack._numel * _batch(call).rows > max_param_rows:
