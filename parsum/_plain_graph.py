@@ -104,6 +104,22 @@
 # at batch 32 and 48 1.05x and 1.02x faster than the workers, and the main example's 12 members
 # (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
 # training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
+# Since 2026-12-07 that limit of 2 holds where most models stack (each group's Python is one
+# model's, its kernels batched: one chunk keeps paying, 16 heads of widths 32-80 at batch 512
+# 1.08-1.13x the plain loop in one chunk against 0.78-1.01x on workers with Adam); where most
+# run alone, the limit is PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE, 1: a model's backward nodes each
+# cost the engine a fixed time that the intra-op threads cannot split and workers can. Measured
+# on 2 cores in one process, one chunk against workers, Adam after each call (120 interleaved
+# rounds): the main example's 12 members at batch 64 (C / O 1.38) 1.01x against 1.07x the plain
+# loop, at batch 128 0.99x against 1.06x; 16 MLPs of widths 128-512 at batch 32 (1.11) 0.97x
+# against 1.04x; 16 distinct widths (w0 + 8i, depth 1 or 3, w0 32, 128, 384) at C / O 1.0 and
+# 1.6 workers as fast or faster in all 12 (up to 1.18x against 1.00x), at 0.6 mixed (0.89-1.10x
+# against 0.94-1.02x), so one chunk stays below 1. Against the code before (bench_against.py,
+# 40 rounds): 16 MLPs of widths 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone;
+# at batch 48 1.025x and 1.097x; the workloads whose choice did not change within the noise
+# (0.94-1.07x, HEAD against itself 0.97-1.00x). The main example runs on workers now; its
+# speedup over the plain loop 0.96-1.00x in four runs (0.92-0.98x in three before): its ceiling
+# is the plain loop, which beat the hand split by 1.06-1.15x.
 # Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
 # at once, or the optimizer steps in the backward (the general path would run the one chunk);
 # larger budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
@@ -432,11 +448,12 @@ def plain_graph_pays(
     tensors: Sequence[Tensor],
     weight_tensor: Tensor | None,
     stepping: bool,
+    units: Sequence[Unit],
 ) -> bool:
     """Whether ``auto`` runs the models in one chunk in the calling thread as a plain graph
     rather than their pullbacks on workers (NOTE [ Known layers on one thread ]), a choice made
     once a plan: the models' layers and sizes, whether an argument or a weight tensor is
-    differentiated, whether the optimizer steps in the backward."""
+    differentiated, whether the optimizer steps in the backward, which models stack (``units``)."""
     if stepping or budget != torch.get_num_threads():
         return False
     if weight_tensor is not None and _floats_of(weight_tensor) is None:
@@ -448,7 +465,7 @@ def plain_graph_pays(
         len(tensors) == 1 and terms_at_once(len(model_params), tensors)
     ):
         return False
-    return one_thread_pays(model_params, batch, budget)
+    return one_thread_pays(model_params, batch, budget, units)
 
 
 def _floats_of(weight_tensor: Tensor) -> list[float] | None:

@@ -2,6 +2,7 @@
 parsum._plain_graph): the bits of the general paths, the plain loop's gradients, the general
 path wherever the conditions fail, failures named."""
 
+import math
 import re
 import threading
 
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 
 import parsum
-from parsum import _api
+from parsum import _api, _grouping
+from parsum._engines import ModelParams
+from parsum._grouping import Batch
 from tests.zoo import (
     IN,
     OUT,
@@ -576,6 +579,35 @@ def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
     assert not plain_graph(parsum.sum_models(large, torch.randn(64, 64)))
     # An explicit n_jobs keeps its chunks, each on its share of the intra-op threads
     assert not plain_graph(parsum.sum_models(small, x, n_jobs=1))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["alone", "stacked"])
+def test_between_the_two_kernel_shares_models_that_run_alone_go_to_workers(cores, stacked):
+    # NOTE [ Known layers on one thread ] in parsum._plain_graph: from C / O 1, models that run
+    # alone pay on workers; stacked groups (three of four models here) stay one chunk up to 2.
+    cores(2)
+    torch.manual_seed(7)
+    widths = (96, 104, 112) * 4 if stacked else tuple(96 + 8 * i for i in range(12))
+    models = [
+        nn.Sequential(nn.Linear(64, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
+        for w in widths
+    ]
+    mps = [ModelParams.of(m) for m in models]
+    one_row = _grouping._kernel_share(mps, Batch(1))
+    rows = math.ceil(1.5 / one_row)
+    x = torch.randn(rows, 64)
+    share = _grouping._kernel_share(mps, Batch.of([x]))
+    assert share >= _grouping.PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE
+    assert share < _grouping.PLAIN_GRAPH_MAX_KERNEL_SHARE
+    y = parsum.sum_models(models, x)
+    assert plain_graph(y) == stacked
+    reference = clone_models(models)
+    y.pow(2).sum().backward()
+    expected = plain_sum(reference, x)
+    torch.testing.assert_close(y, expected)
+    expected.pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(reference)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_concurrent_callers(cores):
