@@ -114,7 +114,10 @@
 # loop, at batch 128 0.99x against 1.06x; 16 MLPs of widths 128-512 at batch 32 (1.11) 0.97x
 # against 1.04x; 16 distinct widths (w0 + 8i, depth 1 or 3, w0 32, 128, 384) at C / O 1.0 and
 # 1.6 workers as fast or faster in all 12 (up to 1.18x against 1.00x), at 0.6 mixed (0.89-1.10x
-# against 0.94-1.02x), so one chunk stays below 1. Against the code before (bench_against.py,
+# against 0.94-1.02x), so one chunk stays below 1. An hour later, the VM's steps a third
+# shorter (200 rounds): with Adam the two tied (the example 0.99x and 0.99x, the MLPs at batch
+# 32 1.04x and 1.04x), a backward alone still faster on workers (1.33x against 1.22x, 1.08x
+# against 1.04x). Against the code before (bench_against.py,
 # 40 rounds): 16 MLPs of widths 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone;
 # at batch 48 1.025x and 1.097x; the workloads whose choice did not change within the noise
 # (0.94-1.07x, HEAD against itself 0.97-1.00x). The main example runs on workers now; its
