@@ -122,7 +122,7 @@
 # at batch 48 1.025x and 1.097x; the workloads whose choice did not change within the noise
 # (0.94-1.07x, HEAD against itself 0.97-1.00x). Later that evening (60 rounds): with Adam
 # 1.036x and 0.990x, forwards alone under no_grad 1.053x and 1.079x. The main example runs on workers now; its
-# speedup over the plain loop 0.96-1.00x in four runs (0.92-0.98x in three before): its ceiling
+# speedup over the plain loop 0.94-1.00x in five runs (0.92-0.98x in three before): its ceiling
 # is the plain loop, which beat the hand split by 1.06-1.15x.
 # Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
 # at once, or the optimizer steps in the backward (the general path would run the one chunk);
