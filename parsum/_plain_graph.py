@@ -121,9 +121,9 @@
 # 40 rounds): 16 MLPs of widths 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone;
 # at batch 48 1.025x and 1.097x; the workloads whose choice did not change within the noise
 # (0.94-1.07x, HEAD against itself 0.97-1.00x). Later that evening (60 rounds): with Adam
-# 1.036x and 0.990x, forwards alone under no_grad 1.053x and 1.079x. The main example runs on workers now; its
-# speedup over the plain loop 0.94-1.00x in five runs (0.92-0.98x in three before): its ceiling
-# is the plain loop, which beat the hand split by 1.06-1.15x.
+# 1.036x and 0.990x, forwards alone under no_grad 1.053x and 1.079x. The main example runs on
+# workers now; its speedup over the plain loop 0.94-1.00x in five runs (0.92-0.98x in three
+# before): its ceiling is the plain loop, which beat the hand split by 1.06-1.24x.
 # Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
 # at once, or the optimizer steps in the backward (the general path would run the one chunk);
 # larger budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
