@@ -117,9 +117,9 @@
 # against 0.94-1.02x), so one chunk stays below 1. An hour later, the VM's steps a third
 # shorter (200 rounds): with Adam the two tied (the example 0.99x and 0.99x, the MLPs at batch
 # 32 1.04x and 1.04x), a backward alone still faster on workers (1.33x against 1.22x, 1.08x
-# against 1.04x). Against the code before (bench_against.py,
-# 40 rounds): 16 MLPs of widths 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone;
-# at batch 48 1.025x and 1.097x; the workloads whose choice did not change within the noise
+# against 1.04x). Against the code before (bench_against.py, 40 rounds): 16 MLPs of widths
+# 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone; at batch 48 1.025x and
+# 1.097x; the workloads whose choice did not change within the noise
 # (0.94-1.07x, HEAD against itself 0.97-1.00x). Later that evening (60 rounds): with Adam
 # 1.036x and 0.990x, forwards alone under no_grad 1.053x and 1.079x. The main example runs on
 # workers now; its speedup over the plain loop 0.94-1.00x in five runs (0.92-0.98x in three

@@ -584,7 +584,8 @@ def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
 @pytest.mark.parametrize("stacked", [False, True], ids=["alone", "stacked"])
 def test_between_the_two_kernel_shares_models_that_run_alone_go_to_workers(cores, stacked):
     # NOTE [ Known layers on one thread ] in parsum._plain_graph: from C / O 1, models that run
-    # alone pay on workers; stacked groups (three of four models here) stay one chunk up to 2.
+    # alone pay on workers; stacked groups (three groups of four models here) stay one chunk
+    # up to 2.
     cores(2)
     torch.manual_seed(7)
     widths = (96, 104, 112) * 4 if stacked else tuple(96 + 8 * i for i in range(12))
