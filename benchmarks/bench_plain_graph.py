@@ -27,7 +27,7 @@ import parsum
 
 WORKLOADS = (
     "heterogeneous-tiny,heads,heads:256,heads:1024,heterogeneous-medium:16,"
-    "heterogeneous-medium:32,heterogeneous-medium:64"
+    "heterogeneous-medium:32,heterogeneous-medium:64,example-members:64"
 )
 
 

@@ -156,6 +156,16 @@ def workload(name: str, batch: int | None = None) -> Workload:
         models = [mlp(64, (128, 256, 384, 512)[i % 4], 1 + i % 3, 10) for i in range(16)]
         b = batch or 256
         return Workload(name, f"16 MLPs, widths 128-512, batch {b}", models, torch.randn(b, 64))
+    if name == "example-members":
+        # The main example's ensemble (examples/train_ensemble.py): 12 MLPs of widths 64-512 and
+        # depths 1-3, ReLU and GELU in turn, on the digits' 64 features.
+        acts = (nn.ReLU, nn.GELU)
+        models = [
+            mlp(64, (64, 128, 256, 384, 512)[i % 5], 1 + i % 3, 10, acts[i % 2]) for i in range(12)
+        ]
+        b = batch or 64
+        desc = f"12 MLPs of the main example, widths 64-512, batch {b}"
+        return Workload(name, desc, models, torch.randn(b, 64))
     if name == "dropout-medium":
         # heterogeneous-medium with dropout after each hidden layer: forwards in model order
         # (NOTE [ Random numbers in forwards ] in parsum._random).
@@ -279,7 +289,7 @@ def workload(name: str, batch: int | None = None) -> Workload:
     extra = (
         "distinct-tiny", "distinct-medium", "identical-classes", "mixed-sizes", "dropout-medium",
         "dropout-wrapped", "transformers", "embedding-bags", "lstms", "shared-trunk",
-        "trunk-classes", "heads",
+        "trunk-classes", "heads", "example-members",
     )  # fmt: skip
     raise ValueError(f"unknown workload {name!r}; expected one of {(*WORKLOADS, *extra)}")
 

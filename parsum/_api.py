@@ -353,9 +353,7 @@ def _general_sum(
             and (
                 on_device
                 or intra_op_only(found, batch, budget, units, chunks, order, stepping)
-                or plain_graph_pays(
-                    walk, found, batch, budget, tensors, weight_tensor, stepping, units
-                )
+                or plain_graph_pays(walk, found, batch, budget, tensors, weight_tensor, stepping)
             )
         ):
             chunks, claim_order = chunks_of(units, found, batch, chunk_size, 1), None

@@ -396,10 +396,8 @@ MAX_USEFUL_WORKERS = 8
 # evenly: between the shares measured even (0.25) and faster on workers (0.50).
 WORKERS_MIN_KERNEL_SHARE = 0.4
 # NOTE [ Known layers on one thread ] in _plain_graph: models of known layers whose kernel work
-# is below this share of their Python run in one chunk, as a plain graph; where most of them
-# run alone (not in stacked groups), below the second.
+# is below this share of their Python run in one chunk, as a plain graph.
 PLAIN_GRAPH_MAX_KERNEL_SHARE = 2.0
-PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE = 1.0
 MAX_IMBALANCE = 1.05
 # NOTE [ Pullbacks of small models ]: a pullback worker for each this many parameter-rows of
 # the models' estimated cost (MODEL_OVERHEAD_PARAM_ROWS a model and their own), at most this
@@ -639,20 +637,15 @@ def small_pullback_workers(model_params: Sequence[ModelParams], batch: Batch) ->
     return max(1, min(MAX_SMALL_PULLBACK_WORKERS, total // PULLBACK_WORKER_PARAM_ROWS))
 
 
-def one_thread_pays(
-    model_params: Sequence[ModelParams], batch: Batch, budget: int, units: Sequence[Unit]
-) -> bool:
+def one_thread_pays(model_params: Sequence[ModelParams], batch: Batch, budget: int) -> bool:
     """Whether models of known layers run faster as a plain graph in the calling thread, on the
-    budget's intra-op threads, than on workers: C / O below PLAIN_GRAPH_MAX_KERNEL_SHARE where
-    most of them stack, PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE where most run alone, on a budget of
-    at most INTRA_OP_ONLY_BUDGET (NOTE [ Known layers on one thread ] in _plain_graph)."""
-    stacked = sum(len(u.models) for u in units if u.engine == "stacked")
-    limit = (
-        PLAIN_GRAPH_MAX_KERNEL_SHARE
-        if 2 * stacked > len(model_params)
-        else PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE
+    budget's intra-op threads, than on workers: C / O below PLAIN_GRAPH_MAX_KERNEL_SHARE, on a
+    budget of at most INTRA_OP_ONLY_BUDGET (NOTE [ Known layers on one thread ] in
+    _plain_graph)."""
+    return (
+        budget <= INTRA_OP_ONLY_BUDGET
+        and _kernel_share(model_params, batch) < PLAIN_GRAPH_MAX_KERNEL_SHARE
     )
-    return budget <= INTRA_OP_ONLY_BUDGET and _kernel_share(model_params, batch) < limit
 
 
 def useful_forward_workers(model_params: Sequence[ModelParams], batch: Batch, workers: int) -> int:

@@ -104,26 +104,21 @@
 # at batch 32 and 48 1.05x and 1.02x faster than the workers, and the main example's 12 members
 # (1.4) 1.07x; with a backward alone, 0.94x and 0.91x. One chunk is taken up to 2, for the
 # training step; from 2.2 (batch 64) the two are alike with Adam (1.00x) and the workers stay.
-# Since 2026-12-07 that limit of 2 holds where most models stack (each group's Python is one
-# model's, its kernels batched: one chunk keeps paying, 16 heads of widths 32-80 at batch 512
-# 1.08-1.13x the plain loop in one chunk against 0.78-1.01x on workers with Adam); where most
-# run alone, the limit is PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE, 1: a model's backward nodes each
-# cost the engine a fixed time that the intra-op threads cannot split and workers can. Measured
-# on 2 cores in one process, one chunk against workers, Adam after each call (120 interleaved
-# rounds): the main example's 12 members at batch 64 (C / O 1.38) 1.01x against 1.07x the plain
-# loop, at batch 128 0.99x against 1.06x; 16 MLPs of widths 128-512 at batch 32 (1.11) 0.97x
-# against 1.04x; 16 distinct widths (w0 + 8i, depth 1 or 3, w0 32, 128, 384) at C / O 1.0 and
-# 1.6 workers as fast or faster in all 12 (up to 1.18x against 1.00x), at 0.6 mixed (0.89-1.10x
-# against 0.94-1.02x), so one chunk stays below 1. An hour later, the VM's steps a third
-# shorter (200 rounds): with Adam the two tied (the example 0.99x and 0.99x, the MLPs at batch
-# 32 1.04x and 1.04x), a backward alone still faster on workers (1.33x against 1.22x, 1.08x
-# against 1.04x). Against the code before (bench_against.py, 40 rounds): 16 MLPs of widths
-# 128-512 at batch 32 1.045x with Adam, 1.074x a backward alone; at batch 48 1.025x and
-# 1.097x; the workloads whose choice did not change within the noise
-# (0.94-1.07x, HEAD against itself 0.97-1.00x). Later that evening (60 rounds): with Adam
-# 1.036x and 0.990x, forwards alone under no_grad 1.053x and 1.079x. The main example runs on
-# workers now; its speedup over the plain loop 0.94-1.00x in five runs (0.92-0.98x in three
-# before): its ceiling is the plain loop, which beat the hand split by 1.06-1.24x.
+# For a few hours of 2026-12-07 models that run alone (not stacked) went to workers from C / O 1:
+# on that session's VM, with Adam after each call, the main example's 12 members at batch 64
+# (C / O 1.38) ran 1.07x the plain loop on workers against 1.01x in one chunk, 16 MLPs of
+# widths 128-512 at batch 32 and 48 1.045x and 1.025x faster on workers (bench_against.py, 40
+# rounds); an hour later the two tied with Adam. The next session's VM, whose two vCPUs ran two
+# threads of 256x256 matmuls only 1.3-1.6x as fast as one (most likely one core's two
+# hyperthreads, as a 2-vCPU cloud VM gives), said the opposite, in one process against the code
+# with that limit and against the code before it (``bench_against.py``, 40 rounds, two runs;
+# the example's members, the MLPs at batch 32 and 48): with Adam after each call one chunk
+# 1.016-1.027x, 1.023-1.035x and 1.001-1.030x as fast as the workers; forwards alone under
+# no_grad 1.087-1.105x, 1.041-1.057x and 0.977-1.000x; a backward alone 1.001-1.036x,
+# 1.004-1.008x and 0.967-0.975x. Which of the two wins between C / O 1 and 2 depends on the
+# machine, by up to 10% either way. One chunk runs the models as the plain loop does: with Adam
+# it ran 0.97-1.02x the plain loop on both VMs, the workers 0.91-1.07x. So the limit is 2 for
+# every model again, the choice whose worst case is the better one.
 # Not where a weight tensor is not read as floats, an argument's gradient is too large to sum
 # at once, or the optimizer steps in the backward (the general path would run the one chunk);
 # larger budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
@@ -452,12 +447,11 @@ def plain_graph_pays(
     tensors: Sequence[Tensor],
     weight_tensor: Tensor | None,
     stepping: bool,
-    units: Sequence[Unit],
 ) -> bool:
     """Whether ``auto`` runs the models in one chunk in the calling thread as a plain graph
     rather than their pullbacks on workers (NOTE [ Known layers on one thread ]), a choice made
     once a plan: the models' layers and sizes, whether an argument or a weight tensor is
-    differentiated, whether the optimizer steps in the backward, which models stack (``units``)."""
+    differentiated, whether the optimizer steps in the backward."""
     if stepping or budget != torch.get_num_threads():
         return False
     if weight_tensor is not None and _floats_of(weight_tensor) is None:
@@ -469,7 +463,7 @@ def plain_graph_pays(
         len(tensors) == 1 and terms_at_once(len(model_params), tensors)
     ):
         return False
-    return one_thread_pays(model_params, batch, budget, units)
+    return one_thread_pays(model_params, batch, budget)
 
 
 def _floats_of(weight_tensor: Tensor) -> list[float] | None:

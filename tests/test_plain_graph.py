@@ -581,11 +581,14 @@ def test_small_models_on_two_threads_run_as_a_plain_graph(cores):
     assert not plain_graph(parsum.sum_models(small, x, n_jobs=1))
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["alone", "stacked"])
-def test_between_the_two_kernel_shares_models_that_run_alone_go_to_workers(cores, stacked):
-    # NOTE [ Known layers on one thread ] in parsum._plain_graph: from C / O 1, models that run
-    # alone pay on workers; stacked groups (three groups of four models here) stay one chunk
-    # up to 2.
+@pytest.mark.parametrize(
+    "stacked, share", [(False, 1.5), (True, 1.5), (False, 2.5)], ids=["alone", "stacked", "above"]
+)
+def test_models_below_the_kernel_share_run_as_a_plain_graph(cores, stacked, share):
+    # NOTE [ Known layers on one thread ] in parsum._plain_graph: below C / O 2, models that run
+    # alone and stacked groups (three groups of four models here) alike run in one chunk; from
+    # 2, models that run alone go to workers (stacked groups may keep one chunk: NOTE
+    # [ Pullbacks of small models ] in parsum._grouping).
     cores(2)
     torch.manual_seed(7)
     widths = (96, 104, 112) * 4 if stacked else tuple(96 + 8 * i for i in range(12))
@@ -595,13 +598,11 @@ def test_between_the_two_kernel_shares_models_that_run_alone_go_to_workers(cores
     ]
     mps = [ModelParams.of(m) for m in models]
     one_row = _grouping._kernel_share(mps, Batch(1))
-    rows = math.ceil(1.5 / one_row)
-    x = torch.randn(rows, 64)
-    share = _grouping._kernel_share(mps, Batch.of([x]))
-    assert share >= _grouping.PLAIN_GRAPH_MAX_KERNEL_SHARE_ALONE
-    assert share < _grouping.PLAIN_GRAPH_MAX_KERNEL_SHARE
+    x = torch.randn(math.ceil(share / one_row), 64)
+    below = _grouping._kernel_share(mps, Batch.of([x])) < _grouping.PLAIN_GRAPH_MAX_KERNEL_SHARE
+    assert below == (share < 2)
     y = parsum.sum_models(models, x)
-    assert plain_graph(y) == stacked
+    assert plain_graph(y) == below
     reference = clone_models(models)
     y.pow(2).sum().backward()
     expected = plain_sum(reference, x)
