@@ -468,6 +468,11 @@ def _general_sum(
             pass  # the general way runs them again, and names the model that fails
         else:
             return out
+    if not build_graph and not torch.is_grad_enabled() and fits_callers_graph(plan):
+        # NOTE [ Known layers with no graph ] in _plain_graph
+        summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)
+        if summed is not None:
+            return summed
     if build_graph and fits_callers_graph(plan):
         # NOTE [ Known layers in a plain graph ] in _plain_graph
         summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)

@@ -123,6 +123,24 @@
 # at once, or the optimizer steps in the backward (the general path would run the one chunk);
 # larger budgets are not measured (16 cores: ``benchmarks/run_16cores.sh``).
 #
+# NOTE [ Known layers with no graph ]
+# Under no_grad or inference_mode (an ensemble's evaluation) the same models run the plain
+# graph's forward, with nothing recorded: their outputs joined by one stack, weighted and summed
+# with one wide reduction, where the general path runs each model through its forward with no
+# graph (NOTE [ Forwards with no graph ] in _function) and adds the outputs with a chunk's
+# partials: the same operations on the same values, so the same bits (tested against the general
+# path at n_jobs 1-3 and against the sum with a graph, weights as floats, as a tensor and as a
+# tensor that needs a gradient). Nothing the backward checks is taken (no backward follows; an
+# inference tensor has no version to read). A plain graph, with a graph or without, teaches the
+# walk what the general path's first call would have (NOTE [ Models seen not to draw ] in
+# _random): known layers draw nothing. Without that, a call with no graph (``tests.zoo.learned``,
+# a validation pass) left the walk unsure, and the next call on workers ran its forwards in model
+# order on one thread. Against the code before in one process
+# (bench_against.py --step eval, 60 rounds, 2 cores): 64 tiny MLPs 1.19x (0.85x -> 1.02x the
+# plain loop), 16 heads of widths 32-80 at batch 64 1.16x and at 256 1.07x, 16 MLPs of widths
+# 128-512 at batch 16 and 32 1.03x and 1.06x, the main example's members at batch 32 and 64
+# 1.04x and 1.01x (1.06x in an earlier run); a training step unchanged (0.996-1.002x).
+#
 # NOTE [ Parameters several models use in a plain graph ]
 # A parameter several models use (a trunk each model runs before its head, a model listed
 # twice) gets a gradient that is a sum over its models, which autograd would add in its own
@@ -211,7 +229,10 @@ def sum_in_plain_graph(
     placed: list[Unit] = []  # each piece's unit, whose first model a failure in backward names
     # NOTE [ An argument that needs a gradient in a plain graph ]: each unit's alias of it
     n_units = sum(map(len, plan.chunks))
-    reads = _Reads.apply(x, n_units, False) if x.requires_grad else (x,) * n_units
+    differentiated = torch.is_grad_enabled()  # NOTE [ Known layers with no graph ]
+    reads = (
+        _Reads.apply(x, n_units, False) if differentiated and x.requires_grad else (x,) * n_units
+    )
     # NOTE [ Parameters several models use in a plain graph ]
     own_reads = _shared_reads(plan) if any(plan.shared) else {}
     try:
@@ -234,15 +255,17 @@ def sum_in_plain_graph(
                     if spec != LEAF_SPEC:
                         return None
                     piece = leaves[0]
-                    # NOTE [ Weights written before a group's backward ] in _engines
-                    groups[len(pieces)] = GroupReads.of(
-                        trainable,
-                        [mp.tensors for mp in group],
-                        program_of(first),
-                        (read,),
-                        state,
-                        group,
-                    )
+                    # NOTE [ Weights written before a group's backward ] in _engines (with no
+                    # graph, no backward: an inference tensor has no version to read)
+                    if differentiated:
+                        groups[len(pieces)] = GroupReads.of(
+                            trainable,
+                            [mp.tensors for mp in group],
+                            program_of(first),
+                            (read,),
+                            state,
+                            group,
+                        )
                 if piece.dtype != torch.float32 or piece.layout != torch.strided:
                     return None
                 pieces.append(piece)
@@ -259,19 +282,29 @@ def sum_in_plain_graph(
         return None
     if not sums_at_once(1, terms):  # as many values as the models' outputs together
         return None
+    walk = plan.walk
+    if walk.draws_random is None:
+        # What the general path's first call learns from these forwards (NOTE [ Models seen
+        # not to draw ] in _random): known layers draw nothing.
+        walk.draws_random = False
+        walk.mark_quiet(models)
     watched = [x, *plan.walk.linear_weights]
-    guard = _Guard(plan, placed, watched, list(map(_version_of, watched)), groups)
-    if weight_tensor is not None and weight_tensor.requires_grad:
+
+    def guard() -> _Guard:
+        """What the backward checks (NOTE [ Tensors written before the backward ])."""
+        return _Guard(plan, placed, watched, list(map(_version_of, watched)), groups)
+
+    if differentiated and weight_tensor is not None and weight_tensor.requires_grad:
         # NOTE [ A weight tensor in a plain graph ]
         assert weights is not None
-        return _LearnedWeights.apply(terms, weight_tensor, guard, weights, order)
+        return _LearnedWeights.apply(terms, weight_tensor, guard(), weights, order)
     if weights is not None:  # as ``CompensatedAccumulator.add_all`` weighs its terms
         column = [weights[i] for i in order]
         terms = weigh_terms(terms, column, one_weight(column))
     wide = wide_sum_over_models(terms)
     if not wide.requires_grad:
         return wide.to(torch.float32)
-    return _CheckedRounding.apply(wide, guard, weight_tensor)
+    return _CheckedRounding.apply(wide, guard(), weight_tensor)
 
 
 class _Reads(torch.autograd.Function):

@@ -2,6 +2,7 @@
 parsum._plain_graph): the bits of the general paths, the plain loop's gradients, the general
 path wherever the conditions fail, failures named."""
 
+import contextlib
 import math
 import re
 import threading
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import parsum
-from parsum import _api, _grouping
+from parsum import _api, _grouping, _plans, _pool
 from parsum._engines import ModelParams
 from parsum._grouping import Batch
 from tests.zoo import (
@@ -106,6 +107,81 @@ def the_same_bits_on_every_path(base, x, weights, how, preset, monkeypatch):
         for a, b in zip(g, g0, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
     return y0, g0
+
+
+CONTEXTS = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("engine", ["auto", "autograd"])
+@pytest.mark.parametrize("x_grad", [False, True])
+@pytest.mark.parametrize("weights", [*WEIGHTS, "a tensor", "learned"])
+@pytest.mark.parametrize("context", list(CONTEXTS))
+def test_with_no_graph_the_bits_of_the_general_paths(context, weights, x_grad, engine, cores):
+    # NOTE [ Known layers with no graph ] in parsum._plain_graph: the forward of the plain
+    # graph with nothing recorded, the general path's bits (and the sum with a graph's).
+    cores(1)
+    base = heads(seed=11)
+    x = torch.randn(10, IN, requires_grad=x_grad)
+    if weights == "a tensor":
+        w = torch.linspace(0.5, 2.0, len(base))
+    elif weights == "learned":  # a weight tensor that needs a gradient, read with no graph
+        w = torch.softmax(torch.linspace(-1.0, 1.0, len(base), requires_grad=True), 0)
+    else:
+        w = WEIGHTS[weights]
+    with parsum.config(engine=engine):
+        with_graph = parsum.sum_models(clone_models(base), x, weights=w)
+        assert plain_graph(with_graph)
+        with CONTEXTS[context]():
+            y = parsum.sum_models(clone_models(base), x, weights=w)
+        assert plain_graph(y) and not y.requires_grad
+        assert torch.equal(y, with_graph.detach())
+        with pytest.MonkeyPatch.context() as patch:
+            without_plain_graphs(patch)
+            for n_jobs in (None, 1, 2, 3):
+                with CONTEXTS[context]():
+                    general = parsum.sum_models(clone_models(base), x, weights=w, n_jobs=n_jobs)
+                assert not plain_graph(general)
+                assert torch.equal(general, y)
+    expected = plain_sum(clone_models(base), x.detach(), weights=w)
+    torch.testing.assert_close(y, expected.detach())
+    # The same models with a graph after the call with none: their stacks' copies made with
+    # no graph are not the backward's
+    models = clone_models(base)
+    with parsum.config(engine=engine):
+        with CONTEXTS[context]():
+            parsum.sum_models(models, x, weights=w)
+        y = parsum.sum_models(models, x, weights=w)
+    assert plain_graph(y) and torch.equal(y, with_graph)
+    y.pow(2).sum().backward()
+    reference = clone_models(base)
+    plain_weights = w.detach() if isinstance(w, torch.Tensor) else w  # its graph was used
+    plain_sum(reference, x.detach(), weights=plain_weights).pow(2).sum().backward()
+    for a, b in zip(param_grads(models), param_grads(reference), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("context", [*CONTEXTS, "a graph"])
+def test_a_plain_graph_teaches_the_walk_that_its_models_draw_nothing(context, cores, monkeypatch):
+    # What the general path's first call learns (NOTE [ Models seen not to draw ] in
+    # parsum._random): known layers draw nothing, so that the next call on workers runs its
+    # forwards on them rather than in model order first.
+    cores(2)
+    models = heads(seed=12)
+    x = torch.randn(10, IN)
+    with CONTEXTS.get(context, contextlib.nullcontext)():
+        assert plain_graph(parsum.sum_models(models, x))
+    assert _plans.known_walk(models).draws_random is False
+    workers = []
+    run_ordered = _pool.run_ordered
+
+    def spy(task, n_tasks, n_workers, *rest):
+        workers.append(n_workers)
+        run_ordered(task, n_tasks, n_workers, *rest)
+
+    monkeypatch.setattr(_pool, "run_ordered", spy)
+    with torch.no_grad():
+        parsum.sum_models(models, x, n_jobs=2)
+    assert workers == [2]  # the forwards' job, on 2 workers
 
 
 def with_a_trunk(seed: int = 0) -> list[nn.Module]:
