@@ -468,16 +468,16 @@ def _general_sum(
             pass  # the general way runs them again, and names the model that fails
         else:
             return out
-    if not build_graph and not torch.is_grad_enabled() and fits_callers_graph(plan):
-        # NOTE [ Known layers with no graph ] in _plain_graph
+    in_callers_graph = build_graph and fits_callers_graph(plan)
+    # NOTE [ Known layers in a plain graph ] in _plain_graph; with no graph, NOTE [ Known layers
+    # with no graph ] there
+    if in_callers_graph or (
+        not build_graph and not torch.is_grad_enabled() and fits_callers_graph(plan)
+    ):
         summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)
         if summed is not None:
             return summed
-    if build_graph and fits_callers_graph(plan):
-        # NOTE [ Known layers in a plain graph ] in _plain_graph
-        summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)
-        if summed is not None:
-            return summed
+    if in_callers_graph:
         # NOTE [ The caller's graph ]
         leaves = sum_in_callers_graph(plan, call, weight_tensor)
     elif build_graph:

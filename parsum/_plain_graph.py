@@ -288,10 +288,10 @@ def sum_in_plain_graph(
         # not to draw ] in _random): known layers draw nothing.
         walk.draws_random = False
         walk.mark_quiet(models)
-    watched = [x, *plan.walk.linear_weights]
 
     def guard() -> _Guard:
         """What the backward checks (NOTE [ Tensors written before the backward ])."""
+        watched = [x, *walk.linear_weights]
         return _Guard(plan, placed, watched, list(map(_version_of, watched)), groups)
 
     if differentiated and weight_tensor is not None and weight_tensor.requires_grad:
