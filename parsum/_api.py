@@ -320,6 +320,8 @@ def _general_sum(
     # Whether a gradient of the arguments or the weights is wanted (NOTE [ Known layers on
     # one thread ] in _plain_graph)
     differentiable_args = weight_tensor is not None or any(t.requires_grad for t in tensors)
+    # NOTE [ Small groups in a forward alone ] in _grouping
+    forward_only = not torch.is_grad_enabled()
     key = (
         engine,
         batch,
@@ -331,6 +333,7 @@ def _general_sum(
         gil,
         vmap_failure_count(),
         differentiable_args,
+        forward_only,
         module_calls_watched(),  # NOTE [ Global module hooks and stacked groups ] in _grouping
     )
     derived = walk.derived.get(key)
@@ -339,7 +342,7 @@ def _general_sum(
         # (NOTE [ Structure keys kept by models' own walks ] in _plans).
         key_of = _keys_of(walk, found) if found is not None else None
         found = found or [ModelParams.of(m) for m in models]
-        units = plan_units(models, found, engine, batch, chunk_size, budget, key_of)
+        units = plan_units(models, found, engine, batch, chunk_size, budget, key_of, forward_only)
         costs = estimated_costs(found, batch)  # read by each choice below
         chunks = chunks_of(units, found, batch, chunk_size, costs=costs)
         order = costliest_first(units, chunks, found, batch, costs)

@@ -339,7 +339,29 @@ AUTO_STACK_BATCHED_LIMITS = {1: (131_072, 6_000_000), 2: (327_680, 24_000_000)}
 # not: L=2, g=4 0.93-1.08, and 16 heads of widths 32-80 over 128 features (4 groups of 4, L=2)
 # one by one ran 0.93-0.97x as fast as stacked at batch 128-512 (bench_against.py): larger
 # budgets keep AUTO_STACK_MIN_BATCHED.
+#
+# NOTE [ Small groups in a forward alone ]
+# With grad disabled (an evaluation under no_grad or inference_mode) a group saves its layers'
+# forward calls alone, with no backward's, and still stacks its tensors in, a cost that does
+# not shrink with the batch. Measured on 2 cores under no_grad (interleaved, 40-60 rounds, 4
+# architectures of g models, inputs of 16 and 128 features, widths 16-256; speed of the group
+# stacked against one by one, both through the plain graph's forward): on 2 threads L=2, g=4
+# 0.80-0.93 at batch 64 and 1.00-1.07 at 512, g=6 0.94-1.12, g=8 1.06-1.31; L=3, g=4
+# 0.94-1.05; L=4, g=4 0.95-1.09; on 1 thread L=2, g=4 0.82-0.86 at batch 64 and 0.98-1.04 at
+# 512, g=8 0.98-1.10; L=3, g=4 0.87-1.00. One Linear, whose group is a single matmul of every
+# model's weight rows with the shared input (NOTE [ Features first ] in _engines), stacked from
+# g=4 on 1 thread ran 1.31-1.99x as fast at batch 64-512 in the sweep, 0.94-1.12x at batch 64
+# and 1.62-1.68x at 512 in two groups alone. So a forward alone on a budget of at most
+# INTRA_OP_ONLY_BUDGET stacks one Linear from AUTO_STACK_MIN_BATCHED models, and on 2 threads
+# groups at fewer than AUTO_STACK_FORWARD_ROWS rows (batch rows times tokens) by the layers
+# they save, as one thread does. Against the code before in one process (bench_against.py
+# --step eval, 80 rounds, three runs): 16 heads of widths 32-80 over 128 features (4 groups of
+# 4, L=2) 1.11-1.14x faster at batch 64 (0.84-0.89x -> 0.96-0.99x the plain loop) and
+# 1.02-1.12x at 128; at 256-1024 they stay stacked (unstacked, in an earlier version of the
+# rule, 1.00-1.03x, 0.94-0.95x and 0.94-1.09x); 64 tiny MLPs in groups of 5-6 and 64 identical
+# ones keep their groups; a training step is planned as before. Larger budgets: unmeasured.
 AUTO_STACK_MIN_SAVED_LAYERS = 8
+AUTO_STACK_FORWARD_ROWS = 256
 
 # NOTE [ Stacked storage sizes ]
 # Models in ``stack_`` storage are stacked already: their batched forward copies no parameter
@@ -462,10 +484,12 @@ def plan_units(
     chunk_size: int | None,
     budget: int | None = None,
     key_of: Callable[[int], Hashable | None] | None = None,
+    forward_only: bool = False,
 ) -> list[Unit]:
     """The units of a call, in the order of their first model, ``auto``'s groups sized for
-    ``budget`` threads (default: this thread's, ``_config.thread_budget``); ``key_of(i)``:
-    model i's ``structure_key`` where it is known already."""
+    ``budget`` threads (default: this thread's, ``_config.thread_budget``) and for a forward
+    alone where ``forward_only`` (grad disabled); ``key_of(i)``: model i's ``structure_key``
+    where it is known already."""
     if engine in ("autograd", "vjp"):
         return [Unit((i,), engine) for i in range(len(models))]
     if module_calls_watched():
@@ -503,7 +527,9 @@ def plan_units(
         batched = layers > 0
         if len(members) < (auto_min_group(batched) if auto else min_models):
             continue
-        if batched and len(members) < _min_batched_group(model_params[first], layers, budget):
+        if batched and len(members) < _min_batched_group(
+            model_params[first], layers, budget, batch, forward_only
+        ):
             continue  # NOTE [ Small groups of few layers ]
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
@@ -545,12 +571,22 @@ def auto_min_group(batched: bool) -> int:
     return AUTO_STACK_MIN_BATCHED if batched else AUTO_STACK_MIN_MODELS
 
 
-def _min_batched_group(mp: ModelParams, layers: int, budget: int | None) -> int:
+def _min_batched_group(
+    mp: ModelParams, layers: int, budget: int | None, batch: Batch, forward_only: bool = False
+) -> int:
     """The fewest models like ``mp``, of ``layers`` Linear layers, that engine="auto" stacks
     as batched matmuls on ``budget`` threads of the CPU (NOTE [ Small groups of few layers ]):
-    on one, by their layers."""
-    on_cpu = mp.tensors[0].device.type == "cpu"
-    if not on_cpu or (thread_budget() if budget is None else budget) > 1:
+    on one, by their layers; for a forward alone on a small budget, by their layers from two
+    (NOTE [ Small groups in a forward alone ])."""
+    if mp.tensors[0].device.type != "cpu":
+        return AUTO_STACK_MIN_BATCHED
+    budget = thread_budget() if budget is None else budget
+    if forward_only and budget <= INTRA_OP_ONLY_BUDGET:
+        if layers == 1:
+            return AUTO_STACK_MIN_BATCHED
+        if budget > 1 and batch.rows * batch.tokens >= AUTO_STACK_FORWARD_ROWS:
+            return AUTO_STACK_MIN_BATCHED
+    elif budget > 1:
         return AUTO_STACK_MIN_BATCHED
     return max(AUTO_STACK_MIN_BATCHED, 1 + -(-AUTO_STACK_MIN_SAVED_LAYERS // layers))
 

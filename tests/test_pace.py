@@ -201,11 +201,14 @@ def make_models():
 
 
 def paced_plan(models, differentiated=True):
-    """The pace of the models' plan, for calls a backward follows or for forwards alone."""
+    """The pace of the models' plan, for calls a backward follows or for forwards alone (with
+    grad disabled, a plan of its own: NOTE [ Small groups in a forward alone ] in _grouping)."""
     walk = _api.known_walk(models)
-    paces = [d.pace for d in walk.derived.values() if d.pace is not None]
-    assert len(paces) == 1
-    return paces[0][0 if differentiated else 1]
+    paces = {key[-2]: d.pace for key, d in walk.derived.items() if d.pace is not None}
+    assert len(paces) >= 1
+    if differentiated:
+        return paces[False][0]
+    return paces[True][1] if True in paces else paces[False][1]
 
 
 def step(models, x):

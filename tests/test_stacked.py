@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import parsum
-from parsum import _engines
+from parsum import _api, _engines
 from parsum._engines import ModelParams
 from parsum._grouping import AUTO_STACK_MAX_STATE_ELEMENTS, Batch, plan_units
 from tests.test_errors import Boom
@@ -54,11 +54,10 @@ def family(dtype=torch.float32, seed=0):
     return [m.to(dtype) for m in models]
 
 
-def groups(models, engine, x=None, chunk_size=None, budget=2):
+def groups(models, engine, x=None, chunk_size=None, budget=2, forward_only=False):
     x = torch.randn(4, IN) if x is None else x
-    units = plan_units(
-        models, [ModelParams.of(m) for m in models], engine, Batch.of([x]), chunk_size, budget
-    )
+    found = [ModelParams.of(m) for m in models]
+    units = plan_units(models, found, engine, Batch.of([x]), chunk_size, budget, None, forward_only)
     return [u.models for u in units if u.engine == "stacked"]
 
 
@@ -109,6 +108,43 @@ def test_auto_groups_on_one_thread_by_their_layers(cores):
     y = parsum.sum_models(models, x)
     assert plain_graph(y)
     like_the_plain_loop(y, models, ref, x)
+
+
+def test_a_forward_alone_groups_small_batches_by_their_layers(cores):
+    # NOTE [ Small groups in a forward alone ]: with grad disabled, on a budget of 2 a batch
+    # of fewer than 256 rows stacks by the layers saved, as one thread does; one Linear
+    # stacks from 4 models on 1 thread too.
+    def shapes(n_models, widths):
+        return [mlp(widths) for _ in range(n_models)] + [mlp([3])]
+
+    small, large = torch.randn(64, IN), torch.randn(256, IN)
+    for n_models, widths, alone in [
+        (4, [8], False),  # L=2: 6
+        (5, [8], True),  # 8
+        (4, [8, 6], True),  # L=3: 9
+    ]:
+        expected = [tuple(range(n_models))]
+        models = shapes(n_models, widths)
+        assert groups(models, "auto", small, forward_only=True) == (expected if alone else [])
+        assert groups(models, "auto", large, forward_only=True) == expected
+        assert groups(models, "auto", small) == expected  # a training step: from 4
+        assert groups(models, "stacked", small, forward_only=True) == expected
+    linears = [nn.Linear(IN, OUT) for _ in range(4)]
+    assert groups(linears, "auto", small, budget=1, forward_only=True) == [(0, 1, 2, 3)]
+    assert groups(linears, "auto", small, budget=1) == []  # one layer: 3 saved
+    # Planned apart: a call with no graph, then one with a graph, over the same models
+    torch.manual_seed(0)
+    models = shapes(4, [8])
+    ref = copy.deepcopy(models)
+    cores(2)
+    with torch.no_grad():
+        y = parsum.sum_models(models, small)
+    torch.testing.assert_close(y, plain_sum(ref, small))
+    y = parsum.sum_models(models, small)
+    like_the_plain_loop(y, models, ref, small)
+    units = {key[-2]: d.units for key, d in _api.known_walk(models).derived.items()}
+    assert [u.models for u in units[True] if u.engine == "stacked"] == []
+    assert [u.models for u in units[False] if u.engine == "stacked"] == [(0, 1, 2, 3)]
 
 
 def like_the_plain_loop(y, models, ref, x):
