@@ -82,6 +82,18 @@
 # match its noise calls itself, out of turn: the call warns, and the walk's next calls run in
 # model order.
 #
+# NOTE [ Generators' states read in one thread at a time ]
+# torch reads a generator's state (``Generator.get_state``) holding the generator's mutex and the
+# GIL, and wraps the state in a tensor before it lets the mutex go: that allocation may run the
+# garbage collector, whose callbacks run Python, which hands the GIL to another thread. Where
+# that thread reads the same generator's state, it waits for the mutex holding the GIL, and the
+# first waits for the GIL holding the mutex: both forever (seen in the suite, 2026-12-07: four
+# threads training with one StepInBackward each, ``test_concurrency.py``, hung in two of
+# them, the collector inside one's read calling ``_Forget`` of _plans). So parsum reads the
+# generators' states under a lock of its own, which a thread waits for with the GIL given back.
+# Threads of yours that read or seed torch's generators (``torch.get_rng_state``,
+# ``torch.manual_seed``) while parsum reads them can still meet torch's own wait.
+#
 # NOTE [ Random numbers replayed in backward ]
 # Checkpointing (``torch.utils.checkpoint``, reentrant or not) keeps the generators' state in
 # forward and sets the global generator back to it while it recomputes in backward
@@ -120,14 +132,20 @@ if TYPE_CHECKING:
 _DRAWING_LAYERS = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 
+_STATES_READ = Lock()  # NOTE [ Generators' states read in one thread at a time ]
+
+
 def generator_states() -> list[bytes]:
     """The state of every global generator in use: the CPU's, and each GPU's once CUDA is
     initialized."""
-    states = [torch.default_generator.get_state().numpy().tobytes()]
-    if torch.cuda.is_initialized():
-        # Not while a CUDA graph is being captured: its draws are the graph's.
-        with contextlib.suppress(RuntimeError):
-            states.extend(g.get_state().numpy().tobytes() for g in torch.cuda.default_generators)
+    with _STATES_READ:
+        states = [torch.default_generator.get_state().numpy().tobytes()]
+        if torch.cuda.is_initialized():
+            # Not while a CUDA graph is being captured: its draws are the graph's.
+            with contextlib.suppress(RuntimeError):
+                states.extend(
+                    g.get_state().numpy().tobytes() for g in torch.cuda.default_generators
+                )
     return states
 
 

@@ -39,6 +39,21 @@ def _share_the_cores_among_workers() -> None:
 _share_the_cores_among_workers()
 
 
+# pytest-timeout's limit is Python code (a signal handler, or a thread), which needs the GIL: a
+# deadlock in which one thread waits in C holding the GIL (torch's generator read: NOTE
+# [ Generators' states read in one thread at a time ] in parsum._random) ran past it for 20
+# minutes. faulthandler's watchdog is a C thread: past this many seconds it prints every
+# thread's stack and ends the worker, which fails the test.
+DEADLOCK_EXIT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    faulthandler.dump_traceback_later(DEADLOCK_EXIT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed_and_threads(monkeypatch):
     if _SIMULATED_CORES:

@@ -483,6 +483,33 @@ def test_concurrent_training_with_step_in_backward():
         assert all(torch.equal(a, b) for a, b in zip(results[t], expected[t]))
 
 
+def test_the_generators_states_are_read_in_one_thread_at_a_time(monkeypatch):
+    # NOTE [ Generators' states read in one thread at a time ] in parsum._random: torch's read
+    # holds the generator's mutex and, where the collector runs inside it, hands the GIL over;
+    # another thread's read then waited for the mutex holding the GIL (the suite hung). A read
+    # that gives the GIL away stands for it here: no two of parsum's may overlap.
+    from parsum import _random
+
+    real = torch.default_generator
+    inside: list[int] = []
+    overlaps: list[int] = []
+
+    class HandsTheGilOver:
+        def get_state(self):
+            inside.append(threading.get_ident())
+            if len(inside) > 1:
+                overlaps.append(len(inside))
+            time.sleep(0.001)
+            state = real.get_state()
+            inside.remove(threading.get_ident())
+            return state
+
+    monkeypatch.setattr(torch, "default_generator", HandsTheGilOver())
+    states = _together(lambda t: [_random.generator_states() for _ in range(20)], 4)
+    assert not overlaps
+    assert all(s == states[0][0] for t in states for s in states[t])
+
+
 def _together(work, n_threads):
     """``work(t)`` for t = 0 .. n_threads - 1, in threads started at once; their results. A
     deadlock or an error in any of them fails the test."""
