@@ -576,8 +576,9 @@ def _min_batched_group(
 ) -> int:
     """The fewest models like ``mp``, of ``layers`` Linear layers, that engine="auto" stacks
     as batched matmuls on ``budget`` threads of the CPU (NOTE [ Small groups of few layers ]):
-    on one, by their layers; for a forward alone on a small budget, by their layers from two
-    (NOTE [ Small groups in a forward alone ])."""
+    on one, by their layers; for a forward alone on at most INTRA_OP_ONLY_BUDGET, one Linear
+    from AUTO_STACK_MIN_BATCHED and, below AUTO_STACK_FORWARD_ROWS rows, more layers by their
+    layers on two threads too (NOTE [ Small groups in a forward alone ])."""
     if mp.tensors[0].device.type != "cpu":
         return AUTO_STACK_MIN_BATCHED
     budget = thread_budget() if budget is None else budget

@@ -88,8 +88,8 @@
 # garbage collector, whose callbacks run Python, which hands the GIL to another thread. Where
 # that thread reads the same generator's state, it waits for the mutex holding the GIL, and the
 # first waits for the GIL holding the mutex: both forever (seen in the suite, 2026-12-07: four
-# threads training with one StepInBackward each, ``test_concurrency.py``, hung in two of
-# them, the collector inside one's read calling ``_Forget`` of _plans). So parsum reads the
+# threads training the same models at once, ``test_concurrency.py``, hung in two of them, the
+# collector inside one's read calling ``_Forget`` of _plans). So parsum reads the
 # generators' states under a lock of its own, which a thread waits for with the GIL given back.
 # Threads of yours that read or seed torch's generators (``torch.get_rng_state``,
 # ``torch.manual_seed``) while parsum reads them can still meet torch's own wait.
