@@ -474,9 +474,7 @@ def _general_sum(
     in_callers_graph = build_graph and fits_callers_graph(plan)
     # NOTE [ Known layers in a plain graph ] in _plain_graph; with no graph, NOTE [ Known layers
     # with no graph ] there
-    if in_callers_graph or (
-        not build_graph and not torch.is_grad_enabled() and fits_callers_graph(plan)
-    ):
+    if in_callers_graph or (forward_only and fits_callers_graph(plan)):
         summed = sum_in_plain_graph(plan, call, weight_list, weight_tensor)
         if summed is not None:
             return summed

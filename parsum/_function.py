@@ -1149,13 +1149,12 @@ def _note_random_draws(
         known = walk.draws_random
         if known is False and drew and on_threads:
             warn_drawn_on_threads(plan.where, walk.kept)
-        if not known:
-            walk.draws_random = drew
         # NOTE [ Models seen not to draw ] in _random: once a walk, when it learns
         if drew and not known:
+            walk.draws_random = True
             walk.unmark_quiet(plan.models)
-        elif not drew and known is None:
-            walk.mark_quiet(plan.models)
+        elif not drew:
+            walk.saw_no_draw(plan.models)
     if not drew:
         return
     if walk.recomputes is None and nodes is not None:

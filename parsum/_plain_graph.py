@@ -283,11 +283,7 @@ def sum_in_plain_graph(
     if not sums_at_once(1, terms):  # as many values as the models' outputs together
         return None
     walk = plan.walk
-    if walk.draws_random is None:
-        # What the general path's first call learns from these forwards (NOTE [ Models seen
-        # not to draw ] in _random): known layers draw nothing.
-        walk.draws_random = False
-        walk.mark_quiet(models)
+    walk.saw_no_draw(models)  # what the general path's first call learns: known layers draw nothing
 
     def guard() -> _Guard:
         """What the backward checks (NOTE [ Tensors written before the backward ])."""

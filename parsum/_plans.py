@@ -290,6 +290,14 @@ class Walk:
         share ] in _engines)."""
         return bool(self.shared_state or self.shared_reached)
 
+    def saw_no_draw(self, models: Sequence[Callable[..., Any]]) -> None:
+        """A forward of ``models`` drew nothing: where the walk did not know yet, it learns
+        that they do not draw and marks them quiet (NOTE [ Models seen not to draw ] in
+        _random)."""
+        if self.draws_random is None:
+            self.draws_random = False
+            self.mark_quiet(models)
+
     def mark_quiet(self, models: Sequence[Callable[..., Any]]) -> None:
         """Mark this kept walk's models quiet, by their keys, held weakly as the walk holds
         them, in their modules' training flags (NOTE [ Models seen not to draw ] in _random)."""
